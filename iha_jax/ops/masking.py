@@ -1,0 +1,32 @@
+"""Which virtual key each virtual query may see (IHA_SPEC 1.5).
+
+One predicate, used by the dense reference on the full grid and by the blockwise
+paths on one tile at a time, so every implementation masks identically.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Finite, so fully masked rows (padding queries) give no NaNs in softmax or its VJP.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def visible(q_index: jax.Array, k_index: jax.Array, q_segment: jax.Array,
+            k_segment: jax.Array, window: int | None) -> jax.Array:
+  """Broadcasting mask: key s is visible to query t.
+
+  Args:
+    q_index: flat virtual query indices t, `[..., Tq, 1]`.
+    k_index: flat virtual key indices s, `[..., 1, Tk]`.
+    q_segment: query segment ids, broadcastable like q_index.
+    k_segment: key segment ids, broadcastable like k_index (0 = padding).
+    window: sliding window in virtual tokens, or None for global.
+
+  Returns:
+    bool `[..., Tq, Tk]`: `s <= t` and `t - s < window` and same nonzero segment.
+  """
+  mask = (k_index <= q_index) & (q_segment == k_segment) & (k_segment != 0)
+  if window is not None:
+    mask &= q_index - k_index < window
+  return mask

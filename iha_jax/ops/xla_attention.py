@@ -1,0 +1,208 @@
+"""Memory-efficient causal attention in pure JAX (the "xla" implementation).
+
+Flash-attention style: queries are processed block by block, each block streams
+over exactly the key blocks that its causal (and window) band touches, with an
+online softmax in float32. No `[T, T]` score or mask tensor ever exists:
+- global layers: memory O(T * block), work ~ T^2 / 2 (upper-triangle blocks are
+  never visited);
+- window layers: memory O(T * block), work O(T * (window + block)).
+The backward pass is a custom VJP that recomputes score tiles from the saved
+log-sum-exp (as FlashAttention-2 does), so training memory is O(T * d) too.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from iha_jax.ops.masking import MASK_VALUE, visible
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def _kv_block_range(i, block_q: int, block_k: int, num_k_blocks: int, window: int | None):
+  """Key blocks [lo, hi) that query block i can see (i may be traced)."""
+  hi = jnp.minimum(num_k_blocks, ((i + 1) * block_q - 1) // block_k + 1)
+  if window is None:
+    return 0, hi
+  lo = jnp.maximum(0, i * block_q - window + 1) // block_k
+  return lo, hi
+
+
+def _q_block_range(j, block_q: int, block_k: int, num_q_blocks: int, window: int | None):
+  """Query blocks [lo, hi) that can see key block j (j may be traced)."""
+  lo = (j * block_k) // block_q
+  if window is None:
+    return lo, num_q_blocks
+  last_query = (j + 1) * block_k - 1 + window - 1
+  return lo, jnp.minimum(num_q_blocks, last_query // block_q + 1)
+
+
+def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _tile_mask(i, j, block_q: int, block_k: int, seg_q: jax.Array, seg_k: jax.Array,
+               window: int | None) -> jax.Array:
+  """bool `[B, 1, bq, bk]` visibility of one (query block i, key block j) tile."""
+  q_index = i * block_q + jnp.arange(block_q)[:, None]
+  k_index = j * block_k + jnp.arange(block_k)[None, :]
+  return visible(q_index, k_index, seg_q[:, None, :, None], seg_k[:, None, None, :], window)
+
+
+def _forward(q, k, v, seg_q, seg_k, *, window, block_q, block_k, precision):
+  """`q, k, v: [B, H, T, d]` padded to block multiples -> (out [B,H,Tq,d], lse [B,H,Tq])."""
+  b, h, tq, d = q.shape
+  num_q_blocks, num_k_blocks = tq // block_q, k.shape[2] // block_k
+  scale = d ** -0.5
+
+  def query_block(i):
+    q_i = _slice(q, i * block_q, block_q, 2)
+    sq_i = _slice(seg_q, i * block_q, block_q, 1)
+
+    def key_block(j, carry):
+      m, l, acc = carry
+      k_j = _slice(k, j * block_k, block_k, 2)
+      v_j = _slice(v, j * block_k, block_k, 2)
+      sk_j = _slice(seg_k, j * block_k, block_k, 1)
+      s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, precision=precision,
+                     preferred_element_type=jnp.float32) * scale
+      s = jnp.where(_tile_mask(i, j, block_q, block_k, sq_i, sk_j, window), s, MASK_VALUE)
+      m_new = jnp.maximum(m, s.max(axis=-1))
+      correction = jnp.exp(m - m_new)
+      p = jnp.exp(s - m_new[..., None])
+      l = l * correction + p.sum(axis=-1)
+      acc = acc * correction[..., None] + jnp.einsum(
+          "bhqk,bhkd->bhqd", p.astype(v.dtype), v_j, precision=precision,
+          preferred_element_type=jnp.float32)
+      return m_new, l, acc
+
+    init = (jnp.full((b, h, block_q), MASK_VALUE, jnp.float32),
+            jnp.zeros((b, h, block_q), jnp.float32),
+            jnp.zeros((b, h, block_q, d), jnp.float32))
+    lo, hi = _kv_block_range(i, block_q, block_k, num_k_blocks, window)
+    m, l, acc = jax.lax.fori_loop(lo, hi, key_block, init)
+    valid = (sq_i != 0)[:, None, :]
+    out = jnp.where(valid[..., None], acc / l[..., None], 0.0)
+    return out.astype(q.dtype), m + jnp.log(l)
+
+  out, lse = jax.lax.map(query_block, jnp.arange(num_q_blocks))  # [nq, B, H, bq, ...]
+  out = jnp.moveaxis(out, 0, 2).reshape(b, h, tq, d)
+  lse = jnp.moveaxis(lse, 0, 2).reshape(b, h, tq)
+  return out, lse
+
+
+def _backward(q, k, v, seg_q, seg_k, out, lse, d_out, *, window, block_q, block_k, precision):
+  """FlashAttention-2 backward: loop over key blocks, recompute tiles, accumulate dq."""
+  b, h, tq, d = q.shape
+  tk = k.shape[2]
+  num_q_blocks, num_k_blocks = tq // block_q, tk // block_k
+  scale = d ** -0.5
+  # Padding queries output constant zeros: nothing flows back through them.
+  d_out = jnp.where((seg_q != 0)[:, None, :, None], d_out, 0).astype(q.dtype)
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, H, Tq]
+
+  def key_block(dq, j):
+    k_j = _slice(k, j * block_k, block_k, 2)
+    v_j = _slice(v, j * block_k, block_k, 2)
+    sk_j = _slice(seg_k, j * block_k, block_k, 1)
+
+    def query_block(i, carry):
+      dq, dk_j, dv_j = carry
+      q_i = _slice(q, i * block_q, block_q, 2)
+      do_i = _slice(d_out, i * block_q, block_q, 2)
+      lse_i = _slice(lse, i * block_q, block_q, 2)
+      delta_i = _slice(delta, i * block_q, block_q, 2)
+      sq_i = _slice(seg_q, i * block_q, block_q, 1)
+      s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, precision=precision,
+                     preferred_element_type=jnp.float32) * scale
+      mask = _tile_mask(i, j, block_q, block_k, sq_i, sk_j, window)
+      p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
+      dv_j += jnp.einsum("bhqk,bhqd->bhkd", p.astype(d_out.dtype), do_i, precision=precision,
+                         preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, precision=precision,
+                      preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta_i[..., None]) * scale).astype(q.dtype)
+      dk_j += jnp.einsum("bhqk,bhqd->bhkd", ds, q_i, precision=precision,
+                         preferred_element_type=jnp.float32)
+      dq_i = _slice(dq, i * block_q, block_q, 2) + jnp.einsum(
+          "bhqk,bhkd->bhqd", ds, k_j, precision=precision, preferred_element_type=jnp.float32)
+      dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * block_q, axis=2)
+      return dq, dk_j, dv_j
+
+    zeros = jnp.zeros((b, h, block_k, d), jnp.float32)
+    lo, hi = _q_block_range(j, block_q, block_k, num_q_blocks, window)
+    dq, dk_j, dv_j = jax.lax.fori_loop(lo, hi, query_block, (dq, zeros, zeros))
+    return dq, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
+
+  dq = jnp.zeros((b, h, tq, d), jnp.float32)
+  dq, (dk, dv) = jax.lax.scan(key_block, dq, jnp.arange(num_k_blocks))
+  dk = jnp.moveaxis(dk, 0, 2).reshape(b, h, tk, d)
+  dv = jnp.moveaxis(dv, 0, 2).reshape(b, h, tk, d)
+  return dq.astype(q.dtype), dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, segment_ids, window, block_q, block_k, precision):
+  return _flash_fwd(q, k, v, segment_ids, window, block_q, block_k, precision)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids, window, block_q, block_k, precision):
+  out, lse = _forward(q, k, v, segment_ids[0], segment_ids[1], window=window,
+                      block_q=block_q, block_k=block_k, precision=precision)
+  return out, (q, k, v, segment_ids, out, lse)
+
+
+def _flash_bwd(window, block_q, block_k, precision, residuals, d_out):
+  q, k, v, segment_ids, out, lse = residuals
+  dq, dk, dv = _backward(q, k, v, segment_ids[0], segment_ids[1], out, lse, d_out,
+                         window=window, block_q=block_q, block_k=block_k, precision=precision)
+  return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def default_block_size(seq_len: int, window: int | None) -> int:
+  """Block edge for the XLA path: large for few loop trips, capped by the window.
+
+  A window layer visits about `T * (window + 2 * block)` query-key pairs, so the
+  block shrinks with the window to keep the band's waste small.
+  """
+  block = 512 if window is None else max(16, min(512, _round_up(window, 16) // 2))
+  return min(block, _round_up(seq_len, 8))
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array,
+                    window: int | None, block_q: int | None = None,
+                    block_k: int | None = None,
+                    precision: jax.lax.PrecisionLike = None) -> jax.Array:
+  """Blockwise causal attention over a flat sequence.
+
+  Args:
+    q, k, v: `[B, T, H, d]`, already rotated.
+    segment_ids: `[B, T]` int32; 0 marks padding (outputs zeros, never seen).
+    window: sliding window (a query sees keys with `t - s < window`) or None.
+    block_q, block_k: tile edges; T need not divide them (padded and masked).
+    precision: matmul precision of the score and value contractions.
+
+  Returns:
+    `[B, T, H, d]` in q.dtype.
+  """
+  t = q.shape[1]
+  default = default_block_size(t, window)
+  block_q = block_q or default
+  block_k = block_k or default
+  tq, tk = _round_up(t, block_q), _round_up(t, block_k)
+  # [B, T, H, d] -> [B, H, T, d] so that tiles are contiguous slices of T.
+  qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+  pad = lambda x, total, axis: jnp.pad(x, [(0, total - t) if a == axis else (0, 0)
+                                           for a in range(x.ndim)])
+  qh, kh, vh = pad(qh, tq, 2), pad(kh, tk, 2), pad(vh, tk, 2)
+  # Padded slots get segment 0: never seen as keys, zero output as queries.
+  segments = (pad(segment_ids, tq, 1), pad(segment_ids, tk, 1))
+  out = _flash(qh, kh, vh, segments, window, block_q, block_k, precision)
+  return jnp.swapaxes(out[:, :, :t], 1, 2)

@@ -1,0 +1,159 @@
+"""The "reference" implementation against an independent naive loop, and spec facts."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from iha_jax import ops
+from tests.utils import assert_close, packed_positions, packed_segments, random_iha_inputs
+
+
+def _naive_rope(x: np.ndarray, position: float, theta: float) -> np.ndarray:
+  """Rotate-half RoPE of one vector `[d]` written from the spec's formula."""
+  half = x.shape[0] // 2
+  out = np.empty_like(x)
+  for i in range(half):
+    angle = position * theta ** (-2.0 * i / x.shape[0])
+    out[i] = x[i] * np.cos(angle) - x[i + half] * np.sin(angle)
+    out[i + half] = x[i + half] * np.cos(angle) + x[i] * np.sin(angle)
+  return out
+
+
+def naive_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, segment_ids, positions,
+              rope_theta):
+  """IHA_SPEC section 1 as loops over virtual tokens t = n*P + p, in float64."""
+  q, k, v, alpha_q, alpha_k, alpha_v, collapse = (
+      np.asarray(x, np.float64) for x in (q, k, v, alpha_q, alpha_k, alpha_v, collapse))
+  seg, pos = np.asarray(segment_ids), np.asarray(positions)
+  b_size, n_size, h_size, d = q.shape
+  p_size = alpha_q.shape[2]
+  t_size = n_size * p_size
+  o = np.zeros((b_size, n_size, h_size, p_size, d))
+  for b in range(b_size):
+    for h in range(h_size):
+      def pseudo(x, alpha, t, rotate):
+        n, p = divmod(t, p_size)
+        vec = sum(alpha[m, h, p] * x[b, n, m] for m in range(h_size))
+        if rotate and rope_theta is not None:
+          vec = _naive_rope(vec, pos[b, n] * p_size + p, rope_theta)
+        return vec
+      keys = [pseudo(k, alpha_k, s, True) for s in range(t_size)]
+      values = [pseudo(v, alpha_v, s, False) for s in range(t_size)]
+      for t in range(t_size):
+        n_t, p_t = divmod(t, p_size)
+        if seg[b, n_t] == 0:
+          continue  # padding query: output stays zero
+        query = pseudo(q, alpha_q, t, True)
+        seen = [s for s in range(t_size)
+                if s <= t and (window is None or t - s < window)
+                and seg[b, s // p_size] == seg[b, n_t]]
+        logits = np.array([query @ keys[s] / np.sqrt(d) for s in seen])
+        weights = np.exp(logits - logits.max())
+        weights /= weights.sum()
+        o[b, n_t, h, p_t] = sum(w * values[s] for w, s in zip(weights, seen))
+  if collapse.ndim == 3:
+    return np.einsum("bngpd,hgp->bnhd", o, collapse)
+  return np.einsum("bnhpd,hp->bnhd", o, collapse)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("case", ["global", "window", "packed", "per_head", "no_rope"])
+def test_reference_matches_naive_loop(p, case):
+  b, n, h, d = 2, 5, 2, 4
+  args = random_iha_inputs(jax.random.PRNGKey(p), b, n, h, d, p, per_head=case == "per_head")
+  window = 4 if case == "window" else None
+  segment_ids = packed_segments(b, n) if case == "packed" else jnp.ones((b, n), jnp.int32)
+  positions = (packed_positions(segment_ids) if case == "packed"
+               else jnp.asarray(np.random.default_rng(p).integers(0, 50, (b, n)), jnp.int32))
+  rope_theta = None if case == "no_rope" else 100.0
+  got = ops.iha_attention(*args, window=window, segment_ids=segment_ids, positions=positions,
+                          rope_theta=rope_theta, implementation="reference")
+  want = naive_iha(*args, window=window, segment_ids=segment_ids, positions=positions,
+                   rope_theta=rope_theta)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_interleave_order_and_roundtrip():
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4, 5, 6))  # [B, N, H, P, d]
+  y = ops.interleave(x)
+  chex.assert_shape(y, (2, 15, 4, 6))
+  for n in range(3):
+    for p in range(5):
+      np.testing.assert_array_equal(y[:, n * 5 + p], x[:, n, :, p])
+  np.testing.assert_array_equal(ops.deinterleave(y, 5), x)
+
+
+def test_virtual_positions_and_segments():
+  positions = jnp.array([[0, 1, 0, 1]], jnp.int32)
+  np.testing.assert_array_equal(ops.virtual_positions(positions, 3),
+                                [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
+  np.testing.assert_array_equal(ops.virtual_segment_ids(jnp.array([[1, 2, 0]]), 2),
+                                [[1, 1, 2, 2, 0, 0]])
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_p1_identity_mixing_is_exactly_mha(implementation, window):
+  b, n, h, d = 2, 9, 3, 8
+  q, k, v, *_ = random_iha_inputs(jax.random.PRNGKey(7), b, n, h, d, 1)
+  eye = jnp.eye(h)[:, :, None]  # alpha[m, h, 0] = [m == h], collapse[h, h', 0] = [h == h']
+  segment_ids = packed_segments(b, n)
+  positions = packed_positions(segment_ids)
+  kwargs = dict(window=window, segment_ids=segment_ids, positions=positions,
+                implementation=implementation)
+  iha = ops.iha_attention(q, k, v, eye, eye, eye, eye, **kwargs)
+  mha = ops.mha_attention(q, k, v, **kwargs)
+  np.testing.assert_array_equal(np.asarray(iha), np.asarray(mha))
+
+
+def test_identity_mixing_is_not_mha_for_p2():
+  """IHA_SPEC: with P >= 2 every earlier token is seen P times, so it is not MHA."""
+  b, n, h, d, p = 1, 6, 2, 8, 2
+  q, k, v, *_ = random_iha_inputs(jax.random.PRNGKey(3), b, n, h, d, p)
+  alpha = jnp.broadcast_to(jnp.eye(h)[:, :, None], (h, h, p))
+  collapse = alpha / p
+  iha = ops.iha_attention(q, k, v, alpha, alpha, alpha, collapse, implementation="reference")
+  mha = ops.mha_attention(q, k, v, implementation="reference")
+  assert float(jnp.abs(iha - mha).max()) > 1e-3
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_causality(implementation, window):
+  b, n, h, d, p = 2, 8, 2, 8, 3
+  args = random_iha_inputs(jax.random.PRNGKey(11), b, n, h, d, p)
+  fn = jax.jit(lambda *a: ops.iha_attention(*a, window=window, implementation=implementation))
+  base = fn(*args)
+  for n_changed in (0, 3, n - 1):
+    changed = list(args)
+    for i in range(3):  # perturb token n_changed in q, k and v
+      changed[i] = args[i].at[:, n_changed].add(1.0 + args[i][:, n_changed] ** 2)
+    out = fn(*changed)
+    np.testing.assert_array_equal(np.asarray(out[:, :n_changed]),
+                                  np.asarray(base[:, :n_changed]))
+    assert float(jnp.abs(out[:, n_changed] - base[:, n_changed]).max()) > 1e-4
+
+
+def test_padding_queries_output_zero_and_padding_keys_unseen():
+  b, n, h, d, p = 2, 8, 2, 4, 2
+  args = list(random_iha_inputs(jax.random.PRNGKey(5), b, n, h, d, p))
+  segment_ids = packed_segments(b, n)
+  out = ops.iha_attention(*args, segment_ids=segment_ids, implementation="reference")
+  np.testing.assert_array_equal(np.asarray(out)[np.asarray(segment_ids) == 0], 0.0)
+  for i in range(3):  # change the padding tokens: nothing else may move
+    args[i] = jnp.where((segment_ids == 0)[:, :, None, None], 5.0, args[i])
+  changed = ops.iha_attention(*args, segment_ids=segment_ids, implementation="reference")
+  np.testing.assert_array_equal(np.asarray(changed), np.asarray(out))
+
+
+def test_rope_relative_invariance():
+  """RoPE scores depend only on the offset of the virtual positions."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, 2, 1, 8))
+  def score(shift):
+    pos = jnp.array([[3 + shift, 10 + shift]], jnp.int32)
+    r = ops.apply_rope(x, pos, 10000.0)
+    return jnp.vdot(r[0, 0, 0], r[0, 1, 0])
+  assert_close(score(17), score(0), jnp.float32)
