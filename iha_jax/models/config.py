@@ -1,0 +1,117 @@
+"""Decoder-only LM configuration and the per-layer attention schedule (IHA_SPEC 3)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from iha_jax.nn.config import AttentionConfig
+
+# Schedule letter -> the layer's attention.
+SCHEDULE_LETTERS = {
+    "I": "global IHA",
+    "L": "sliding-window IHA, window iha_window",
+    "M": "global MHA",
+    "S": "sliding-window MHA, window mha_window",
+}
+
+
+def expand_schedule(schedule: str, num_layers: int) -> str:
+  """Repeats/truncates `schedule` to one letter per layer.
+
+  `expand_schedule("LLLLM", 10) == "LLLLMLLLLM"`, `expand_schedule("LLLLM", 3) == "LLL"`.
+  Raises ValueError for an empty schedule, an unknown letter or `num_layers < 1`.
+  """
+  if not isinstance(schedule, str) or not schedule:
+    raise ValueError(f"schedule must be a non-empty string of letters "
+                     f"{'/'.join(SCHEDULE_LETTERS)}, got {schedule!r}")
+  for index, letter in enumerate(schedule):
+    if letter not in SCHEDULE_LETTERS:
+      allowed = ", ".join(f"{k} ({v})" for k, v in SCHEDULE_LETTERS.items())
+      raise ValueError(f"schedule {schedule!r} has unknown letter {letter!r} at index {index}; "
+                       f"allowed letters: {allowed}")
+  if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+    raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+  repeats = -(-num_layers // len(schedule))
+  return (schedule * repeats)[:num_layers]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Hyper-parameters of `TransformerLM` (validated on construction).
+
+  Attributes:
+    vocab_size: V.
+    num_layers: number of decoder blocks.
+    model_dim: D.
+    num_heads: H.
+    head_dim: d.
+    mlp_dim: F, hidden width of the SwiGLU MLP.
+    num_pseudo: P for the IHA layers; None means P = H.
+    attention_schedule: one letter per layer, repeated to `num_layers`: I (global IHA),
+      L (sliding-window IHA), M (global MHA), S (sliding-window MHA).
+    iha_window: window of the 'L' layers, in virtual tokens (N*P per sequence).
+    mha_window: window of the 'S' layers, in tokens.
+    rope_theta: RoPE base; None disables RoPE.
+    collapse_mode: "full" or "per_head" collapse in the IHA layers.
+    tie_embeddings: output head shares the token embedding; else an `lm_head [D, V]`.
+    dtype: computation dtype (logits are always float32).
+    param_dtype: storage dtype of the parameters.
+    implementation: attention core backend, see `iha_jax.ops`.
+    norm_eps: RMSNorm epsilon.
+  """
+  vocab_size: int
+  num_layers: int
+  model_dim: int
+  num_heads: int
+  head_dim: int
+  mlp_dim: int
+  num_pseudo: int | None = None
+  attention_schedule: str = "LLLLM"
+  iha_window: int | None = None
+  mha_window: int | None = None
+  rope_theta: float | None = 10000.0
+  collapse_mode: str = "full"
+  tie_embeddings: bool = True
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  implementation: str = "auto"
+  norm_eps: float = 1e-6
+
+  def __post_init__(self):
+    for name in ("vocab_size", "num_layers", "mlp_dim"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not self.norm_eps > 0:
+      raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
+    try:
+      schedule = expand_schedule(self.attention_schedule, self.num_layers)
+    except ValueError as e:
+      raise ValueError(f"attention_schedule: {e}") from e
+    if "L" in schedule and self.iha_window is None:
+      raise ValueError("iha_window must be set: attention_schedule "
+                       f"{self.attention_schedule!r} has 'L' (sliding-window IHA) layers")
+    if "S" in schedule and self.mha_window is None:
+      raise ValueError("mha_window must be set: attention_schedule "
+                       f"{self.attention_schedule!r} has 'S' (sliding-window MHA) layers")
+    for letter in set(schedule):  # Validates dims, windows, collapse_mode, RoPE, ...
+      self.attention_config(letter)
+
+  @property
+  def schedule(self) -> str:
+    """The attention letter of every layer, `len == num_layers`."""
+    return expand_schedule(self.attention_schedule, self.num_layers)
+
+  def attention_config(self, letter: str) -> AttentionConfig:
+    """The `AttentionConfig` of a layer with schedule letter `letter`."""
+    if letter not in SCHEDULE_LETTERS:
+      raise ValueError(f"letter must be one of {tuple(SCHEDULE_LETTERS)}, got {letter!r}")
+    interleaved = letter in "IL"
+    window = {"I": None, "L": self.iha_window, "M": None, "S": self.mha_window}[letter]
+    return AttentionConfig(
+        self.model_dim, self.num_heads, self.head_dim, interleaved=interleaved,
+        num_pseudo=self.num_pseudo if interleaved else None, window=window,
+        rope_theta=self.rope_theta, collapse_mode=self.collapse_mode, dtype=self.dtype,
+        implementation=self.implementation)

@@ -1,0 +1,71 @@
+"""`TransformerLM`: decoder-only language model with a per-layer attention schedule."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from iha_jax.models.config import TransformerConfig
+from iha_jax.models.layers import DEFAULT_KERNEL_INIT, EMBED, DecoderBlock, RMSNorm
+from iha_jax.nn import logical_param
+
+VOCAB = "vocab"
+
+
+class TransformerLM(nnx.Module):
+  """Token embedding, `num_layers` pre-norm `DecoderBlock`s, final RMSNorm, output head.
+
+  Parameters: `embedding: [V, D]` ("vocab", "embed"); `layers[i]` with the attention of
+  schedule letter `config.schedule[i]`; `final_norm.scale: [D]`; and, untied,
+  `lm_head: [D, V]` ("embed", "vocab").
+  """
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    d, v = config.model_dim, config.vocab_size
+    # Std D**-0.5: with tied embeddings the unit-RMS final activations then give logits
+    # of unit scale, the same as the fan-in-initialised untied head.
+    self.embedding = logical_param(jax.nn.initializers.normal(d ** -0.5), (VOCAB, EMBED),
+                                   rngs.params(), (v, d), config.param_dtype)
+    self.layers = nnx.List([DecoderBlock(config, letter, rngs=rngs)
+                            for letter in config.schedule])
+    self.final_norm = RMSNorm(d, eps=config.norm_eps, dtype=config.dtype,
+                              param_dtype=config.param_dtype, rngs=rngs)
+    if not config.tie_embeddings:
+      self.lm_head = logical_param(DEFAULT_KERNEL_INIT, (EMBED, VOCAB), rngs.params(), (d, v),
+                                   config.param_dtype)
+
+  def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Next-token logits.
+
+    Args:
+      tokens: `[B, N]` int32 token ids.
+      segment_ids: optional `[B, N]` int32 packed-sequence ids (0 = padding).
+      positions: optional `[B, N]` int32 token positions (default `arange(N)`).
+
+    Returns:
+      `[B, N, V]` float32 logits; position n depends only on tokens `<= n`.
+    """
+    if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+      raise ValueError(f"tokens must be an integer array [B, N], got shape "
+                       f"{tuple(jnp.shape(tokens))} dtype {jnp.result_type(tokens)}")
+    dtype = self.config.dtype
+    x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
+    for block in self.layers:
+      x = block(x, segment_ids=segment_ids, positions=positions)
+    x = self.final_norm(x)
+    if self.config.tie_embeddings:
+      return jnp.einsum("bnD,VD->bnV", x, self.embedding[...].astype(dtype),
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("bnD,DV->bnV", x, self.lm_head[...].astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def count_params(model_or_params: nnx.Module | Any) -> int:
+  """Number of parameter scalars of an NNX module (its `nnx.Param`s) or of a param pytree."""
+  if isinstance(model_or_params, nnx.Module):
+    model_or_params = nnx.state(model_or_params, nnx.Param)
+  return sum(jnp.size(leaf) for leaf in jax.tree.leaves(model_or_params))

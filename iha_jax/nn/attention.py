@@ -1,0 +1,100 @@
+"""Flax NNX attention layers: `InterleavedHeadAttention` and `MultiHeadAttention`.
+
+Parameters are `nnx.Param` attributes named as in IHA_SPEC 3 (`wq, wk, wv, wo`, plus
+`alpha_q, alpha_k, alpha_v, collapse` for IHA), so `nnx.state(m, nnx.Param)` is a flat
+dict of exactly those keys. Each carries its logical axis names (see
+`iha_jax.nn.config`) as metadata only (`iha_jax.nn.partitioning.logical_param`), so the
+modules build without a mesh.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from iha_jax.nn.config import DEFAULT_KERNEL_INIT, AttentionConfig, param_specs
+from iha_jax.nn.functional import attention_forward
+from iha_jax.nn.partitioning import logical_param
+
+Initializer = jax.nn.initializers.Initializer
+
+
+class _Attention(nnx.Module):
+  """Creates the parameters of `config` and applies `attention_forward`."""
+
+  def __init__(self, config: AttentionConfig, *, param_dtype: Any, kernel_init: Initializer,
+               mixing_noise_std: float, rngs: nnx.Rngs):
+    self.config = config
+    specs = param_specs(config, kernel_init=kernel_init, mixing_noise_std=mixing_noise_std)
+    for name, spec in specs.items():
+      setattr(self, name, logical_param(spec.init, spec.axes, rngs.params(), spec.shape,
+                                        param_dtype))
+    self._param_names = tuple(specs)
+
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32."""
+    params = {name: getattr(self, name)[...] for name in self._param_names}
+    return attention_forward(params, x, self.config, segment_ids=segment_ids,
+                             positions=positions)
+
+
+class InterleavedHeadAttention(_Attention):
+  """Interleaved Head Attention layer (IHA_SPEC 1), causal, optionally windowed.
+
+  Parameters: `wq, wk, wv: [D, H, d]`, `wo: [H, d, D]`, `alpha_q, alpha_k, alpha_v:
+  [H, H, P]` (source, target, pseudo), `collapse: [H, H, P]` ("full") or `[H, P]`
+  ("per_head"). Mixing and collapse start at the identity (IHA_SPEC 1, Initialisation).
+  """
+
+  def __init__(self, model_dim: int, num_heads: int, head_dim: int, *,
+               num_pseudo: int | None = None, window: int | None = None,
+               rope_theta: float | None = 10000.0, collapse_mode: str = "full",
+               mixing_noise_std: float = 0.0, dtype: Any = None,
+               param_dtype: Any = jnp.float32, implementation: str = "auto",
+               kernel_init: Initializer = DEFAULT_KERNEL_INIT, rngs: nnx.Rngs):
+    """Builds the layer.
+
+    Args:
+      model_dim: D.
+      num_heads: H.
+      head_dim: d (even when RoPE is on).
+      num_pseudo: P pseudo-heads per head; None means P = H (the paper's default).
+      window: sliding window in virtual tokens (`N*P` per sequence); None is global.
+      rope_theta: RoPE base, None disables RoPE.
+      collapse_mode: "full" or "per_head".
+      mixing_noise_std: std of Gaussian noise added to the identity mixing/collapse init.
+      dtype: computation dtype; None promotes the input and parameter dtypes.
+      param_dtype: storage dtype of the parameters.
+      implementation: attention core backend ("reference", "xla", "pallas_tpu",
+        "pallas_gpu", "auto").
+      kernel_init: 2-D initializer for the projections, applied to `[D, H*d]` and
+        `[H*d, D]` so that fan-in is the true input width.
+      rngs: `nnx.Rngs` with a `params` stream.
+    """
+    config = AttentionConfig(model_dim, num_heads, head_dim, interleaved=True,
+                             num_pseudo=num_pseudo, window=window, rope_theta=rope_theta,
+                             collapse_mode=collapse_mode, dtype=dtype,
+                             implementation=implementation)
+    super().__init__(config, param_dtype=param_dtype, kernel_init=kernel_init,
+                     mixing_noise_std=mixing_noise_std, rngs=rngs)
+
+
+class MultiHeadAttention(_Attention):
+  """Standard causal multi-head attention with the same conventions as IHA.
+
+  Parameters: `wq, wk, wv: [D, H, d]`, `wo: [H, d, D]`.
+  """
+
+  def __init__(self, model_dim: int, num_heads: int, head_dim: int, *,
+               window: int | None = None, rope_theta: float | None = 10000.0,
+               dtype: Any = None, param_dtype: Any = jnp.float32,
+               implementation: str = "auto", kernel_init: Initializer = DEFAULT_KERNEL_INIT,
+               rngs: nnx.Rngs):
+    """Builds the layer; arguments as `InterleavedHeadAttention`, `window` in tokens."""
+    config = AttentionConfig(model_dim, num_heads, head_dim, interleaved=False, window=window,
+                             rope_theta=rope_theta, dtype=dtype, implementation=implementation)
+    super().__init__(config, param_dtype=param_dtype, kernel_init=kernel_init,
+                     mixing_noise_std=0.0, rngs=rngs)

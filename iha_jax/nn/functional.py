@@ -1,0 +1,70 @@
+"""The attention layer's forward pass as a pure function of its parameters.
+
+Both the NNX and the Linen modules call `attention_forward`, so the layer math exists
+once: projections, the attention core from `iha_jax.ops`, output projection.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from iha_jax.nn.config import AttentionConfig
+from iha_jax.ops import iha_attention, mha_attention
+
+# Names for remat policies (e.g. `jax.checkpoint_policies.save_only_these_names`):
+# the q/k/v projections and the core's output are what a memory-efficient attention
+# backward needs, so saving them avoids recomputing the projections and the forward core.
+QUERY_PROJ = "query_proj"
+KEY_PROJ = "key_proj"
+VALUE_PROJ = "value_proj"
+ATTENTION_OUT = "attention_out"
+
+
+def check_input(x: jax.Array, cfg: AttentionConfig) -> None:
+  """Raises ValueError unless `x` is a floating `[B, N, model_dim]` array."""
+  if jnp.ndim(x) != 3 or jnp.shape(x)[-1] != cfg.model_dim:
+    raise ValueError(f"x must have shape [B, N, model_dim={cfg.model_dim}], "
+                     f"got {tuple(jnp.shape(x))}")
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise ValueError(f"x must be a floating array, got dtype {jnp.result_type(x)}")
+
+
+def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig, *,
+                      segment_ids: jax.Array | None = None,
+                      positions: jax.Array | None = None) -> jax.Array:
+  """Applies one IHA or MHA layer.
+
+  Args:
+    params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`:
+      `wq, wk, wv: [D, H, d]`, `wo: [H, d, D]`, and for IHA `alpha_q, alpha_k,
+      alpha_v: [H, H, P]` and `collapse: [H, H, P]` or `[H, P]`.
+    x: `[B, N, D]` input.
+    cfg: the layer configuration.
+    segment_ids: optional `[B, N]` int32 packed-sequence ids (0 = padding).
+    positions: optional `[B, N]` int32 token positions (default `arange(N)`).
+
+  Returns:
+    `[B, N, D]` in the computation dtype (`cfg.dtype`, or the promoted dtype of `x` and
+    the parameters when None).
+  """
+  check_input(x, cfg)
+  # `is None`, not `or`: a numpy dtype instance is falsy (len(np.dtype('f4')) == 0).
+  dtype = jnp.result_type(x, *params.values()) if cfg.dtype is None else cfg.dtype
+  # Parameters stay in param_dtype; the whole layer, mixing included, runs in dtype.
+  p = {name: jnp.asarray(value, dtype) for name, value in params.items()}
+  x = jnp.asarray(x, dtype)
+  q = checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p["wq"]), QUERY_PROJ)
+  k = checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p["wk"]), KEY_PROJ)
+  v = checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p["wv"]), VALUE_PROJ)
+  options = dict(window=cfg.window, segment_ids=segment_ids, positions=positions,
+                 rope_theta=cfg.rope_theta, implementation=cfg.implementation)
+  if cfg.interleaved:
+    y = iha_attention(q, k, v, p["alpha_q"], p["alpha_k"], p["alpha_v"], p["collapse"],
+                      **options)
+  else:
+    y = mha_attention(q, k, v, **options)
+  y = checkpoint_name(y, ATTENTION_OUT)
+  return jnp.einsum("bnhd,hdD->bnD", y, p["wo"])

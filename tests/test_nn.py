@@ -1,0 +1,266 @@
+"""Flax layers (`iha_jax.nn`): parameter tree, init, MHA special case, Linen <-> NNX."""
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from iha_jax.models import count_params
+from iha_jax.nn import (InterleavedHeadAttention, InterleavedHeadAttentionLinen,
+                        MultiHeadAttention, MultiHeadAttentionLinen, identity_collapse_init,
+                        identity_mixing_init)
+from iha_jax.ops import iha_attention
+
+B, N, D, H, HEAD_DIM = 2, 6, 16, 3, 4
+PROJ = ("wq", "wk", "wv", "wo")
+MIXING = ("alpha_q", "alpha_k", "alpha_v", "collapse")
+
+
+def _x(seed: int = 1, shape=(B, N, D)) -> jax.Array:
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _iha(**kw) -> InterleavedHeadAttention:
+  kw.setdefault("implementation", "reference")
+  return InterleavedHeadAttention(D, H, HEAD_DIM, rngs=nnx.Rngs(kw.pop("seed", 0)), **kw)
+
+
+def _mha(**kw) -> MultiHeadAttention:
+  kw.setdefault("implementation", "reference")
+  return MultiHeadAttention(D, H, HEAD_DIM, rngs=nnx.Rngs(kw.pop("seed", 0)), **kw)
+
+
+def _params(module: nnx.Module) -> dict[str, jax.Array]:
+  return {k: v[...] for k, v in nnx.state(module, nnx.Param).items()}
+
+
+def _axes(module: nnx.Module) -> dict[str, tuple[str, ...]]:
+  return {k: v.get_metadata()["out_sharding"] for k, v in nnx.state(module, nnx.Param).items()}
+
+
+# --- parameter tree ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("collapse_mode", ["full", "per_head"])
+@pytest.mark.parametrize("num_pseudo", [None, 2])
+def test_iha_param_tree(collapse_mode, num_pseudo):
+  m = _iha(num_pseudo=num_pseudo, collapse_mode=collapse_mode)
+  p = H if num_pseudo is None else num_pseudo
+  shapes = jax.tree.map(jnp.shape, _params(m))
+  collapse_shape = (H, H, p) if collapse_mode == "full" else (H, p)
+  assert shapes == {"wq": (D, H, HEAD_DIM), "wk": (D, H, HEAD_DIM), "wv": (D, H, HEAD_DIM),
+                    "wo": (H, HEAD_DIM, D), "alpha_q": (H, H, p), "alpha_k": (H, H, p),
+                    "alpha_v": (H, H, p), "collapse": collapse_shape}
+  in_proj, mixing = ("embed", "heads", "head_dim"), ("heads_src", "heads", "pseudo")
+  collapse_axes = (("heads_dst", "heads", "pseudo") if collapse_mode == "full"
+                   else ("heads", "pseudo"))
+  assert _axes(m) == {"wq": in_proj, "wk": in_proj, "wv": in_proj,
+                      "wo": ("heads", "head_dim", "embed"), "alpha_q": mixing,
+                      "alpha_k": mixing, "alpha_v": mixing, "collapse": collapse_axes}
+  assert all(v.dtype == jnp.float32 for v in _params(m).values())
+
+
+def test_mha_param_tree():
+  m = _mha(param_dtype=jnp.bfloat16)
+  assert jax.tree.map(jnp.shape, _params(m)) == {
+      "wq": (D, H, HEAD_DIM), "wk": (D, H, HEAD_DIM), "wv": (D, H, HEAD_DIM),
+      "wo": (H, HEAD_DIM, D)}
+  assert _axes(m)["wo"] == ("heads", "head_dim", "embed")
+  assert all(v.dtype == jnp.bfloat16 for v in _params(m).values())
+
+
+def test_logical_axes_map_to_mesh_axes_with_rules():
+  rules = (("embed", "fsdp"), ("heads", "tensor"), ("head_dim", None), ("heads_src", None),
+           ("pseudo", None))
+  with nn.logical_axis_rules(rules):
+    specs = nnx.get_partition_spec(nnx.state(_iha(), nnx.Param))
+  assert specs["wq"].get_value() == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  assert specs["alpha_q"].get_value() == jax.sharding.PartitionSpec(None, "tensor", None)
+
+
+@pytest.mark.parametrize("num_pseudo", [1, 2, None])
+def test_extra_param_count(num_pseudo):
+  p = H if num_pseudo is None else num_pseudo
+  mha = count_params(_mha())
+  full = count_params(_iha(num_pseudo=num_pseudo))
+  per_head = count_params(_iha(num_pseudo=num_pseudo, collapse_mode="per_head"))
+  assert full - mha == 4 * H * H * p
+  assert per_head - mha == 3 * H * H * p + H * p
+
+
+# --- initialisation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("collapse_mode", ["full", "per_head"])
+def test_identity_init_values(collapse_mode):
+  p = 2
+  params = _params(_iha(num_pseudo=p, collapse_mode=collapse_mode))
+  eye = np.broadcast_to(np.eye(H)[:, :, None], (H, H, p))
+  for name in ("alpha_q", "alpha_k", "alpha_v"):
+    np.testing.assert_array_equal(params[name], eye)
+  expected = eye / p if collapse_mode == "full" else np.full((H, p), 1.0 / p)
+  np.testing.assert_array_equal(params["collapse"], expected)
+
+
+def test_mixing_noise_perturbs_identity():
+  params = _params(_iha(num_pseudo=2, mixing_noise_std=1e-2))
+  eye = np.broadcast_to(np.eye(H)[:, :, None], (H, H, 2))
+  for name in ("alpha_q", "alpha_k", "alpha_v"):
+    delta = np.asarray(params[name]) - eye
+    assert 0 < np.abs(delta).max() < 0.1
+  assert not np.array_equal(params["alpha_q"], params["alpha_k"])  # independent draws
+
+
+def test_initializers_reject_bad_shapes():
+  key = jax.random.key(0)
+  with pytest.raises(ValueError, match="shape"):
+    identity_mixing_init()(key, (2, 3, 4))
+  with pytest.raises(ValueError, match="shape"):
+    identity_collapse_init()(key, (2,))
+  chex.assert_trees_all_equal(identity_collapse_init()(key, (2, 4), jnp.bfloat16),
+                              jnp.full((2, 4), 0.25, jnp.bfloat16))
+
+
+def test_projection_init_uses_true_fan_in():
+  params = _params(_iha(seed=3))
+  # lecun_normal: variance 1/fan_in with fan_in = D for wq and H*d for wo.
+  assert abs(float(jnp.std(params["wq"])) * np.sqrt(D) - 1) < 0.3
+  assert abs(float(jnp.std(params["wo"])) * np.sqrt(H * HEAD_DIM) - 1) < 0.3
+
+
+# --- forward -----------------------------------------------------------------------------
+
+
+class ForwardTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_functional_forward(self):
+    graphdef, state = nnx.split(_iha(num_pseudo=2, window=5))
+    seg = jnp.array([[1, 1, 1, 2, 2, 0]] * B, jnp.int32)
+    pos = jnp.array([[0, 1, 2, 0, 1, 0]] * B, jnp.int32)
+    apply = self.variant(lambda s, x, seg, pos: nnx.merge(graphdef, s)(
+        x, segment_ids=seg, positions=pos))
+    y = apply(state, _x(), seg, pos)
+    chex.assert_shape(y, (B, N, D))
+    chex.assert_tree_all_finite(y)
+    np.testing.assert_array_equal(y[:, -1], 0.0)  # padding query (segment 0)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_compute_dtype(self):
+    m = _iha(dtype=jnp.dtype("bfloat16"))  # a dtype instance, not the scalar type
+    y = self.variant(lambda x: m(x))(_x())
+    chex.assert_type(y, jnp.bfloat16)
+    chex.assert_trees_all_close(y.astype(jnp.float32), _iha()(_x()), atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+@pytest.mark.parametrize("window,rope_theta", [(None, 10000.0), (3, 500000.0), (2, None)])
+def test_single_pseudo_head_with_identity_init_is_mha(implementation, window, rope_theta):
+  """IHA_SPEC 1: P = 1 with identity mixing/collapse is exactly MHA (same window, RoPE)."""
+  opts = dict(window=window, rope_theta=rope_theta, implementation=implementation)
+  mha = _mha(seed=5, **opts)
+  iha = _iha(seed=7, num_pseudo=1, **opts)
+  nnx.update(iha, nnx.state(mha, nnx.Param))  # copy wq, wk, wv, wo
+  chex.assert_trees_all_equal(_params(iha)["wq"], _params(mha)["wq"])
+  x = _x(2)
+  chex.assert_trees_all_close(iha(x), mha(x), atol=1e-6, rtol=1e-6)
+
+
+def test_matches_from_scratch_computation():
+  m = _iha(num_pseudo=2, window=5, mixing_noise_std=0.1)
+  p, x = _params(m), _x(3)
+  # Projections as flat matmuls, independent of the module's einsum specs.
+  q, k, v = ((x @ p[w].reshape(D, H * HEAD_DIM)).reshape(B, N, H, HEAD_DIM)
+             for w in ("wq", "wk", "wv"))
+  y = iha_attention(q, k, v, p["alpha_q"], p["alpha_k"], p["alpha_v"], p["collapse"],
+                    window=5, implementation="reference")
+  expected = y.reshape(B, N, H * HEAD_DIM) @ p["wo"].reshape(H * HEAD_DIM, D)
+  chex.assert_trees_all_close(m(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_projection_outputs_are_named_for_remat():
+  jaxpr = str(jax.make_jaxpr(lambda x: _iha()(x))(_x()))
+  for name in ("query_proj", "key_proj", "value_proj", "attention_out"):
+    assert f"name={name}" in jaxpr
+
+
+# --- Linen <-> NNX -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,kwargs", [
+    ("iha", dict(num_pseudo=2, window=4)),
+    ("iha", dict(collapse_mode="per_head", rope_theta=None)),
+    ("mha", dict(window=3)),
+])
+def test_linen_nnx_transplant(kind, kwargs):
+  kwargs = dict(kwargs, implementation="reference")
+  nnx_cls, linen_cls = ((InterleavedHeadAttention, InterleavedHeadAttentionLinen)
+                        if kind == "iha" else (MultiHeadAttention, MultiHeadAttentionLinen))
+  if kind == "iha":
+    kwargs["mixing_noise_std"] = 0.1  # non-trivial mixing, so a transposed axis would show
+  nnx_model = nnx_cls(D, H, HEAD_DIM, rngs=nnx.Rngs(0), **kwargs)
+  linen_model = linen_cls(D, H, HEAD_DIM, **kwargs)
+  x = _x(4)
+  boxed = linen_model.init(jax.random.key(1), x)["params"]
+  # Same names, shapes and logical axes in both trees.
+  assert {k: (v.value.shape, v.names) for k, v in boxed.items()} == {
+      k: (v.shape, _axes(nnx_model)[k]) for k, v in _params(nnx_model).items()}
+
+  # NNX -> Linen.
+  y_linen = linen_model.apply({"params": _params(nnx_model)}, x)
+  chex.assert_trees_all_equal(y_linen, nnx_model(x))
+  # Linen -> NNX.
+  linen_params = nn.meta.unbox(boxed)
+  nnx.update(nnx_model, {k: nnx.Param(v) for k, v in linen_params.items()})
+  chex.assert_trees_all_equal(nnx_model(x), linen_model.apply({"params": linen_params}, x))
+
+
+# --- validation --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_pseudo=0), "num_pseudo"),
+    (dict(window=0), "window"),
+    (dict(window=2.5), "window"),
+    (dict(collapse_mode="diagonal"), "collapse_mode"),
+    (dict(implementation="cuda"), "implementation"),
+    (dict(rope_theta=-1.0), "rope_theta"),
+    (dict(mixing_noise_std=-0.1), "mixing_noise_std"),
+])
+def test_iha_rejects_bad_options(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    _iha(**kwargs)
+  if not {"num_pseudo", "collapse_mode", "mixing_noise_std"} & set(kwargs):
+    with pytest.raises(ValueError, match=match):
+      _mha(**kwargs)
+
+
+@pytest.mark.parametrize("dims,match", [
+    ((0, H, HEAD_DIM), "model_dim"),
+    ((D, 0, HEAD_DIM), "num_heads"),
+    ((D, H, 0), "head_dim"),
+    ((D, H, 5), "head_dim"),  # odd d with RoPE on
+])
+def test_rejects_bad_dims(dims, match):
+  for cls in (InterleavedHeadAttention, MultiHeadAttention):
+    with pytest.raises(ValueError, match=match):
+      cls(*dims, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=match):
+    InterleavedHeadAttentionLinen(*dims).init(jax.random.key(0), _x(shape=(B, N, max(dims[0], 1))))
+
+
+def test_odd_head_dim_allowed_without_rope():
+  m = InterleavedHeadAttention(D, H, 5, rope_theta=None, implementation="reference",
+                               rngs=nnx.Rngs(0))
+  chex.assert_shape(m(_x()), (B, N, D))
+
+
+@pytest.mark.parametrize("shape", [(N, D), (B, N, D + 1), (B, 1, N, D)])
+def test_rejects_bad_input(shape):
+  for m in (_iha(), _mha()):
+    with pytest.raises(ValueError, match="x must have shape"):
+      m(_x(shape=shape))
