@@ -1,0 +1,29 @@
+# Newcomer entry points. `make test` and `make train` build .venv from
+# requirements.txt on first use (a fresh machine needs only python3 + venv).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= workdirs/default
+
+.PHONY: test test-fast train bench clean-venv
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+# The whole suite on CPU (Pallas kernels in interpret mode), one worker per core.
+test: $(VENV)/.installed
+	$(PY) -m pytest -n auto -q
+
+# The default training demo, then its evaluation.
+train: $(VENV)/.installed
+	$(PY) train.py --config configs/default.py --workdir $(WORKDIR)
+	$(PY) eval.py --workdir $(WORKDIR)
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/attention.py
+
+clean-venv:
+	rm -rf $(VENV)
