@@ -1,0 +1,74 @@
+"""Bad input to the functional API raises ValueError naming the argument, before tracing."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from iha_jax import ops
+from tests.utils import random_iha_inputs
+
+B, N, H, D, P = 2, 5, 2, 8, 3
+
+
+def _args():
+  return list(random_iha_inputs(jax.random.PRNGKey(0), B, N, H, D, P))
+
+
+def _replace(index, value):
+  args = _args()
+  args[index] = value
+  return args
+
+
+BAD_ARGS = {
+    "q_rank": (_replace(0, jnp.ones((B, N, H * D))), {}, r"q must have rank 4"),
+    "k_shape": (_replace(1, jnp.ones((B, N + 1, H, D))), {}, r"q, k and v must have the same"),
+    "v_dtype_int": (_replace(2, jnp.ones((B, N, H, D), jnp.int32)), {}, r"v must be a floating"),
+    "alpha_heads": (_replace(3, jnp.ones((H + 1, H + 1, P))), {}, r"alpha_q must have shape"),
+    "alpha_k_pseudo": (_replace(4, jnp.ones((H, H, P + 1))), {}, r"alpha_k has P = 4"),
+    "num_pseudo_zero": ([*_args()[:3], *(jnp.ones((H, H, 0)),) * 3, jnp.ones((H, H, 0))], {},
+                        r"num_pseudo P\) must be >= 1"),
+    "collapse_shape": (_replace(6, jnp.ones((H, P, H))), {}, r"collapse must have shape"),
+    "window_zero": (_args(), {"window": 0}, r"window must be None .* >= 1"),
+    "window_float": (_args(), {"window": 2.5}, r"window must be None"),
+    "segment_shape": (_args(), {"segment_ids": jnp.ones((B, N + 2), jnp.int32)},
+                      r"segment_ids must have shape \[B, N\]"),
+    "positions_float": (_args(), {"positions": jnp.ones((B, N))},
+                        r"positions must be an integer"),
+    "rope_theta": (_args(), {"rope_theta": -1.0}, r"rope_theta must be > 0"),
+    "implementation": (_args(), {"implementation": "cuda"}, r"implementation must be one of"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGS))
+def test_iha_attention_rejects(case):
+  args, kwargs, message = BAD_ARGS[case]
+  with pytest.raises(ValueError, match=message):
+    ops.iha_attention(*args, **kwargs)
+
+
+def test_odd_head_dim_needs_rope_off():
+  q = jnp.ones((B, N, H, 5))
+  with pytest.raises(ValueError, match=r"RoPE needs an even head_dim"):
+    ops.mha_attention(q, q, q)
+  assert ops.mha_attention(q, q, q, rope_theta=None, implementation="reference").shape == q.shape
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"window": -3}, r"window"),
+    ({"implementation": "flash"}, r"implementation"),
+    ({"positions": jnp.zeros((N,), jnp.int32)}, r"positions"),
+])
+def test_mha_attention_rejects(kwargs, message):
+  q, k, v, *_ = _args()
+  with pytest.raises(ValueError, match=message):
+    ops.mha_attention(q, k, v, **kwargs)
+
+
+def test_errors_raise_before_tracing():
+  """Validation is plain Python on shapes: it fires under jit before any compile."""
+  args = _args()
+  fn = jax.jit(lambda *a: ops.iha_attention(*a, window=0))
+  with pytest.raises(ValueError, match="window"):
+    fn(*args)
