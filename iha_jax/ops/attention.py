@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from iha_jax.ops import validation
 from iha_jax.ops.interleave import (deinterleave, interleave, virtual_positions,
                                     virtual_segment_ids)
-from iha_jax.ops.mixing import collapse_heads, pseudo_mix
+from iha_jax.ops.mixing import collapse_from_virtual, collapse_heads, mix_to_virtual, pseudo_mix
 from iha_jax.ops.reference import dense_attention
-from iha_jax.ops.rope import apply_rope
-from iha_jax.ops.xla_attention import flash_attention
+from iha_jax.ops.rope import apply_rope, rope_tables, rotate
+from iha_jax.ops.xla_attention import flash_attention_heads_major
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -44,15 +44,22 @@ def resolve_implementation(implementation: str) -> str:
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
 
 
-def _attend(q, k, v, *, segment_ids, window, implementation, block_sizes):
-  """Attention core over a flat, rotated sequence `[B, T, H, d]`."""
-  if implementation == "reference":
-    return dense_attention(q, k, v, segment_ids=segment_ids, window=window)
-  if implementation == "xla":
-    blocks = block_sizes or BlockSizes()
-    return flash_attention(q, k, v, segment_ids=segment_ids, window=window,
-                           block_q=blocks.block_q, block_k=blocks.block_k)
-  raise AssertionError(f"unreachable: {implementation!r} is dispatched by the callers")
+def _xla_core(q, k, v, *, segment_ids, positions, rope_theta, window, block_sizes):
+  """Rotate and attend head-major virtual sequences `[B, H, T, d]`; positions `[B, T]`."""
+  if rope_theta is not None:
+    cos, sin = rope_tables(positions, q.shape[-1], rope_theta)  # shared by q and k
+    cos, sin = cos[:, None], sin[:, None]
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+  blocks = block_sizes or BlockSizes()
+  return flash_attention_heads_major(q, k, v, segment_ids=segment_ids, window=window,
+                                     block_q=blocks.block_q, block_k=blocks.block_k)
+
+
+def _reference_core(q, k, v, *, segment_ids, positions, rope_theta, window):
+  """Rotate and attend `[B, T, H, d]` with the dense oracle; positions `[B, T]`."""
+  if rope_theta is not None:
+    q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+  return dense_attention(q, k, v, segment_ids=segment_ids, window=window)
 
 
 def _pallas():
@@ -61,13 +68,12 @@ def _pallas():
   return kernels
 
 
-def _defaults(q, segment_ids, positions):
+def _default_positions(q, positions):
+  """`arange(N)` per row unless given; segment_ids stay None (cheaper masks)."""
+  if positions is not None:
+    return positions
   b, n = q.shape[:2]
-  if segment_ids is None:
-    segment_ids = jnp.ones((b, n), jnp.int32)
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-  return segment_ids, positions
+  return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
 
 
 def iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
@@ -97,23 +103,28 @@ def iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
   validation.check_options(q, window=window, segment_ids=segment_ids, positions=positions,
                            rope_theta=rope_theta, implementation=implementation)
   implementation = resolve_implementation(implementation)
-  segment_ids, positions = _defaults(q, segment_ids, positions)
+  positions = _default_positions(q, positions)
   if implementation.startswith("pallas_"):
     # Fused kernels take the source heads and build pseudo-heads on chip.
+    if segment_ids is None:
+      segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     return _pallas().iha_attention(
         q, k, v, alpha_q, alpha_k, alpha_v, collapse, window=window,
         segment_ids=segment_ids, positions=positions, rope_theta=rope_theta,
         platform=implementation.removeprefix("pallas_"), block_sizes=block_sizes)
-  precision = _HIGHEST if implementation == "reference" else None
-
-  qv, kv, vv = (interleave(pseudo_mix(x, a, precision=precision))
-                for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
-  if rope_theta is not None:
-    vpos = virtual_positions(positions, num_pseudo)
-    qv, kv = apply_rope(qv, vpos, rope_theta), apply_rope(kv, vpos, rope_theta)
-  out = _attend(qv, kv, vv, segment_ids=virtual_segment_ids(segment_ids, num_pseudo),
-                window=window, implementation=implementation, block_sizes=block_sizes)
-  return collapse_heads(deinterleave(out, num_pseudo), collapse, precision=precision)
+  vpos = virtual_positions(positions, num_pseudo)
+  vseg = None if segment_ids is None else virtual_segment_ids(segment_ids, num_pseudo)
+  if implementation == "reference":
+    qv, kv, vv = (interleave(pseudo_mix(x, a, precision=_HIGHEST))
+                  for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
+    out = _reference_core(qv, kv, vv, segment_ids=vseg, positions=vpos, rope_theta=rope_theta,
+                          window=window)
+    return collapse_heads(deinterleave(out, num_pseudo), collapse, precision=_HIGHEST)
+  # xla: head-major virtual sequences, the layout the blockwise core tiles.
+  qv, kv, vv = (mix_to_virtual(x, a) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
+  out = _xla_core(qv, kv, vv, segment_ids=vseg, positions=vpos, rope_theta=rope_theta,
+                  window=window, block_sizes=block_sizes)
+  return collapse_from_virtual(out, collapse, num_pseudo)
 
 
 def mha_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
@@ -128,13 +139,19 @@ def mha_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | Non
   validation.check_options(q, window=window, segment_ids=segment_ids, positions=positions,
                            rope_theta=rope_theta, implementation=implementation)
   implementation = resolve_implementation(implementation)
-  segment_ids, positions = _defaults(q, segment_ids, positions)
+  positions = _default_positions(q, positions)
   if implementation.startswith("pallas_"):
+    if segment_ids is None:
+      segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     return _pallas().mha_attention(
         q, k, v, window=window, segment_ids=segment_ids, positions=positions,
         rope_theta=rope_theta, platform=implementation.removeprefix("pallas_"),
         block_sizes=block_sizes)
-  if rope_theta is not None:
-    q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
-  return _attend(q, k, v, segment_ids=segment_ids, window=window,
-                 implementation=implementation, block_sizes=block_sizes)
+  if implementation == "reference":
+    return _reference_core(q, k, v, segment_ids=segment_ids, positions=positions,
+                           rope_theta=rope_theta, window=window)
+  heads_major = lambda x: jnp.swapaxes(x, 1, 2)
+  out = _xla_core(heads_major(q), heads_major(k), heads_major(v), segment_ids=segment_ids,
+                  positions=positions, rope_theta=rope_theta, window=window,
+                  block_sizes=block_sizes)
+  return heads_major(out)

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def visible(q_index: jax.Array, k_index: jax.Array, q_segment: jax.Array,
-            k_segment: jax.Array, window: int | None) -> jax.Array:
+def visible(q_index: jax.Array, k_index: jax.Array, q_segment: jax.Array | None,
+            k_segment: jax.Array | None, window: int | None) -> jax.Array:
   """Broadcasting mask: key s is visible to query t.
 
   Args:
@@ -22,11 +22,14 @@ def visible(q_index: jax.Array, k_index: jax.Array, q_segment: jax.Array,
     q_segment: query segment ids, broadcastable like q_index.
     k_segment: key segment ids, broadcastable like k_index (0 = padding).
     window: sliding window in virtual tokens, or None for global.
+    Segments may both be None: one unpadded sequence per row.
 
   Returns:
     bool `[..., Tq, Tk]`: `s <= t` and `t - s < window` and same nonzero segment.
   """
-  mask = (k_index <= q_index) & (q_segment == k_segment) & (k_segment != 0)
+  mask = k_index <= q_index
+  if q_segment is not None:
+    mask &= (q_segment == k_segment) & (k_segment != 0)
   if window is not None:
     mask &= q_index - k_index < window
   return mask

@@ -43,3 +43,37 @@ def collapse_heads(o: jax.Array, collapse: jax.Array, *, precision: Precision = 
   return jnp.einsum(
       spec, o, collapse.astype(o.dtype), precision=precision,
       preferred_element_type=jnp.float32).astype(o.dtype)
+
+
+def mix_to_virtual(x: jax.Array, alpha: jax.Array, *, precision: Precision = None) -> jax.Array:
+  """`interleave(pseudo_mix(x, alpha))` in head-major layout, as one einsum.
+
+  Args:
+    x: source-head projections `[B, N, H, d]`.
+    alpha: mixing weights `[H, H, P]`.
+    precision: matmul precision of the contraction.
+
+  Returns:
+    `[B, H, N*P, d]`: per target head, the virtual sequence `t = n*P + p`. The
+    blockwise attention core tiles the T axis, so producing this layout directly
+    saves a transpose of the P-times larger tensor (and its transpose in backward).
+  """
+  b, n, _, d = x.shape
+  h, p = alpha.shape[1:]
+  out = jnp.einsum("bnmd,mhp->bhnpd", x, alpha.astype(x.dtype), precision=precision,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, h, n * p, d).astype(x.dtype)
+
+
+def collapse_from_virtual(o: jax.Array, collapse: jax.Array, num_pseudo: int, *,
+                          precision: Precision = None) -> jax.Array:
+  """`collapse_heads(deinterleave(o))` for a head-major virtual output `o: [B, H, N*P, d]`.
+
+  Returns `[B, N, H, d]` in o.dtype.
+  """
+  b, h, t, d = o.shape
+  o = o.reshape(b, h, t // num_pseudo, num_pseudo, d)
+  spec = "bgnpd,hgp->bnhd" if collapse.ndim == 3 else "bhnpd,hp->bnhd"
+  return jnp.einsum(
+      spec, o, collapse.astype(o.dtype), precision=precision,
+      preferred_element_type=jnp.float32).astype(o.dtype)

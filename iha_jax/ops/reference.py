@@ -13,12 +13,15 @@ from iha_jax.ops.masking import MASK_VALUE, visible
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array,
-                    window: int | None) -> jax.Array:
-  """Causal attention, `q, k, v: [B, T, H, d]` (already rotated), `segment_ids: [B, T]`.
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                    segment_ids: jax.Array | None, window: int | None) -> jax.Array:
+  """Causal attention, `q, k, v: [B, T, H, d]` (already rotated).
 
-  Returns `[B, T, H, d]` in q.dtype; padding queries (segment 0) output zeros.
+  `segment_ids: [B, T]` (0 = padding) or None (one unpadded sequence per row).
+  Returns `[B, T, H, d]` in q.dtype; padding queries output zeros.
   """
+  if segment_ids is None:
+    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
   t = q.shape[1]
   scale = q.shape[-1] ** -0.5
   qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))

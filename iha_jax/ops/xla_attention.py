@@ -45,12 +45,18 @@ def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _tile_mask(i, j, block_q: int, block_k: int, seg_q: jax.Array, seg_k: jax.Array,
-               window: int | None) -> jax.Array:
-  """bool `[B, 1, bq, bk]` visibility of one (query block i, key block j) tile."""
+def _tile_mask(i, j, block_q: int, block_k: int, seg_q: jax.Array | None,
+               seg_k: jax.Array | None, window: int | None) -> jax.Array:
+  """bool `[B or 1, 1, bq, bk]` visibility of one (query block i, key block j) tile."""
   q_index = i * block_q + jnp.arange(block_q)[:, None]
   k_index = j * block_k + jnp.arange(block_k)[None, :]
+  if seg_q is None:
+    return visible(q_index, k_index, None, None, window)
   return visible(q_index, k_index, seg_q[:, None, :, None], seg_k[:, None, None, :], window)
+
+
+def _slice_segments(seg: jax.Array | None, start, size: int) -> jax.Array | None:
+  return None if seg is None else _slice(seg, start, size, 1)
 
 
 def _forward(q, k, v, seg_q, seg_k, *, window, block_q, block_k, precision):
@@ -61,13 +67,13 @@ def _forward(q, k, v, seg_q, seg_k, *, window, block_q, block_k, precision):
 
   def query_block(i):
     q_i = _slice(q, i * block_q, block_q, 2)
-    sq_i = _slice(seg_q, i * block_q, block_q, 1)
+    sq_i = _slice_segments(seg_q, i * block_q, block_q)
 
     def key_block(j, carry):
       m, l, acc = carry
       k_j = _slice(k, j * block_k, block_k, 2)
       v_j = _slice(v, j * block_k, block_k, 2)
-      sk_j = _slice(seg_k, j * block_k, block_k, 1)
+      sk_j = _slice_segments(seg_k, j * block_k, block_k)
       s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, precision=precision,
                      preferred_element_type=jnp.float32) * scale
       s = jnp.where(_tile_mask(i, j, block_q, block_k, sq_i, sk_j, window), s, MASK_VALUE)
@@ -85,8 +91,9 @@ def _forward(q, k, v, seg_q, seg_k, *, window, block_q, block_k, precision):
             jnp.zeros((b, h, block_q, d), jnp.float32))
     lo, hi = _kv_block_range(i, block_q, block_k, num_k_blocks, window)
     m, l, acc = jax.lax.fori_loop(lo, hi, key_block, init)
-    valid = (sq_i != 0)[:, None, :]
-    out = jnp.where(valid[..., None], acc / l[..., None], 0.0)
+    out = acc / l[..., None]
+    if sq_i is not None:
+      out = jnp.where((sq_i != 0)[:, None, :, None], out, 0.0)
     return out.astype(q.dtype), m + jnp.log(l)
 
   out, lse = jax.lax.map(query_block, jnp.arange(num_q_blocks))  # [nq, B, H, bq, ...]
@@ -101,14 +108,16 @@ def _backward(q, k, v, seg_q, seg_k, out, lse, d_out, *, window, block_q, block_
   tk = k.shape[2]
   num_q_blocks, num_k_blocks = tq // block_q, tk // block_k
   scale = d ** -0.5
-  # Padding queries output constant zeros: nothing flows back through them.
-  d_out = jnp.where((seg_q != 0)[:, None, :, None], d_out, 0).astype(q.dtype)
+  if seg_q is not None:
+    # Padding queries output constant zeros: nothing flows back through them.
+    d_out = jnp.where((seg_q != 0)[:, None, :, None], d_out, 0)
+  d_out = d_out.astype(q.dtype)
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, H, Tq]
 
   def key_block(dq, j):
     k_j = _slice(k, j * block_k, block_k, 2)
     v_j = _slice(v, j * block_k, block_k, 2)
-    sk_j = _slice(seg_k, j * block_k, block_k, 1)
+    sk_j = _slice_segments(seg_k, j * block_k, block_k)
 
     def query_block(i, carry):
       dq, dk_j, dv_j = carry
@@ -116,7 +125,7 @@ def _backward(q, k, v, seg_q, seg_k, out, lse, d_out, *, window, block_q, block_
       do_i = _slice(d_out, i * block_q, block_q, 2)
       lse_i = _slice(lse, i * block_q, block_q, 2)
       delta_i = _slice(delta, i * block_q, block_q, 2)
-      sq_i = _slice(seg_q, i * block_q, block_q, 1)
+      sq_i = _slice_segments(seg_q, i * block_q, block_q)
       s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, precision=precision,
                      preferred_element_type=jnp.float32) * scale
       mask = _tile_mask(i, j, block_q, block_k, sq_i, sk_j, window)
@@ -151,15 +160,17 @@ def _flash(q, k, v, segment_ids, window, block_q, block_k, precision):
 
 
 def _flash_fwd(q, k, v, segment_ids, window, block_q, block_k, precision):
-  out, lse = _forward(q, k, v, segment_ids[0], segment_ids[1], window=window,
-                      block_q=block_q, block_k=block_k, precision=precision)
+  seg_q, seg_k = segment_ids or (None, None)
+  out, lse = _forward(q, k, v, seg_q, seg_k, window=window, block_q=block_q, block_k=block_k,
+                      precision=precision)
   return out, (q, k, v, segment_ids, out, lse)
 
 
 def _flash_bwd(window, block_q, block_k, precision, residuals, d_out):
   q, k, v, segment_ids, out, lse = residuals
-  dq, dk, dv = _backward(q, k, v, segment_ids[0], segment_ids[1], out, lse, d_out,
-                         window=window, block_q=block_q, block_k=block_k, precision=precision)
+  seg_q, seg_k = segment_ids or (None, None)
+  dq, dk, dv = _backward(q, k, v, seg_q, seg_k, out, lse, d_out, window=window,
+                         block_q=block_q, block_k=block_k, precision=precision)
   return dq, dk, dv, None
 
 
@@ -176,33 +187,47 @@ def default_block_size(seq_len: int, window: int | None) -> int:
   return min(block, _round_up(seq_len, 8))
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array,
-                    window: int | None, block_q: int | None = None,
-                    block_k: int | None = None,
-                    precision: jax.lax.PrecisionLike = None) -> jax.Array:
-  """Blockwise causal attention over a flat sequence.
+def flash_attention_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                                segment_ids: jax.Array | None, window: int | None,
+                                block_q: int | None = None, block_k: int | None = None,
+                                precision: jax.lax.PrecisionLike = None) -> jax.Array:
+  """Blockwise causal attention over a flat sequence, head-major layout.
 
   Args:
-    q, k, v: `[B, T, H, d]`, already rotated.
-    segment_ids: `[B, T]` int32; 0 marks padding (outputs zeros, never seen).
+    q, k, v: `[B, H, T, d]`, already rotated.
+    segment_ids: `[B, T]` int32 with 0 = padding (outputs zeros, never seen), or
+      None for one unpadded sequence per row (no segment masking at all).
     window: sliding window (a query sees keys with `t - s < window`) or None.
     block_q, block_k: tile edges; T need not divide them (padded and masked).
     precision: matmul precision of the score and value contractions.
 
   Returns:
-    `[B, T, H, d]` in q.dtype.
+    `[B, H, T, d]` in q.dtype.
   """
-  t = q.shape[1]
+  t = q.shape[2]
+  if window is not None and window >= t:
+    window = None  # the band covers everything: take the cheaper global path
   default = default_block_size(t, window)
   block_q = block_q or default
   block_k = block_k or default
   tq, tk = _round_up(t, block_q), _round_up(t, block_k)
-  # [B, T, H, d] -> [B, H, T, d] so that tiles are contiguous slices of T.
-  qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
   pad = lambda x, total, axis: jnp.pad(x, [(0, total - t) if a == axis else (0, 0)
                                            for a in range(x.ndim)])
-  qh, kh, vh = pad(qh, tq, 2), pad(kh, tk, 2), pad(vh, tk, 2)
-  # Padded slots get segment 0: never seen as keys, zero output as queries.
-  segments = (pad(segment_ids, tq, 1), pad(segment_ids, tk, 1))
-  out = _flash(qh, kh, vh, segments, window, block_q, block_k, precision)
-  return jnp.swapaxes(out[:, :, :t], 1, 2)
+  q, k, v = pad(q, tq, 2), pad(k, tk, 2), pad(v, tk, 2)
+  # Padded key slots lie after every real query, so causality alone hides them;
+  # with segments they also get id 0. Padded queries are sliced off.
+  segments = None if segment_ids is None else (pad(segment_ids, tq, 1),
+                                                pad(segment_ids, tk, 1))
+  out = _flash(q, k, v, segments, window, block_q, block_k, precision)
+  return out[:, :, :t]
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                    segment_ids: jax.Array | None, window: int | None,
+                    block_q: int | None = None, block_k: int | None = None,
+                    precision: jax.lax.PrecisionLike = None) -> jax.Array:
+  """`flash_attention_heads_major` for the spec's layout `[B, T, H, d]`."""
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+  out = flash_attention_heads_major(q, k, v, segment_ids=segment_ids, window=window,
+                                    block_q=block_q, block_k=block_k, precision=precision)
+  return jnp.swapaxes(out, 1, 2)
