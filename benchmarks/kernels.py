@@ -1,0 +1,147 @@
+"""Fused IHA kernels vs the XLA path vs materialised pseudo q/k/v + cuDNN attention.
+
+Rows: layer kind (window IHA, global IHA, global MHA) x implementation x pass
+(forward, forward+backward). Reports median milliseconds, TFLOP/s with the
+IHA_SPEC section 2 count (attention core only: visible query-key pairs per head
+x 4d FLOPs forward, x3 for training) and the compiled peak memory
+(arguments + outputs + temporaries - aliases, from `memory_analysis()`).
+
+Implementations:
+- pallas_gpu / pallas_tpu: the fused kernels (pseudo tiles built on chip).
+- xla: the pure-JAX blockwise path (materialises pseudo q/k/v).
+- cudnn: materialised pseudo q/k/v + `jax.nn.dot_product_attention(
+  implementation="cudnn", is_causal=True, local_window_size=...)`.
+Rows that cannot run here print one "skip" line saying why. `--small` runs a
+tiny shape on any backend (Pallas rows in interpret mode off their platform).
+
+  python benchmarks/kernels.py            # paper shape: B=1, N=8192, H=20, d=128, P=4
+  python benchmarks/kernels.py --small    # CPU smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from iha_jax.ops import (apply_rope, collapse_heads, deinterleave, iha_attention, interleave,
+                         mha_attention, pseudo_mix, virtual_positions)
+
+IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "xla", "cudnn")
+
+
+def visible_pairs(t: int, window: int | None) -> int:
+  """Query-key pairs one head computes over a causal sequence of t tokens."""
+  if window is None or window >= t:
+    return t * (t + 1) // 2
+  return window * (window + 1) // 2 + (t - window) * window
+
+
+def attention_flops(b: int, n: int, h: int, d: int, p: int, window: int | None,
+                    train: bool) -> float:
+  """IHA_SPEC 2: 4d FLOPs per visible pair, x3 for forward + backward."""
+  return b * h * visible_pairs(n * p, window) * 4 * d * (3 if train else 1)
+
+
+def cudnn_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, rope_theta=10000.0):
+  """Materialised pipeline: pseudo q/k/v `[B, N*P, H, d]` + cuDNN flash attention."""
+  p = alpha_q.shape[-1]
+  qv, kv, vv = (interleave(pseudo_mix(x, a)) for x, a in ((q, alpha_q), (k, alpha_k),
+                                                          (v, alpha_v)))
+  b, n = q.shape[:2]
+  vpos = virtual_positions(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)), p)
+  qv, kv = apply_rope(qv, vpos, rope_theta), apply_rope(kv, vpos, rope_theta)
+  out = jax.nn.dot_product_attention(
+      qv, kv, vv, is_causal=True, implementation="cudnn",
+      local_window_size=None if window is None else (window - 1, 0))
+  return collapse_heads(deinterleave(out, p), collapse)
+
+
+def layer_fn(kind: str, implementation: str, window: int | None):
+  """f(q, k, v, alphas..., collapse) -> [B, N, H, d] for one layer kind."""
+  if implementation == "cudnn":
+    if kind == "mha":
+      return lambda q, k, v, *_: jax.nn.dot_product_attention(
+          apply_rope(q, _positions(q), 10000.0), apply_rope(k, _positions(q), 10000.0), v,
+          is_causal=True, implementation="cudnn")
+    return lambda *a: cudnn_iha(*a, window=window)
+  if kind == "mha":
+    return lambda q, k, v, *_: mha_attention(q, k, v, implementation=implementation)
+  return lambda *a: iha_attention(*a, window=window, implementation=implementation)
+
+
+def _positions(q):
+  b, n = q.shape[:2]
+  return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+
+
+def skip_reason(implementation: str, small: bool) -> str | None:
+  backend = jax.default_backend()
+  if implementation == "cudnn" and backend != "gpu":
+    return "cuDNN attention needs a CUDA GPU"
+  native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(implementation)
+  if native and backend != native and not small:
+    return f"{implementation} off its platform runs interpreted (use --small)"
+  return None
+
+
+def peak_bytes(compiled) -> int | None:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def bench(fn, args, iters: int) -> tuple[float, int | None]:
+  """(median ms, peak bytes) of a jitted fn."""
+  compiled = jax.jit(fn).lower(*args).compile()
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times), peak_bytes(compiled)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--small", action="store_true", help="tiny shape (CPU smoke test)")
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--dtype", default="bfloat16")
+  cli = parser.parse_args()
+  b, n, h, d, p = (1, 64, 2, 32, 4) if cli.small else (1, 8192, 20, 128, 4)
+  iters = 2 if cli.small else cli.iters
+  dtype = jnp.dtype(cli.dtype)
+  keys = jax.random.split(jax.random.key(0), 7)
+  qkv = [jax.random.normal(keys[i], (b, n, h, d), dtype) for i in range(3)]
+  mixing = [jax.random.normal(keys[3 + i], (h, h, p), dtype) / h for i in range(4)]
+  # IHA_SPEC 2: window layers use N/(2P) virtual tokens.
+  layers = {"window_iha": (p, n // (2 * p)), "global_iha": (p, None), "global_mha": (1, None)}
+  print(f"backend={jax.default_backend()} B={b} N={n} H={h} d={d} P={p} dtype={dtype.name}")
+  print(f"{'layer':<11} {'impl':<11} {'pass':<9} {'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9}")
+  for layer, (pseudo, window) in layers.items():
+    kind = "mha" if layer.endswith("mha") else "iha"
+    args = qkv + ([m[..., :pseudo] for m in mixing] if kind == "iha" else [])
+    for implementation in IMPLEMENTATIONS:
+      reason = skip_reason(implementation, cli.small)
+      for train in (False, True):
+        name = "fwd+bwd" if train else "fwd"
+        if reason:
+          print(f"{layer:<11} {implementation:<11} {name:<9} skip: {reason}")
+          continue
+        f = layer_fn(kind, implementation, window)
+        if train:
+          loss = lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32))
+          f = jax.grad(loss, argnums=tuple(range(len(args))))
+        ms, peak = bench(f, args, iters)
+        tflops = attention_flops(b, n, h, d, pseudo, window, train) / (ms * 1e-3) / 1e12
+        mib = "n/a" if peak is None else f"{peak / 2**20:.1f}"
+        print(f"{layer:<11} {implementation:<11} {name:<9} {ms:9.3f} {tflops:8.2f} {mib:>9}")
+
+
+if __name__ == "__main__":
+  main()

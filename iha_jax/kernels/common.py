@@ -1,0 +1,305 @@
+"""Tile math shared by the Mosaic TPU and Triton GPU kernels.
+
+Everything here works on values already loaded from refs (2-D tiles), using
+only ops both Pallas backends lower: 2-D dots, elementwise math, last-axis
+reductions and scalar reads. The backends differ only in how tiles reach the
+chip (TPU: grid axes + BlockSpec DMAs + VMEM scratch; GPU: loops + pointer
+loads), so the numerics live in one place.
+
+Kernel layouts (built by `iha_jax.kernels.fused` outside the kernels):
+- source q/k/v: `[B, H, Np, W]`, `W = 2 * half`: each RoPE half padded to
+  `half` lanes (rotate-half pairs lane e with lane e + half, and Triton needs
+  power-of-two tile widths), tokens padded to `Np` (segment 0 = padding).
+- mixing: `alpha_*` flattened to `[H_target * H_source * P]` float32, so a
+  coefficient is one scalar read at `(h * H + m) * P + p`.
+- output / its cotangent: `[B, H, P, Np, W]` (de-interleaved); lse / delta:
+  `[B, H, P, Np, 1]` float32.
+
+A tile covers `block` tokens, i.e. `block * P` virtual tokens, kept as P
+"pieces" of `[block, ...]` (piece p holds pseudo-token p of every token, i.e.
+pseudo-major inside the tile). Attention is invariant to the order of rows
+within a tile as long as every mask uses the true virtual index
+`t = n * P + p`, so no in-kernel reshape/interleave is ever needed, and any P
+works (Triton tiles must be powers of two; P need not be).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from iha_jax.ops.masking import MASK_VALUE
+
+Parts = tuple[jax.Array, ...]  # one tile split along lanes: (x1, x2) for q/k, (x,) for v
+
+
+def round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def next_pow2(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static kernel configuration (hashable: it is a custom_vjp nondiff argument).
+
+  Attributes:
+    num_heads: source heads H (all of them feed every target head).
+    num_targets: target heads computed here (H, or the local share under head
+      sharding); alpha_* arrive as `[num_targets, H, P]` flattened.
+    num_pseudo: P (1 for MHA).
+    mixing: False for MHA: head h reads source head h, no alpha, no dalpha.
+    head_dim: the caller's d (sets the softmax scale and the un-padding).
+    half: lanes per RoPE half inside the kernels (>= ceil(d / 2)).
+    block_q, block_k: tile edges in TOKENS (virtual rows = block * P).
+    seq_len: padded token count Np, a multiple of both blocks.
+    window: sliding window in virtual tokens, or None.
+    rope: whether RoPE is applied at virtual positions.
+  """
+  num_heads: int
+  num_targets: int
+  num_pseudo: int
+  mixing: bool
+  head_dim: int
+  half: int
+  block_q: int
+  block_k: int
+  seq_len: int
+  window: int | None
+  rope: bool
+
+  @property
+  def flat_alpha(self) -> int:
+    return self.num_targets * self.num_heads * self.num_pseudo
+
+  @property
+  def width(self) -> int:
+    return 2 * self.half
+
+  @property
+  def scale(self) -> float:
+    return self.head_dim ** -0.5
+
+  @property
+  def num_q_blocks(self) -> int:
+    return self.seq_len // self.block_q
+
+  @property
+  def num_k_blocks(self) -> int:
+    return self.seq_len // self.block_k
+
+
+# --- Block ranges: which tiles the causal / window band touches. -------------------------
+# Tile i of queries covers virtual rows [i*bq*P, (i+1)*bq*P); tile j of keys likewise.
+# `xp` is jnp for traced grid/loop indices and np for static band widths; indices are
+# non-negative, so truncating division (lax.div: Triton-safe) is floor division.
+
+def _div(x, d: int, xp):
+  return x // d if xp is np else lax.div(x, jnp.int32(d))
+
+
+def kv_range(i, cfg: Config, xp=jnp):
+  """Key tiles [lo, hi) visible to query tile i."""
+  bqv, bkv = cfg.block_q * cfg.num_pseudo, cfg.block_k * cfg.num_pseudo
+  hi = xp.minimum(cfg.num_k_blocks, _div((i + 1) * bqv - 1, bkv, xp) + 1)
+  if cfg.window is None:
+    return 0 * hi, hi
+  return _div(xp.maximum(0, i * bqv - cfg.window + 1), bkv, xp), hi
+
+
+def q_range(j, cfg: Config, xp=jnp):
+  """Query tiles [lo, hi) that see key tile j."""
+  bqv, bkv = cfg.block_q * cfg.num_pseudo, cfg.block_k * cfg.num_pseudo
+  lo = _div(j * bkv, bqv, xp)
+  if cfg.window is None:
+    return lo, 0 * lo + cfg.num_q_blocks
+  return lo, xp.minimum(cfg.num_q_blocks, _div((j + 1) * bkv - 1 + cfg.window - 1, bqv, xp) + 1)
+
+
+def max_kv_band(cfg: Config) -> int:
+  """Most key tiles any query tile visits (the TPU grid's key axis)."""
+  lo, hi = kv_range(np.arange(cfg.num_q_blocks), cfg, np)
+  return int(np.max(hi - lo))
+
+
+def max_q_band(cfg: Config) -> int:
+  """Most query tiles any key tile is seen by (the TPU dK/dV grid's query axis)."""
+  lo, hi = q_range(np.arange(cfg.num_k_blocks), cfg, np)
+  return int(np.max(hi - lo))
+
+
+# --- Pseudo tiles: mixing and RoPE on chip. ------------------------------------------------
+
+def coefficient(alpha_ref, h, m, p, cfg: Config) -> jax.Array:
+  """alpha[m, h, p] from the flat `[H*H*P]` layout (h, m may be traced)."""
+  return alpha_ref[(h * cfg.num_heads + m) * cfg.num_pseudo + p]
+
+
+def pseudo_tile(load: Callable[[jax.Array | int], Parts], alpha_ref, h, cfg: Config
+                ) -> list[Parts]:
+  """P pseudo pieces of target head h: `piece[p] = sum_m alpha[m,h,p] * source[m]`, float32.
+
+  `load(m)` returns source head m's tile as lane parts. Without mixing (MHA), the
+  single piece is source head h itself.
+  """
+  if not cfg.mixing:
+    return [tuple(x.astype(jnp.float32) for x in load(h))]
+
+  def add_source(m, pieces):
+    src = [x.astype(jnp.float32) for x in load(m)]
+    return tuple(tuple(acc + coefficient(alpha_ref, h, m, p, cfg) * x for acc, x in zip(piece, src))
+                 for p, piece in enumerate(pieces))
+
+  first = [x.astype(jnp.float32) for x in load(0)]
+  pieces = tuple(tuple(coefficient(alpha_ref, h, 0, p, cfg) * x for x in first)
+                 for p in range(cfg.num_pseudo))
+  return list(lax.fori_loop(1, cfg.num_heads, add_source, pieces))
+
+
+def virtual_position(pos_col: jax.Array, p: int, cfg: Config) -> jax.Array:
+  """RoPE position `pos * P + p` of pseudo piece p, float32 `[rows, 1]`."""
+  return (pos_col * cfg.num_pseudo + p).astype(jnp.float32)
+
+
+def rope(parts: Parts, vpos: jax.Array, inv_freq: jax.Array, *, transpose: bool = False
+         ) -> Parts:
+  """Rotate-half RoPE on lane halves `(x1, x2)`; `transpose` applies R^T (the VJP)."""
+  angles = vpos * inv_freq  # [rows, 1] * [1, half]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  sin = -sin if transpose else sin
+  x1, x2 = parts
+  return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+def rotated_pieces(load, alpha_ref, h, pos_col, inv_freq, cfg: Config, dtype) -> list[Parts]:
+  """Pseudo q or k pieces at virtual positions, cast to the matmul dtype."""
+  pieces = pseudo_tile(load, alpha_ref, h, cfg)
+  if cfg.rope:
+    pieces = [rope(piece, virtual_position(pos_col, p, cfg), inv_freq)
+              for p, piece in enumerate(pieces)]
+  return [tuple(x.astype(dtype) for x in piece) for piece in pieces]
+
+
+def plain_pieces(load, alpha_ref, h, cfg: Config, dtype) -> list[Parts]:
+  """Pseudo v pieces (no RoPE), cast to the matmul dtype."""
+  return [tuple(x.astype(dtype) for x in piece) for piece in pseudo_tile(load, alpha_ref, h, cfg)]
+
+
+# --- Attention on one (query tile, key tile) pair. ------------------------------------------
+
+def _precision(dtype) -> lax.Precision:
+  # float32 inputs get true float32 matmuls (TPU DEFAULT would round to bf16).
+  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+  """2-D matmul contracting a's axis contract[0] with b's axis contract[1], float32 result."""
+  return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                         precision=_precision(a.dtype), preferred_element_type=jnp.float32)
+
+
+def scores(q: Parts, k: Parts, cfg: Config) -> jax.Array:
+  """`[bq, bk]` scaled scores of one piece pair (sum over the lane parts)."""
+  return sum(dot(a, b, (1, 1)) for a, b in zip(q, k)) * cfg.scale
+
+
+def tile_mask(q_tok: jax.Array, k_tok: jax.Array, pq: int, pk: int, seg_q: jax.Array,
+              seg_k: jax.Array, cfg: Config) -> jax.Array:
+  """IHA_SPEC 1.5 on virtual indices: `q_tok, seg_q: [bq, 1]`, `k_tok, seg_k: [1, bk]`."""
+  t = q_tok * cfg.num_pseudo + pq
+  s = k_tok * cfg.num_pseudo + pk
+  mask = (s <= t) & (seg_q == seg_k) & (seg_k != 0)
+  if cfg.window is not None:
+    mask &= t - s < cfg.window
+  return mask
+
+
+def token_index(start, rows: int, axis: int) -> jax.Array:
+  """Absolute token indices of a tile as a column (axis 0) or row (axis 1)."""
+  shape = (rows, 1) if axis == 0 else (1, rows)
+  return start + lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+MaskFn = Callable[[int, int], jax.Array]
+SoftmaxState = list[tuple[jax.Array, jax.Array, jax.Array]]  # per query piece: (m, l, acc)
+
+
+def init_state(cfg: Config) -> SoftmaxState:
+  rows = cfg.block_q
+  return [(jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+           jnp.zeros((rows, cfg.width), jnp.float32)) for _ in range(cfg.num_pseudo)]
+
+
+def forward_tile(state: SoftmaxState, q: Sequence[Parts], k: Sequence[Parts],
+                 v: Sequence[Parts], mask: MaskFn, cfg: Config) -> SoftmaxState:
+  """One online-softmax step of every query piece against every key piece."""
+  out = []
+  for pq, (m_prev, l_prev, acc_prev) in enumerate(state):
+    masks = [mask(pq, pk) for pk in range(cfg.num_pseudo)]
+    s = [jnp.where(mk, scores(q[pq], k[pk], cfg), MASK_VALUE) for pk, mk in enumerate(masks)]
+    m_new = m_prev
+    for s_pk in s:
+      m_new = jnp.maximum(m_new, jnp.max(s_pk, axis=1, keepdims=True))
+    correction = jnp.exp(m_prev - m_new)
+    l_new, acc_new = l_prev * correction, acc_prev * correction
+    for pk, (s_pk, mk) in enumerate(zip(s, masks)):
+      # Explicit zeros: a row with no visible key yet must not count masked keys.
+      p = jnp.where(mk, jnp.exp(s_pk - m_new), 0.0)
+      l_new += jnp.sum(p, axis=1, keepdims=True)
+      acc_new += dot(p.astype(v[pk][0].dtype), v[pk][0], (1, 0))
+    out.append((m_new, l_new, acc_new))
+  return out
+
+
+def finalize(state: SoftmaxState, seg_q: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+  """Per query piece: (output `[bq, W]` float32, lse `[bq, 1]`); padding rows output 0."""
+  out = []
+  for m, l, acc in state:
+    l_safe = jnp.where(l == 0.0, 1.0, l)
+    out.append((jnp.where(seg_q != 0, acc / l_safe, 0.0), m + jnp.log(l_safe)))
+  return out
+
+
+def probs_and_grads(q: Parts, k: Parts, v: Parts, do: jax.Array, lse: jax.Array,
+                    delta: jax.Array, mask: jax.Array, cfg: Config
+                    ) -> tuple[jax.Array, jax.Array]:
+  """FlashAttention-2 backward tile: probabilities p and score gradients ds, `[bq, bk]` f32.
+
+  ds already carries the softmax scale, so `dq = ds @ k` and `dk = ds^T @ q`.
+  """
+  p = jnp.where(mask, jnp.exp(scores(q, k, cfg) - lse), 0.0)
+  dp = dot(do, v[0], (1, 1))
+  return p, p * (dp - delta) * cfg.scale
+
+
+def scatter_to_sources(grads: Sequence[Parts], load: Callable[[jax.Array | int], Parts],
+                       add_to_source: Callable[[jax.Array | int, Parts], None], alpha_ref,
+                       dalpha_ref, h, cfg: Config) -> None:
+  """Backward of `pseudo_tile` for target head h, contracted on chip (no P-sized output).
+
+  `grads[p]` is the float32 gradient of pseudo piece p (before RoPE). Adds
+  `sum_p alpha[m,h,p] * grads[p]` to source head m through `add_to_source(m, parts)`
+  and writes this tile's partial `dalpha[m,h,p] = <source[m], grads[p]>` into the
+  flat `dalpha_ref` (summed over tiles and batch outside the kernel).
+  """
+  if not cfg.mixing:
+    add_to_source(h, grads[0])
+    return
+
+  def body(m, carry):
+    src = [x.astype(jnp.float32) for x in load(m)]
+    update = [sum(coefficient(alpha_ref, h, m, p, cfg) * g[c] for p, g in enumerate(grads))
+              for c in range(len(src))]
+    add_to_source(m, tuple(update))
+    for p, g in enumerate(grads):
+      dalpha_ref[(h * cfg.num_heads + m) * cfg.num_pseudo + p] = sum(
+          jnp.sum(x * gc) for x, gc in zip(src, g))
+    return carry
+
+  lax.fori_loop(0, cfg.num_heads, body, 0)

@@ -1,0 +1,174 @@
+"""Fused IHA / MHA attention: layouts, custom VJP and platform dispatch.
+
+`iha_attention` feeds the SOURCE heads `[B, N, H, d]` and the `[H, H, P]` mixing
+tensors to the Pallas kernels, which build every pseudo q/k/v tile on chip.
+What the custom VJP saves for the backward (the kernel layouts):
+  q, k, v (source, `[B, H, Np, W]`), alpha_* (flat float32), segment ids and
+  positions (`[B, Np]` int32), the kernel output o `[B, H, P, Np, W]` and its
+  float32 log-sum-exp `[B, H, P, Np, 1]`.
+The de-interleaved output o is P times the MHA output (it is what the collapse
+einsum consumes; any flash attention saves its output). No `[B, N*P, H, d]`
+pseudo q/k/v exists in the forward or the backward: the backward kernels
+recompute pseudo tiles and contract their gradients with alpha on chip.
+
+Where the kernels run: `lax.platform_dependent` picks the compiled kernel when
+lowering for its platform (TPU: Mosaic; cuda/rocm: Triton) and the same kernel
+in Pallas interpret mode for any other platform (e.g. CPU), so
+`implementation="pallas_gpu"` works everywhere, and `jax.export` for "tpu" or
+"cuda" from a CPU host emits the real kernels.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from iha_jax.kernels import gpu, tpu
+from iha_jax.kernels.common import Config
+from iha_jax.ops.attention import BlockSizes
+from iha_jax.ops.rope import rope_frequencies
+
+_BACKENDS = {"gpu": gpu, "tpu": tpu}
+
+
+def _run(platform: str, name: str, cfg: Config, *args):
+  """Calls `backend.<name>(cfg, *args)`, compiled on its platform, interpreted elsewhere."""
+  fn = getattr(_BACKENDS[platform], name)
+  compiled = functools.partial(fn, cfg, interpret=False)
+  # Pallas' HLO interpreter: effect-free, so the compiled branch still lowers (and
+  # exports) alongside it. Tests add Mosaic semantics with pltpu.force_tpu_interpret_mode.
+  interpreted = functools.partial(fn, cfg, interpret=True)
+  targets = {"tpu": compiled} if platform == "tpu" else {"cuda": compiled, "rocm": compiled}
+  return lax.platform_dependent(*args, default=interpreted, **targets)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(platform, cfg, alphas, inv_freq, seg, pos, q, k, v):
+  return _attend_fwd(platform, cfg, alphas, inv_freq, seg, pos, q, k, v)[0]
+
+
+def _attend_fwd(platform, cfg, alphas, inv_freq, seg, pos, q, k, v):
+  o, lse = _run(platform, "forward", cfg, alphas, inv_freq, seg, pos, q, k, v)
+  return o, (alphas, inv_freq, seg, pos, q, k, v, o, lse)
+
+
+def _attend_bwd(platform, cfg, residuals, do):
+  alphas, inv_freq, seg, pos, q, k, v, o, lse = residuals
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+  dq, dk, dv, dalpha = _run(platform, "backward", cfg, alphas, inv_freq, seg, pos, q, k, v,
+                            do.astype(q.dtype), lse, delta)
+  # Per-(batch, tile) partial dalpha -> the flat alpha layout.
+  dalphas = tuple(x.reshape(-1, x.shape[-1]).sum(axis=0) for x in dalpha) if cfg.mixing else ()
+  return (dalphas, None, None, None, dq.astype(q.dtype), dk.astype(k.dtype),
+          dv.astype(v.dtype))
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _split_point(d: int) -> int:
+  return (d + 1) // 2  # rotate-half pairs lane e < d/2 with lane e + d/2
+
+
+def _to_kernel(x: jax.Array, cfg: Config) -> jax.Array:
+  """`[B, N, H, d]` -> `[B, H, Np, W]`: each lane half padded to `half`, tokens to Np."""
+  b, n, h, d = x.shape
+  s = _split_point(d)
+  pad = lambda y: jnp.pad(y, ((0, 0), (0, cfg.seq_len - n), (0, 0), (0, cfg.half - y.shape[-1])))
+  return jnp.swapaxes(jnp.concatenate([pad(x[..., :s]), pad(x[..., s:])], axis=-1), 1, 2)
+
+
+def _from_kernel(y: jax.Array, n: int, d: int, cfg: Config) -> jax.Array:
+  """`[B, Np, H, W]` -> `[B, N, H, d]`: drops token and lane padding."""
+  s = _split_point(d)
+  return jnp.concatenate([y[:, :n, :, :s], y[:, :n, :, cfg.half:cfg.half + d - s]], axis=-1)
+
+
+def _tiles(platform: str, n: int, num_pseudo: int, dtype, block_sizes: BlockSizes | None
+           ) -> tuple[int, int, int]:
+  """(block_q, block_k, Np) in tokens from BlockSizes in virtual tokens (multiples of P)."""
+  blocks = []
+  for name in ("block_q", "block_k"):
+    value = getattr(block_sizes, name, None) if block_sizes is not None else None
+    if value is not None and value % num_pseudo:
+      raise ValueError(f"{name} = {value} virtual tokens must be a multiple of P = "
+                       f"{num_pseudo} for the fused kernels (a tile holds whole tokens).")
+    blocks.append(None if value is None else value // num_pseudo)
+  return _BACKENDS[platform].tiles(n, num_pseudo, jnp.dtype(dtype), *blocks)
+
+
+def _config(platform: str, q: jax.Array, num_targets: int, num_pseudo: int, mixing: bool,
+            window: int | None, rope_theta: float | None, block_sizes: BlockSizes | None
+            ) -> Config:
+  _, n, h, d = q.shape
+  block_q, block_k, seq_len = _tiles(platform, n, num_pseudo, q.dtype, block_sizes)
+  return Config(num_heads=h, num_targets=num_targets, num_pseudo=num_pseudo, mixing=mixing,
+                head_dim=d, half=_BACKENDS[platform].half_width(d), block_q=block_q, block_k=block_k,
+                seq_len=seq_len, window=window, rope=rope_theta is not None)
+
+
+def pseudo_outputs(q: jax.Array, k: jax.Array, v: jax.Array,
+                   alphas: tuple[jax.Array, jax.Array, jax.Array] | None, *,
+                   window: int | None, segment_ids: jax.Array, positions: jax.Array,
+                   rope_theta: float | None, platform: str, block_sizes: BlockSizes | None
+                   ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+  """Fused attention over the virtual sequence, de-interleaved, in the kernel layout.
+
+  `alphas = (alpha_q, alpha_k, alpha_v)` `[H, Ht, P]` (all H source heads of q, k, v
+  feed the Ht target heads computed here: Ht = H, or a head shard), or None for
+  plain MHA (Ht = H, P = 1).
+
+  Returns `(o, restore)`: o `[B, Ht, P, Np, W]` (padded tokens and lanes) and
+  `restore`, mapping a collapsed `[B, Np, H', W]` to `[B, N, H', d]`. Collapsing
+  before un-padding keeps o the only P-sized array (also as the einsum's residual).
+  """
+  n, d = q.shape[1], q.shape[3]
+  num_targets, num_pseudo = (q.shape[2], 1) if alphas is None else alphas[0].shape[1:]
+  cfg = _config(platform, q, num_targets, num_pseudo, alphas is not None, window, rope_theta,
+                block_sizes)
+  # Flat (target h, source m, pseudo p) order: one scalar read per coefficient.
+  flat = () if alphas is None else tuple(
+      jnp.swapaxes(a, 0, 1).reshape(-1).astype(jnp.float32) for a in alphas)
+  freq = jnp.zeros((1, cfg.half), jnp.float32)
+  if rope_theta is not None:
+    freq = freq.at[0, :d // 2].set(rope_frequencies(d, rope_theta))
+  pad = lambda x: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, cfg.seq_len - n)))
+  o = _attend(platform, cfg, flat, freq, pad(segment_ids), pad(positions),
+              *(_to_kernel(x, cfg) for x in (q, k, v)))
+  return o, functools.partial(_from_kernel, n=n, d=d, cfg=cfg)
+
+
+def collapse_outputs(o: jax.Array, collapse: jax.Array) -> jax.Array:
+  """IHA_SPEC 1.6 on the kernel layout: `[B, Ht, P, Np, W]` -> `[B, Np, H, W]` float32."""
+  spec = "bgpnd,hgp->bnhd" if collapse.ndim == 3 else "bhpnd,hp->bnhd"
+  return jnp.einsum(spec, o, collapse.astype(o.dtype), preferred_element_type=jnp.float32)
+
+
+def iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
+                  alpha_k: jax.Array, alpha_v: jax.Array, collapse: jax.Array, *,
+                  window: int | None, segment_ids: jax.Array, positions: jax.Array,
+                  rope_theta: float | None, platform: str,
+                  block_sizes: BlockSizes | None) -> jax.Array:
+  """Fused IHA core (IHA_SPEC 1.2-1.6) on source heads `[B, N, H, d]` -> `[B, N, H, d]`.
+
+  Mixing, RoPE at virtual positions and attention run in the kernels; the
+  collapse is an einsum on the kernel's de-interleaved output `[B, H, P, Np, W]`.
+  """
+  o, restore = pseudo_outputs(q, k, v, (alpha_q, alpha_k, alpha_v), window=window,
+                              segment_ids=segment_ids, positions=positions,
+                              rope_theta=rope_theta, platform=platform,
+                              block_sizes=block_sizes)
+  return restore(collapse_outputs(o, collapse)).astype(q.dtype)
+
+
+def mha_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None,
+                  segment_ids: jax.Array, positions: jax.Array, rope_theta: float | None,
+                  platform: str, block_sizes: BlockSizes | None) -> jax.Array:
+  """Causal MHA through the same kernels without mixing (P = 1): `[B, N, H, d]`."""
+  o, restore = pseudo_outputs(q, k, v, None, window=window, segment_ids=segment_ids,
+                              positions=positions, rope_theta=rope_theta, platform=platform,
+                              block_sizes=block_sizes)
+  return restore(jnp.swapaxes(o[:, :, 0], 1, 2))
