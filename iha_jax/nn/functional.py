@@ -9,6 +9,7 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+from flax.linen import with_logical_constraint
 from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.nn.config import AttentionConfig
@@ -21,6 +22,13 @@ QUERY_PROJ = "query_proj"
 KEY_PROJ = "key_proj"
 VALUE_PROJ = "value_proj"
 ATTENTION_OUT = "attention_out"
+
+# Logical activation axes for sharding constraints; no-ops unless a mesh and logical-axis
+# rules are active (`iha_jax.parallel.rules` maps them). IHA mixing contracts over source
+# heads, so its q/k/v are gathered whole over the head axis ("activation_heads_src")
+# before mixing, instead of communicating the P-times larger pseudo-heads.
+SOURCE_HEADS_AXES = ("activation_batch", "activation_length", "activation_heads_src", None)
+HEADS_AXES = ("activation_batch", "activation_length", "activation_heads", None)
 
 
 def check_input(x: jax.Array, cfg: AttentionConfig) -> None:
@@ -59,6 +67,8 @@ def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: Attent
   q = checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p["wq"]), QUERY_PROJ)
   k = checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p["wk"]), KEY_PROJ)
   v = checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p["wv"]), VALUE_PROJ)
+  if cfg.interleaved:
+    q, k, v = (with_logical_constraint(t, SOURCE_HEADS_AXES) for t in (q, k, v))
   options = dict(window=cfg.window, segment_ids=segment_ids, positions=positions,
                  rope_theta=cfg.rope_theta, implementation=cfg.implementation)
   if cfg.interleaved:
@@ -66,5 +76,5 @@ def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: Attent
                       **options)
   else:
     y = mha_attention(q, k, v, **options)
-  y = checkpoint_name(y, ATTENTION_OUT)
+  y = checkpoint_name(with_logical_constraint(y, HEADS_AXES), ATTENTION_OUT)
   return jnp.einsum("bnhd,hdD->bnD", y, p["wo"])

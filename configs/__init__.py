@@ -1,0 +1,1 @@
+"""Training configs (`get_config()` -> ml_collections.ConfigDict), for `train.py --config`."""

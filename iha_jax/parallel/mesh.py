@@ -1,0 +1,57 @@
+"""Device mesh with axes ("data", "fsdp", "tensor") from the `mesh` config section."""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from iha_jax.parallel.rules import MESH_AXES
+
+
+def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
+  """`{"data": a, "fsdp": b, "tensor": c}` with at most one -1 -> concrete `(a, b, c)`.
+
+  -1 takes all devices the other axes leave. The product may be smaller than
+  `num_devices` (the mesh then uses the first devices), never larger.
+
+  Raises:
+    ValueError: naming the `mesh.*` key that is invalid.
+  """
+  shape = []
+  for axis in MESH_AXES:
+    size = sizes[axis]
+    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+      raise ValueError(f"mesh.{axis} must be a positive integer or -1, got {size!r}")
+    shape.append(size)
+  wildcards = [a for a, s in zip(MESH_AXES, shape) if s == -1]
+  if len(wildcards) > 1:
+    raise ValueError(f"at most one mesh axis may be -1, got {', '.join('mesh.' + a for a in wildcards)}")
+  fixed = math.prod(s for s in shape if s != -1)
+  if wildcards:
+    if num_devices % fixed:
+      raise ValueError(f"mesh.{wildcards[0]}=-1: {num_devices} devices are not divisible by the "
+                       f"other axes' product {fixed}")
+    shape[MESH_AXES.index(wildcards[0])] = num_devices // fixed
+  total = math.prod(shape)
+  if total > num_devices:
+    raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {total} devices, "
+                     f"only {num_devices} available (mesh.data * mesh.fsdp * mesh.tensor)")
+  return tuple(shape)
+
+
+def create_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The training mesh; `devices` defaults to `jax.devices()` (all processes).
+
+  Auto axis types: shardings propagate through the step (GSPMD/Shardy) from the
+  in/out shardings and the logical constraints, as MaxText does.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = resolve_mesh_shape(sizes, len(devices))
+  used = math.prod(shape)
+  if used < len(devices) and jax.process_count() > 1:
+    raise ValueError(f"a multi-process mesh must use every device: mesh {shape} uses {used} "
+                     f"of {len(devices)}")
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices[:used])

@@ -1,0 +1,85 @@
+"""Logical-axis rules: the ONE place mapping logical axis names to mesh axes.
+
+Parameters carry logical names (`iha_jax.nn.config`, `iha_jax.models`); activations
+are named by the `ACTIVATION_*` constants below and constrained with
+`flax.linen.with_logical_constraint` (a no-op without rules and a mesh). Mesh axes:
+
+- `data`: pure data parallelism (parameters replicated).
+- `fsdp`: data parallelism with parameters and optimizer state sharded (ZeRO-3).
+- `tensor`: tensor parallelism over attention heads and the MLP width.
+
+IHA under tensor parallelism: the pseudo-head mixing contracts over SOURCE heads, so
+each device needs all H source heads of q, k, v. The layers gather the small
+`[B, N, H, d]` projections over `tensor` (`ACTIVATION_HEADS_SRC` -> replicated) and
+shard the P-times larger pseudo-heads by TARGET head (`heads` of `alpha_*` -> tensor),
+so no `[B, N, H, P, d]` tensor is ever communicated.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+MESH_AXES = (DATA, FSDP, TENSOR)
+BATCH_AXES = (DATA, FSDP)
+
+# Activation names (parameters use the names of iha_jax.nn.config / iha_jax.models).
+ACTIVATION_BATCH = "activation_batch"
+ACTIVATION_LENGTH = "activation_length"
+ACTIVATION_EMBED = "activation_embed"
+ACTIVATION_HEADS = "activation_heads"
+ACTIVATION_HEADS_SRC = "activation_heads_src"
+ACTIVATION_VOCAB = "activation_vocab"
+
+LogicalRules = tuple[tuple[str, Any], ...]
+
+LOGICAL_AXIS_RULES: LogicalRules = (
+    # Parameters.
+    ("embed", FSDP),          # model width D: FSDP shards every [D, ...] matrix.
+    ("heads", TENSOR),        # projection heads and IHA target heads.
+    ("mlp", TENSOR),          # MLP hidden width F.
+    ("vocab", TENSOR),        # embedding rows / output head columns.
+    ("head_dim", None),
+    ("heads_src", None),      # alpha_* source axis: contracted, kept whole.
+    ("heads_dst", None),      # full collapse output head: tiny, replicated.
+    ("pseudo", None),
+    # Activations.
+    (ACTIVATION_BATCH, BATCH_AXES),
+    (ACTIVATION_LENGTH, None),
+    (ACTIVATION_EMBED, None),
+    (ACTIVATION_HEADS, TENSOR),
+    (ACTIVATION_HEADS_SRC, None),  # q/k/v gathered before IHA mixing (see module doc).
+    (ACTIVATION_VOCAB, TENSOR),
+)
+
+_RULES = dict(LOGICAL_AXIS_RULES)
+
+
+def logical_to_mesh_spec(logical: PartitionSpec | None) -> PartitionSpec:
+  """`PartitionSpec` of logical names -> `PartitionSpec` of mesh axes.
+
+  A mesh axis is used at most once per array: a later dimension whose rule names an
+  axis already taken stays unsharded (e.g. `heads` and `mlp` both on `tensor`).
+
+  Raises:
+    ValueError: for a logical name without a rule.
+  """
+  if logical is None:
+    return PartitionSpec()
+  used: set[str] = set()
+  out = []
+  for name in logical:
+    if name is None:
+      out.append(None)
+      continue
+    if name not in _RULES:
+      raise ValueError(f"logical axis {name!r} has no rule in iha_jax/parallel/rules.py; "
+                       f"known: {sorted(_RULES)}")
+    axes = _RULES[name]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    axes = tuple(a for a in axes if a not in used)
+    used.update(axes)
+    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*out)
+

@@ -1,0 +1,50 @@
+"""Shardings of parameters, optimizer state and batches on the training mesh."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from iha_jax.parallel.rules import BATCH_AXES, LOGICAL_AXIS_RULES, logical_to_mesh_spec
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh) -> Iterator[None]:
+  """Makes `mesh` current and the logical-axis rules active, so the layers' activation
+  constraints (`with_logical_constraint`) apply while tracing under it."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+    yield
+
+
+def named_shardings(mesh: Mesh, logical_specs: Any) -> Any:
+  """Tree of logical `PartitionSpec`s -> tree of `NamedSharding`s on `mesh`."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_mesh_spec(spec)),
+                      logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """`[B, N]` batch arrays: rows over ("data", "fsdp"), tokens whole."""
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Fully replicated (scalars, metrics, the step counter)."""
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """This process's rows `[B / process_count, N]` -> global arrays `[B, N]` on `mesh`.
+
+  Every process passes its own, different rows; process p's rows become the p-th
+  block of the global batch (the data pipeline shards by `jax.process_index()`).
+  """
+  sharding = batch_sharding(mesh)
+  out = {}
+  for key, value in local_batch.items():
+    global_shape = (value.shape[0] * jax.process_count(),) + value.shape[1:]
+    out[key] = jax.make_array_from_process_local_data(sharding, value, global_shape)
+  return out

@@ -1,0 +1,160 @@
+"""Training config: validation (fail fast, naming the key) and the model config it implies.
+
+Window keys *(project)*:
+- `model.window`: window of the 'L' (sliding-window IHA) layers in VIRTUAL tokens, or
+  "auto" = the paper's FLOP-matched `data.seq_len / (2 P)` virtual tokens (IHA_SPEC 2),
+  or None when the schedule has no 'L'.
+- `model.mha_window`: window of the 'S' (sliding-window MHA) layers in tokens.
+- `model.vocab_size`: -1 takes the data's vocabulary (`iha_jax.data.vocab_size`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import ml_collections
+
+from iha_jax import data as data_lib
+from iha_jax.models import TransformerConfig
+from iha_jax.parallel import resolve_mesh_shape
+
+REMAT_POLICIES = ("none", "full", "save_projections")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+MODEL_KEYS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_dim",
+              "num_pseudo", "attention_schedule", "window", "mha_window", "rope_theta",
+              "collapse_mode", "tie_embeddings", "dtype", "param_dtype", "remat_policy",
+              "scan_layers", "implementation")
+
+
+class ConfigError(ValueError):
+  """An invalid training config; the message names the offending key."""
+
+
+def _positive_int(config: ml_collections.ConfigDict, key: str, *, minimum: int = 1) -> int:
+  section, name = key.split(".")
+  value = config[section][name]
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
+  return value
+
+
+def resolve_vocab_size(config: ml_collections.ConfigDict) -> int:
+  """`model.vocab_size`, or the data's vocabulary when it is -1."""
+  if config.model.vocab_size == -1:
+    return data_lib.vocab_size(config.data)
+  return config.model.vocab_size
+
+
+def _window(config: ml_collections.ConfigDict) -> int | str | None:
+  """`model.window` as None, "auto" or an int (a `--config.model.window=256` override of
+  the string field "auto" arrives as the string "256")."""
+  window = config.model.window
+  if isinstance(window, str) and window != "auto":
+    try:
+      return int(window)
+    except ValueError:
+      raise ConfigError(f"model.window must be a positive integer, 'auto' or None, "
+                        f"got {window!r}") from None
+  return window
+
+
+def resolve_window(config: ml_collections.ConfigDict) -> int | None:
+  """The 'L' layers' window in virtual tokens ("auto": `seq_len / (2 P)`, at least 1)."""
+  window = _window(config)
+  if window != "auto":
+    return window
+  p = config.model.num_pseudo or config.model.num_heads
+  return max(1, config.data.seq_len // (2 * p))
+
+
+def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
+  """The `TransformerConfig` of `config.model` (+ data vocabulary and "auto" window)."""
+  m = config.model
+  for key in ("dtype", "param_dtype"):
+    if m[key] not in DTYPES:
+      raise ConfigError(f"model.{key} must be one of {sorted(DTYPES)}, got {m[key]!r}")
+  try:
+    return TransformerConfig(
+        vocab_size=resolve_vocab_size(config), num_layers=m.num_layers,
+        model_dim=m.model_dim, num_heads=m.num_heads, head_dim=m.head_dim,
+        mlp_dim=m.mlp_dim, num_pseudo=m.num_pseudo, attention_schedule=m.attention_schedule,
+        iha_window=resolve_window(config), mha_window=m.mha_window, rope_theta=m.rope_theta,
+        collapse_mode=m.collapse_mode, tie_embeddings=m.tie_embeddings,
+        dtype=DTYPES[m.dtype], param_dtype=DTYPES[m.param_dtype],
+        implementation=m.implementation)
+  except ValueError as e:
+    raise ConfigError(f"model: {e}") from e
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> TransformerConfig:
+  """Checks `config` against itself and `num_devices`; returns the model config.
+
+  Raises:
+    ConfigError: naming the first invalid key (`train.batch_size`, `mesh.tensor`, ...).
+  """
+  for section in ("model", "data", "train", "mesh", "checkpoint"):
+    if section not in config:
+      raise ConfigError(f"config has no section {section!r}")
+  unknown = sorted(set(config.model) - set(MODEL_KEYS))
+  if unknown:
+    raise ConfigError(f"unknown model key(s) {', '.join('model.' + k for k in unknown)}; "
+                      f"known: {', '.join(MODEL_KEYS)}")
+  if config.model.remat_policy not in REMAT_POLICIES:
+    raise ConfigError(f"model.remat_policy must be one of {REMAT_POLICIES}, "
+                      f"got {config.model.remat_policy!r}")
+  window = _window(config)
+  if window not in (None, "auto") and (isinstance(window, bool) or not isinstance(window, int)
+                                        or window < 1):
+    raise ConfigError(f"model.window must be a positive integer, 'auto' or None, got {window!r}")
+  model = model_config(config)
+  for key in ("train.batch_size", "train.total_steps", "train.grad_accum_steps",
+              "data.seq_len", "checkpoint.every", "checkpoint.keep"):
+    _positive_int(config, key)
+  _positive_int(config, "train.warmup_steps", minimum=0)
+  for key in ("log_every", "eval_every"):
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ConfigError(f"{key} must be an integer >= 0 (0 disables), got {value!r}")
+  t = config.train
+  if t.warmup_steps > t.total_steps:
+    raise ConfigError(f"train.warmup_steps={t.warmup_steps} exceeds "
+                      f"train.total_steps={t.total_steps}")
+  for key in ("learning_rate", "weight_decay", "grad_clip", "final_learning_rate"):
+    if not isinstance(t[key], (int, float)) or t[key] < 0:
+      raise ConfigError(f"train.{key} must be a number >= 0, got {t[key]!r}")
+  try:
+    data, fsdp, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  if model.num_heads % tensor:
+    raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by "
+                      f"mesh.tensor={tensor}")
+  if t.batch_size % t.grad_accum_steps:
+    raise ConfigError(f"train.grad_accum_steps={t.grad_accum_steps} does not divide "
+                      f"train.batch_size={t.batch_size}")
+  micro = t.batch_size // t.grad_accum_steps
+  if micro % (data * fsdp):
+    raise ConfigError(f"train.batch_size / train.grad_accum_steps = {micro} rows per "
+                      f"microbatch are not divisible by mesh.data * mesh.fsdp = {data * fsdp}")
+  if config.model.scan_layers:
+    period = len(config.model.attention_schedule)
+    if model.num_layers < period:
+      raise ConfigError(f"model.scan_layers needs model.num_layers >= the schedule period "
+                        f"{period} (model.attention_schedule={config.model.attention_schedule!r})")
+  return model
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any],
+                       prefix: str = "") -> list[str]:
+  """`["model.num_layers: 2 (checkpoint) vs 4 (config)", ...]` for every differing leaf."""
+  diffs = []
+  for key in sorted(set(saved) | set(current)):
+    name = f"{prefix}{key}"
+    a, b = saved.get(key, "<missing>"), current.get(key, "<missing>")
+    if isinstance(a, dict) and isinstance(b, dict):
+      diffs += config_differences(a, b, name + ".")
+    elif a != b and not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))
+                         and list(a) == list(b)):
+      diffs.append(f"{name}: {a!r} (checkpoint) vs {b!r} (config)")
+  return diffs
+

@@ -1,0 +1,44 @@
+"""Evaluation pass used by the loop and by eval.py: loss, perplexity, exact match."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from iha_jax import parallel
+from iha_jax.train.model import LanguageModel
+from iha_jax.train.step import make_eval_step
+
+
+class Evaluator:
+  """Compiles the eval step once for a model, mesh and parameter shardings."""
+
+  def __init__(self, model: LanguageModel, mesh: Mesh, param_shardings: Any):
+    self.mesh = mesh
+    with parallel.activate(mesh):
+      self._step = jax.jit(make_eval_step(model),
+                           in_shardings=(param_shardings, parallel.batch_sharding(mesh)),
+                           out_shardings=parallel.replicated(mesh))
+
+  def evaluate(self, params: Any, batches: grain.DatasetIterator) -> dict[str, float]:
+    """One pass over `batches` -> loss, perplexity, token_accuracy, exact_match, examples.
+
+    `exact_match` is the fraction of examples (rows with a weighted target) whose every
+    weighted target token is the argmax prediction.
+    """
+    totals: dict[str, float] = {}
+    with parallel.activate(self.mesh):
+      for local_batch in batches:
+        sums = self._step(params, parallel.shard_batch(local_batch, self.mesh))
+        for key, value in jax.device_get(sums).items():
+          totals[key] = totals.get(key, 0.0) + float(np.asarray(value))
+    weights = max(totals.get("weight_sum", 0.0), 1.0)
+    loss = totals.get("loss_sum", 0.0) / weights
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+            "token_accuracy": totals.get("token_correct", 0.0) / weights,
+            "exact_match": totals.get("exact_match", 0.0) / max(totals.get("examples", 0.0), 1.0),
+            "examples": int(totals.get("examples", 0.0))}

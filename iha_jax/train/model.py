@@ -1,0 +1,133 @@
+"""`TransformerLM` as pure functions of a parameter dict, with remat and scan-over-layers.
+
+The trainer keeps parameters as a plain nested dict (checkpoint-friendly, string keys)
+and rebuilds each `iha_jax.models` module from it with `nnx.merge`, so the layers'
+math is the models package's own. Layout:
+
+    {"embedding": [V, D], "final_norm": {"scale": [D]}, ("lm_head": [D, V]),
+     "layers": {"0": block params, "1": ...},                  # unscanned layers
+     "scanned": {"0": block params stacked [R, ...], ...}}     # scan_layers only
+
+With `scan_layers`, the schedule period `S = len(attention_schedule)` is the scan body:
+layer `r*S + j` (r < R = num_layers // S) lives at `scanned[str(j)][r]`; the remaining
+`num_layers % S` layers stay unscanned under "layers" (e.g. 26 layers of "LLLLM": a scan
+of 5 periods plus one tail layer).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import with_logical_constraint
+from jax.sharding import PartitionSpec
+
+from iha_jax.models import TransformerConfig, TransformerLM
+from iha_jax.nn.functional import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ
+from iha_jax.parallel.rules import (ACTIVATION_BATCH, ACTIVATION_EMBED, ACTIVATION_LENGTH,
+                                    ACTIVATION_VOCAB)
+
+Params = dict[str, Any]
+RESIDUAL_AXES = (ACTIVATION_BATCH, ACTIVATION_LENGTH, ACTIVATION_EMBED)
+LOGITS_AXES = (ACTIVATION_BATCH, ACTIVATION_LENGTH, ACTIVATION_VOCAB)
+
+
+def remat_policy(name: str) -> Callable | None:
+  """Named policy -> `jax.checkpoint` policy ("none" -> no remat at all)."""
+  if name == "full":
+    return jax.checkpoint_policies.nothing_saveable
+  if name == "save_projections":
+    # Saves q/k/v and the attention output: the backward skips re-running projections
+    # and the forward attention core; the MLP is recomputed.
+    return jax.checkpoint_policies.save_only_these_names(
+        QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTENTION_OUT)
+  raise ValueError(f"unknown remat policy {name!r}")
+
+
+class LanguageModel:
+  """Functional wrapper of `TransformerLM(config)` (static: build once per config)."""
+
+  def __init__(self, config: TransformerConfig, *, remat: str = "none",
+               scan_layers: bool = False):
+    self.config = config
+    self.remat = remat
+    self.scan_layers = scan_layers
+    abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
+    self._block_defs = [nnx.split(layer)[0] for layer in abstract.layers]
+    self._norm_def = nnx.split(abstract.final_norm)[0]
+    self.period = len(config.attention_schedule)
+    self.repeats = config.num_layers // self.period if scan_layers else 0
+    self._specs = self._layout(nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(abstract))),
+                               stack=lambda specs: PartitionSpec(None, *specs[0]))
+
+  def _layout(self, pure: dict[Any, Any], stack: Callable[[list], Any]) -> Params:
+    """The model's `nnx.to_pure_dict` state -> this module's parameter layout."""
+    layers = pure["layers"]
+    out = {k: v for k, v in pure.items() if k != "layers"}
+    period, repeats = self.period, self.repeats
+    if repeats:
+      out["scanned"] = {
+          str(j): jax.tree.map(lambda *xs: stack(list(xs)),
+                               *[layers[r * period + j] for r in range(repeats)],
+                               is_leaf=lambda x: isinstance(x, PartitionSpec))
+          for j in range(period)}
+    out["layers"] = {str(i): layers[i] for i in range(repeats * period, self.config.num_layers)}
+    return out
+
+  def init(self, seed: int | jax.Array) -> Params:
+    """Fresh parameters (as `TransformerLM(config, rngs=nnx.Rngs(seed))`)."""
+    model = TransformerLM(self.config, rngs=nnx.Rngs(jax.random.key(seed)))
+    return self._layout(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                        stack=lambda xs: jnp.stack(xs))
+
+  def logical_specs(self) -> Params:
+    """Logical `PartitionSpec` of every parameter (stacked axes unsharded)."""
+    return self._specs
+
+  def _block(self, index: int) -> Callable:
+    """`(block_params, x, segment_ids, positions) -> x` of layer `index`, remat-wrapped."""
+    graphdef = self._block_defs[index]
+
+    def apply(block_params, x, segment_ids, positions):
+      y = nnx.merge(graphdef, block_params)(x, segment_ids=segment_ids, positions=positions)
+      return with_logical_constraint(y, RESIDUAL_AXES)
+
+    if self.remat == "none":
+      return apply
+    return jax.checkpoint(apply, policy=remat_policy(self.remat))
+
+  def apply(self, params: Params, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+            positions: jax.Array | None = None) -> jax.Array:
+    """`tokens: [B, N]` int32 -> float32 logits `[B, N, V]` (as `TransformerLM.__call__`)."""
+    dtype = self.config.dtype
+    # The lookup reads a replicated table (gathered like any FSDP weight): a gather from
+    # a vocab/embed-sharded table would force a full rematerialisation of its output.
+    table = with_logical_constraint(params["embedding"], (None, None))
+    x = jnp.take(table, tokens, axis=0).astype(dtype)
+    x = with_logical_constraint(x, RESIDUAL_AXES)
+    if self.repeats:
+      blocks = [self._block(j) for j in range(self.period)]
+
+      def period_body(x, period_params):
+        for j, block in enumerate(blocks):
+          x = block(period_params[str(j)], x, segment_ids, positions)
+        return x, None
+
+      x, _ = jax.lax.scan(period_body, x, params["scanned"])
+    for key, block_params in sorted(params["layers"].items(), key=lambda kv: int(kv[0])):
+      x = self._block(int(key))(block_params, x, segment_ids, positions)
+    x = nnx.merge(self._norm_def, params["final_norm"])(x)
+    if self.config.tie_embeddings:
+      logits = jnp.einsum("bnD,VD->bnV", x, params["embedding"].astype(dtype),
+                          preferred_element_type=jnp.float32)
+    else:
+      logits = jnp.einsum("bnD,DV->bnV", x, params["lm_head"].astype(dtype),
+                          preferred_element_type=jnp.float32)
+    return with_logical_constraint(logits, LOGITS_AXES)
+
+
+def num_params(config: TransformerConfig) -> int:
+  """Parameter count, from shapes only (no allocation)."""
+  abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
+  return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))

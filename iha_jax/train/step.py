@@ -1,0 +1,108 @@
+"""Loss, the train step (with gradient accumulation and a non-finite guard), the eval step."""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from iha_jax.train.model import LanguageModel, Params
+from iha_jax.train.state import TrainState
+
+Batch = Mapping[str, jax.Array]  # inputs, targets, segment_ids, positions, weights: [B, N]
+
+
+def loss_terms(model: LanguageModel, params: Params, batch: Batch
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Summed weighted cross-entropy (float32) and per-example statistics.
+
+  Returns:
+    `loss_sum` (scalar), and `{"weight_sum": scalar, "correct": [B, N] bool}`; the
+    mean loss is `loss_sum / weight_sum`.
+  """
+  logits = model.apply(params, batch["inputs"], segment_ids=batch["segment_ids"],
+                       positions=batch["positions"])  # [B, N, V] float32
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  weights = batch["weights"].astype(jnp.float32)
+  correct = jnp.argmax(logits, axis=-1) == batch["targets"]
+  return jnp.sum(nll * weights), {"weight_sum": jnp.sum(weights), "correct": correct}
+
+
+def _grads(model: LanguageModel, params: Params, batch: Batch, accum_steps: int
+           ) -> tuple[jax.Array, jax.Array, Params]:
+  """(loss_sum, weight_sum, grads of loss_sum) over `accum_steps` microbatches.
+
+  Microbatch `i` is rows `i::accum_steps`, so every microbatch keeps the batch's
+  ("data", "fsdp") sharding without a reshuffle between devices.
+  """
+  def micro(params, micro_batch):
+    loss_sum, aux = loss_terms(model, params, micro_batch)
+    return loss_sum, aux["weight_sum"]
+
+  grad_fn = jax.value_and_grad(micro, has_aux=True)
+  if accum_steps == 1:
+    (loss_sum, weight_sum), grads = grad_fn(params, batch)
+    return loss_sum, weight_sum, grads
+
+  def split(x: jax.Array) -> jax.Array:  # [B, N] -> [accum, B / accum, N]
+    return jnp.swapaxes(x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]), 0, 1)
+
+  def body(carry, micro_batch):
+    loss_sum, weight_sum, grads = carry
+    (l, w), g = grad_fn(params, micro_batch)
+    return (loss_sum + l, weight_sum + w, jax.tree.map(jnp.add, grads, g)), None
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+  (loss_sum, weight_sum, grads), _ = jax.lax.scan(body, init,
+                                                  jax.tree.map(split, dict(batch)))
+  return loss_sum, weight_sum, grads
+
+
+def make_train_step(model: LanguageModel, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, accum_steps: int
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+  """`(state, batch) -> (new_state, metrics)`; jit it with shardings and donation.
+
+  The loss is the weighted mean over all (micro)batches, identical to one big batch.
+  A non-finite loss or gradient leaves the state unchanged (`metrics["finite"]` is
+  False), so a NaN never reaches the parameters or a checkpoint.
+  """
+
+  def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    loss_sum, weight_sum, grads = _grads(model, state.params, batch, accum_steps)
+    denom = jnp.maximum(weight_sum, 1.0)
+    loss = loss_sum / denom
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    # Select, not cond: both branches are already computed and this keeps shardings.
+    new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
+               "finite": finite, "weight_sum": weight_sum}
+    return new, metrics
+
+  return step
+
+
+def make_eval_step(model: LanguageModel) -> Callable[[Params, Batch], dict[str, jax.Array]]:
+  """`(params, batch) -> sums`: loss_sum, weight_sum, exact-match count and examples.
+
+  An example is a row with any weighted position (tasks are one example per row);
+  it is exactly matched when every weighted target position is predicted right.
+  """
+
+  def step(params: Params, batch: Batch) -> dict[str, jax.Array]:
+    loss_sum, aux = loss_terms(model, params, batch)
+    scored = batch["weights"] > 0
+    has_target = jnp.any(scored, axis=-1)
+    all_right = jnp.all(aux["correct"] | ~scored, axis=-1) & has_target
+    return {"loss_sum": loss_sum, "weight_sum": aux["weight_sum"],
+            "token_correct": jnp.sum(aux["correct"] & scored),
+            "exact_match": jnp.sum(all_right), "examples": jnp.sum(has_target)}
+
+  return step

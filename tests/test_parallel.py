@@ -1,0 +1,89 @@
+"""Mesh construction, logical-axis rules, and IHA's tensor-parallel communication pattern."""
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from iha_jax import parallel
+from iha_jax.nn import InterleavedHeadAttention
+
+
+def test_rules_map_logical_names_to_mesh_axes():
+  assert parallel.logical_to_mesh_spec(P("embed", "heads", "head_dim")) == P("fsdp", "tensor", None)
+  assert parallel.logical_to_mesh_spec(P("heads_src", "heads", "pseudo")) == P(None, "tensor", None)
+  assert parallel.logical_to_mesh_spec(P("activation_batch", None)) == P(("data", "fsdp"), None)
+  # A mesh axis shards at most one dimension of an array.
+  assert parallel.logical_to_mesh_spec(P("heads", "mlp")) == P("tensor", None)
+  with pytest.raises(ValueError, match="'bogus' has no rule"):
+    parallel.logical_to_mesh_spec(P("bogus"))
+
+
+@pytest.mark.parametrize("sizes, devices, expected", [
+    (dict(data=1, fsdp=-1, tensor=1), 8, (1, 8, 1)),
+    (dict(data=2, fsdp=-1, tensor=2), 8, (2, 2, 2)),
+    (dict(data=-1, fsdp=1, tensor=4), 8, (2, 1, 4)),
+    (dict(data=1, fsdp=2, tensor=1), 8, (1, 2, 1)),
+])
+def test_resolve_mesh_shape(sizes, devices, expected):
+  assert parallel.resolve_mesh_shape(sizes, devices) == expected
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(data=4, fsdp=4, tensor=1), "needs 16 devices, only 8"),
+    (dict(data=-1, fsdp=-1, tensor=1), "at most one mesh axis may be -1"),
+    (dict(data=1, fsdp=-1, tensor=3), "mesh.fsdp=-1: 8 devices are not divisible"),
+    (dict(data=0, fsdp=1, tensor=1), "mesh.data must be"),
+])
+def test_resolve_mesh_shape_errors(sizes, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    parallel.resolve_mesh_shape(sizes, 8)
+
+
+def test_create_mesh_axes():
+  mesh = parallel.create_mesh(dict(data=2, fsdp=2, tensor=2))
+  assert mesh.axis_names == ("data", "fsdp", "tensor")
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def _collective_sizes(hlo: str) -> list[int]:
+  """Element counts of the results of every collective in optimized HLO text."""
+  sizes = []
+  for line in hlo.splitlines():
+    match = re.search(r"= (\w+)\[([\d,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|"
+                      r"all-to-all|collective-permute)(-start)?\(", line)
+    if match:
+      dims = [int(x) for x in match.group(2).split(",") if x]
+      sizes.append(int(np.prod(dims)) if dims else 1)
+  return sizes
+
+
+def test_iha_tensor_parallel_communicates_source_heads_not_pseudo_heads():
+  """Under tensor=2, one IHA layer moves at most [B, N, H, d]-sized q/k/v tensors: the
+  P-times larger pseudo-heads [B, N, H, P, d] never cross devices, and the output matches
+  the unsharded layer."""
+  b, n, d_model, h, d, p = 2, 16, 32, 4, 8, 4
+  layer = InterleavedHeadAttention(d_model, h, d, num_pseudo=p, implementation="xla",
+                                   mixing_noise_std=0.1, rngs=nnx.Rngs(0))
+  params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+  specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layer, nnx.Param)))
+  graphdef = nnx.split(layer)[0]
+  x = jax.random.normal(jax.random.key(1), (b, n, d_model))
+  mesh = parallel.create_mesh(dict(data=1, fsdp=1, tensor=2))
+  shardings = parallel.named_shardings(mesh, specs)
+  forward = lambda params, x: nnx.merge(graphdef, params)(x)  # noqa: E731
+  with parallel.activate(mesh):
+    sharded = jax.jit(forward, in_shardings=(shardings, None))
+    hlo = sharded.lower(params, x).compile().as_text()
+    out = sharded(params, x)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(forward(params, x)),
+                             rtol=1e-5, atol=1e-5)
+  sizes = _collective_sizes(hlo)
+  assert sizes, "expected q/k/v all-gathers over the tensor axis"
+  # Gathered q/k/v are [B, N, H, d]; the only larger tensor is the output all-reduce
+  # [B, N, D] of the row-parallel output projection (D = 32 = H*d here).
+  assert max(sizes) <= b * n * max(h * d, d_model) < b * n * h * p * d, sizes

@@ -1,0 +1,165 @@
+"""Training loop on 8 fake CPU devices: learning, sharding invariance, resume, restore, NaN."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from iha_jax import parallel
+from iha_jax.eval import evaluate_workdir
+from iha_jax.train import ConfigError, NonFiniteLossError, train
+from iha_jax.train import checkpoint as ckpt
+from iha_jax.train import config as config_lib
+from iha_jax.train.model import LanguageModel
+from iha_jax.train.optimizer import make_optimizer
+from iha_jax.train.state import abstract_state
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("data"))
+
+
+def make_config(data_dir: str, **overrides):
+  """configs/tiny.py with `section.key=value` overrides (`mesh__fsdp=8`)."""
+  config = tiny.get_config()
+  config.data.data_dir = data_dir
+  for key, value in overrides.items():
+    section, _, name = key.partition("__")
+    if name:
+      config[section][name] = value
+    else:
+      config[section] = value
+  return config
+
+
+def losses(workdir: str) -> dict[int, float]:
+  """Step -> loss from metrics.jsonl (the last record of a step wins)."""
+  out = {}
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    for line in f:
+      record = json.loads(line)
+      out[record["step"]] = record["loss"]
+  return out
+
+
+@pytest.fixture(scope="module")
+def reference_run(data_dir, tmp_path_factory):
+  """An uninterrupted 8-step run on one device, checkpoints every 4 steps."""
+  workdir = str(tmp_path_factory.mktemp("reference"))
+  config = make_config(data_dir, train__total_steps=8, checkpoint__every=4,
+                       mesh__fsdp=1)
+  train(config, workdir)
+  return config, workdir
+
+
+def test_loss_falls(data_dir, tmp_path):
+  config = make_config(data_dir, train__total_steps=40, train__learning_rate=1e-2,
+                       checkpoint__every=40)
+  train(config, str(tmp_path))
+  curve = losses(str(tmp_path))
+  assert len(curve) == 40
+  first, last = np.mean([curve[s] for s in (1, 2, 3)]), np.mean([curve[s] for s in (38, 39, 40)])
+  assert last < first - 0.5, (first, last)
+  record = json.loads(open(tmp_path / "metrics.jsonl", encoding="utf-8").readline())
+  for key in ("loss", "grad_norm", "learning_rate", "tokens_per_sec",
+              "tflops_per_sec_per_device", "mfu"):
+    assert np.isfinite(record[key]) and record[key] >= 0, key
+  assert os.listdir(tmp_path / "tensorboard")
+
+
+@pytest.mark.parametrize("mesh", [dict(data=1, fsdp=8, tensor=1),
+                                  dict(data=2, fsdp=2, tensor=2)])
+def test_sharded_losses_match_one_device(reference_run, tmp_path, mesh):
+  config, workdir = reference_run
+  config = make_config(config.data.data_dir, train__total_steps=8, checkpoint__every=8)
+  config.mesh.update(**mesh)
+  train(config, str(tmp_path))
+  expected, actual = losses(workdir), losses(str(tmp_path))
+  assert sorted(actual) == list(range(1, 9))
+  np.testing.assert_allclose([actual[s] for s in sorted(actual)],
+                             [expected[s] for s in sorted(actual)], rtol=2e-5)
+
+
+def test_resume_reproduces_uninterrupted_run(reference_run, tmp_path):
+  config, workdir = reference_run
+  # The "interrupted" run: only the step-4 checkpoint survives.
+  shutil.copytree(os.path.join(workdir, "checkpoints", "4"),
+                  os.path.join(tmp_path, "checkpoints", "4"))
+  train(config, str(tmp_path))
+  expected, resumed = losses(workdir), losses(str(tmp_path))
+  assert sorted(resumed) == [5, 6, 7, 8]
+  assert [resumed[s] for s in (5, 6, 7, 8)] == [expected[s] for s in (5, 6, 7, 8)]
+
+
+def test_restore_onto_another_mesh(data_dir, tmp_path):
+  """fsdp=8 -> data=2 x tensor=4: same values, new shardings, same continued losses."""
+  config = make_config(data_dir, train__total_steps=6, checkpoint__every=3, mesh__fsdp=8)
+  first = str(tmp_path / "fsdp8")
+  train(config, first)
+  other = str(tmp_path / "dp2_tp4")
+  shutil.copytree(os.path.join(first, "checkpoints", "3"),
+                  os.path.join(other, "checkpoints", "3"))
+  config.mesh.update(data=2, fsdp=1, tensor=4)
+  model = LanguageModel(config_lib.validate(config, 8))
+  mesh = parallel.create_mesh(dict(config.mesh))
+  target, shardings = abstract_state(model, make_optimizer(config.train), mesh)
+  manager = ckpt.make_manager(first)
+  saved = ckpt.restore(manager, 6, abstract_state(
+      model, make_optimizer(config.train), parallel.create_mesh(dict(data=1, fsdp=8, tensor=1)))[0])
+  moved = ckpt.restore(manager, 6, target)
+  manager.close()
+  wq = moved.params["layers"]["0"]["attn"]["wq"]
+  assert wq.sharding.spec == shardings.params["layers"]["0"]["attn"]["wq"].spec
+  assert "tensor" in str(wq.sharding.spec)
+  for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(moved)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  train(config, other)
+  expected, actual = losses(first), losses(other)
+  np.testing.assert_allclose([actual[s] for s in (4, 5, 6)], [expected[s] for s in (4, 5, 6)],
+                             rtol=2e-5)
+
+
+def test_restore_with_incompatible_model_fails(reference_run, tmp_path):
+  config, workdir = reference_run
+  shutil.copytree(os.path.join(workdir, "checkpoints"), os.path.join(tmp_path, "checkpoints"))
+  config = make_config(config.data.data_dir, train__total_steps=8, mesh__fsdp=1,
+                       model__mlp_dim=128, model__num_pseudo=4)
+  with pytest.raises(ConfigError, match=r"model\.mlp_dim: 64 \(checkpoint\) vs 128") as e:
+    train(config, str(tmp_path))
+  assert "model.num_pseudo" in str(e.value)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
+  config = make_config(data_dir, train__total_steps=20, train__learning_rate=1e38,
+                       train__warmup_steps=0, train__grad_clip=0.0, checkpoint__every=1)
+  with pytest.raises(NonFiniteLossError, match="non-finite loss") as e:
+    train(config, str(tmp_path))
+  manager = ckpt.make_manager(str(tmp_path))
+  last_good = manager.latest_step()
+  assert f"last good checkpoint: step {last_good}" in str(e.value)
+  assert f"step {last_good + 1}:" in str(e.value)
+  model = LanguageModel(config_lib.validate(config, 8))
+  target, _ = abstract_state(model, make_optimizer(config.train),
+                             parallel.create_mesh(dict(config.mesh)))
+  state = ckpt.restore(manager, last_good, target)
+  manager.close()
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+  assert max(losses(str(tmp_path))) == last_good
+
+
+def test_eval_workdir_writes_metrics(reference_run):
+  _, workdir = reference_run
+  record = evaluate_workdir(workdir, "test")
+  assert record["step"] == 8 and record["examples"] == 32
+  # 3 answer tokens per example: an exact match needs all of them right.
+  assert 0.0 <= record["exact_match"] <= record["token_accuracy"] <= 1.0
+  assert record["loss"] > 0
+  assert np.isclose(record["perplexity"], np.exp(record["loss"]))
+  with open(os.path.join(workdir, "eval.json"), encoding="utf-8") as f:
+    assert json.load(f) == record

@@ -1,0 +1,43 @@
+"""Trains an IHA / MHA language model: `python train.py --config configs/default.py --workdir DIR`.
+
+Override any config key with `--config.KEY=VALUE` (e.g. `--config.train.total_steps=100`).
+Multi-process: `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (or the
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables), or
+`--distributed` where JAX detects the cluster itself (TPU pod slices, SLURM, Open MPI).
+"""
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from iha_jax import parallel
+from iha_jax.train import metrics
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, TensorBoard.")
+flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0.")
+flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
+flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() with cluster "
+                  "auto-detection (TPU pod slices, SLURM, Open MPI, Kubernetes).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  metrics.quiet_library_logs()
+  # Before any JAX computation: joining a multi-process run must precede backend start.
+  parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                      auto=FLAGS.distributed)
+  from iha_jax.train import ConfigError, NonFiniteLossError, train  # pylint: disable=import-outside-toplevel
+  try:
+    train(FLAGS.config, FLAGS.workdir)
+  except (ConfigError, NonFiniteLossError) as e:
+    logging.error("%s: %s", type(e).__name__, e)
+    sys.exit(f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)
