@@ -52,10 +52,21 @@ class TransformerLM(nnx.Module):
     if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
       raise ValueError(f"tokens must be an integer array [B, N], got shape "
                        f"{tuple(jnp.shape(tokens))} dtype {jnp.result_type(tokens)}")
-    dtype = self.config.dtype
-    x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
+    x = self.embed(tokens)
     for block in self.layers:
       x = block(x, segment_ids=segment_ids, positions=positions)
+    return self.logits(x)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """`tokens: [B, N]` int -> `[B, N, D]` in `config.dtype` (the first block's input)."""
+    return jnp.take(self.embedding[...], tokens, axis=0).astype(self.config.dtype)
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """Last block's output `x: [B, N, D]` -> float32 logits `[B, N, V]` (final norm + head).
+
+    `embed` and `logits` are separate so KV-cache decoding can run the blocks itself.
+    """
+    dtype = self.config.dtype
     x = self.final_norm(x)
     if self.config.tie_embeddings:
       return jnp.einsum("bnD,VD->bnV", x, self.embedding[...].astype(dtype),

@@ -1,0 +1,83 @@
+"""KV-cache decoding: IHA (LLLLM, both cache modes) vs MHA (M), cache bytes and tokens/s.
+
+Builds two small `TransformerLM`s of the same width, depth and heads: the paper's
+schedule LLLLM (window max_len/(2P) virtual tokens, IHA_SPEC 2) and plain M, generates
+greedily with a KV cache, and reports side by side the cache bytes and the decode
+throughput (prefill time subtracted), best of `--repeats`, in one process.
+
+  python benchmarks/decode.py                           # B=4, prompt 64, 448 new tokens
+  python benchmarks/decode.py --iha_schedule I --pseudo 2   # global IHA: source vs pseudo
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from iha_jax.models import TransformerConfig, TransformerLM
+from iha_jax.models.generate import generate, prefill
+
+
+def _best_time(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())  # Compile and warm up.
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--prompt_len", type=int, default=64)
+  parser.add_argument("--new_tokens", type=int, default=448)
+  parser.add_argument("--layers", type=int, default=5)
+  parser.add_argument("--model_dim", type=int, default=256)
+  parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--head_dim", type=int, default=64)
+  parser.add_argument("--pseudo", type=int, default=4)
+  parser.add_argument("--vocab", type=int, default=1024)
+  parser.add_argument("--iha_schedule", default="LLLLM", help="schedule of the IHA model")
+  parser.add_argument("--impl", default="xla", help="attention core of the prefill forward")
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args()
+
+  max_len = args.prompt_len + args.new_tokens
+  iha_window = max(1, max_len // (2 * args.pseudo))
+  common = dict(vocab_size=args.vocab, num_layers=args.layers, model_dim=args.model_dim,
+                num_heads=args.heads, head_dim=args.head_dim, mlp_dim=4 * args.model_dim,
+                implementation=args.impl)
+  prompt = jax.random.randint(jax.random.key(0), (args.batch, args.prompt_len), 0, args.vocab,
+                              jnp.int32)
+  # S layers of a custom --iha_schedule get the same window, in tokens.
+  iha = dict(attention_schedule=args.iha_schedule, num_pseudo=args.pseudo,
+             iha_window=iha_window, mha_window=iha_window)
+  name = f"IHA {args.iha_schedule}"
+  runs = [(name, "source", iha), (name, "pseudo", iha),
+          ("MHA M", "-", dict(attention_schedule="M"))]
+  print(f"backend={jax.default_backend()} B={args.batch} prompt={args.prompt_len} "
+        f"new={args.new_tokens} layers={args.layers} D={args.model_dim} H={args.heads} "
+        f"d={args.head_dim} P={args.pseudo} iha_window={iha_window} virtual tokens")
+  print(f"{'model':<12} {'cache':<7} {'cache bytes':>12} {'prefill ms':>11} "
+        f"{'decode tok/s':>13}")
+  for name, cache_mode, schedule in runs:
+    model = TransformerLM(TransformerConfig(**common, **schedule), rngs=nnx.Rngs(0))
+    mode = "source" if cache_mode == "-" else cache_mode  # MHA caches are the same either way.
+    _, cache = prefill(model, prompt, max_len=max_len, cache_mode=mode)
+    t_prefill = _best_time(lambda: prefill(model, prompt, max_len=max_len, cache_mode=mode),
+                           args.repeats)
+    t_total = _best_time(lambda: generate(model, prompt, max_new_tokens=args.new_tokens,
+                                          cache_mode=mode, max_len=max_len), args.repeats)
+    # generate = prefill + (new_tokens - 1) cached decode steps.
+    tokens_per_s = args.batch * (args.new_tokens - 1) / max(t_total - t_prefill, 1e-9)
+    print(f"{name:<12} {cache_mode:<7} {cache.nbytes:>12,d} {1e3 * t_prefill:>11.1f} "
+          f"{tokens_per_s:>13,.0f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,136 @@
+"""Attention pictures: every head's probabilities over the virtual sequence, as heat-maps.
+
+An IHA layer attends over `T = N*P` virtual tokens (`t = n*P + p`, IHA_SPEC 1.3), so a
+head's map is `[T, T]` and shows P x P blocks: pseudo-query p of token n against the
+pseudo-keys of token m. The maps are a dense recomputation from the layer's parameters
+and its input (O(T^2) memory: for small N); MHA layers give `[N, N]` maps (P = 1).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from iha_jax.models import TransformerLM
+from iha_jax.models.kv_cache import (attention_probs, layer_params, project,
+                                     rotated_pseudo_heads, virtual_per_token)
+from iha_jax.ops import virtual_segment_ids
+
+
+def layer_attention_probs(attn: nnx.Module, x: jax.Array, *,
+                          segment_ids: jax.Array | None = None,
+                          positions: jax.Array | None = None) -> jax.Array:
+  """Attention probabilities of one attention module, float32 `[B, H, T, T]`.
+
+  Args:
+    attn: an `InterleavedHeadAttention` or `MultiHeadAttention`.
+    x: the module's input `[B, N, D]`.
+    segment_ids: optional `[B, N]` int32 (0 = padding: its rows are all zeros).
+    positions: optional `[B, N]` int32 token positions (default `arange(N)`).
+
+  Returns:
+    `probs[b, h, t, s]`: weight of virtual key s in virtual query t of target head h,
+    `T = N*P` (N for MHA); every non-padding row sums to 1.
+  """
+  params, dtype = layer_params(attn)
+  cfg = attn.config
+  q, k, _ = project(params, jnp.asarray(x, dtype))
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+  queries = rotated_pseudo_heads(q, params.get("alpha_q"), positions, cfg)
+  keys = rotated_pseudo_heads(k, params.get("alpha_k"), positions, cfg)
+  index = jnp.arange(queries.shape[1])
+  if segment_ids is None:
+    return attention_probs(queries, keys, index, index, window=cfg.window)
+  segments = virtual_segment_ids(segment_ids, virtual_per_token(cfg))
+  probs = attention_probs(queries, keys, index, index, window=cfg.window, q_segment=segments,
+                          k_segment=segments)
+  return jnp.where((segments != 0)[:, None, :, None], probs, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "layer"))
+def _maps_jit(state, tokens, segment_ids, positions, *, graphdef, layer):
+  model = nnx.merge(graphdef, state)
+  x = model.embed(tokens)
+  for block in model.layers[:layer]:
+    x = block(x, segment_ids=segment_ids, positions=positions)
+  block = model.layers[layer]
+  return layer_attention_probs(block.attn, block.attn_norm(x), segment_ids=segment_ids,
+                               positions=positions)
+
+
+def attention_maps(model: TransformerLM, tokens: jax.Array, *, layer: int,
+                   segment_ids: jax.Array | None = None,
+                   positions: jax.Array | None = None) -> np.ndarray:
+  """Every head's attention probabilities in layer `layer` for one sequence.
+
+  Args:
+    model: the language model.
+    tokens: `[N]` (or `[1, N]`) int token ids.
+    layer: index of the decoder block, `0 <= layer < num_layers`.
+    segment_ids, positions: optional `[N]` (or `[1, N]`) int32, as in the model's forward.
+
+  Returns:
+    float32 `[H, T, T]`, `T = N*P` for an IHA layer (N for MHA); padding rows are zero.
+  """
+  num_layers = model.config.num_layers
+  if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+    raise ValueError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
+
+  def as_row(name, value):
+    if value is None:
+      return None
+    value = jnp.asarray(value)
+    value = value[None] if value.ndim == 1 else value
+    if value.ndim != 2 or value.shape[0] != 1:
+      raise ValueError(f"{name} must be one sequence [N] or [1, N], got shape "
+                       f"{tuple(jnp.shape(value))}")
+    return value.astype(jnp.int32)
+
+  graphdef, state = nnx.split(model)
+  probs = _maps_jit(state, as_row("tokens", tokens), as_row("segment_ids", segment_ids),
+                    as_row("positions", positions), graphdef=graphdef, layer=layer)
+  return np.asarray(probs[0])
+
+
+def plot_attention_maps(probs: np.ndarray, num_pseudo: int, path: str | os.PathLike, *,
+                        title: str | None = None) -> None:
+  """Writes one heat-map panel per head to a PNG file.
+
+  Args:
+    probs: `[H, T, T]` attention probabilities (rows: queries, columns: keys).
+    num_pseudo: P; gridlines every P virtual tokens outline the token blocks.
+    path: output file (PNG).
+    title: optional figure title.
+  """
+  # Imported here so the maps themselves do not need matplotlib; the object-oriented
+  # Figure API renders with Agg without touching pyplot's global backend.
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+
+  probs = np.asarray(probs)
+  if probs.ndim != 3 or probs.shape[1] != probs.shape[2]:
+    raise ValueError(f"probs must have shape [H, T, T], got {probs.shape}")
+  if isinstance(num_pseudo, bool) or not isinstance(num_pseudo, int) or num_pseudo < 1 \
+      or probs.shape[1] % num_pseudo:
+    raise ValueError(f"num_pseudo must be a positive integer dividing T={probs.shape[1]}, "
+                     f"got {num_pseudo!r}")
+  heads, t = probs.shape[:2]
+  fig = Figure(figsize=(3.2 * heads + 1.0, 3.4), layout="constrained")
+  axes = fig.subplots(1, heads, squeeze=False)[0]
+  for head, ax in enumerate(axes):
+    image = ax.imshow(probs[head], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+    for edge in np.arange(num_pseudo, t, num_pseudo) - 0.5:  # Token boundaries.
+      ax.axhline(edge, color="white", linewidth=0.4)
+      ax.axvline(edge, color="white", linewidth=0.4)
+    ax.set_title(f"head {head}")
+    ax.set_xlabel("key (virtual token)")
+    if head == 0:
+      ax.set_ylabel("query (virtual token)")
+  fig.colorbar(image, ax=list(axes), shrink=0.8, label="probability")
+  if title is not None:
+    fig.suptitle(title)
+  fig.savefig(path, format="png", dpi=120)

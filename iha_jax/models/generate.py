@@ -1,0 +1,182 @@
+"""Autoregressive generation with a KV cache for `TransformerLM`.
+
+`prefill` runs the full forward over the prompt (its logits are the model's) and fills
+the caches; `decode_step` feeds one token per call; `generate` jit-compiles prefill plus
+a `lax.scan` over the new tokens with static cache shapes. All rows of a batch share one
+position (prompts of equal length, no padding); positions are `arange` as in the
+default full forward. See `iha_jax.models.kv_cache` for the cache layouts.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from iha_jax.models.kv_cache import (KVCache, check_cache_mode, decode_layer, init_cache,
+                                     prefill_layer)
+from iha_jax.models.transformer import TransformerLM
+
+
+def _check_tokens(tokens: jax.Array, name: str) -> None:
+  if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+    raise ValueError(f"{name} must be an integer array [B, L], got shape "
+                     f"{tuple(jnp.shape(tokens))} dtype {jnp.result_type(tokens)}")
+  if jnp.shape(tokens)[1] < 1:
+    raise ValueError(f"{name} must hold at least one token per row, got shape "
+                     f"{tuple(jnp.shape(tokens))}")
+
+
+def _prefill(model: TransformerLM, tokens: jax.Array, max_len: int,
+             cache_mode: str) -> tuple[jax.Array, KVCache]:
+  cache = init_cache(model.config, tokens.shape[0], max_len, cache_mode)
+  x = model.embed(tokens)
+  layers = []
+  for block, layer_cache in zip(model.layers, cache.layers):
+    layers.append(prefill_layer(block.attn, block.attn_norm(x), layer_cache, cache_mode))
+    x = block(x)
+  length = jnp.asarray(tokens.shape[1], jnp.int32)
+  return model.logits(x), cache.replace(layers=tuple(layers), length=length)
+
+
+def _decode_step(model: TransformerLM, token: jax.Array,
+                 cache: KVCache) -> tuple[jax.Array, KVCache]:
+  x = model.embed(token[:, None])
+  layers = []
+  for block, layer_cache in zip(model.layers, cache.layers):
+    # DecoderBlock's pre-norm residual structure, with cached attention.
+    y, layer_cache = decode_layer(block.attn, block.attn_norm(x), layer_cache, cache.length,
+                                  cache.mode)
+    layers.append(layer_cache)
+    x = x + y
+    x = x + block.mlp(block.mlp_norm(x))
+  return model.logits(x)[:, 0], cache.replace(layers=tuple(layers), length=cache.length + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "cache_mode"))
+def _prefill_jit(state, tokens, *, graphdef, max_len, cache_mode):
+  return _prefill(nnx.merge(graphdef, state), tokens, max_len, cache_mode)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _decode_step_jit(state, token, cache, *, graphdef):
+  return _decode_step(nnx.merge(graphdef, state), token, cache)
+
+
+def prefill(model: TransformerLM, tokens: jax.Array, *, max_len: int,
+            cache_mode: str = "source") -> tuple[jax.Array, KVCache]:
+  """Runs the prompt through the model and returns its logits and a filled cache.
+
+  Args:
+    model: the language model.
+    tokens: prompt `[B, L0]` int.
+    max_len: total tokens the cache must hold (prompt plus every token fed later).
+    cache_mode: "source" or "pseudo" layout of the IHA layers.
+
+  Returns:
+    `(logits [B, L0, V] float32, cache)` with `cache.length == L0`.
+  """
+  check_cache_mode(cache_mode)
+  _check_tokens(tokens, "tokens")
+  if tokens.shape[1] > max_len:
+    raise ValueError(f"tokens has {tokens.shape[1]} tokens per row, longer than the cache "
+                     f"(max_len={max_len})")
+  graphdef, state = nnx.split(model)
+  return _prefill_jit(state, tokens, graphdef=graphdef, max_len=max_len, cache_mode=cache_mode)
+
+
+def decode_step(model: TransformerLM, token: jax.Array,
+                cache: KVCache) -> tuple[jax.Array, KVCache]:
+  """Feeds one token per row at position `cache.length`.
+
+  `token: [B]` int. Returns `(logits [B, V] float32, cache)` with the token written. The
+  caller keeps `cache.length < cache.max_len` (the length is traced, so not checked here).
+  """
+  batch = cache.layers[0].k.shape[0]
+  if jnp.shape(token) != (batch,) or not jnp.issubdtype(jnp.result_type(token), jnp.integer):
+    raise ValueError(f"token must be an integer array [B={batch}], got shape "
+                     f"{tuple(jnp.shape(token))} dtype {jnp.result_type(token)}")
+  graphdef, state = nnx.split(model)
+  return _decode_step_jit(state, jnp.asarray(token, jnp.int32), cache, graphdef=graphdef)
+
+
+def sample_tokens(logits: jax.Array, rng: jax.Array, *, temperature: float,
+                  top_k: int | None) -> jax.Array:
+  """Next tokens `[B]` int32 from `logits: [B, V]`: argmax when `temperature == 0`, else
+  a categorical draw from `softmax(logits / temperature)`, restricted to the `top_k` best."""
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / temperature
+  if top_k is not None:
+    kth_best = jax.lax.top_k(logits, top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth_best, -jnp.inf, logits)
+  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len",
+                                             "cache_mode", "temperature", "top_k"))
+def _generate_jit(state, prompt, rng, *, graphdef, max_new_tokens, max_len, cache_mode,
+                  temperature, top_k):
+  model = nnx.merge(graphdef, state)
+  sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k)
+  keys = jax.random.split(rng, max_new_tokens)
+  logits, cache = _prefill(model, prompt, max_len, cache_mode)
+  first = sample(logits[:, -1], keys[0])
+
+  def step(carry, key):
+    token, cache = carry
+    logits, cache = _decode_step(model, token, cache)
+    token = sample(logits, key)
+    return (token, cache), token
+
+  # The last sampled token is never fed back: max_new_tokens - 1 decode steps.
+  _, rest = jax.lax.scan(step, (first, cache), keys[1:])
+  return jnp.concatenate([prompt, first[:, None], rest.T.astype(prompt.dtype)], axis=1)
+
+
+def generate(model: TransformerLM, prompt_tokens: jax.Array, *, max_new_tokens: int,
+             cache_mode: str = "source", temperature: float = 0.0, top_k: int | None = None,
+             rng: jax.Array | None = None, max_len: int | None = None) -> jax.Array:
+  """Continues every prompt by `max_new_tokens` tokens with a KV cache.
+
+  Args:
+    model: the language model.
+    prompt_tokens: `[B, L0]` int, equal-length prompts.
+    max_new_tokens: tokens to generate, >= 1.
+    cache_mode: "source" (IHA caches source-head k/v, `[B, S, H, d]`) or "pseudo"
+      (rotated pseudo-keys and pseudo-values, `[B, S*P, H, d]`).
+    temperature: 0 is greedy (argmax); > 0 samples from `softmax(logits / temperature)`.
+    top_k: sample only among the `top_k` most likely tokens (None = all).
+    rng: PRNG key, required when `temperature > 0`; the same key gives the same tokens.
+    max_len: cache capacity in tokens, default `L0 + max_new_tokens`.
+
+  Returns:
+    `[B, L0 + max_new_tokens]` tokens: the prompt, then the generated tokens.
+  """
+  check_cache_mode(cache_mode)
+  _check_tokens(prompt_tokens, "prompt_tokens")
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+  prompt_len = prompt_tokens.shape[1]
+  max_len = prompt_len + max_new_tokens if max_len is None else max_len
+  if prompt_len > max_len:
+    raise ValueError(f"prompt_tokens has {prompt_len} tokens per row, longer than the cache "
+                     f"(max_len={max_len})")
+  if prompt_len + max_new_tokens > max_len:
+    raise ValueError(f"max_new_tokens={max_new_tokens} after a {prompt_len}-token prompt "
+                     f"exceeds the cache (max_len={max_len})")
+  if not temperature >= 0.0:
+    raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+  if temperature > 0.0 and rng is None:
+    raise ValueError("rng must be a PRNG key when temperature > 0")
+  vocab = model.config.vocab_size
+  if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                            or not 1 <= top_k <= vocab):
+    raise ValueError(f"top_k must be None or an integer in [1, {vocab}], got {top_k!r}")
+  rng = jax.random.key(0) if rng is None else rng  # Unused by greedy decoding.
+  graphdef, state = nnx.split(model)
+  return _generate_jit(state, jnp.asarray(prompt_tokens), rng, graphdef=graphdef,
+                       max_new_tokens=max_new_tokens, max_len=max_len, cache_mode=cache_mode,
+                       temperature=float(temperature), top_k=top_k)

@@ -1,0 +1,252 @@
+"""KV caches and per-layer cached attention for decoding `TransformerLM` (IHA_SPEC 1.2-1.7).
+
+Every layer's cache is a ring buffer over token slots: token `n` lives in slot
+`n % C`. Global layers use `C = max_len` (the ring never wraps); window layers keep
+only the tokens a window can see (`window_tokens`). Two layouts for IHA layers:
+
+- "source": the SOURCE-head k and v before mixing and RoPE, `[B, C, H, d]` (the size
+  of an MHA cache). Every step rebuilds the pseudo-keys and pseudo-values from them
+  (mix with alpha_k / alpha_v, RoPE at virtual positions `pos*P + p`).
+- "pseudo": the rotated pseudo-keys and the pseudo-values, `[B, C*P, H, d]` (P times
+  larger; slot c holds virtual tokens `c*P .. c*P+P-1`), so a step only mixes and
+  rotates the new token.
+
+MHA layers (M, S) always store rotated keys and values, `[B, C, H, d]`, which is the
+"pseudo" layout with P = 1 and no mixing. The new token's pseudo-queries sit at virtual
+indices `n*P + p` and see keys through `iha_jax.ops.visible` (flat causal over the
+virtual sequence, plus the window), so decoding computes the full forward's function.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from iha_jax.models.config import TransformerConfig
+from iha_jax.nn import AttentionConfig, param_specs
+from iha_jax.ops import (apply_rope, collapse_heads, deinterleave, interleave, pseudo_mix,
+                         virtual_positions, visible)
+from iha_jax.ops.masking import MASK_VALUE
+
+CACHE_MODES = ("source", "pseudo")
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class LayerCache(struct.PyTreeNode):
+  """One layer's ring buffer: `k, v: [B, C, H, d]` ("source" IHA or MHA) or `[B, C*P, H, d]`."""
+  k: jax.Array
+  v: jax.Array
+
+
+class KVCache(struct.PyTreeNode):
+  """The caches of every layer of a `TransformerLM` and the number of tokens written.
+
+  Attributes:
+    layers: one `LayerCache` per decoder block.
+    length: int32 scalar, tokens written so far = position of the next token.
+    mode: "source" or "pseudo" (layout of the IHA layers), static.
+    max_len: tokens the cache can hold in all (capacity of the global layers), static.
+  """
+  layers: tuple[LayerCache, ...]
+  length: jax.Array
+  mode: str = struct.field(pytree_node=False)
+  max_len: int = struct.field(pytree_node=False)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of all cached keys and values."""
+    return sum(leaf.nbytes for layer in self.layers for leaf in (layer.k, layer.v))
+
+
+def check_cache_mode(cache_mode: str) -> None:
+  """Raises ValueError naming `cache_mode` unless it is one of `CACHE_MODES`."""
+  if cache_mode not in CACHE_MODES:
+    raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
+
+
+def virtual_per_token(cfg: AttentionConfig) -> int:
+  """Virtual tokens per token: P for an IHA layer, 1 for an MHA layer."""
+  return cfg.pseudo if cfg.interleaved else 1
+
+
+def _stores_source(cfg: AttentionConfig, mode: str) -> bool:
+  return cfg.interleaved and mode == "source"
+
+
+def window_tokens(cfg: AttentionConfig, max_len: int) -> int:
+  """Token slots C of a layer's ring buffer.
+
+  A window of `w` virtual tokens lets query `n*P + p` see keys down to `n*P - w + 1`,
+  which belong to tokens `n - ceil((w-1)/P) .. n`: `ceil((w-1)/P) + 1` tokens (`w` for
+  MHA, P = 1). Global layers, and windows longer than the sequence, need `max_len`.
+  """
+  if cfg.window is None:
+    return max_len
+  span = -(-(cfg.window - 1) // virtual_per_token(cfg)) + 1
+  return min(span, max_len)
+
+
+def slot_tokens(position: jax.Array, capacity: int) -> jax.Array:
+  """Token held by each of `capacity` slots once token `position` is written, `[C]` int32.
+
+  Slot j holds the latest token `t <= position` with `t % C == j`; negative = empty.
+  """
+  return position - jnp.mod(position - jnp.arange(capacity, dtype=jnp.int32), capacity)
+
+
+def layer_params(attn: nnx.Module) -> tuple[dict[str, jax.Array], Any]:
+  """An attention module's parameters cast to its computation dtype, and that dtype.
+
+  Mirrors `iha_jax.nn.attention_forward`: `cfg.dtype`, or the promoted parameter dtype.
+  """
+  cfg = attn.config
+  raw = {name: getattr(attn, name)[...] for name in param_specs(cfg)}
+  dtype = jnp.result_type(*raw.values()) if cfg.dtype is None else cfg.dtype
+  return {name: jnp.asarray(value, dtype) for name, value in raw.items()}, dtype
+
+
+def project(params: Mapping[str, jax.Array], x: jax.Array) -> tuple[jax.Array, ...]:
+  """Source-head projections of `x: [B, N, D]`: q, k, v `[B, N, H, d]`."""
+  return tuple(jnp.einsum("bnD,Dhd->bnhd", x, params[name]) for name in ("wq", "wk", "wv"))
+
+
+def pseudo_heads(x: jax.Array, alpha: jax.Array | None) -> jax.Array:
+  """Source heads `[B, N, H, d]` -> interleaved pseudo-heads `[B, N*P, H, d]` (None: MHA, x)."""
+  if alpha is None:
+    return x
+  return interleave(pseudo_mix(x, alpha, precision=_HIGHEST))
+
+
+def rotated_pseudo_heads(x: jax.Array, alpha: jax.Array | None, positions: jax.Array,
+                         cfg: AttentionConfig) -> jax.Array:
+  """Pseudo-heads of `x: [B, N, H, d]`, rotated at virtual positions `pos*P + p`.
+
+  `positions: [B, N]` token positions. Returns `[B, N*P, H, d]` (`[B, N, H, d]` for MHA).
+  """
+  xv = pseudo_heads(x, alpha)
+  if cfg.rope_theta is None:
+    return xv
+  return apply_rope(xv, virtual_positions(positions, virtual_per_token(cfg)), cfg.rope_theta)
+
+
+def attention_probs(q: jax.Array, k: jax.Array, q_index: jax.Array, k_index: jax.Array, *,
+                    window: int | None, q_segment: jax.Array | None = None,
+                    k_segment: jax.Array | None = None,
+                    k_valid: jax.Array | None = None) -> jax.Array:
+  """Softmax attention probabilities over a flat virtual sequence, float32 `[B, H, Tq, Tk]`.
+
+  Args:
+    q: rotated queries `[B, Tq, H, d]`; k: rotated keys `[B, Tk, H, d]`.
+    q_index, k_index: flat virtual indices `[Tq]`, `[Tk]` (masked by `ops.visible`).
+    window: sliding window in virtual tokens, or None.
+    q_segment, k_segment: optional segment ids `[B, Tq]`, `[B, Tk]` (0 = padding).
+    k_valid: optional `[Tk]` bool, False for empty cache slots.
+  """
+  scale = q.shape[-1] ** -0.5
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32),
+                      precision=_HIGHEST) * scale
+  q_seg = None if q_segment is None else q_segment[:, None, :, None]
+  k_seg = None if k_segment is None else k_segment[:, None, None, :]
+  mask = visible(q_index[:, None], k_index[None, :], q_seg, k_seg, window)
+  if k_valid is not None:
+    mask &= k_valid
+  return jax.nn.softmax(jnp.where(mask, scores, MASK_VALUE), axis=-1)
+
+
+def init_layer_cache(cfg: AttentionConfig, batch: int, max_len: int, mode: str,
+                     dtype: Any) -> LayerCache:
+  """An empty ring buffer for a layer (zeros; slots are masked until written)."""
+  per_token = 1 if _stores_source(cfg, mode) else virtual_per_token(cfg)
+  shape = (batch, window_tokens(cfg, max_len) * per_token, cfg.num_heads, cfg.head_dim)
+  return LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def init_cache(config: TransformerConfig, batch: int, max_len: int, mode: str) -> KVCache:
+  """Empty caches for every layer of a model with `config` (computation dtype)."""
+  check_cache_mode(mode)
+  layers = tuple(init_layer_cache(config.attention_config(letter), batch, max_len, mode,
+                                  config.dtype) for letter in config.schedule)
+  return KVCache(layers=layers, length=jnp.zeros((), jnp.int32), mode=mode, max_len=max_len)
+
+
+def _write(buf: jax.Array, new: jax.Array, start: jax.Array, per_token: int) -> jax.Array:
+  """Writes tokens `start .. start+n-1` into a ring buffer, keeping the last C of them.
+
+  `buf: [B, C*per_token, H, d]`, `new: [B, n*per_token, H, d]`; token t goes to slot t % C.
+  """
+  b, size, h, d = buf.shape
+  capacity, n = size // per_token, new.shape[1] // per_token
+  kept = min(n, capacity)  # Older tokens would be overwritten anyway; keeps slots unique.
+  new = new[:, (n - kept) * per_token:].reshape(b, kept, per_token, h, d).astype(buf.dtype)
+  slots = jnp.mod(start + n - kept + jnp.arange(kept, dtype=jnp.int32), capacity)
+  return buf.reshape(b, capacity, per_token, h, d).at[:, slots].set(new).reshape(buf.shape)
+
+
+def _cache_entries(params: Mapping[str, jax.Array], cfg: AttentionConfig, mode: str,
+                   k: jax.Array, v: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+  """What a layer caches for source k, v `[B, n, H, d]` at token `positions: [B, n]`."""
+  if _stores_source(cfg, mode):
+    return k, v
+  alpha_k, alpha_v = (params.get(name) for name in ("alpha_k", "alpha_v"))
+  return rotated_pseudo_heads(k, alpha_k, positions, cfg), pseudo_heads(v, alpha_v)
+
+
+def prefill_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, mode: str) -> LayerCache:
+  """Writes the keys and values of tokens `0 .. L0-1` into an empty layer cache.
+
+  `x: [B, L0, D]` is the layer's normalised input (the attention module's input).
+  """
+  params, dtype = layer_params(attn)
+  cfg = attn.config
+  _, k, v = project(params, jnp.asarray(x, dtype))
+  positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+  k, v = _cache_entries(params, cfg, mode, k, v, positions)
+  per_token = k.shape[1] // x.shape[1]
+  start = jnp.zeros((), jnp.int32)
+  return LayerCache(k=_write(cache.k, k, start, per_token), v=_write(cache.v, v, start, per_token))
+
+
+def decode_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, position: jax.Array,
+                 mode: str) -> tuple[jax.Array, LayerCache]:
+  """Attention output of one new token at `position`, and the cache with it written.
+
+  Args:
+    attn: the layer's `InterleavedHeadAttention` or `MultiHeadAttention`.
+    x: the token's normalised layer input `[B, 1, D]`.
+    cache: the layer's cache holding tokens `< position`.
+    position: int32 scalar, the token's position.
+    mode: "source" or "pseudo".
+
+  Returns:
+    `([B, 1, D], cache)`, equal to the full forward's output at `position`.
+  """
+  params, dtype = layer_params(attn)
+  cfg = attn.config
+  p = virtual_per_token(cfg)
+  alpha = {name: params.get(name) for name in ("alpha_q", "alpha_k", "alpha_v")}
+  q, k, v = project(params, jnp.asarray(x, dtype))
+  pos = jnp.full(x.shape[:2], position, jnp.int32)
+  k_new, v_new = _cache_entries(params, cfg, mode, k, v, pos)
+  per_token = k_new.shape[1]
+  cache = LayerCache(k=_write(cache.k, k_new, position, per_token),
+                     v=_write(cache.v, v_new, position, per_token))
+  tokens = slot_tokens(position, cache.k.shape[1] // per_token)  # [C]
+  if _stores_source(cfg, mode):
+    # Rebuild every cached token's pseudo-keys/values: less memory, more work per step.
+    slot_pos = jnp.broadcast_to(tokens, (x.shape[0], tokens.shape[0]))
+    keys = rotated_pseudo_heads(cache.k, alpha["alpha_k"], slot_pos, cfg)
+    values = pseudo_heads(cache.v, alpha["alpha_v"])
+  else:
+    keys, values = cache.k, cache.v
+  queries = rotated_pseudo_heads(q, alpha["alpha_q"], pos, cfg)  # [B, P, H, d]
+  q_index = virtual_positions(pos[:1], p)[0]
+  k_index = virtual_positions(tokens[None], p)[0]
+  probs = attention_probs(queries, keys, q_index, k_index, window=cfg.window,
+                          k_valid=jnp.repeat(tokens >= 0, p))
+  out = jnp.einsum("bhqk,bkhd->bqhd", probs, values.astype(jnp.float32),
+                   precision=_HIGHEST).astype(dtype)
+  if cfg.interleaved:
+    out = collapse_heads(deinterleave(out, p), params["collapse"], precision=_HIGHEST)
+  return jnp.einsum("bnhd,hdD->bnD", out, params["wo"]), cache

@@ -1,0 +1,156 @@
+"""KV-cache decoding of `TransformerLM`: cached logits equal the full forward's, sampling."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from iha_jax.models import TransformerConfig, TransformerLM
+from iha_jax.models.generate import decode_step, generate, prefill
+from iha_jax.models.kv_cache import window_tokens
+from iha_jax.nn import AttentionConfig
+
+B, N, V, D, H, HEAD_DIM, F, P = 2, 14, 37, 32, 2, 8, 48, 2
+IHA_WINDOW, MHA_WINDOW = 5, 3  # Ring buffers of 3 tokens each: N wraps them several times.
+
+
+@functools.lru_cache(maxsize=None)
+def _model(schedule: str, **kw) -> TransformerLM:
+  base = dict(vocab_size=V, num_layers=len(schedule), model_dim=D, num_heads=H,
+              head_dim=HEAD_DIM, mlp_dim=F, num_pseudo=P, attention_schedule=schedule,
+              iha_window=IHA_WINDOW, mha_window=MHA_WINDOW, implementation="reference")
+  config = TransformerConfig(**{**base, **kw})
+  return TransformerLM(config, rngs=nnx.Rngs(len(schedule)))
+
+
+def _tokens(seed: int, length: int = N) -> jax.Array:
+  return jax.random.randint(jax.random.key(seed), (B, length), 0, V, jnp.int32)
+
+
+def _assert_logits_close(actual, expected, what: str) -> None:
+  np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-5, atol=1e-5,
+                             err_msg=what)
+
+
+def _teacher_forced(model: TransformerLM, tokens: jax.Array, prefix: int,
+                    cache_mode: str) -> jax.Array:
+  """Prefill `prefix` tokens, then feed the rest one at a time: logits `[B, N, V]`."""
+  logits, cache = prefill(model, tokens[:, :prefix], max_len=tokens.shape[1],
+                          cache_mode=cache_mode)
+  steps = [logits]
+  for n in range(prefix, tokens.shape[1]):
+    step_logits, cache = decode_step(model, tokens[:, n], cache)
+    steps.append(step_logits[:, None])
+  assert int(cache.length) == tokens.shape[1]
+  return jnp.concatenate(steps, axis=1)
+
+
+CASES = [
+    ("I", {}), ("L", {}), ("M", {}), ("S", {}),
+    ("LMSI", dict(implementation="xla")),
+    # P=3 with H=2, per-head collapse, no RoPE, untied head, a window of 4 virtual tokens.
+    ("LI", dict(num_pseudo=3, collapse_mode="per_head", rope_theta=None, tie_embeddings=False,
+                iha_window=4)),
+]
+
+
+@pytest.mark.parametrize("cache_mode", ["source", "pseudo"])
+@pytest.mark.parametrize("schedule,kw", CASES, ids=[c[0] for c in CASES])
+def test_cached_logits_equal_full_forward(schedule, kw, cache_mode):
+  model = _model(schedule, **kw)
+  tokens = _tokens(1)
+  expected = model(tokens)
+  _assert_logits_close(_teacher_forced(model, tokens, 4, cache_mode), expected,
+                       f"{schedule} {cache_mode}, prefill 4")
+
+
+def test_prefill_longer_than_window_then_decode():
+  # The prompt alone overflows every ring buffer (3 tokens), and the last steps wrap again.
+  model = _model("LLSM")
+  tokens = _tokens(2)
+  expected = model(tokens)
+  for cache_mode in ("source", "pseudo"):
+    _assert_logits_close(_teacher_forced(model, tokens, 9, cache_mode), expected,
+                         f"{cache_mode}, prefill 9")
+
+
+def test_cache_layouts_and_sizes():
+  model = _model("LMSI")
+  tokens = _tokens(3, 6)
+  _, source = prefill(model, tokens, max_len=10, cache_mode="source")
+  _, pseudo = prefill(model, tokens, max_len=10, cache_mode="pseudo")
+  # Ring slots in tokens: L ceil((5-1)/2)+1 = 3, M 10, S 3, I 10.
+  assert [c.k.shape for c in source.layers] == [(B, s, H, HEAD_DIM) for s in (3, 10, 3, 10)]
+  assert [c.k.shape for c in pseudo.layers] == [(B, s, H, HEAD_DIM) for s in (6, 10, 3, 20)]
+  source_iha = sum(source.layers[i].k.nbytes * 2 for i in (0, 3))
+  pseudo_iha = sum(pseudo.layers[i].k.nbytes * 2 for i in (0, 3))
+  assert pseudo_iha == P * source_iha
+  assert pseudo.nbytes - pseudo_iha == source.nbytes - source_iha  # MHA layers: same cache.
+
+
+@pytest.mark.parametrize("window,interleaved,num_pseudo,expected", [
+    (5, True, 2, 3), (4, True, 2, 3), (3, True, 2, 2), (2, True, 2, 2), (1, True, 2, 1),
+    (7, True, 3, 3), (3, False, None, 3), (None, True, 2, 40), (500, True, 2, 40),
+])
+def test_window_tokens(window, interleaved, num_pseudo, expected):
+  cfg = AttentionConfig(8, 2, 4, interleaved=interleaved, num_pseudo=num_pseudo, window=window)
+  assert window_tokens(cfg, 40) == expected
+
+
+@pytest.mark.parametrize("cache_mode", ["source", "pseudo"])
+def test_greedy_generation_is_argmax_of_full_forward(cache_mode):
+  model = _model("LMSI")
+  prompt = _tokens(4, 3)
+  out = generate(model, prompt, max_new_tokens=9, cache_mode=cache_mode)
+  assert out.shape == (B, 12)
+  np.testing.assert_array_equal(np.asarray(out[:, :3]), np.asarray(prompt))
+  expected = jnp.argmax(model(out), axis=-1)[:, 2:-1]
+  np.testing.assert_array_equal(np.asarray(out[:, 3:]), np.asarray(expected))
+
+
+def test_sampling_is_deterministic_per_key_and_respects_top_k():
+  model = _model("LM")
+  prompt = _tokens(5, 3)
+  sample = functools.partial(generate, model, prompt, max_new_tokens=10, temperature=1.0)
+  first = sample(rng=jax.random.key(7))
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(sample(rng=jax.random.key(7))))
+  assert not np.array_equal(np.asarray(first), np.asarray(sample(rng=jax.random.key(8))))
+  # Every top-k draw is among the k most likely tokens of the full forward at its position.
+  top3 = np.asarray(sample(rng=jax.random.key(9), top_k=3, temperature=2.0))
+  ranks = np.argsort(-np.asarray(model(jnp.asarray(top3))), axis=-1)[:, 2:-1, :3]
+  assert all(top3[b, n + 3] in ranks[b, n] for b in range(B) for n in range(10))
+  greedy = generate(model, prompt, max_new_tokens=10)
+  top1 = sample(rng=jax.random.key(10), top_k=1)
+  np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(cache_mode="rotated"), "cache_mode"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_len=3), "prompt_tokens.*longer than the cache"),
+    (dict(max_len=6), "max_new_tokens=4 .*exceeds the cache"),
+    (dict(temperature=0.5), "rng"),
+    (dict(top_k=V + 1), "top_k"),
+    (dict(temperature=-1.0), "temperature"),
+])
+def test_generate_rejects_bad_arguments(kwargs, match):
+  args = {**dict(max_new_tokens=4), **kwargs}
+  with pytest.raises(ValueError, match=match):
+    generate(_model("M"), _tokens(0, 4), **args)
+
+
+def test_prefill_rejects_bad_arguments():
+  model = _model("M")
+  with pytest.raises(ValueError, match="cache_mode"):
+    prefill(model, _tokens(0, 4), max_len=8, cache_mode="full")
+  with pytest.raises(ValueError, match="tokens has 4 tokens.*longer than the cache"):
+    prefill(model, _tokens(0, 4), max_len=3)
+  with pytest.raises(ValueError, match="tokens must be an integer array"):
+    prefill(model, jnp.zeros((B, 4)), max_len=8)
+  _, cache = prefill(model, _tokens(0, 4), max_len=8)
+  with pytest.raises(ValueError, match=r"token must be an integer array \[B=2\]"):
+    decode_step(model, _tokens(0, 1), cache)
