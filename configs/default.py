@@ -24,6 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
       num_heads=4,
       head_dim=16,
       mlp_dim=256,
+      mlp_type="swiglu",            # swiglu | gelu (2-matrix)
       num_pseudo=FieldReference(2, field_type=int),  # P; None = H (the paper's default)
       attention_schedule="LM",      # I/L = global/window IHA, M/S = global/window MHA
       # 'L' layers, in virtual tokens; "auto" = seq_len / (2P); None: no 'L' layers.

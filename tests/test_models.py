@@ -59,6 +59,7 @@ def test_expand_schedule_errors(schedule, num_layers, match):
     (dict(num_pseudo=0), "num_pseudo"),
     (dict(collapse_mode="diag"), "collapse_mode"),
     (dict(norm_eps=0.0), "norm_eps"),
+    (dict(mlp_type="relu"), "mlp_type"),
 ])
 def test_config_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -184,3 +185,14 @@ def test_jit_grad_step(collapse_mode):
     assert np.abs(np.asarray(grads["layers"][0]["attn"][name][...])).max() > 0, name
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
     assert np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
+
+
+def test_gelu_mlp_has_two_matrices_and_trains():
+  cfg = _config(attention_schedule="LM", mlp_type="gelu", implementation="xla")
+  model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+  shapes = jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  assert shapes["layers"][0]["mlp"] == {"w_up": (D, F), "w_down": (F, D)}
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 6), 0, V)
+  grads = nnx.grad(lambda m: jnp.mean(m(tokens) ** 2))(model)
+  for leaf in jax.tree.leaves(nnx.to_pure_dict(grads["layers"][0]["mlp"])):
+    assert jnp.all(jnp.isfinite(leaf)) and jnp.any(leaf != 0)

@@ -63,6 +63,10 @@ def test_paper_configs_build_at_2p4b_without_allocating(module, schedule):
   config = module.get_config()
   model_cfg = validate(config, 128)
   assert model_cfg.attention_schedule == schedule and model_cfg.num_layers == 26
+  # IHA_SPEC 4: width 2560, H = 20, d = 128, MLP 10240, vocabulary 128256, theta 500000.
+  assert (model_cfg.model_dim, model_cfg.num_heads, model_cfg.head_dim) == (2560, 20, 128)
+  assert (model_cfg.mlp_dim, model_cfg.mlp_type) == (10240, "gelu")
+  assert (model_cfg.vocab_size, model_cfg.rope_theta) == (128256, 500000.0)
   abstract = nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(0)))
   leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)

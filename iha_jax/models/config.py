@@ -17,6 +17,9 @@ SCHEDULE_LETTERS = {
 }
 
 
+MLP_TYPES = ("swiglu", "gelu")
+
+
 def expand_schedule(schedule: str, num_layers: int) -> str:
   """Repeats/truncates `schedule` to one letter per layer.
 
@@ -47,7 +50,7 @@ class TransformerConfig:
     model_dim: D.
     num_heads: H.
     head_dim: d.
-    mlp_dim: F, hidden width of the SwiGLU MLP.
+    mlp_dim: F, hidden width of the MLP.
     num_pseudo: P for the IHA layers; None means P = H.
     attention_schedule: one letter per layer, repeated to `num_layers`: I (global IHA),
       L (sliding-window IHA), M (global MHA), S (sliding-window MHA).
@@ -60,6 +63,8 @@ class TransformerConfig:
     param_dtype: storage dtype of the parameters.
     implementation: attention core backend, see `iha_jax.ops`.
     norm_eps: RMSNorm epsilon.
+    mlp_type: "swiglu" (`w_gate, w_up: [D, F]`, `w_down: [F, D]`) or "gelu"
+      (`w_up: [D, F]`, `w_down: [F, D]`).
   """
   vocab_size: int
   num_layers: int
@@ -78,12 +83,15 @@ class TransformerConfig:
   param_dtype: Any = jnp.float32
   implementation: str = "auto"
   norm_eps: float = 1e-6
+  mlp_type: str = "swiglu"
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "mlp_dim"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if self.mlp_type not in MLP_TYPES:
+      raise ValueError(f"mlp_type must be one of {MLP_TYPES}, got {self.mlp_type!r}")
     if not self.norm_eps > 0:
       raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
     try:

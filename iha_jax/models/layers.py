@@ -56,6 +56,29 @@ class SwiGLU(nnx.Module):
     return jnp.einsum("bnF,FD->bnD", jax.nn.silu(gate) * up, self.w_down[...].astype(self.dtype))
 
 
+class GeluMLP(nnx.Module):
+  """`w_down(gelu(x @ w_up))` with `w_up: [D, F]`, `w_down: [F, D]` (the 2-matrix MLP)."""
+
+  def __init__(self, model_dim: int, mlp_dim: int, *, dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32,
+               kernel_init: jax.nn.initializers.Initializer = DEFAULT_KERNEL_INIT,
+               rngs: nnx.Rngs):
+    self.dtype = dtype
+    self.w_up = logical_param(kernel_init, (EMBED, MLP), rngs.params(), (model_dim, mlp_dim),
+                              param_dtype)
+    self.w_down = logical_param(kernel_init, (MLP, EMBED), rngs.params(), (mlp_dim, model_dim),
+                                param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """`x: [B, N, D]` -> `[B, N, D]` in `dtype`."""
+    x = x.astype(self.dtype)
+    up = jnp.einsum("bnD,DF->bnF", x, self.w_up[...].astype(self.dtype))
+    return jnp.einsum("bnF,FD->bnD", jax.nn.gelu(up), self.w_down[...].astype(self.dtype))
+
+
+MLPS = {"swiglu": SwiGLU, "gelu": GeluMLP}
+
+
 def make_attention(config: TransformerConfig, letter: str, *,
                    rngs: nnx.Rngs) -> InterleavedHeadAttention | MultiHeadAttention:
   """The attention module of a layer with schedule letter `letter` (I, L, M or S)."""
@@ -81,8 +104,8 @@ class DecoderBlock(nnx.Module):
     self.attn_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
     self.attn = make_attention(config, letter, rngs=rngs)
     self.mlp_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
-    self.mlp = SwiGLU(config.model_dim, config.mlp_dim, dtype=config.dtype,
-                      param_dtype=config.param_dtype, rngs=rngs)
+    self.mlp = MLPS[config.mlp_type](config.model_dim, config.mlp_dim, dtype=config.dtype,
+                                     param_dtype=config.param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array:

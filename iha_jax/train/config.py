@@ -21,7 +21,7 @@ from iha_jax.parallel import resolve_mesh_shape
 REMAT_POLICIES = ("none", "full", "save_projections")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 MODEL_KEYS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_dim",
-              "num_pseudo", "attention_schedule", "window", "mha_window", "rope_theta",
+              "mlp_type", "num_pseudo", "attention_schedule", "window", "mha_window", "rope_theta",
               "collapse_mode", "tie_embeddings", "dtype", "param_dtype", "remat_policy",
               "scan_layers", "implementation")
 
@@ -77,7 +77,7 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     return TransformerConfig(
         vocab_size=resolve_vocab_size(config), num_layers=m.num_layers,
         model_dim=m.model_dim, num_heads=m.num_heads, head_dim=m.head_dim,
-        mlp_dim=m.mlp_dim, num_pseudo=m.num_pseudo, attention_schedule=m.attention_schedule,
+        mlp_dim=m.mlp_dim, mlp_type=m.mlp_type, num_pseudo=m.num_pseudo, attention_schedule=m.attention_schedule,
         iha_window=resolve_window(config), mha_window=m.mha_window, rope_theta=m.rope_theta,
         collapse_mode=m.collapse_mode, tie_embeddings=m.tie_embeddings,
         dtype=DTYPES[m.dtype], param_dtype=DTYPES[m.param_dtype],

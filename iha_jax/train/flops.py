@@ -3,7 +3,7 @@
 Per token and layer (D width, H heads, d head width, P pseudo-heads, F MLP width):
 - projections q, k, v, o: `4 * 2*D*H*d`;
 - IHA mixing `2*3*H*H*P*d` and collapse `2*H*H*P*d` (full) or `2*H*P*d` (per_head);
-- MLP (SwiGLU): `3 * 2*D*F`;
+- MLP: `3 * 2*D*F` (SwiGLU) or `2 * 2*D*F` (GELU);
 per sequence and layer, the attention core: unmasked query-key pairs per head times
 `4*d` (QK and PV), over `T = N*P` virtual tokens (IHA) or `N` tokens (MHA); causal
 `T(T+1)/2` pairs, a window `w` layer `sum_t min(t+1, w)`. Plus the output head
@@ -49,7 +49,8 @@ def forward_flops_per_sequence(config: TransformerConfig, seq_len: int) -> float
   per_sequence = 0
   for letter in c.schedule:
     acfg = c.attention_config(letter)
-    per_token += 4 * 2 * big_d * h * d + 3 * 2 * big_d * c.mlp_dim
+    mlp_matrices = 3 if c.mlp_type == "swiglu" else 2
+    per_token += 4 * 2 * big_d * h * d + mlp_matrices * 2 * big_d * c.mlp_dim
     if acfg.interleaved:
       p = acfg.num_pseudo or h
       collapse = h * h * p if acfg.collapse_mode == "full" else h * p
