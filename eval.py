@@ -1,8 +1,16 @@
-"""Evaluates a training run: `python eval.py --workdir DIR [--split test]`.
+"""Evaluates training runs on the current devices.
 
-Restores the latest checkpoint of DIR with the config saved in it, reports loss,
-perplexity, token accuracy and exact match (all weighted target positions of an example
-right) on the split, and writes DIR/eval.json.
+  python eval.py --workdir DIR [--split test] [--step N] [--mesh data:1,fsdp:-1,tensor:1]
+      restores the latest (or --step) checkpoint of DIR with the config saved in it and
+      writes DIR/eval.json: loss, perplexity, token accuracy, exact match.
+  python eval.py --workdir IHA --workdir MHA --sweep_lengths=128,256,512 --out_dir OUT
+      exact match of each run's retrieval task at each context length:
+      OUT/length_sweep.json and OUT/length_sweep.png.
+  python eval.py --workdir DIR --attention_layer=0 --out_dir OUT
+      every head's attention in that layer for one test example: OUT/<run>_layer0.png.
+
+The mesh is --mesh, else the run's saved mesh when it fits the devices, else all devices
+on fsdp (checkpoints restore onto any mesh).
 """
 import json
 
@@ -12,9 +20,15 @@ from iha_jax import parallel
 from iha_jax.train import metrics
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
+flags.DEFINE_multi_string("workdir", None, "Run directory written by train.py (repeatable).")
 flags.DEFINE_string("split", "test", "Dataset split to evaluate.")
 flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+flags.DEFINE_string("mesh", None, "Mesh override, e.g. data:1,fsdp:-1,tensor:1.")
+flags.DEFINE_list("sweep_lengths", None, "Context lengths of the retrieval sweep.")
+flags.DEFINE_integer("sweep_examples", 128, "Examples per length in the sweep.")
+flags.DEFINE_integer("attention_layer", None, "Layer whose attention maps to draw.")
+flags.DEFINE_integer("attention_example", 0, "Index of the example to draw.")
+flags.DEFINE_string("out_dir", None, "Output directory of the sweep and the pictures.")
 flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
@@ -27,8 +41,25 @@ def main(argv):
   metrics.quiet_library_logs()
   parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                       auto=FLAGS.distributed)
-  from iha_jax.eval import evaluate_workdir  # pylint: disable=import-outside-toplevel
-  print(json.dumps(evaluate_workdir(FLAGS.workdir, FLAGS.split, FLAGS.step), indent=2))
+  # pylint: disable-next=import-outside-toplevel
+  from iha_jax.eval import attention_pictures, evaluate_workdir, length_sweep, parse_mesh
+  mesh = None if FLAGS.mesh is None else parse_mesh(FLAGS.mesh)
+  needs_out_dir = FLAGS.sweep_lengths is not None or FLAGS.attention_layer is not None
+  if needs_out_dir and not FLAGS.out_dir:
+    raise app.UsageError("--out_dir is required with --sweep_lengths or --attention_layer")
+  if FLAGS.sweep_lengths is not None:
+    result = length_sweep(FLAGS.workdir, FLAGS.sweep_lengths, FLAGS.out_dir,
+                          num_examples=FLAGS.sweep_examples, split=FLAGS.split,
+                          step=FLAGS.step, mesh=mesh)
+    print(json.dumps(result, indent=2))
+  if FLAGS.attention_layer is not None:
+    for workdir in FLAGS.workdir:
+      print(attention_pictures(workdir, FLAGS.attention_layer, FLAGS.out_dir,
+                               split=FLAGS.split, example=FLAGS.attention_example,
+                               step=FLAGS.step, mesh=mesh))
+  if not needs_out_dir:
+    for workdir in FLAGS.workdir:
+      print(json.dumps(evaluate_workdir(workdir, FLAGS.split, FLAGS.step, mesh), indent=2))
 
 
 if __name__ == "__main__":

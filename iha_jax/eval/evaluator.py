@@ -1,45 +1,155 @@
-"""eval.py's evaluator: restore a run's checkpoint, evaluate one split, write eval.json."""
+"""eval.py's core: restore a run's checkpoint onto the current mesh, evaluate a split,
+draw attention pictures.
+
+A checkpoint restores onto any mesh (Orbax reshards to the target shardings), so the
+mesh is chosen for the devices present now: `--mesh` when given, else the mesh saved in
+the run's config when it fits, else every device on the fsdp axis.
+"""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
+import math
 import os
 from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
+from jax.sharding import Mesh
 
 from iha_jax import data as data_lib
 from iha_jax import parallel
+from iha_jax.eval.attention_maps import attention_maps, plot_attention_maps
+from iha_jax.models import TransformerConfig
+from iha_jax.parallel.rules import MESH_AXES
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train import inputs
 from iha_jax.train.evaluate import Evaluator
-from iha_jax.train.model import LanguageModel
+from iha_jax.train.model import LanguageModel, Params
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
 
+FALLBACK_MESH = {"data": 1, "fsdp": -1, "tensor": 1}
 
-def evaluate_workdir(workdir: str, split: str = "test", step: int | None = None
-                     ) -> dict[str, Any]:
-  """Restores `workdir`'s checkpoint `step` (default latest) with the config saved in it,
-  evaluates `split`, writes `workdir/eval.json` (process 0) and returns the record."""
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """`"data:1,fsdp:-1,tensor:1"` -> mesh sizes; axes left out are 1."""
+  sizes = dict.fromkeys(MESH_AXES, 1)
+  for item in filter(None, (part.strip() for part in text.split(","))):
+    axis, _, size = item.partition(":")
+    if axis not in MESH_AXES:
+      raise ValueError(f"--mesh={text!r}: unknown axis {axis!r}; axes: {', '.join(MESH_AXES)}")
+    try:
+      sizes[axis] = int(size)
+    except ValueError:
+      raise ValueError(f"--mesh={text!r}: {axis} needs an integer size, got {size!r}") from None
+  return sizes
+
+
+def _mesh_problem(sizes: dict[str, int], model: TransformerConfig, num_devices: int
+                  ) -> str | None:
+  """Why `sizes` cannot serve `model` on `num_devices` devices (None: it can)."""
+  try:
+    data, fsdp, tensor = parallel.resolve_mesh_shape(sizes, num_devices)
+  except ValueError as e:
+    return str(e)
+  if model.num_heads % tensor:
+    return f"num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}"
+  if jax.process_count() > 1 and data * fsdp * tensor != num_devices:
+    return f"a multi-process mesh must use all {num_devices} devices"
+  return None
+
+
+def choose_mesh(saved: dict[str, int], model: TransformerConfig, num_devices: int,
+                override: dict[str, int] | None = None) -> dict[str, int]:
+  """`override` (must fit), else `saved` if it fits, else `FALLBACK_MESH`."""
+  if override is not None:
+    problem = _mesh_problem(override, model, num_devices)
+    if problem:
+      raise ValueError(f"--mesh {override} does not fit {num_devices} devices: {problem}")
+    return override
+  problem = _mesh_problem(saved, model, num_devices)
+  if problem is None:
+    return saved
+  logging.warning("the saved mesh %s does not fit %d devices (%s); using %s", saved,
+                  num_devices, problem, FALLBACK_MESH)
+  return dict(FALLBACK_MESH)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredRun:
+  """A run's checkpoint restored onto the current devices (parameters only kept)."""
+  workdir: str
+  step: int
+  config: ml_collections.ConfigDict
+  model: LanguageModel
+  mesh: Mesh
+  params: Params
+  param_shardings: Any
+
+  @property
+  def name(self) -> str:
+    return os.path.basename(os.path.normpath(self.workdir))
+
+  @property
+  def eval_batch_size(self) -> int:
+    """The training batch, rounded up to fill every batch shard and process."""
+    rows = math.lcm(self.mesh.shape["data"] * self.mesh.shape["fsdp"], jax.process_count())
+    return -(-self.config.train.batch_size // rows) * rows
+
+  @functools.cached_property
+  def evaluator(self) -> Evaluator:
+    # One jit: each new sequence length (sweep) retraces it, with the same shardings.
+    return Evaluator(self.model, self.mesh, self.param_shardings)
+
+  def evaluate(self, config: ml_collections.ConfigDict, split: str) -> dict[str, float]:
+    """Metrics of one pass over `split` of `config.data` (prepared first if needed)."""
+    inputs.prepare(config)
+    return self.evaluator.evaluate(self.params,
+                                   inputs.eval_iterator(config, split, self.eval_batch_size))
+
+
+def restore_run(workdir: str, step: int | None = None, mesh: dict[str, int] | None = None
+                ) -> RestoredRun:
+  """Restores `workdir`'s checkpoint `step` (default: the latest) with the config saved
+  in it, onto `mesh` or the mesh `choose_mesh` picks for the current devices."""
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f"--workdir {workdir!r} is not a directory")
   manager = ckpt.make_manager(workdir)
-  step = manager.latest_step() if step is None else step
-  if step is None:
-    raise FileNotFoundError(f"no checkpoint in {ckpt.checkpoint_dir(workdir)}")
-  config: ml_collections.ConfigDict = ckpt.restore_config(manager, step)
-  model_cfg = config_lib.validate(config, jax.device_count())
-  model = LanguageModel(model_cfg, remat="none", scan_layers=config.model.scan_layers)
-  mesh = parallel.create_mesh(dict(config.mesh))
-  target, shardings = abstract_state(model, make_optimizer(config.train), mesh)
-  state = ckpt.restore(manager, step, target)
-  manager.close()
-  inputs.prepare(config)
-  metrics = Evaluator(model, mesh, shardings.params).evaluate(
-      state.params, inputs.eval_iterator(config, split))
-  chance = _chance_exact_match(config)
-  record = {"step": int(step), "split": split, "dataset": config.data.name, **metrics}
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise FileNotFoundError(f"--workdir {workdir!r}: no checkpoint in "
+                              f"{ckpt.checkpoint_dir(workdir)}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+      raise ValueError(f"--step={step}: {workdir!r} has checkpoints at steps {steps}")
+    config = ckpt.restore_config(manager, step)
+    model_cfg = config_lib.model_config(config)
+    sizes = choose_mesh(dict(config.mesh), model_cfg, jax.device_count(), mesh)
+    model = LanguageModel(model_cfg, remat="none", scan_layers=config.model.scan_layers)
+    device_mesh = parallel.create_mesh(sizes)
+    target, shardings = abstract_state(model, make_optimizer(config.train), device_mesh)
+    state = ckpt.restore(manager, step, target)
+  finally:
+    manager.close()
+  return RestoredRun(workdir=workdir, step=int(step), config=config, model=model,
+                     mesh=device_mesh, params=state.params, param_shardings=shardings.params)
+
+
+def evaluate_workdir(workdir: str, split: str = "test", step: int | None = None,
+                     mesh: dict[str, int] | None = None) -> dict[str, Any]:
+  """Restores `workdir`'s checkpoint (see `restore_run`), evaluates `split`, writes
+  `workdir/eval.json` (process 0) and returns the record."""
+  run = restore_run(workdir, step, mesh)
+  config = run.config
+  record = {"step": run.step, "split": split, "dataset": config.data.name,
+            "mesh": dict(run.mesh.shape), **run.evaluate(config, split)}
+  chance = chance_exact_match(config)
   if chance is not None:
     record["chance_exact_match"] = chance
   if jax.process_index() == 0:
@@ -49,9 +159,45 @@ def evaluate_workdir(workdir: str, split: str = "test", step: int | None = None
   return record
 
 
-def _chance_exact_match(config: ml_collections.ConfigDict) -> float | None:
+def chance_exact_match(config: ml_collections.ConfigDict) -> float | None:
   """Exact match of uniform guessing, for the multi-key retrieval task (else None)."""
   if not config.data.name.startswith("multikey_retrieval"):
     return None
   task = data_lib.builder_config(config.data.name, dict(config.data.options or {}))
   return float(task.num_value_tokens) ** (-task.value_len * task.num_queries)
+
+
+def attention_pictures(workdir: str, layer: int, out_dir: str, *, split: str = "test",
+                       example: int = 0, step: int | None = None,
+                       mesh: dict[str, int] | None = None) -> str:
+  """Draws every head's attention in layer `layer` for test example `example` to
+  `out_dir/<run>_layer<layer>.png` (one panel per head, P x P token blocks outlined)
+  and returns the path. The maps are dense `[T, T]`: meant for short examples."""
+  run = restore_run(workdir, step, mesh)
+  num_layers = run.model.config.num_layers
+  if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+    raise ValueError(f"--attention_layer={layer!r} is out of range: {workdir!r} has "
+                     f"{num_layers} layers (0..{num_layers - 1})")
+  if example < 0:
+    raise ValueError(f"--attention_example must be >= 0, got {example}")
+  # One unshuffled process-independent row: every process draws the same example.
+  rows = data_lib.make_dataset(run.config.data, split, global_batch_size=1, shard_index=0,
+                               shard_count=1, shuffle=False, num_epochs=1)
+  for index, batch in enumerate(rows):
+    if index == example:
+      break
+  else:
+    raise ValueError(f"--attention_example={example}: split {split!r} has {index + 1} examples")
+  keep = batch["segment_ids"][0] > 0
+  tokens = np.asarray(batch["inputs"][0][keep])
+  with parallel.activate(run.mesh):
+    probs = attention_maps(run.model.module(run.params), tokens, layer=layer)
+  num_pseudo = probs.shape[-1] // len(tokens)
+  kind = run.model.config.attention_schedule[layer % len(run.model.config.attention_schedule)]
+  path = os.path.join(out_dir, f"{run.name}_layer{layer}.png")
+  if jax.process_index() == 0:
+    os.makedirs(out_dir, exist_ok=True)
+    plot_attention_maps(probs, num_pseudo, path,
+                        title=f"{run.name} step {run.step}, layer {layer} ('{kind}', "
+                              f"P={num_pseudo}), {split} example {example}")
+  return path

@@ -81,6 +81,19 @@ class LanguageModel:
     return self._layout(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
                         stack=lambda xs: jnp.stack(xs))
 
+  def module(self, params: Params) -> TransformerLM:
+    """The `TransformerLM` holding `params` (the inverse of the layout), for tools that
+    need the module itself, such as attention maps."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: TransformerLM(self.config,
+                                                                     rngs=nnx.Rngs(0))))
+    layers = {int(k): v for k, v in params["layers"].items()}
+    for j, stacked in params.get("scanned", {}).items():
+      for r in range(self.repeats):
+        layers[r * self.period + int(j)] = jax.tree.map(lambda x, r=r: x[r], stacked)
+    pure = {k: v for k, v in params.items() if k not in ("layers", "scanned")}
+    nnx.replace_by_pure_dict(state, {**pure, "layers": layers})
+    return nnx.merge(graphdef, state)
+
   def logical_specs(self) -> Params:
     """Logical `PartitionSpec` of every parameter (stacked axes unsharded)."""
     return self._specs

@@ -1,0 +1,149 @@
+"""eval.py on 8 fake CPU devices: metrics, mesh choice, length sweep, attention pictures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from iha_jax.eval import (attention_pictures, evaluate_workdir, length_sweep, parse_lengths,
+                          parse_mesh, restore_run)
+from iha_jax.eval.evaluator import FALLBACK_MESH, choose_mesh
+from iha_jax.train import LanguageModel, model_config, train
+from tests.test_train import make_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LENGTHS = [32, 48, 96]  # The tiny task trains at 48.
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, str]:
+  """A tiny IHA run ("IM", P=2, fsdp=8) and its MHA twin ("MM"): 4 steps each."""
+  root = tmp_path_factory.mktemp("runs")
+  data_dir = str(root / "data")
+  workdirs = {}
+  for name, overrides in (("iha", {}), ("mha", dict(model__attention_schedule="MM",
+                                                    model__num_pseudo=None))):
+    workdirs[name] = str(root / name)
+    train(make_config(data_dir, train__total_steps=4, checkpoint__every=4, log_every=0,
+                      **overrides), workdirs[name])
+  return workdirs
+
+
+def is_png(path: str) -> bool:
+  with open(path, "rb") as f:
+    return f.read(8) == PNG_MAGIC and os.path.getsize(path) > 5000
+
+
+def test_eval_writes_metrics(runs):
+  record = evaluate_workdir(runs["iha"])
+  with open(os.path.join(runs["iha"], "eval.json"), encoding="utf-8") as f:
+    assert json.load(f) == record
+  assert record["step"] == 4 and record["split"] == "test" and record["examples"] == 32
+  assert record["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}  # The saved mesh fits.
+  for key in ("loss", "perplexity", "token_accuracy", "exact_match", "chance_exact_match"):
+    assert isinstance(record[key], float) and np.isfinite(record[key]), key
+  assert 0.0 <= record["exact_match"] <= record["token_accuracy"] <= 1.0
+  assert np.isclose(record["perplexity"], np.exp(record["loss"]))
+
+
+def test_restore_onto_another_mesh(runs):
+  """Saved on fsdp=8, restored onto data=2 x tensor=4: same parameters, same metrics."""
+  saved = restore_run(runs["iha"])
+  moved = restore_run(runs["iha"], mesh=parse_mesh("data:2,tensor:4"))
+  wq = moved.params["layers"]["0"]["attn"]["wq"]
+  assert dict(moved.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+  assert "tensor" in str(wq.sharding.spec)
+  np.testing.assert_array_equal(np.asarray(wq), np.asarray(saved.params["layers"]["0"]["attn"]["wq"]))
+  expected = saved.evaluate(saved.config, "test")
+  actual = moved.evaluate(moved.config, "test")
+  assert actual["examples"] == expected["examples"]
+  np.testing.assert_allclose(actual["loss"], expected["loss"], rtol=1e-5)
+  assert actual["exact_match"] == expected["exact_match"]
+
+
+def test_mesh_choice(runs):
+  model = model_config(restore_run(runs["mha"]).config)
+  saved = {"data": 1, "fsdp": 16, "tensor": 1}  # A 16-device run evaluated on 8 devices.
+  assert choose_mesh(saved, model, 8) == FALLBACK_MESH
+  assert choose_mesh(dict(FALLBACK_MESH), model, 8) == FALLBACK_MESH
+  assert parse_mesh("fsdp:-1") == FALLBACK_MESH
+  with pytest.raises(ValueError, match=r"--mesh .* does not fit 8 devices.*num_heads=4"):
+    choose_mesh(FALLBACK_MESH, model, 8, override=parse_mesh("tensor:8"))
+  with pytest.raises(ValueError, match=r"--mesh='pipe:2': unknown axis 'pipe'"):
+    parse_mesh("pipe:2")
+  with pytest.raises(ValueError, match=r"--mesh='fsdp:x': fsdp needs an integer"):
+    parse_mesh("fsdp:x")
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_module_holds_the_parameters(scan_layers):
+  """`LanguageModel.module` (used for the pictures) inverts the layout, scanned or not."""
+  config = make_config("unused", model__num_layers=3)  # "IM" scanned: 1 period + 1 tail.
+  model = LanguageModel(model_config(config), scan_layers=scan_layers)
+  params = model.init(3)
+  tokens = np.arange(10, dtype=np.int32)[None] % 7
+  np.testing.assert_allclose(np.asarray(model.module(params)(tokens)),
+                             np.asarray(model.apply(params, tokens)), rtol=1e-5, atol=1e-5)
+
+
+def test_length_sweep_writes_json_and_plot(runs, tmp_path):
+  out = str(tmp_path / "sweep")
+  result = length_sweep([runs["iha"], runs["mha"]], [str(n) for n in LENGTHS], out,
+                        num_examples=32)
+  with open(os.path.join(out, "length_sweep.json"), encoding="utf-8") as f:
+    assert json.load(f) == result
+  assert result["lengths"] == LENGTHS and result["examples"] == 32
+  assert list(result["runs"]) == ["iha", "mha"]
+  assert result["runs"]["iha"]["label"] == "iha (IM, P=2)"
+  assert result["runs"]["mha"]["label"] == "mha (MM)"
+  for record in result["runs"].values():
+    assert record["step"] == 4 and record["train_length"] == 48
+    assert sorted(record["exact_match"]) == sorted(str(n) for n in LENGTHS)
+    for n in map(str, LENGTHS):
+      assert 0.0 <= record["exact_match"][n] <= record["token_accuracy"][n] <= 1.0
+  # At the training length the sweep's task is the training task (example i of a split
+  # does not depend on the split sizes): the plain evaluation's numbers, exactly.
+  plain = evaluate_workdir(runs["mha"])
+  assert result["runs"]["mha"]["token_accuracy"]["48"] == plain["token_accuracy"]
+  assert result["runs"]["mha"]["exact_match"]["48"] == plain["exact_match"]
+  assert is_png(os.path.join(out, "length_sweep.png"))
+
+
+def test_attention_pictures(runs, tmp_path):
+  path = attention_pictures(runs["iha"], 0, str(tmp_path))
+  assert path == str(tmp_path / "iha_layer0.png") and is_png(path)
+
+
+def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
+  """The real CLI, once: pictures of an IHA layer and of an MHA layer."""
+  out = tmp_path / "pictures"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, "eval.py"), f"--workdir={runs['iha']}",
+       f"--workdir={runs['mha']}", "--attention_layer=1", f"--out_dir={out}"],
+      cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert is_png(str(out / "iha_layer1.png")) and is_png(str(out / "mha_layer1.png"))
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda runs, out: evaluate_workdir(os.path.join(out, "missing")),
+     r"--workdir '.*missing' is not a directory"),
+    (lambda runs, out: evaluate_workdir(out), r"--workdir '.*': no checkpoint"),
+    (lambda runs, out: evaluate_workdir(runs["iha"], step=3), r"--step=3: .* steps \[4\]"),
+    (lambda runs, out: length_sweep([runs["iha"]], [], out),
+     r"--sweep_lengths must list at least one"),
+    (lambda runs, out: parse_lengths(["128", "x"]), r"--sweep_lengths must be integers"),
+    (lambda runs, out: parse_lengths(["0"]), r"--sweep_lengths must be positive"),
+    (lambda runs, out: length_sweep([runs["iha"]], [48], out, num_examples=0),
+     r"--sweep_examples must be a positive integer"),
+    (lambda runs, out: attention_pictures(runs["iha"], 2, out),
+     r"--attention_layer=2 is out of range: .* has 2 layers \(0..1\)"),
+])
+def test_bad_arguments_name_the_flag(runs, tmp_path, call, message):
+  with pytest.raises((ValueError, FileNotFoundError), match=message):
+    call(runs, str(tmp_path))
