@@ -41,6 +41,13 @@ def _q_block_range(j, block_q: int, block_k: int, num_q_blocks: int, window: int
   return lo, jnp.minimum(num_q_blocks, last_query // block_q + 1)
 
 
+def _pad_to(x: jax.Array, total: int, axis: int) -> jax.Array:
+  """Zero-pads `axis` to `total`; a no-op (no op at all, so no pad in the VJP) if full."""
+  if x.shape[axis] == total:
+    return x
+  return jnp.pad(x, [(0, total - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+
+
 def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
@@ -211,15 +218,13 @@ def flash_attention_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, *,
   block_q = block_q or default
   block_k = block_k or default
   tq, tk = _round_up(t, block_q), _round_up(t, block_k)
-  pad = lambda x, total, axis: jnp.pad(x, [(0, total - t) if a == axis else (0, 0)
-                                           for a in range(x.ndim)])
-  q, k, v = pad(q, tq, 2), pad(k, tk, 2), pad(v, tk, 2)
+  q, k, v = _pad_to(q, tq, 2), _pad_to(k, tk, 2), _pad_to(v, tk, 2)
   # Padded key slots lie after every real query, so causality alone hides them;
   # with segments they also get id 0. Padded queries are sliced off.
-  segments = None if segment_ids is None else (pad(segment_ids, tq, 1),
-                                                pad(segment_ids, tk, 1))
+  segments = None if segment_ids is None else (_pad_to(segment_ids, tq, 1),
+                                                _pad_to(segment_ids, tk, 1))
   out = _flash(q, k, v, segments, window, block_q, block_k, precision)
-  return out[:, :, :t]
+  return out if tq == t else out[:, :, :t]
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
