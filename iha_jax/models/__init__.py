@@ -1,9 +1,9 @@
 """Models built from the `iha_jax.nn` layers (IHA_SPEC section 3)."""
 from iha_jax.models.config import SCHEDULE_LETTERS, TransformerConfig, expand_schedule
-from iha_jax.models.layers import DecoderBlock, RMSNorm, SwiGLU, make_attention
+from iha_jax.models.layers import DecoderBlock, FeedForward, RMSNorm, make_attention
 from iha_jax.models.transformer import TransformerLM, count_params
 
 __all__ = [
-    "DecoderBlock", "RMSNorm", "SCHEDULE_LETTERS", "SwiGLU", "TransformerConfig",
+    "DecoderBlock", "FeedForward", "RMSNorm", "SCHEDULE_LETTERS", "TransformerConfig",
     "TransformerLM", "count_params", "expand_schedule", "make_attention",
 ]

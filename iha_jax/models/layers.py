@@ -1,4 +1,4 @@
-"""Building blocks of `TransformerLM` (Flax NNX): RMSNorm, SwiGLU MLP, decoder block."""
+"""Building blocks of `TransformerLM` (Flax NNX): RMSNorm, MLP (SwiGLU or GELU), decoder block."""
 from __future__ import annotations
 
 from typing import Any
@@ -33,50 +33,30 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(dtype)
 
 
-class SwiGLU(nnx.Module):
-  """`w_down(silu(x @ w_gate) * (x @ w_up))` with `w_gate, w_up: [D, F]`, `w_down: [F, D]`."""
+class FeedForward(nnx.Module):
+  """The block's MLP: SwiGLU `w_down(silu(x @ w_gate) * (x @ w_up))` or GELU
+  `w_down(gelu(x @ w_up))`, with `w_gate, w_up: [D, F]`, `w_down: [F, D]`."""
 
-  def __init__(self, model_dim: int, mlp_dim: int, *, dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32,
+  def __init__(self, model_dim: int, mlp_dim: int, *, mlp_type: str = "swiglu",
+               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                kernel_init: jax.nn.initializers.Initializer = DEFAULT_KERNEL_INIT,
                rngs: nnx.Rngs):
     self.dtype = dtype
-    self.w_gate = logical_param(kernel_init, (EMBED, MLP), rngs.params(), (model_dim, mlp_dim),
-                                param_dtype)
-    self.w_up = logical_param(kernel_init, (EMBED, MLP), rngs.params(), (model_dim, mlp_dim),
-                              param_dtype)
-    self.w_down = logical_param(kernel_init, (MLP, EMBED), rngs.params(), (mlp_dim, model_dim),
-                                param_dtype)
+    self.gated = mlp_type == "swiglu"
+    def param(axes, shape):
+      return logical_param(kernel_init, axes, rngs.params(), shape, param_dtype)
+    if self.gated:
+      self.w_gate = param((EMBED, MLP), (model_dim, mlp_dim))
+    self.w_up = param((EMBED, MLP), (model_dim, mlp_dim))
+    self.w_down = param((MLP, EMBED), (mlp_dim, model_dim))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """`x: [B, N, D]` -> `[B, N, D]` in `dtype`."""
     x = x.astype(self.dtype)
-    gate = jnp.einsum("bnD,DF->bnF", x, self.w_gate[...].astype(self.dtype))
-    up = jnp.einsum("bnD,DF->bnF", x, self.w_up[...].astype(self.dtype))
-    return jnp.einsum("bnF,FD->bnD", jax.nn.silu(gate) * up, self.w_down[...].astype(self.dtype))
-
-
-class GeluMLP(nnx.Module):
-  """`w_down(gelu(x @ w_up))` with `w_up: [D, F]`, `w_down: [F, D]` (the 2-matrix MLP)."""
-
-  def __init__(self, model_dim: int, mlp_dim: int, *, dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32,
-               kernel_init: jax.nn.initializers.Initializer = DEFAULT_KERNEL_INIT,
-               rngs: nnx.Rngs):
-    self.dtype = dtype
-    self.w_up = logical_param(kernel_init, (EMBED, MLP), rngs.params(), (model_dim, mlp_dim),
-                              param_dtype)
-    self.w_down = logical_param(kernel_init, (MLP, EMBED), rngs.params(), (mlp_dim, model_dim),
-                                param_dtype)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """`x: [B, N, D]` -> `[B, N, D]` in `dtype`."""
-    x = x.astype(self.dtype)
-    up = jnp.einsum("bnD,DF->bnF", x, self.w_up[...].astype(self.dtype))
-    return jnp.einsum("bnF,FD->bnD", jax.nn.gelu(up), self.w_down[...].astype(self.dtype))
-
-
-MLPS = {"swiglu": SwiGLU, "gelu": GeluMLP}
+    project = lambda w: jnp.einsum("bnD,DF->bnF", x, w[...].astype(self.dtype))
+    hidden = (jax.nn.silu(project(self.w_gate)) * project(self.w_up) if self.gated
+              else jax.nn.gelu(project(self.w_up)))
+    return jnp.einsum("bnF,FD->bnD", hidden, self.w_down[...].astype(self.dtype))
 
 
 def make_attention(config: TransformerConfig, letter: str, *,
@@ -104,8 +84,8 @@ class DecoderBlock(nnx.Module):
     self.attn_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
     self.attn = make_attention(config, letter, rngs=rngs)
     self.mlp_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
-    self.mlp = MLPS[config.mlp_type](config.model_dim, config.mlp_dim, dtype=config.dtype,
-                                     param_dtype=config.param_dtype, rngs=rngs)
+    self.mlp = FeedForward(config.model_dim, config.mlp_dim, mlp_type=config.mlp_type,
+                   dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array:
