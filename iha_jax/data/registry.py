@@ -116,7 +116,9 @@ def builder_config(
     config = base
   else:
     digest = hashlib.sha256(repr(changed).encode()).hexdigest()[:10]
-    config = dataclasses.replace(base, name=f"{base.name}-{digest}", **changed)
+    overrides = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+    config = dataclasses.replace(base, name=f"{base.name}-{digest}",
+                                 description=f"{base.name} with {overrides}.", **changed)
   config.validate()
   return config
 
