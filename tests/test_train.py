@@ -4,6 +4,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -163,3 +167,33 @@ def test_eval_workdir_writes_metrics(reference_run):
   assert np.isclose(record["perplexity"], np.exp(record["loss"]))
   with open(os.path.join(workdir, "eval.json"), encoding="utf-8") as f:
     assert json.load(f) == record
+
+
+def test_sigterm_saves_current_step_and_exits_cleanly(data_dir, tmp_path):
+  """Preemption: SIGTERM to a running train.py saves a checkpoint and exits with 0."""
+  workdir = str(tmp_path / "preempted")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=repo, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  proc = subprocess.Popen(
+      [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", workdir,
+       f"--config.data.data_dir={data_dir}", "--config.train.total_steps=100000",
+       "--config.checkpoint.every=100000", "--config.eval_every=0"],
+      cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.time() + 240
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+      assert proc.poll() is None, proc.stderr.read()[-3000:]
+      assert time.time() < deadline, "train.py logged no step within 240 s"
+      time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 0, stderr[-3000:]
+  manager = ckpt.make_manager(workdir)
+  saved = manager.latest_step()
+  manager.close()
+  assert saved is not None and 0 < saved < 100000
+  assert saved >= max(losses(workdir))  # the save is at (or after) the last logged step
