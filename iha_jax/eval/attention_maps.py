@@ -16,9 +16,9 @@ import numpy as np
 from flax import nnx
 
 from iha_jax.models import TransformerLM
-from iha_jax.models.kv_cache import (attention_probs, layer_params, project,
-                                     rotated_pseudo_heads, virtual_per_token)
-from iha_jax.ops import virtual_segment_ids
+from iha_jax.models.kv_cache import (layer_params, project, rotated_pseudo_heads,
+                                     virtual_per_token)
+from iha_jax.ops import attention_probs, virtual_segment_ids
 
 
 def layer_attention_probs(attn: nnx.Module, x: jax.Array, *,

@@ -26,9 +26,8 @@ from flax import nnx, struct
 
 from iha_jax.models.config import TransformerConfig
 from iha_jax.nn import AttentionConfig, param_specs
-from iha_jax.ops import (apply_rope, collapse_heads, deinterleave, interleave, pseudo_mix,
-                         virtual_positions, visible)
-from iha_jax.ops.masking import MASK_VALUE
+from iha_jax.ops import (apply_rope, attention_probs, collapse_heads, deinterleave, interleave,
+                         pseudo_mix, virtual_positions)
 
 CACHE_MODES = ("source", "pseudo")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -129,30 +128,6 @@ def rotated_pseudo_heads(x: jax.Array, alpha: jax.Array | None, positions: jax.A
   if cfg.rope_theta is None:
     return xv
   return apply_rope(xv, virtual_positions(positions, virtual_per_token(cfg)), cfg.rope_theta)
-
-
-def attention_probs(q: jax.Array, k: jax.Array, q_index: jax.Array, k_index: jax.Array, *,
-                    window: int | None, q_segment: jax.Array | None = None,
-                    k_segment: jax.Array | None = None,
-                    k_valid: jax.Array | None = None) -> jax.Array:
-  """Softmax attention probabilities over a flat virtual sequence, float32 `[B, H, Tq, Tk]`.
-
-  Args:
-    q: rotated queries `[B, Tq, H, d]`; k: rotated keys `[B, Tk, H, d]`.
-    q_index, k_index: flat virtual indices `[Tq]`, `[Tk]` (masked by `ops.visible`).
-    window: sliding window in virtual tokens, or None.
-    q_segment, k_segment: optional segment ids `[B, Tq]`, `[B, Tk]` (0 = padding).
-    k_valid: optional `[Tk]` bool, False for empty cache slots.
-  """
-  scale = q.shape[-1] ** -0.5
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32),
-                      precision=_HIGHEST) * scale
-  q_seg = None if q_segment is None else q_segment[:, None, :, None]
-  k_seg = None if k_segment is None else k_segment[:, None, None, :]
-  mask = visible(q_index[:, None], k_index[None, :], q_seg, k_seg, window)
-  if k_valid is not None:
-    mask &= k_valid
-  return jax.nn.softmax(jnp.where(mask, scores, MASK_VALUE), axis=-1)
 
 
 def init_layer_cache(cfg: AttentionConfig, batch: int, max_len: int, mode: str,
