@@ -16,8 +16,8 @@ import numpy as np
 from flax import nnx
 
 from iha_jax.models import TransformerLM
-from iha_jax.models.kv_cache import (layer_params, project, rotated_pseudo_heads,
-                                     virtual_per_token)
+from iha_jax.models.kv_cache import rotated_pseudo_heads, virtual_per_token
+from iha_jax.nn import project_qkv, to_compute_dtype
 from iha_jax.ops import attention_probs, virtual_segment_ids
 
 
@@ -36,9 +36,9 @@ def layer_attention_probs(attn: nnx.Module, x: jax.Array, *,
     `probs[b, h, t, s]`: weight of virtual key s in virtual query t of target head h,
     `T = N*P` (N for MHA); every non-padding row sums to 1.
   """
-  params, dtype = layer_params(attn)
   cfg = attn.config
-  q, k, _ = project(params, jnp.asarray(x, dtype))
+  params, x = to_compute_dtype(attn.param_values(), x, cfg)
+  q, k, _ = project_qkv(params, x)
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
   queries = rotated_pseudo_heads(q, params.get("alpha_q"), positions, cfg)

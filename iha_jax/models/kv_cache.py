@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from iha_jax.models.config import TransformerConfig
-from iha_jax.nn import AttentionConfig, param_specs
+from iha_jax.nn import AttentionConfig, project_qkv, to_compute_dtype
 from iha_jax.ops import (apply_rope, attention_probs, collapse_heads, deinterleave, interleave,
                          pseudo_mix, virtual_positions)
 
@@ -95,22 +95,6 @@ def slot_tokens(position: jax.Array, capacity: int) -> jax.Array:
   return position - jnp.mod(position - jnp.arange(capacity, dtype=jnp.int32), capacity)
 
 
-def layer_params(attn: nnx.Module) -> tuple[dict[str, jax.Array], Any]:
-  """An attention module's parameters cast to its computation dtype, and that dtype.
-
-  Mirrors `iha_jax.nn.attention_forward`: `cfg.dtype`, or the promoted parameter dtype.
-  """
-  cfg = attn.config
-  raw = {name: getattr(attn, name)[...] for name in param_specs(cfg)}
-  dtype = jnp.result_type(*raw.values()) if cfg.dtype is None else cfg.dtype
-  return {name: jnp.asarray(value, dtype) for name, value in raw.items()}, dtype
-
-
-def project(params: Mapping[str, jax.Array], x: jax.Array) -> tuple[jax.Array, ...]:
-  """Source-head projections of `x: [B, N, D]`: q, k, v `[B, N, H, d]`."""
-  return tuple(jnp.einsum("bnD,Dhd->bnhd", x, params[name]) for name in ("wq", "wk", "wv"))
-
-
 def pseudo_heads(x: jax.Array, alpha: jax.Array | None) -> jax.Array:
   """Source heads `[B, N, H, d]` -> interleaved pseudo-heads `[B, N*P, H, d]` (None: MHA, x)."""
   if alpha is None:
@@ -173,9 +157,9 @@ def prefill_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, mode: str) 
 
   `x: [B, L0, D]` is the layer's normalised input (the attention module's input).
   """
-  params, dtype = layer_params(attn)
   cfg = attn.config
-  _, k, v = project(params, jnp.asarray(x, dtype))
+  params, x = to_compute_dtype(attn.param_values(), x, cfg)
+  _, k, v = project_qkv(params, x)
   positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
   k, v = _cache_entries(params, cfg, mode, k, v, positions)
   per_token = k.shape[1] // x.shape[1]
@@ -197,11 +181,11 @@ def decode_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, position: ja
   Returns:
     `([B, 1, D], cache)`, equal to the full forward's output at `position`.
   """
-  params, dtype = layer_params(attn)
   cfg = attn.config
+  params, x = to_compute_dtype(attn.param_values(), x, cfg)
   p = virtual_per_token(cfg)
   alpha = {name: params.get(name) for name in ("alpha_q", "alpha_k", "alpha_v")}
-  q, k, v = project(params, jnp.asarray(x, dtype))
+  q, k, v = project_qkv(params, x)
   pos = jnp.full(x.shape[:2], position, jnp.int32)
   k_new, v_new = _cache_entries(params, cfg, mode, k, v, pos)
   per_token = k_new.shape[1]
@@ -221,7 +205,7 @@ def decode_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, position: ja
   probs = attention_probs(queries, keys, q_index, k_index, window=cfg.window,
                           k_valid=jnp.repeat(tokens >= 0, p))
   out = jnp.einsum("bhqk,bkhd->bqhd", probs, values.astype(jnp.float32),
-                   precision=_HIGHEST).astype(dtype)
+                   precision=_HIGHEST).astype(x.dtype)
   if cfg.interleaved:
     out = collapse_heads(deinterleave(out, p), params["collapse"], precision=_HIGHEST)
   return jnp.einsum("bnhd,hdD->bnD", out, params["wo"]), cache

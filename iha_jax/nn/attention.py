@@ -36,9 +36,12 @@ class _Attention(nnx.Module):
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array:
     """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32."""
-    params = {name: getattr(self, name)[...] for name in self._param_names}
-    return attention_forward(params, x, self.config, segment_ids=segment_ids,
+    return attention_forward(self.param_values(), x, self.config, segment_ids=segment_ids,
                              positions=positions)
+
+  def param_values(self) -> dict[str, jax.Array]:
+    """`{name: array}` of the layer's parameters, as `attention_forward` takes them."""
+    return {name: getattr(self, name)[...] for name in self._param_names}
 
 
 class InterleavedHeadAttention(_Attention):

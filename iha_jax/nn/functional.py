@@ -40,6 +40,23 @@ def check_input(x: jax.Array, cfg: AttentionConfig) -> None:
     raise ValueError(f"x must be a floating array, got dtype {jnp.result_type(x)}")
 
 
+def to_compute_dtype(params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig
+                     ) -> tuple[dict[str, jax.Array], jax.Array]:
+  """`params` and `x` cast to the layer's computation dtype: `cfg.dtype`, or the promoted
+  dtype of `x` and the parameters when None. Parameters stay stored in param_dtype; the
+  whole layer, mixing included, runs in the computation dtype."""
+  # `is None`, not `or`: a numpy dtype instance is falsy (len(np.dtype('f4')) == 0).
+  dtype = jnp.result_type(x, *params.values()) if cfg.dtype is None else cfg.dtype
+  cast = {name: jnp.asarray(value, dtype) for name, value in params.items()}
+  return cast, jnp.asarray(x, dtype)
+
+
+def project_qkv(p: Mapping[str, jax.Array], x: jax.Array) -> tuple[jax.Array, ...]:
+  """Source-head projections `x: [B, N, D]` -> q, k, v `[B, N, H, d]`, tagged for remat."""
+  return tuple(checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p[w]), name)
+               for w, name in (("wq", QUERY_PROJ), ("wk", KEY_PROJ), ("wv", VALUE_PROJ)))
+
+
 def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig, *,
                       segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None) -> jax.Array:
@@ -59,14 +76,8 @@ def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: Attent
     the parameters when None).
   """
   check_input(x, cfg)
-  # `is None`, not `or`: a numpy dtype instance is falsy (len(np.dtype('f4')) == 0).
-  dtype = jnp.result_type(x, *params.values()) if cfg.dtype is None else cfg.dtype
-  # Parameters stay in param_dtype; the whole layer, mixing included, runs in dtype.
-  p = {name: jnp.asarray(value, dtype) for name, value in params.items()}
-  x = jnp.asarray(x, dtype)
-  q = checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p["wq"]), QUERY_PROJ)
-  k = checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p["wk"]), KEY_PROJ)
-  v = checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p["wv"]), VALUE_PROJ)
+  p, x = to_compute_dtype(params, x, cfg)
+  q, k, v = project_qkv(p, x)
   if cfg.interleaved:
     q, k, v = (with_logical_constraint(t, SOURCE_HEADS_AXES) for t in (q, k, v))
   options = dict(window=cfg.window, segment_ids=segment_ids, positions=positions,
