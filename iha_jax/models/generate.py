@@ -34,8 +34,9 @@ def _prefill(model: TransformerLM, tokens: jax.Array, max_len: int,
   x = model.embed(tokens)
   layers = []
   for block, layer_cache in zip(model.layers, cache.layers):
-    layers.append(prefill_layer(block.attn, block.attn_norm(x), layer_cache, cache_mode))
-    x = block(x)
+    x, layer_cache = block.apply_with(
+        x, lambda h, c=layer_cache, a=block.attn: (a(h), prefill_layer(a, h, c, cache_mode)))
+    layers.append(layer_cache)
   length = jnp.asarray(tokens.shape[1], jnp.int32)
   return model.logits(x), cache.replace(layers=tuple(layers), length=length)
 
@@ -45,12 +46,10 @@ def _decode_step(model: TransformerLM, token: jax.Array,
   x = model.embed(token[:, None])
   layers = []
   for block, layer_cache in zip(model.layers, cache.layers):
-    # DecoderBlock's pre-norm residual structure, with cached attention.
-    y, layer_cache = decode_layer(block.attn, block.attn_norm(x), layer_cache, cache.length,
-                                  cache.mode)
+    x, layer_cache = block.apply_with(
+        x, lambda h, c=layer_cache, a=block.attn: decode_layer(a, h, c, cache.length,
+                                                              cache.mode))
     layers.append(layer_cache)
-    x = x + y
-    x = x + block.mlp(block.mlp_norm(x))
   return model.logits(x)[:, 0], cache.replace(layers=tuple(layers), length=cache.length + 1)
 
 

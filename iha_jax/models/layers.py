@@ -1,7 +1,7 @@
 """Building blocks of `TransformerLM` (Flax NNX): RMSNorm, MLP (SwiGLU or GELU), decoder block."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -85,10 +85,18 @@ class DecoderBlock(nnx.Module):
     self.attn = make_attention(config, letter, rngs=rngs)
     self.mlp_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
     self.mlp = FeedForward(config.model_dim, config.mlp_dim, mlp_type=config.mlp_type,
-                   dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+                           dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array:
     """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32."""
-    x = x + self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions)
-    return x + self.mlp(self.mlp_norm(x))
+    attend = lambda h: (self.attn(h, segment_ids=segment_ids, positions=positions), None)
+    return self.apply_with(x, attend)[0]
+
+  def apply_with(self, x: jax.Array, attend: Callable[[jax.Array], tuple[jax.Array, Any]]
+                 ) -> tuple[jax.Array, Any]:
+    """The block with `attend(normalised x) -> (attention output, aux)` as its attention
+    (e.g. cached attention when decoding); returns `(block output, aux)`."""
+    y, aux = attend(self.attn_norm(x))
+    x = x + y
+    return x + self.mlp(self.mlp_norm(x)), aux

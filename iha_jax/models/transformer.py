@@ -66,13 +66,18 @@ class TransformerLM(nnx.Module):
 
     `embed` and `logits` are separate so KV-cache decoding can run the blocks itself.
     """
-    dtype = self.config.dtype
-    x = self.final_norm(x)
-    if self.config.tie_embeddings:
-      return jnp.einsum("bnD,VD->bnV", x, self.embedding[...].astype(dtype),
-                        preferred_element_type=jnp.float32)
-    return jnp.einsum("bnD,DV->bnV", x, self.lm_head[...].astype(dtype),
+    lm_head = None if self.config.tie_embeddings else self.lm_head[...]
+    return vocab_logits(self.final_norm(x), self.embedding[...], lm_head, self.config.dtype)
+
+
+def vocab_logits(x: jax.Array, embedding: jax.Array, lm_head: jax.Array | None,
+                 dtype: Any) -> jax.Array:
+  """Normalised `x: [B, N, D]` -> float32 logits `[B, N, V]` through the tied
+  `embedding [V, D]`, or through `lm_head [D, V]` when given (untied)."""
+  if lm_head is None:
+    return jnp.einsum("bnD,VD->bnV", x, embedding.astype(dtype),
                       preferred_element_type=jnp.float32)
+  return jnp.einsum("bnD,DV->bnV", x, lm_head.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def count_params(model_or_params: nnx.Module | Any) -> int:

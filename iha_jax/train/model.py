@@ -24,6 +24,7 @@ from flax.linen import with_logical_constraint
 from jax.sharding import PartitionSpec
 
 from iha_jax.models import TransformerConfig, TransformerLM
+from iha_jax.models.transformer import vocab_logits
 from iha_jax.nn.functional import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ
 from iha_jax.parallel.rules import (ACTIVATION_BATCH, ACTIVATION_EMBED, ACTIVATION_LENGTH,
                                     ACTIVATION_VOCAB)
@@ -131,12 +132,7 @@ class LanguageModel:
     for key, block_params in sorted(params["layers"].items(), key=lambda kv: int(kv[0])):
       x = self._block(int(key))(block_params, x, segment_ids, positions)
     x = nnx.merge(self._norm_def, params["final_norm"])(x)
-    if self.config.tie_embeddings:
-      logits = jnp.einsum("bnD,VD->bnV", x, params["embedding"].astype(dtype),
-                          preferred_element_type=jnp.float32)
-    else:
-      logits = jnp.einsum("bnD,DV->bnV", x, params["lm_head"].astype(dtype),
-                          preferred_element_type=jnp.float32)
+    logits = vocab_logits(x, params["embedding"], params.get("lm_head"), dtype)
     return with_logical_constraint(logits, LOGITS_AXES)
 
 
