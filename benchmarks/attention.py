@@ -11,22 +11,18 @@ memories from the compiled executables' memory analysis.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 
 from iha_jax.ops import iha_attention, mha_attention
+from iha_jax.train.flops import causal_pairs
+from timing import call_times
 
 
 def attention_flops(num_tokens: int, num_heads: int, head_dim: int, window: int | None) -> float:
   """Training FLOPs of one attention core (IHA_SPEC section 2): 3 x (4 d per unmasked pair)."""
-  if window is None:
-    pairs = num_tokens * (num_tokens + 1) / 2
-  else:
-    w = min(window, num_tokens)
-    pairs = num_tokens * w - w * (w - 1) / 2
-  return 3 * 4 * head_dim * pairs * num_heads
+  return 3 * 4 * head_dim * causal_pairs(num_tokens, window) * num_heads
 
 
 def _fwd_bwd(fn):
@@ -34,16 +30,6 @@ def _fwd_bwd(fn):
   def loss(args, cotangent):
     return jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
   return jax.jit(jax.value_and_grad(loss))
-
-
-def _time(compiled, args, repeats: int) -> float:
-  jax.block_until_ready(compiled(*args))  # warm-up
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    best = min(best, time.perf_counter() - start)
-  return best
 
 
 def main() -> None:
@@ -79,7 +65,7 @@ def main() -> None:
     compiled = fn.lower(*fargs).compile()
     memory = compiled.memory_analysis()
     temp = getattr(memory, "temp_size_in_bytes", float("nan")) if memory else float("nan")
-    seconds = _time(compiled, fargs, args.repeats)
+    seconds = min(call_times(lambda: compiled(*fargs), args.repeats))
     rows.append((name, seconds, temp, flops * b / seconds / 1e9))
 
   print(f"backend={jax.default_backend()} impl={args.impl} dtype={args.dtype} "

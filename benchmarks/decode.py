@@ -11,7 +11,6 @@ throughput (prefill time subtracted), best of `--repeats`, in one process.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +18,7 @@ from flax import nnx
 
 from iha_jax.models import TransformerConfig, TransformerLM
 from iha_jax.models.generate import generate, prefill
-
-
-def _best_time(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # Compile and warm up.
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    best = min(best, time.perf_counter() - start)
-  return best
+from timing import call_times
 
 
 def main() -> None:
@@ -69,10 +59,10 @@ def main() -> None:
     model = TransformerLM(TransformerConfig(**common, **schedule), rngs=nnx.Rngs(0))
     mode = "source" if cache_mode == "-" else cache_mode  # MHA caches are the same either way.
     _, cache = prefill(model, prompt, max_len=max_len, cache_mode=mode)
-    t_prefill = _best_time(lambda: prefill(model, prompt, max_len=max_len, cache_mode=mode),
-                           args.repeats)
-    t_total = _best_time(lambda: generate(model, prompt, max_new_tokens=args.new_tokens,
-                                          cache_mode=mode, max_len=max_len), args.repeats)
+    t_prefill = min(call_times(
+        lambda: prefill(model, prompt, max_len=max_len, cache_mode=mode), args.repeats))
+    t_total = min(call_times(lambda: generate(model, prompt, max_new_tokens=args.new_tokens,
+                                              cache_mode=mode, max_len=max_len), args.repeats))
     # generate = prefill + (new_tokens - 1) cached decode steps.
     tokens_per_s = args.batch * (args.new_tokens - 1) / max(t_total - t_prefill, 1e-9)
     print(f"{name:<12} {cache_mode:<7} {cache.nbytes:>12,d} {1e3 * t_prefill:>11.1f} "

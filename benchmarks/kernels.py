@@ -21,28 +21,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from iha_jax.ops import (apply_rope, collapse_heads, deinterleave, iha_attention, interleave,
                          mha_attention, pseudo_mix, virtual_positions)
+from iha_jax.train.flops import causal_pairs
+from timing import call_times
 
 IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "xla", "cudnn")
-
-
-def visible_pairs(t: int, window: int | None) -> int:
-  """Query-key pairs one head computes over a causal sequence of t tokens."""
-  if window is None or window >= t:
-    return t * (t + 1) // 2
-  return window * (window + 1) // 2 + (t - window) * window
 
 
 def attention_flops(b: int, n: int, h: int, d: int, p: int, window: int | None,
                     train: bool) -> float:
   """IHA_SPEC 2: 4d FLOPs per visible pair, x3 for forward + backward."""
-  return b * h * visible_pairs(n * p, window) * 4 * d * (3 if train else 1)
+  return b * h * causal_pairs(n * p, window) * 4 * d * (3 if train else 1)
 
 
 def cudnn_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, rope_theta=10000.0):
@@ -98,12 +92,7 @@ def peak_bytes(compiled) -> int | None:
 def bench(fn, args, iters: int) -> tuple[float, int | None]:
   """(median ms, peak bytes) of a jitted fn."""
   compiled = jax.jit(fn).lower(*args).compile()
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
+  times = call_times(lambda: compiled(*args), iters)
   return 1e3 * statistics.median(times), peak_bytes(compiled)
 
 
