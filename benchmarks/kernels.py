@@ -16,6 +16,10 @@ tiny shape on any backend (Pallas rows in interpret mode off their platform).
 
   python benchmarks/kernels.py            # paper shape: B=1, N=8192, H=20, d=128, P=4
   python benchmarks/kernels.py --small    # CPU smoke test
+  python benchmarks/kernels.py --pseudo 20  # the paper's default P = H = 20
+
+The first line is the device's measured dense matmul rate (a square matmul in the
+run's dtype); the "% mm" column is each row's TFLOP/s as a share of it.
 """
 from __future__ import annotations
 
@@ -96,13 +100,22 @@ def bench(fn, args, iters: int) -> tuple[float, int | None]:
   return 1e3 * statistics.median(times), peak_bytes(compiled)
 
 
+def matmul_tflops(dtype, size: int, iters: int) -> float:
+  """Measured dense matmul rate of this device: a `[size, size] @ [size, size]` product."""
+  a, b = (jax.random.normal(jax.random.key(i), (size, size), dtype) for i in range(2))
+  ms, _ = bench(jnp.matmul, [a, b], iters)
+  return 2 * size ** 3 / (ms * 1e-3) / 1e12
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--small", action="store_true", help="tiny shape (CPU smoke test)")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--pseudo", type=int, default=4, help="P (IHA_SPEC 4: 4 or H = 20)")
   cli = parser.parse_args()
-  b, n, h, d, p = (1, 64, 2, 32, 4) if cli.small else (1, 8192, 20, 128, 4)
+  b, n, h, d, p = (1, 64, 2, 32, min(cli.pseudo, 4)) if cli.small else (1, 8192, 20, 128,
+                                                                          cli.pseudo)
   iters = 2 if cli.small else cli.iters
   dtype = jnp.dtype(cli.dtype)
   keys = jax.random.split(jax.random.key(0), 7)
@@ -110,8 +123,11 @@ def main() -> None:
   mixing = [jax.random.normal(keys[3 + i], (h, h, p), dtype) / h for i in range(4)]
   # IHA_SPEC 2: window layers use N/(2P) virtual tokens.
   layers = {"window_iha": (p, n // (2 * p)), "global_iha": (p, None), "global_mha": (1, None)}
-  print(f"backend={jax.default_backend()} B={b} N={n} H={h} d={d} P={p} dtype={dtype.name}")
-  print(f"{'layer':<11} {'impl':<11} {'pass':<9} {'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9}")
+  peak = matmul_tflops(dtype, 512 if cli.small else 8192, iters)
+  print(f"backend={jax.default_backend()} B={b} N={n} H={h} d={d} P={p} dtype={dtype.name} "
+        f"matmul={peak:.2f} TFLOP/s")
+  print(f"{'layer':<11} {'impl':<11} {'pass':<9} {'ms':>9} {'TFLOP/s':>8} {'% mm':>5} "
+        f"{'peak MiB':>9}")
   for layer, (pseudo, window) in layers.items():
     kind = "mha" if layer.endswith("mha") else "iha"
     args = qkv + ([m[..., :pseudo] for m in mixing] if kind == "iha" else [])
@@ -126,10 +142,17 @@ def main() -> None:
         if train:
           loss = lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32))
           f = jax.grad(loss, argnums=tuple(range(len(args))))
-        ms, peak = bench(f, args, iters)
+        try:
+          ms, memory = bench(f, args, iters)
+        except Exception as error:  # pylint: disable=broad-except
+          # One row failing to compile or run (e.g. out of memory) must not hide the rest.
+          print(f"{layer:<11} {implementation:<11} {name:<9} failed: "
+                f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
+          continue
         tflops = attention_flops(b, n, h, d, pseudo, window, train) / (ms * 1e-3) / 1e12
-        mib = "n/a" if peak is None else f"{peak / 2**20:.1f}"
-        print(f"{layer:<11} {implementation:<11} {name:<9} {ms:9.3f} {tflops:8.2f} {mib:>9}")
+        mib = "n/a" if memory is None else f"{memory / 2**20:.1f}"
+        print(f"{layer:<11} {implementation:<11} {name:<9} {ms:9.3f} {tflops:8.2f} "
+              f"{100 * tflops / peak:5.1f} {mib:>9}")
 
 
 if __name__ == "__main__":

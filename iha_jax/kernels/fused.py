@@ -2,14 +2,17 @@
 
 `iha_attention` feeds the SOURCE heads `[B, N, H, d]` and the `[H, H, P]` mixing
 tensors to the Pallas kernels, which build every pseudo q/k/v tile on chip.
-What the custom VJP saves for the backward (the kernel layouts):
-  q, k, v (source, `[B, H, Np, W]`), alpha_* (flat float32), segment ids and
-  positions (`[B, Np]` int32), the kernel output o `[B, H, P, Np, W]` and its
-  float32 log-sum-exp `[B, H, P, Np, 1]`.
-The de-interleaved output o is P times the MHA output (it is what the collapse
-einsum consumes; any flash attention saves its output). No `[B, N*P, H, d]`
-pseudo q/k/v exists in the forward or the backward: the backward kernels
-recompute pseudo tiles and contract their gradients with alpha on chip.
+What IHA's custom VJP (attention + collapse) saves for the backward:
+  q, k, v (source, `[B, H, Np, W]`), alpha_* (flat float32), collapse, segment
+  ids and positions (`[B, Np]` int32) and the float32 log-sum-exp
+  `[B, H, P, Np, 1]` (1/d of the output's size).
+Nothing P-sized is saved: the de-interleaved output o `[B, H, P, Np, W]` (P times
+the MHA output) is recomputed in the backward by one more forward kernel, where it
+gives d(collapse) and the FlashAttention-2 `delta = rowsum(o * do)`. That trades
+one forward pass for P x less saved activation (see WORKSPACE_NOTES.md). No
+`[B, N*P, H, d]` pseudo q/k/v exists in the forward or the backward: the backward
+kernels recompute pseudo tiles and contract their gradients with alpha on chip.
+MHA (P = 1) saves its output, as any flash attention does.
 
 Where the kernels run: `lax.platform_dependent` picks the compiled kernel when
 lowering for its platform (TPU: Mosaic; cuda/rocm: Triton) and the same kernel
@@ -55,9 +58,10 @@ def _attend_fwd(platform, cfg, alphas, inv_freq, seg, pos, q, k, v):
   return o, (alphas, inv_freq, seg, pos, q, k, v, o, lse)
 
 
-def _attend_bwd(platform, cfg, residuals, do):
+def _attend_bwd(platform, cfg, residuals, do, delta=None):
   alphas, inv_freq, seg, pos, q, k, v, o, lse = residuals
-  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+  if delta is None:
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
   dq, dk, dv, dalpha = _run(platform, "backward", cfg, alphas, inv_freq, seg, pos, q, k, v,
                             do.astype(q.dtype), lse, delta)
   # Per-(batch, tile) partial dalpha -> the flat alpha layout.
@@ -67,6 +71,47 @@ def _attend_bwd(platform, cfg, residuals, do):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _collapse_spec(collapse: jax.Array) -> str:
+  return "bgpnd,hgp->bnhd" if collapse.ndim == 3 else "bhpnd,hp->bnhd"
+
+
+def collapse_outputs(o: jax.Array, collapse: jax.Array) -> jax.Array:
+  """IHA_SPEC 1.6 on the kernel layout: `[B, Ht, P, Np, W]` -> `[B, Np, H, W]` float32."""
+  return jnp.einsum(_collapse_spec(collapse), o, collapse.astype(o.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend_collapse(platform, cfg, alphas, inv_freq, seg, pos, q, k, v, collapse):
+  """Fused attention, then collapse: `[B, Np, H', W]` float32 (H' = H full, Ht per_head)."""
+  o, _ = _run(platform, "forward", cfg, alphas, inv_freq, seg, pos, q, k, v)
+  return collapse_outputs(o, collapse)
+
+
+def _attend_collapse_fwd(platform, cfg, alphas, inv_freq, seg, pos, q, k, v, collapse):
+  o, lse = _run(platform, "forward", cfg, alphas, inv_freq, seg, pos, q, k, v)
+  # o is dropped here: the backward recomputes it (the only P-sized activation).
+  return collapse_outputs(o, collapse), (alphas, inv_freq, seg, pos, q, k, v, collapse, lse)
+
+
+def _attend_collapse_bwd(platform, cfg, residuals, dy):
+  alphas, inv_freq, seg, pos, q, k, v, collapse, lse = residuals
+  o, _ = _run(platform, "forward", cfg, alphas, inv_freq, seg, pos, q, k, v)
+  inputs, output = _collapse_spec(collapse).split("->")
+  o_spec, c_spec = inputs.split(",")
+  d_collapse = jnp.einsum(f"{output},{o_spec}->{c_spec}", dy, o,
+                          preferred_element_type=jnp.float32)
+  do = jnp.einsum(f"{output},{c_spec}->{o_spec}", dy, collapse.astype(jnp.float32),
+                  preferred_element_type=jnp.float32)
+  delta = jnp.sum(o.astype(jnp.float32) * do, axis=-1, keepdims=True)
+  grads = _attend_bwd(platform, cfg, (alphas, inv_freq, seg, pos, q, k, v, o, lse), do,
+                      delta=delta)
+  return (*grads, d_collapse.astype(collapse.dtype))
+
+
+_attend_collapse.defvjp(_attend_collapse_fwd, _attend_collapse_bwd)
 
 
 def _split_point(d: int) -> int:
@@ -110,6 +155,27 @@ def _config(platform: str, q: jax.Array, num_targets: int, num_pseudo: int, mixi
                 seq_len=seq_len, window=window, rope=rope_theta is not None)
 
 
+def _prepare(q: jax.Array, k: jax.Array, v: jax.Array,
+             alphas: tuple[jax.Array, jax.Array, jax.Array] | None, *, window: int | None,
+             segment_ids: jax.Array, positions: jax.Array, rope_theta: float | None,
+             platform: str, block_sizes: BlockSizes | None):
+  """Kernel config and kernel-layout inputs, plus `restore` back to `[B, N, H', d]`."""
+  n, d = q.shape[1], q.shape[3]
+  num_targets, num_pseudo = (q.shape[2], 1) if alphas is None else alphas[0].shape[1:]
+  cfg = _config(platform, q, num_targets, num_pseudo, alphas is not None, window, rope_theta,
+                block_sizes)
+  # Flat (target h, source m, pseudo p) order: one scalar read per coefficient.
+  flat = () if alphas is None else tuple(
+      jnp.swapaxes(a, 0, 1).reshape(-1).astype(jnp.float32) for a in alphas)
+  freq = jnp.zeros((1, cfg.half), jnp.float32)
+  if rope_theta is not None:
+    freq = freq.at[0, :d // 2].set(rope_frequencies(d, rope_theta))
+  pad = lambda x: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, cfg.seq_len - n)))
+  args = (flat, freq, pad(segment_ids), pad(positions),
+          *(_to_kernel(x, cfg) for x in (q, k, v)))
+  return cfg, args, functools.partial(_from_kernel, n=n, d=d, cfg=cfg)
+
+
 def pseudo_outputs(q: jax.Array, k: jax.Array, v: jax.Array,
                    alphas: tuple[jax.Array, jax.Array, jax.Array] | None, *,
                    window: int | None, segment_ids: jax.Array, positions: jax.Array,
@@ -122,29 +188,29 @@ def pseudo_outputs(q: jax.Array, k: jax.Array, v: jax.Array,
   plain MHA (Ht = H, P = 1).
 
   Returns `(o, restore)`: o `[B, Ht, P, Np, W]` (padded tokens and lanes) and
-  `restore`, mapping a collapsed `[B, Np, H', W]` to `[B, N, H', d]`. Collapsing
-  before un-padding keeps o the only P-sized array (also as the einsum's residual).
+  `restore`, mapping a collapsed `[B, Np, H', W]` to `[B, N, H', d]`. The VJP saves
+  o; IHA layers use `collapsed_outputs`, which saves nothing P-sized.
   """
-  n, d = q.shape[1], q.shape[3]
-  num_targets, num_pseudo = (q.shape[2], 1) if alphas is None else alphas[0].shape[1:]
-  cfg = _config(platform, q, num_targets, num_pseudo, alphas is not None, window, rope_theta,
-                block_sizes)
-  # Flat (target h, source m, pseudo p) order: one scalar read per coefficient.
-  flat = () if alphas is None else tuple(
-      jnp.swapaxes(a, 0, 1).reshape(-1).astype(jnp.float32) for a in alphas)
-  freq = jnp.zeros((1, cfg.half), jnp.float32)
-  if rope_theta is not None:
-    freq = freq.at[0, :d // 2].set(rope_frequencies(d, rope_theta))
-  pad = lambda x: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, cfg.seq_len - n)))
-  o = _attend(platform, cfg, flat, freq, pad(segment_ids), pad(positions),
-              *(_to_kernel(x, cfg) for x in (q, k, v)))
-  return o, functools.partial(_from_kernel, n=n, d=d, cfg=cfg)
+  cfg, args, restore = _prepare(q, k, v, alphas, window=window, segment_ids=segment_ids,
+                                positions=positions, rope_theta=rope_theta,
+                                platform=platform, block_sizes=block_sizes)
+  return _attend(platform, cfg, *args), restore
 
 
-def collapse_outputs(o: jax.Array, collapse: jax.Array) -> jax.Array:
-  """IHA_SPEC 1.6 on the kernel layout: `[B, Ht, P, Np, W]` -> `[B, Np, H, W]` float32."""
-  spec = "bgpnd,hgp->bnhd" if collapse.ndim == 3 else "bhpnd,hp->bnhd"
-  return jnp.einsum(spec, o, collapse.astype(o.dtype), preferred_element_type=jnp.float32)
+def collapsed_outputs(q: jax.Array, k: jax.Array, v: jax.Array,
+                      alphas: tuple[jax.Array, jax.Array, jax.Array], collapse: jax.Array, *,
+                      window: int | None, segment_ids: jax.Array, positions: jax.Array,
+                      rope_theta: float | None, platform: str, block_sizes: BlockSizes | None
+                      ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+  """Fused attention and collapse of the local target heads (see `pseudo_outputs`).
+
+  Returns `(y, restore)`: y `[B, Np, H', W]` float32 (H' = H for a full `[H, Ht, P]`
+  collapse: a partial sum over the local target heads; H' = Ht for per_head `[Ht, P]`).
+  """
+  cfg, args, restore = _prepare(q, k, v, alphas, window=window, segment_ids=segment_ids,
+                                positions=positions, rope_theta=rope_theta,
+                                platform=platform, block_sizes=block_sizes)
+  return _attend_collapse(platform, cfg, *args, collapse), restore
 
 
 def iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
@@ -155,13 +221,14 @@ def iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
   """Fused IHA core (IHA_SPEC 1.2-1.6) on source heads `[B, N, H, d]` -> `[B, N, H, d]`.
 
   Mixing, RoPE at virtual positions and attention run in the kernels; the
-  collapse is an einsum on the kernel's de-interleaved output `[B, H, P, Np, W]`.
+  collapse is an einsum on the kernel's de-interleaved output `[B, H, P, Np, W]`,
+  inside the custom VJP so that output is recomputed, not saved, for backward.
   """
-  o, restore = pseudo_outputs(q, k, v, (alpha_q, alpha_k, alpha_v), window=window,
-                              segment_ids=segment_ids, positions=positions,
-                              rope_theta=rope_theta, platform=platform,
-                              block_sizes=block_sizes)
-  return restore(collapse_outputs(o, collapse)).astype(q.dtype)
+  y, restore = collapsed_outputs(q, k, v, (alpha_q, alpha_k, alpha_v), collapse,
+                                 window=window, segment_ids=segment_ids, positions=positions,
+                                 rope_theta=rope_theta, platform=platform,
+                                 block_sizes=block_sizes)
+  return restore(y).astype(q.dtype)
 
 
 def mha_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None,

@@ -50,11 +50,10 @@ def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax
   full = collapse.ndim == 3
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions):
-    o, restore = fused.pseudo_outputs(q, k, v, (alpha_q, alpha_k, alpha_v), window=window,
-                                      segment_ids=segment_ids, positions=positions,
-                                      rope_theta=rope_theta, platform=platform,
-                                      block_sizes=block_sizes)  # [b, H_local, P, Np, W]
-    y = fused.collapse_outputs(o, collapse)
+    y, restore = fused.collapsed_outputs(q, k, v, (alpha_q, alpha_k, alpha_v), collapse,
+                                         window=window, segment_ids=segment_ids,
+                                         positions=positions, rope_theta=rope_theta,
+                                         platform=platform, block_sizes=block_sizes)
     if full:  # every output head mixes every target head: sum the shards' shares
       y = jax.lax.psum(y, head_axis)
     return restore(y).astype(q.dtype)
