@@ -6,13 +6,18 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from iha_jax.eval import (attention_pictures, evaluate_workdir, length_sweep, parse_lengths,
                           parse_mesh, restore_run)
 from iha_jax.eval.evaluator import FALLBACK_MESH, choose_mesh
 from iha_jax.train import LanguageModel, model_config, train
+from iha_jax.train import checkpoint as ckpt
+from iha_jax.train.optimizer import make_optimizer
+from iha_jax.train.state import abstract_state
 from tests.test_train import make_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,6 +69,26 @@ def test_restore_onto_another_mesh(runs):
   assert actual["examples"] == expected["examples"]
   np.testing.assert_allclose(actual["loss"], expected["loss"], rtol=1e-5)
   assert actual["exact_match"] == expected["exact_match"]
+
+
+def test_eval_restores_parameters_without_optimizer_state(runs):
+  """eval reads step + params only; they equal a full restore of the same checkpoint."""
+  run = restore_run(runs["iha"])
+  manager = ckpt.make_manager(runs["iha"])
+  try:
+    target, _ = abstract_state(run.model, make_optimizer(run.config.train), run.mesh)
+    full = ckpt.restore(manager, run.step, target)
+    partial = ckpt.restore_params(manager, run.step, target)
+  finally:
+    manager.close()
+  assert all(leaf is ocp.PLACEHOLDER for leaf in jax.tree.leaves(
+      partial.opt_state, is_leaf=lambda x: x is ocp.PLACEHOLDER))
+  assert any(np.any(np.asarray(m) != 0) for m in jax.tree.leaves(full.opt_state))
+  assert int(partial.step) == int(full.step) == run.step == 4
+  for got, want, from_eval in zip(jax.tree.leaves(partial.params), jax.tree.leaves(full.params),
+                                  jax.tree.leaves(run.params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(from_eval), np.asarray(want))
 
 
 def test_mesh_choice(runs):

@@ -134,7 +134,7 @@ def restore_run(workdir: str, step: int | None = None, mesh: dict[str, int] | No
     model = LanguageModel(model_cfg, remat="none", scan_layers=config.model.scan_layers)
     device_mesh = parallel.create_mesh(sizes)
     target, shardings = abstract_state(model, make_optimizer(config.train), device_mesh)
-    state = ckpt.restore(manager, step, target)
+    state = ckpt.restore_params(manager, step, target)  # no optimizer moments
   finally:
     manager.close()
   return RestoredRun(workdir=workdir, step=int(step), config=config, model=model,

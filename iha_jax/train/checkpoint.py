@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import grain
+import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
@@ -73,3 +74,18 @@ def restore(manager: ocp.CheckpointManager, step: int, target: Any,
   if data_iterator is not None:
     args[DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
   return manager.restore(step, args=ocp.args.Composite(**args))[STATE]
+
+
+def restore_params(manager: ocp.CheckpointManager, step: int, target: TrainState) -> TrainState:
+  """Restores step and parameters only onto `target`'s shardings. The optimizer state
+  (AdamW: 2x the parameters) is never read; it comes back as `ocp.PLACEHOLDER`s."""
+  item = {"step": target.step, "params": target.params}
+  # The manager's handler for STATE takes whole-tree StandardRestore args only; a plain
+  # PyTree checkpointer reads the same files with partial_restore.
+  path = os.path.join(os.fspath(manager.directory), str(step), STATE)
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        item=item, partial_restore=True,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
+  return TrainState(step=restored["step"], params=restored["params"],
+                    opt_state=jax.tree.map(lambda _: ocp.PLACEHOLDER, target.opt_state))
