@@ -13,7 +13,8 @@ import pytest
 
 from iha_jax.eval import (attention_pictures, evaluate_workdir, length_sweep, parse_lengths,
                           parse_mesh, restore_run)
-from iha_jax.eval.evaluator import FALLBACK_MESH, choose_mesh
+from configs.default import get_config as default_config
+from iha_jax.eval.evaluator import FALLBACK_MESH, chance_exact_match, choose_mesh
 from iha_jax.train import LanguageModel, model_config, train
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train.optimizer import make_optimizer
@@ -89,6 +90,16 @@ def test_eval_restores_parameters_without_optimizer_state(runs):
                                   jax.tree.leaves(run.params)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(from_eval), np.asarray(want))
+
+
+def test_chance_exact_match_per_task():
+  config = default_config()
+  assert chance_exact_match(config) == 64.0 ** -8  # mqar/cpu_demo: 8 queries, 64 values
+  config.data.name = "multikey_retrieval/cpu_demo"
+  config.data.options = {"length": 64, "key_len": 1, "value_len": 2, "num_queries": 2}
+  assert chance_exact_match(config) == 32.0 ** -4  # 32 value tokens, 2 x 2 answer tokens
+  config.data.name = "local_text/lines"
+  assert chance_exact_match(config) is None
 
 
 def test_mesh_choice(runs):

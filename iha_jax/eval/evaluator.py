@@ -160,10 +160,14 @@ def evaluate_workdir(workdir: str, split: str = "test", step: int | None = None,
 
 
 def chance_exact_match(config: ml_collections.ConfigDict) -> float | None:
-  """Exact match of uniform guessing, for the multi-key retrieval task (else None)."""
-  if not config.data.name.startswith("multikey_retrieval"):
+  """Exact match of uniform guessing over the value tokens, for the multi-key retrieval
+  and MQAR tasks (else None): every answer token of an example must be right."""
+  name = config.data.name
+  if not name.startswith(("multikey_retrieval", "mqar")):
     return None
-  task = data_lib.builder_config(config.data.name, dict(config.data.options or {}))
+  task = data_lib.builder_config(name, dict(config.data.options or {}))
+  if name.startswith("mqar"):
+    return float(task.num_values) ** (-task.queries)
   return float(task.num_value_tokens) ** (-task.value_len * task.num_queries)
 
 

@@ -1,7 +1,7 @@
 """Long-context retrieval sweep: exact match of trained runs against context length.
 
-Each run is evaluated on its own multi-key retrieval task (the training options) with
-only `length` changed, on `num_examples` test examples per length. An overridden task
+Each run is evaluated on its own retrieval task (multi-key retrieval or MQAR, with the
+training options) with only `length` changed, on `num_examples` test examples per length. An overridden task
 gets its own dataset directory (the data package names it by a digest of the options),
 prepared offline on first use. Lengths beyond the training length measure RoPE
 extrapolation: accuracy is expected to fall there.
@@ -18,7 +18,7 @@ import ml_collections
 
 from iha_jax.eval.evaluator import chance_exact_match, restore_run
 
-TASK = "multikey_retrieval"
+TASKS = ("multikey_retrieval", "mqar")  # tasks with a `length` option and exact match
 JSON_NAME, PNG_NAME = "length_sweep.json", "length_sweep.png"
 
 
@@ -75,9 +75,9 @@ def length_sweep(workdirs: Sequence[str], lengths: Sequence[int], out_dir: str, 
   runs: dict[str, Any] = {}
   for workdir in workdirs:
     run = restore_run(workdir, step, mesh)
-    if not run.config.data.name.startswith(TASK):
-      raise ValueError(f"--sweep_lengths needs runs trained on {TASK}; --workdir {workdir!r} "
-                       f"trained on {run.config.data.name!r}")
+    if not run.config.data.name.startswith(TASKS):
+      raise ValueError(f"--sweep_lengths needs runs trained on one of {TASKS}; "
+                       f"--workdir {workdir!r} trained on {run.config.data.name!r}")
     # Distinct names even for runs whose directories share a basename.
     name = run.name if run.name not in runs else os.path.abspath(workdir)
     record = {"workdir": os.path.abspath(workdir), "label": run_label(name, run.config),
