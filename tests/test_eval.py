@@ -11,9 +11,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from configs.default import get_config as default_config
 from iha_jax.eval import (attention_pictures, evaluate_workdir, length_sweep, parse_lengths,
                           parse_mesh, restore_run)
-from configs.default import get_config as default_config
 from iha_jax.eval.evaluator import FALLBACK_MESH, chance_exact_match, choose_mesh
 from iha_jax.train import LanguageModel, model_config, train
 from iha_jax.train import checkpoint as ckpt

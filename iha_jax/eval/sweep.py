@@ -1,10 +1,10 @@
 """Long-context retrieval sweep: exact match of trained runs against context length.
 
 Each run is evaluated on its own retrieval task (multi-key retrieval or MQAR, with the
-training options) with only `length` changed, on `num_examples` test examples per length. An overridden task
-gets its own dataset directory (the data package names it by a digest of the options),
-prepared offline on first use. Lengths beyond the training length measure RoPE
-extrapolation: accuracy is expected to fall there.
+training options) with only `length` changed, on `num_examples` test examples per
+length. An overridden task gets its own dataset directory (the data package names it by
+a digest of the options), prepared offline on first use. Lengths beyond the training
+length measure RoPE extrapolation: accuracy is expected to fall there.
 """
 from __future__ import annotations
 
