@@ -5,7 +5,7 @@ tensors to the Pallas kernels, which build every pseudo q/k/v tile on chip.
 What IHA's custom VJP (attention + collapse) saves for the backward:
   q, k, v (source, `[B, H, Np, W]`), alpha_* (flat float32), collapse, segment
   ids and positions (`[B, Np]` int32) and the float32 log-sum-exp
-  `[B, H, P, Np, 1]` (1/d of the output's size).
+  `[B, H, P, Np, 1]` (1/W of the output's elements).
 Nothing P-sized is saved: the de-interleaved output o `[B, H, P, Np, W]` (P times
 the MHA output) is recomputed in the backward by one more forward kernel, where it
 gives d(collapse) and the FlashAttention-2 `delta = rowsum(o * do)`. That trades
