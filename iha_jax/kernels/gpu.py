@@ -89,6 +89,17 @@ def _row(ref, rows):
   return ref[rows][None, :]
 
 
+def _key_tile(j, h, k_ref, v_ref, seg_ref, pos_ref, ak, av, inv_freq, cfg: Config):
+  """Key tile j of target head h: (rotated pseudo k pieces, pseudo v pieces,
+  key segment ids `[1, bk]`, key token indices `[1, bk]`)."""
+  bk = cfg.block_k
+  k_rows = pl.ds(j * bk, bk)
+  k = common.rotated_pieces(_halves(k_ref, k_rows, cfg), ak, h, _column(pos_ref, k_rows),
+                            inv_freq, cfg, k_ref.dtype)
+  v = common.plain_pieces(_whole(v_ref, k_rows), av, h, cfg, v_ref.dtype)
+  return k, v, _row(seg_ref, k_rows), common.token_index(j * bk, bk, 1)
+
+
 def _split_alpha(refs, cfg: Config):
   """(alpha_q, alpha_k, alpha_v refs or Nones, remaining refs)."""
   if cfg.mixing:
@@ -100,7 +111,7 @@ def _forward_kernel(*refs, cfg: Config):
   (aq, ak, av), (freq_ref, seg_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref) = (
       _split_alpha(refs, cfg))
   i, h = pl.program_id(0), pl.program_id(2)
-  bq, bk = cfg.block_q, cfg.block_k
+  bq = cfg.block_q
   q_rows = pl.ds(i * bq, bq)
   inv_freq = freq_ref[...]
   seg_q, q_tok = _column(seg_ref, q_rows), common.token_index(i * bq, bq, 0)
@@ -108,11 +119,7 @@ def _forward_kernel(*refs, cfg: Config):
                             inv_freq, cfg, q_ref.dtype)
 
   def body(j, state):
-    k_rows = pl.ds(j * bk, bk)
-    k = common.rotated_pieces(_halves(k_ref, k_rows, cfg), ak, h, _column(pos_ref, k_rows),
-                              inv_freq, cfg, k_ref.dtype)
-    v = common.plain_pieces(_whole(v_ref, k_rows), av, h, cfg, v_ref.dtype)
-    seg_k, k_tok = _row(seg_ref, k_rows), common.token_index(j * bk, bk, 1)
+    k, v, seg_k, k_tok = _key_tile(j, h, k_ref, v_ref, seg_ref, pos_ref, ak, av, inv_freq, cfg)
     mask = lambda pq, pk: common.tile_mask(q_tok, k_tok, pq, pk, seg_q, seg_k, cfg)
     return common.forward_tile(state, q, k, v, mask, cfg)
 
@@ -133,7 +140,7 @@ def _dq_kernel(*refs, cfg: Config):
   (aq, ak, av), (freq_ref, seg_ref, pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                  dq_ref, *dalpha) = _split_alpha(refs, cfg)
   i = pl.program_id(0)
-  bq, bk = cfg.block_q, cfg.block_k
+  bq = cfg.block_q
   q_rows = pl.ds(i * bq, bq)
   inv_freq = freq_ref[...]
   seg_q, pos_q = _column(seg_ref, q_rows), _column(pos_ref, q_rows)
@@ -149,11 +156,8 @@ def _dq_kernel(*refs, cfg: Config):
     delta = [delta_ref[h, p, q_rows, :] for p in range(cfg.num_pseudo)]
 
     def body(j, dq):
-      k_rows = pl.ds(j * bk, bk)
-      k = common.rotated_pieces(_halves(k_ref, k_rows, cfg), ak, h, _column(pos_ref, k_rows),
-                                inv_freq, cfg, k_ref.dtype)
-      v = common.plain_pieces(_whole(v_ref, k_rows), av, h, cfg, v_ref.dtype)
-      seg_k, k_tok = _row(seg_ref, k_rows), common.token_index(j * bk, bk, 1)
+      k, v, seg_k, k_tok = _key_tile(j, h, k_ref, v_ref, seg_ref, pos_ref, ak, av, inv_freq,
+                                     cfg)
       dq = [list(piece) for piece in dq]
       for pq in range(cfg.num_pseudo):
         for pk in range(cfg.num_pseudo):
