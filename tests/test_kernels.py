@@ -5,7 +5,8 @@ Pallas' interpreter automatically. TPU (Mosaic) kernels additionally run under
 `pltpu.force_tpu_interpret_mode()`, which models Mosaic semantics (SMEM, VMEM
 scratch, grid order). Every case checks the forward and every gradient (q, k, v,
 alpha_*, collapse) with a random cotangent, with packed segments, padding
-tokens and a sequence that does not divide the tiles.
+tokens and a sequence that does not divide the tiles; causal and bidirectional
+(`causal=False`) cases, and MHA with a value wider than q/k.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _mode(platform: str):
 
 
 def _check_iha(platform, *, b, n, h, d, p, window, dtype=jnp.float32, blocks=None,
-               per_head=False, rope_theta=10000.0, seed=0):
+               per_head=False, rope_theta=10000.0, causal=True, seed=0):
   args = random_iha_inputs(jax.random.key(seed), b, n, h, d, p, per_head=per_head, dtype=dtype)
   seg = packed_segments(b, n)
   pos = packed_positions(seg)
@@ -38,8 +39,8 @@ def _check_iha(platform, *, b, n, h, d, p, window, dtype=jnp.float32, blocks=Non
 
   def run(implementation, block_sizes=None):
     f = lambda *a: iha_attention(*a, window=window, segment_ids=seg, positions=pos,
-                                 rope_theta=rope_theta, implementation=implementation,
-                                 block_sizes=block_sizes)
+                                 rope_theta=rope_theta, causal=causal,
+                                 implementation=implementation, block_sizes=block_sizes)
     out, vjp = jax.vjp(f, *args)
     return out, vjp(cotangent)
 
@@ -51,11 +52,20 @@ def _check_iha(platform, *, b, n, h, d, p, window, dtype=jnp.float32, blocks=Non
 
 
 # Triton interpret: 8-token tiles over N = 20 (padded to 24: three tiles each way).
-@pytest.mark.parametrize("p", [1, 2, 4])
-@pytest.mark.parametrize("window", [None, 13])
+# P in {1, 2, 4} with global and window layers, spread over these and the bidirectional
+# and bfloat16 cases below (P = 2 and 4 each run global and windowed).
+@pytest.mark.parametrize("p, window", [(1, 13), (2, None), (4, 13)])
 def test_gpu_iha_float32(p, window):
   _check_iha("gpu", b=2, n=20, h=2, d=16, p=p, window=window,
              blocks=BlockSizes(8 * p, 8 * p))
+
+
+# Bidirectional: with a 5-row window on 16-row virtual tiles, a tile sees its neighbours on
+# both sides only (the symmetric band); globally every tile sees every tile.
+@pytest.mark.parametrize("window", [None, 5])
+def test_gpu_iha_bidirectional(window):
+  _check_iha("gpu", b=2, n=20, h=2, d=16, p=2, window=window, causal=False,
+             blocks=BlockSizes(16, 16))
 
 
 @pytest.mark.parametrize("p, window", [(2, 13), (4, None)])
@@ -77,11 +87,14 @@ def test_gpu_iha_paper_default_p_equals_h_20():
 
 
 # Mosaic interpret: key tiles are multiples of 128 tokens, so N = 136 gives two key
-# tiles and five query tiles (padded to 256).
-@pytest.mark.parametrize("p, window", [(2, 100), (1, None)])
-def test_tpu_iha_multi_tile_float32(p, window):
-  _check_iha("tpu", b=1, n=136, h=2, d=16, p=p, window=window,
-             blocks=BlockSizes(32 * p, 128 * p))
+# tiles and eight query tiles (padded to 256; five hold tokens). Bidirectional window
+# 100 at P = 2: query tiles 0-1 see key tile 0 only, 2-5 both, and key tile 0 is seen
+# by query tiles 0-5 only; batch row 1 is one document across both key tiles (row 0's
+# second key tile is padding). P = 1 runs through the TPU kernels in the MHA test.
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_tpu_iha_multi_tile_float32(causal):
+  _check_iha("tpu", b=2, n=136, h=2, d=16, p=2, window=100, causal=causal,
+             blocks=BlockSizes(64, 256))
 
 
 @pytest.mark.parametrize("p, window, dtype", [(4, 9, jnp.float32), (2, None, jnp.bfloat16)])
@@ -89,17 +102,20 @@ def test_tpu_iha_single_tile(p, window, dtype):
   _check_iha("tpu", b=2, n=20, h=2, d=16, p=p, window=window, dtype=dtype)
 
 
-@pytest.mark.parametrize("platform", ["gpu", "tpu"])
-def test_mha_through_kernels(platform):
+# v twice as wide as q/k (differential attention's MHA call): dq, dk `[.., d]`, dv `[.., 2d]`.
+@pytest.mark.parametrize("platform, causal", [("gpu", True), ("tpu", False)])
+def test_mha_through_kernels(platform, causal):
   b, n, h, d = 2, 20, 3, 16
-  q, k, v = (jax.random.normal(key, (b, n, h, d)) for key in jax.random.split(jax.random.key(3), 3))
+  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+  q, k = (jax.random.normal(key, (b, n, h, d)) for key in (kq, kk))
+  v = jax.random.normal(kv, (b, n, h, 2 * d))
   seg = packed_segments(b, n)
-  cotangent = jax.random.normal(jax.random.key(4), (b, n, h, d))
+  cotangent = jax.random.normal(jax.random.key(4), (b, n, h, 2 * d))
   blocks = BlockSizes(8, 8) if platform == "gpu" else None
 
   def run(implementation):
-    f = lambda *a: mha_attention(*a, window=5, segment_ids=seg, implementation=implementation,
-                                 block_sizes=blocks)
+    f = lambda *a: mha_attention(*a, window=5, segment_ids=seg, causal=causal,
+                                 implementation=implementation, block_sizes=blocks)
     out, vjp = jax.vjp(f, q, k, v)
     return out, vjp(cotangent)
 
@@ -117,7 +133,8 @@ def test_blocks_must_hold_whole_tokens():
 
 
 def test_auto_is_xla_on_cpu():
-  assert jax.default_backend() == "cpu"
+  if jax.default_backend() != "cpu":
+    pytest.skip(f"backend is {jax.default_backend()}, not cpu")
   assert resolve_implementation("auto") == "xla"
 
 
@@ -180,8 +197,9 @@ def test_lowered_scan_flags_materialised_path():
 
 
 # --- shard_map over 8 fake CPU devices. ------------------------------------------------------
-@pytest.mark.parametrize("per_head, axis_type", [(False, "explicit"), (True, "auto")])
-def test_sharded_kernels_match_reference(per_head, axis_type):
+@pytest.mark.parametrize("per_head, axis_type, causal",
+                         [(False, "explicit", True), (True, "auto", False)])
+def test_sharded_kernels_match_reference(per_head, axis_type, causal):
   axis_types = (jax.sharding.AxisType.Explicit if axis_type == "explicit"
                 else jax.sharding.AxisType.Auto,) * 2
   mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=axis_types)
@@ -191,9 +209,9 @@ def test_sharded_kernels_match_reference(per_head, axis_type):
 
   def loss(sharded, *a):
     if sharded:
-      out = sharded_iha_attention(*a, mesh=mesh, window=9, platform="gpu")
+      out = sharded_iha_attention(*a, mesh=mesh, window=9, causal=causal, platform="gpu")
     else:
-      out = iha_attention(*a, window=9, implementation="reference")
+      out = iha_attention(*a, window=9, causal=causal, implementation="reference")
     return jnp.sum(out * cotangent)
 
   got = jax.jit(jax.value_and_grad(lambda *a: loss(True, *a), argnums=tuple(range(7))))(*args)

@@ -21,9 +21,9 @@ from iha_jax.ops import iha_attention, mha_attention
 
 TARGETS = {"tpu": ("pallas_tpu", "tpu_custom_call"),
            "cuda": ("pallas_gpu", "__gpu$xla.gpu.triton")}
-# The paper's shape (IHA_SPEC 4): N = 8192, H = 20, d = 128, P = 4, window N/(2P) = 1024
-# virtual tokens; and a small one.
-SHAPES = {"paper": (1, 8192, 20, 128, 4, 1024), "small": (2, 200, 4, 64, 2, 96)}
+# (B, N, H, d, P, window, causal): the paper's shape (docs/design.md §4: N = 8192, H = 20,
+# d = 128, P = 4, window N/(2P) = 1024 virtual tokens), and a small bidirectional one.
+SHAPES = {"paper": (1, 8192, 20, 128, 4, 1024, True), "small": (2, 200, 4, 64, 2, 96, False)}
 
 
 def _export(fn, platform, *args):
@@ -39,14 +39,15 @@ def _custom_calls(exported) -> set[str]:
 @pytest.mark.parametrize("platform", sorted(TARGETS))
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
 def test_iha_exports(shape, platform, grad):
-  b, n, h, d, p, window = SHAPES[shape]
+  b, n, h, d, p, window, causal = SHAPES[shape]
   implementation, target = TARGETS[platform]
   x = jax.ShapeDtypeStruct((b, n, h, d), jnp.bfloat16)
   a = jax.ShapeDtypeStruct((h, h, p), jnp.bfloat16)
-  f = lambda *args: iha_attention(*args, window=window, implementation=implementation)
+  attend = lambda *args: iha_attention(*args, window=window, causal=causal,
+                                       implementation=implementation)
+  f = attend
   if grad:
-    f = jax.grad(lambda *args: jnp.sum(iha_attention(
-        *args, window=window, implementation=implementation).astype(jnp.float32) ** 2),
+    f = jax.grad(lambda *args: jnp.sum(attend(*args).astype(jnp.float32) ** 2),
                  argnums=tuple(range(7)))
   exported = _export(f, platform, x, x, x, a, a, a, a)
   assert target in _custom_calls(exported)
@@ -57,11 +58,13 @@ def test_iha_exports(shape, platform, grad):
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
 def test_mha_gradient_exports(platform):
+  # v twice as wide as q/k, as differential attention calls it.
   implementation, target = TARGETS[platform]
   x = jax.ShapeDtypeStruct((1, 8192, 20, 128), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 8192, 20, 256), jnp.bfloat16)
   f = jax.grad(lambda *args: jnp.sum(mha_attention(
       *args, implementation=implementation).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
-  assert target in _custom_calls(_export(f, platform, x, x, x))
+  assert target in _custom_calls(_export(f, platform, x, x, v))
 
 
 def test_triton_export_needs_the_custom_call_check_disabled():

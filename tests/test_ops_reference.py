@@ -22,9 +22,16 @@ def _naive_rope(x: np.ndarray, position: float, theta: float) -> np.ndarray:
   return out
 
 
+def _sees(t: int, s: int, window: int | None, causal: bool) -> bool:
+  """The causal / bidirectional window rule on flat indices (segments checked apart)."""
+  if causal:
+    return s <= t and (window is None or t - s < window)
+  return window is None or abs(t - s) < window
+
+
 def naive_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, segment_ids, positions,
-              rope_theta):
-  """IHA_SPEC section 1 as loops over virtual tokens t = n*P + p, in float64."""
+              rope_theta, causal=True):
+  """The IHA math as loops over virtual tokens t = n*P + p, in float64."""
   q, k, v, alpha_q, alpha_k, alpha_v, collapse = (
       np.asarray(x, np.float64) for x in (q, k, v, alpha_q, alpha_k, alpha_v, collapse))
   seg, pos = np.asarray(segment_ids), np.asarray(positions)
@@ -48,8 +55,7 @@ def naive_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, segment_i
           continue  # padding query: output stays zero
         query = pseudo(q, alpha_q, t, True)
         seen = [s for s in range(t_size)
-                if s <= t and (window is None or t - s < window)
-                and seg[b, s // p_size] == seg[b, n_t]]
+                if _sees(t, s, window, causal) and seg[b, s // p_size] == seg[b, n_t]]
         logits = np.array([query @ keys[s] / np.sqrt(d) for s in seen])
         weights = np.exp(logits - logits.max())
         weights /= weights.sum()
@@ -60,19 +66,122 @@ def naive_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, segment_i
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])
-@pytest.mark.parametrize("case", ["global", "window", "packed", "per_head", "no_rope"])
+@pytest.mark.parametrize("case", ["global", "window", "packed", "per_head", "no_rope",
+                                  "bidirectional_packed_window"])
 def test_reference_matches_naive_loop(p, case):
   b, n, h, d = 2, 5, 2, 4
   args = random_iha_inputs(jax.random.PRNGKey(p), b, n, h, d, p, per_head=case == "per_head")
-  window = 4 if case == "window" else None
-  segment_ids = packed_segments(b, n) if case == "packed" else jnp.ones((b, n), jnp.int32)
-  positions = (packed_positions(segment_ids) if case == "packed"
+  window = 4 if "window" in case else None
+  packed = "packed" in case
+  causal = not case.startswith("bidirectional")
+  segment_ids = packed_segments(b, n) if packed else jnp.ones((b, n), jnp.int32)
+  positions = (packed_positions(segment_ids) if packed
                else jnp.asarray(np.random.default_rng(p).integers(0, 50, (b, n)), jnp.int32))
   rope_theta = None if case == "no_rope" else 100.0
   got = ops.iha_attention(*args, window=window, segment_ids=segment_ids, positions=positions,
-                          rope_theta=rope_theta, implementation="reference")
+                          rope_theta=rope_theta, causal=causal, implementation="reference")
   want = naive_iha(*args, window=window, segment_ids=segment_ids, positions=positions,
-                   rope_theta=rope_theta)
+                   rope_theta=rope_theta, causal=causal)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def _naive_rows(q, segment_ids, window, causal):
+  """For every (b, i): the visible keys j (same nonzero segment, window rule), or None
+  for a padding query."""
+  seg = np.asarray(segment_ids)
+  rows = {}
+  for b in range(q.shape[0]):
+    for i in range(q.shape[1]):
+      rows[b, i] = None if seg[b, i] == 0 else [
+          j for j in range(q.shape[1]) if seg[b, j] == seg[b, i] and _sees(i, j, window, causal)]
+  return rows
+
+
+def _softmax(logits):
+  w = np.exp(logits - logits.max())
+  return w / w.sum()
+
+
+def naive_talking_heads(q, k, v, talk_logits, talk_weights, *, window, segment_ids, positions,
+                        rope_theta, causal):
+  """Talking-Heads (Shazeer et al.) as loops over queries, in float64."""
+  q, k, v, tl, tw = (np.asarray(x, np.float64) for x in (q, k, v, talk_logits, talk_weights))
+  pos = np.asarray(positions)
+  bsz, n, h, d = q.shape
+  rot = lambda x, b, i: _naive_rope(x, pos[b, i], rope_theta)
+  out = np.zeros(v.shape)
+  for (b, i), seen in _naive_rows(q, segment_ids, window, causal).items():
+    if seen is None:
+      continue
+    scores = np.array([[rot(q[b, i, m], b, i) @ rot(k[b, j, m], b, j) / np.sqrt(d)
+                        for j in seen] for m in range(h)])        # J [h, keys]
+    weights = np.array([_softmax(tl[:, g] @ scores) for g in range(h)])   # W [h', keys]
+    for g in range(h):
+      mixed = tw[:, g] @ weights                                  # U [keys]
+      out[b, i, g] = sum(u * v[b, j, g] for u, j in zip(mixed, seen))
+  return out
+
+
+def naive_diff(q, k, v, lam, *, window, segment_ids, positions, rope_theta, causal):
+  """Differential attention A1 v - lam A2 v as loops, in float64."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  lam = np.broadcast_to(np.asarray(lam, np.float64), (q.shape[2],))
+  pos = np.asarray(positions)
+  d = q.shape[-1]
+  out = np.zeros(v.shape)
+  for (b, i), seen in _naive_rows(q, segment_ids, window, causal).items():
+    if seen is None:
+      continue
+    for h in range(q.shape[2]):
+      maps = []
+      for c in range(2):
+        qi = _naive_rope(q[b, i, h, c], pos[b, i], rope_theta)
+        w = _softmax(np.array([qi @ _naive_rope(k[b, j, h, c], pos[b, j], rope_theta)
+                               for j in seen]) / np.sqrt(d))
+        maps.append(sum(wj * v[b, j, h] for wj, j in zip(w, seen)))
+      out[b, i, h] = maps[0] - lam[h] * maps[1]
+  return out
+
+
+def naive_simplicial(q, k1, k2, v1, v2, *, window, segment_ids, causal):
+  """2-simplicial attention (Roy et al.) as loops over queries and key pairs, in float64."""
+  q, k1, k2, v1, v2 = (np.asarray(x, np.float64) for x in (q, k1, k2, v1, v2))
+  d = q.shape[-1]
+  out = np.zeros(q.shape)
+  for (b, i), seen in _naive_rows(q, segment_ids, window, causal).items():
+    if seen is None:
+      continue
+    for h in range(q.shape[2]):
+      pairs = [(j, l) for j in seen for l in seen]
+      w = _softmax(np.array([np.sum(q[b, i, h] * k1[b, j, h] * k2[b, l, h]) for j, l in pairs])
+                   / np.sqrt(d))
+      out[b, i, h] = sum(wp * v1[b, j, h] * v2[b, l, h] for wp, (j, l) in zip(w, pairs))
+  return out
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("kind", ["talking_heads", "diff", "simplicial"])
+def test_baseline_references_match_naive_loops(kind, causal):
+  b, n, h, d = 2, 5, 2, 4
+  keys = jax.random.split(jax.random.PRNGKey(len(kind) + causal), 6)
+  x = lambda i, *shape: jax.random.normal(keys[i], shape or (b, n, h, d))
+  segment_ids = packed_segments(b, n)
+  positions = packed_positions(segment_ids)
+  mask = dict(window=3, segment_ids=segment_ids, causal=causal)
+  if kind == "talking_heads":
+    args = (x(0), x(1), x(2), x(3, h, h), x(4, h, h))
+    rope = dict(positions=positions, rope_theta=100.0)
+    got = ops.talking_heads_attention(*args, **mask, **rope, implementation="reference")
+    want = naive_talking_heads(*args, **mask, **rope)
+  elif kind == "diff":
+    args = (x(0, b, n, h, 2, d), x(1, b, n, h, 2, d), x(2, b, n, h, 2 * d), x(3, h))
+    rope = dict(positions=positions, rope_theta=100.0)
+    got = ops.diff_attention(*args, **mask, **rope, implementation="reference")
+    want = naive_diff(*args, **mask, **rope)
+  else:
+    args = tuple(x(i) for i in range(5))
+    got = ops.simplicial_attention(*args, **mask, implementation="reference")
+    want = naive_simplicial(*args, **mask)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
@@ -110,7 +219,7 @@ def test_p1_identity_mixing_is_exactly_mha(implementation, window):
 
 
 def test_identity_mixing_is_not_mha_for_p2():
-  """IHA_SPEC: with P >= 2 every earlier token is seen P times, so it is not MHA."""
+  """docs/design.md: with P >= 2 every earlier token is seen P times, so it is not MHA."""
   b, n, h, d, p = 1, 6, 2, 8, 2
   q, k, v, *_ = random_iha_inputs(jax.random.PRNGKey(3), b, n, h, d, p)
   alpha = jnp.broadcast_to(jnp.eye(h)[:, :, None], (h, h, p))

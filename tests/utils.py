@@ -1,4 +1,4 @@
-"""Test helpers: random inputs and dtype-scaled comparisons (IHA_SPEC section 5)."""
+"""Test helpers: random inputs and dtype-scaled comparisons (docs/design.md §5)."""
 from __future__ import annotations
 
 import jax

@@ -7,12 +7,14 @@ chip (TPU: grid axes + BlockSpec DMAs + VMEM scratch; GPU: loops + pointer
 loads), so the numerics live in one place.
 
 Kernel layouts (built by `iha_jax.kernels.fused` outside the kernels):
-- source q/k/v: `[B, H, Np, W]`, `W = 2 * half`: each RoPE half padded to
+- source q/k: `[B, H, Np, W]`, `W = 2 * half`: each RoPE half padded to
   `half` lanes (rotate-half pairs lane e with lane e + half, and Triton needs
   power-of-two tile widths), tokens padded to `Np` (segment 0 = padding).
+- source v: `[B, H, Np, Wv]`, `Wv = 2 * value_half`, split and padded the same
+  way (MHA's v may be wider than q/k, e.g. `dv = 2d` for differential attention).
 - mixing: `alpha_*` flattened to `[H_target * H_source * P]` float32, so a
   coefficient is one scalar read at `(h * H + m) * P + p`.
-- output / its cotangent: `[B, H, P, Np, W]` (de-interleaved); lse / delta:
+- output / its cotangent: `[B, H, P, Np, Wv]` (de-interleaved); lse / delta:
   `[B, H, P, Np, 1]` float32.
 
 A tile covers `block` tokens, i.e. `block * P` virtual tokens, kept as P
@@ -20,7 +22,9 @@ A tile covers `block` tokens, i.e. `block * P` virtual tokens, kept as P
 pseudo-major inside the tile). Attention is invariant to the order of rows
 within a tile as long as every mask uses the true virtual index
 `t = n * P + p`, so no in-kernel reshape/interleave is ever needed, and any P
-works (Triton tiles must be powers of two; P need not be).
+works (Triton tiles must be powers of two; P need not be). The mask is
+`iha_jax.ops.masking.visible` (causal or bidirectional, global or window), and
+the kernels visit only the tiles of its band (`kv_range`, `q_range`).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from iha_jax.ops.masking import MASK_VALUE
+from iha_jax.ops.masking import MASK_VALUE, visible
 
 Parts = tuple[jax.Array, ...]  # one tile split along lanes: (x1, x2) for q/k, (x,) for v
 
@@ -55,12 +59,15 @@ class Config:
       sharding); alpha_* arrive as `[num_targets, H, P]` flattened.
     num_pseudo: P (1 for MHA).
     mixing: False for MHA: head h reads source head h, no alpha, no dalpha.
-    head_dim: the caller's d (sets the softmax scale and the un-padding).
-    half: lanes per RoPE half inside the kernels (>= ceil(d / 2)).
+    head_dim: the caller's d of q and k (sets the softmax scale).
+    half: lanes per RoPE half of q and k inside the kernels (>= ceil(d / 2)).
+    value_half: lanes per half of v, the output and its cotangent (>= ceil(dv / 2)).
     block_q, block_k: tile edges in TOKENS (virtual rows = block * P).
     seq_len: padded token count Np, a multiple of both blocks.
     window: sliding window in virtual tokens, or None.
     rope: whether RoPE is applied at virtual positions.
+    causal: virtual query t sees keys s <= t (and `t - s < window`); False:
+      bidirectional, every key of its segment (and `|t - s| < window`).
   """
   num_heads: int
   num_targets: int
@@ -68,11 +75,13 @@ class Config:
   mixing: bool
   head_dim: int
   half: int
+  value_half: int
   block_q: int
   block_k: int
   seq_len: int
   window: int | None
   rope: bool
+  causal: bool
 
   @property
   def flat_alpha(self) -> int:
@@ -80,7 +89,13 @@ class Config:
 
   @property
   def width(self) -> int:
+    """Lanes of q and k tiles."""
     return 2 * self.half
+
+  @property
+  def value_width(self) -> int:
+    """Lanes of v, output and output-cotangent tiles."""
+    return 2 * self.value_half
 
   @property
   def scale(self) -> float:
@@ -95,7 +110,7 @@ class Config:
     return self.seq_len // self.block_k
 
 
-# --- Block ranges: which tiles the causal / window band touches. -------------------------
+# --- Block ranges: which tiles the causal / bidirectional, window band touches. -----------
 # Tile i of queries covers virtual rows [i*bq*P, (i+1)*bq*P); tile j of keys likewise.
 # `xp` is jnp for traced grid/loop indices and np for static band widths; indices are
 # non-negative, so truncating division (lax.div: Triton-safe) is floor division.
@@ -104,22 +119,35 @@ def _div(x, d: int, xp):
   return x // d if xp is np else lax.div(x, jnp.int32(d))
 
 
+def _reach(cfg: Config, ahead: bool) -> int | None:
+  """How far (virtual rows) a query sees keys behind it, or ahead of it; None = unbounded.
+
+  Causal: nothing ahead, `window - 1` behind. Bidirectional: `window - 1` both ways.
+  """
+  if ahead and cfg.causal:
+    return 0
+  return None if cfg.window is None else cfg.window - 1
+
+
+def _overlap(first, last, before: int | None, after: int | None, block: int, count: int, xp):
+  """Tiles [lo, hi) of `block` rows (`count` tiles) meeting rows [first - before, last + after]."""
+  lo = 0 * first if before is None else _div(xp.maximum(0, first - before), block, xp)
+  hi = 0 * first + count if after is None else xp.minimum(count, _div(last + after, block, xp) + 1)
+  return lo, hi
+
+
 def kv_range(i, cfg: Config, xp=jnp):
   """Key tiles [lo, hi) visible to query tile i."""
   bqv, bkv = cfg.block_q * cfg.num_pseudo, cfg.block_k * cfg.num_pseudo
-  hi = xp.minimum(cfg.num_k_blocks, _div((i + 1) * bqv - 1, bkv, xp) + 1)
-  if cfg.window is None:
-    return 0 * hi, hi
-  return _div(xp.maximum(0, i * bqv - cfg.window + 1), bkv, xp), hi
+  return _overlap(i * bqv, (i + 1) * bqv - 1, _reach(cfg, ahead=False), _reach(cfg, ahead=True),
+                  bkv, cfg.num_k_blocks, xp)
 
 
 def q_range(j, cfg: Config, xp=jnp):
-  """Query tiles [lo, hi) that see key tile j."""
+  """Query tiles [lo, hi) that see key tile j (kv_range's reaches, mirrored)."""
   bqv, bkv = cfg.block_q * cfg.num_pseudo, cfg.block_k * cfg.num_pseudo
-  lo = _div(j * bkv, bqv, xp)
-  if cfg.window is None:
-    return lo, 0 * lo + cfg.num_q_blocks
-  return lo, xp.minimum(cfg.num_q_blocks, _div((j + 1) * bkv - 1 + cfg.window - 1, bqv, xp) + 1)
+  return _overlap(j * bkv, (j + 1) * bkv - 1, _reach(cfg, ahead=True), _reach(cfg, ahead=False),
+                  bqv, cfg.num_q_blocks, xp)
 
 
 def max_kv_band(cfg: Config) -> int:
@@ -211,13 +239,13 @@ def scores(q: Parts, k: Parts, cfg: Config) -> jax.Array:
 
 def tile_mask(q_tok: jax.Array, k_tok: jax.Array, pq: int, pk: int, seg_q: jax.Array,
               seg_k: jax.Array, cfg: Config) -> jax.Array:
-  """IHA_SPEC 1.5 on virtual indices: `q_tok, seg_q: [bq, 1]`, `k_tok, seg_k: [1, bk]`."""
+  """`ops.masking.visible` on virtual indices t = n * P + p.
+
+  `q_tok, seg_q: [bq, 1]` and `k_tok, seg_k: [1, bk]` (token indices, segment ids).
+  """
   t = q_tok * cfg.num_pseudo + pq
   s = k_tok * cfg.num_pseudo + pk
-  mask = (s <= t) & (seg_q == seg_k) & (seg_k != 0)
-  if cfg.window is not None:
-    mask &= t - s < cfg.window
-  return mask
+  return visible(t, s, seg_q, seg_k, cfg.window, cfg.causal)
 
 
 def token_index(start, rows: int, axis: int) -> jax.Array:
@@ -233,7 +261,7 @@ SoftmaxState = list[tuple[jax.Array, jax.Array, jax.Array]]  # per query piece: 
 def init_state(cfg: Config) -> SoftmaxState:
   rows = cfg.block_q
   return [(jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-           jnp.zeros((rows, cfg.width), jnp.float32)) for _ in range(cfg.num_pseudo)]
+           jnp.zeros((rows, cfg.value_width), jnp.float32)) for _ in range(cfg.num_pseudo)]
 
 
 def forward_tile(state: SoftmaxState, q: Sequence[Parts], k: Sequence[Parts],
@@ -258,7 +286,7 @@ def forward_tile(state: SoftmaxState, q: Sequence[Parts], k: Sequence[Parts],
 
 
 def finalize(state: SoftmaxState, seg_q: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-  """Per query piece: (output `[bq, W]` float32, lse `[bq, 1]`); padding rows output 0."""
+  """Per query piece: (output `[bq, Wv]` float32, lse `[bq, 1]`); padding rows output 0."""
   out = []
   for m, l, acc in state:
     l_safe = jnp.where(l == 0.0, 1.0, l)

@@ -2,11 +2,12 @@
 
 Layouts are those of `iha_jax.kernels.common`. Triton blocks are pointer
 offsets, not copies, so every kernel sees whole `[H, Np, W]` source rows of its
-batch element and loads `[block, half]` tiles at dynamic offsets inside its own
-loops (the pattern of FlashAttention-2 on GPU):
+batch element and loads `[block, half]` (q/k) and `[block, Wv]` (v) tiles at
+dynamic offsets inside its own loops (the pattern of FlashAttention-2 on GPU):
 - forward, grid (query tiles, B, target heads): builds the pseudo-q pieces once,
-  then walks exactly the key tiles of its causal/window band, rebuilding pseudo
-  k/v pieces per tile (mixing + RoPE on chip) with an online softmax.
+  then walks exactly the key tiles of its band (causal or bidirectional, global or
+  window: `common.kv_range`), rebuilding pseudo k/v pieces per tile (mixing + RoPE
+  on chip) with an online softmax.
 - dQ, grid (query tiles, B): loops over target heads (they all add into the same
   source-head dq rows, so one program owns them: no atomics) and over the key
   band; contracts d(pseudo q) with alpha on chip into float32 dq and a per-tile
@@ -50,14 +51,16 @@ def tiles(n: int, num_pseudo: int, dtype, block_q: int | None, block_k: int | No
 
 def check_blocks(cfg: Config) -> None:
   """Triton tiles must be powers of two (and >= 16 for tensor-core dots when compiled)."""
-  for name, block in (("block_q", cfg.block_q), ("block_k", cfg.block_k), ("half", cfg.half)):
+  for name, block in (("block_q", cfg.block_q), ("block_k", cfg.block_k), ("half", cfg.half),
+                      ("value_half", cfg.value_half)):
     if block & (block - 1):
       raise ValueError(f"GPU kernels need power-of-two tiles; {name} is {block} tokens "
                        f"(virtual block = tokens * P).")
 
 
 def _params(cfg: Config) -> plgpu.CompilerParams:
-  return plgpu.CompilerParams(num_warps=4 if cfg.width <= 64 else 8, num_stages=2)
+  width = max(cfg.width, cfg.value_width)
+  return plgpu.CompilerParams(num_warps=4 if width <= 64 else 8, num_stages=2)
 
 
 def _halves(ref, rows, cfg: Config):
@@ -66,7 +69,7 @@ def _halves(ref, rows, cfg: Config):
 
 
 def _whole(ref, rows):
-  """Loader of source head m's full-width `[rows, W]` tile (for v)."""
+  """Loader of source head m's full-width `[rows, Wv]` tile (for v)."""
   return lambda m: (ref[m, rows, :],)
 
 
@@ -133,7 +136,7 @@ def _forward_kernel(*refs, cfg: Config):
 def _zero_rows(refs, rows, cfg: Config) -> None:
   for ref in refs:
     for m in range(cfg.num_heads):
-      ref[m, rows, :] = jnp.zeros((rows.size, cfg.width), ref.dtype)
+      ref[m, rows, :] = jnp.zeros((rows.size, ref.shape[-1]), ref.dtype)
 
 
 def _dq_kernel(*refs, cfg: Config):
@@ -217,7 +220,7 @@ def _dkv_kernel(*refs, cfg: Config):
 
     zeros = ([tuple(jnp.zeros((bk, cfg.half), jnp.float32) for _ in range(2))
               for _ in range(cfg.num_pseudo)],
-             [jnp.zeros((bk, cfg.width), jnp.float32) for _ in range(cfg.num_pseudo)])
+             [jnp.zeros((bk, cfg.value_width), jnp.float32) for _ in range(cfg.num_pseudo)])
     dk, dv = lax.fori_loop(lo, hi, body, zeros)
     if cfg.rope:
       dk = [common.rope(g, common.virtual_position(pos_k, p, cfg), inv_freq, transpose=True)
@@ -247,13 +250,13 @@ def _dalpha_shape(cfg: Config, batch: int, tiles: int) -> jax.ShapeDtypeStruct:
 
 
 def forward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, *, interpret: bool):
-  """-> (o `[B, H, P, Np, W]` in q.dtype, lse `[B, H, P, Np, 1]` float32)."""
+  """-> (o `[B, H, P, Np, Wv]` in q.dtype, lse `[B, H, P, Np, 1]` float32)."""
   check_blocks(cfg)
   b = q.shape[0]
   small = [*alphas, inv_freq]
   batch = [seg, pos, q, k, v]
-  out_shape = (jax.ShapeDtypeStruct((b, cfg.num_targets, cfg.num_pseudo, cfg.seq_len, cfg.width),
-                                    q.dtype),
+  out_shape = (jax.ShapeDtypeStruct((b, cfg.num_targets, cfg.num_pseudo, cfg.seq_len,
+                                     cfg.value_width), q.dtype),
                jax.ShapeDtypeStruct((b, cfg.num_targets, cfg.num_pseudo, cfg.seq_len, 1),
                                     jnp.float32))
   per_head = lambda s: pl.BlockSpec((None, None, *s.shape[2:]), lambda i, bb, h: (bb, h, 0, 0, 0))
@@ -268,7 +271,8 @@ def forward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, *, interpret: bool
 
 def backward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, do, lse, delta, *,
              interpret: bool):
-  """-> (dq, dk, dv `[B, H, Np, W]` float32, dalpha partials `[B, tiles, H*H*P]` x3 or None)."""
+  """-> (dq, dk `[B, H, Np, W]`, dv `[B, H, Np, Wv]` float32, dalpha partials
+  `[B, tiles, H*H*P]` x3 or None)."""
   check_blocks(cfg)
   b = q.shape[0]
   small = [*alphas, inv_freq]
@@ -276,7 +280,8 @@ def backward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, do, lse, delta, *
   in_specs = [_whole_spec(x) for x in small] + [_batch_spec(x, 1) for x in batch]
   grad = jax.ShapeDtypeStruct(q.shape, jnp.float32)
   dq_out = [grad] + ([_dalpha_shape(cfg, b, cfg.num_q_blocks)] if cfg.mixing else [])
-  dkv_out = [grad, grad] + ([_dalpha_shape(cfg, b, cfg.num_k_blocks)] * 2 if cfg.mixing else [])
+  dkv_out = [grad, jax.ShapeDtypeStruct(v.shape, jnp.float32)] + (
+      [_dalpha_shape(cfg, b, cfg.num_k_blocks)] * 2 if cfg.mixing else [])
   tile_spec = lambda s: pl.BlockSpec((None, None, s.shape[2]), lambda t, bb: (bb, t, 0))
   out_spec = lambda s: tile_spec(s) if s.ndim == 3 else _batch_spec(s, 1)
   dq, *dalpha_q = pl.pallas_call(

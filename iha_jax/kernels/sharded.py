@@ -17,7 +17,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from iha_jax.kernels import fused
-from iha_jax.ops.attention import BlockSizes
+from iha_jax.ops.options import BlockSizes
 
 
 def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
@@ -26,7 +26,8 @@ def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax
                           head_axis: str = "tensor", window: int | None = None,
                           segment_ids: jax.Array | None = None,
                           positions: jax.Array | None = None,
-                          rope_theta: float | None = 10000.0, platform: str = "gpu",
+                          rope_theta: float | None = 10000.0, causal: bool = True,
+                          platform: str = "gpu",
                           block_sizes: BlockSizes | None = None) -> jax.Array:
   """`iha_attention` (fused kernels) via `jax.shard_map` over `mesh`.
 
@@ -35,7 +36,7 @@ def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax
     alpha_q, alpha_k, alpha_v: `[H, H, P]`; H divisible by the `head_axis` size.
     collapse: `[H, H, P]` (full) or `[H, P]` (per_head).
     mesh: device mesh holding `batch_axes` and `head_axis`.
-    window, segment_ids, positions, rope_theta, platform, block_sizes: as
+    window, segment_ids, positions, rope_theta, causal, platform, block_sizes: as
       `iha_jax.kernels.iha_attention` (ids/positions `[B, N]`, default filled here).
 
   Returns:
@@ -53,7 +54,8 @@ def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax
     y, restore = fused.collapsed_outputs(q, k, v, (alpha_q, alpha_k, alpha_v), collapse,
                                          window=window, segment_ids=segment_ids,
                                          positions=positions, rope_theta=rope_theta,
-                                         platform=platform, block_sizes=block_sizes)
+                                         causal=causal, platform=platform,
+                                         block_sizes=block_sizes)
     if full:  # every output head mixes every target head: sum the shards' shares
       y = jax.lax.psum(y, head_axis)
     return restore(y).astype(q.dtype)

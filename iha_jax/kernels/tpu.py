@@ -2,8 +2,9 @@
 
 Layouts are those of `iha_jax.kernels.common`. Mosaic copies BlockSpec tiles
 HBM -> VMEM, so the band loop is a grid axis: grid (B, tiles, target heads,
-band), where the band axis walks only the key (or query) tiles the causal /
-window band touches. Its index maps clamp past the band's end, so the block
+band), where the band axis walks only the key (or query) tiles the band (causal
+or bidirectional, global or window: `common.kv_range` / `q_range`) touches; its
+size is the widest band. Its index maps clamp past the band's end, so the block
 index repeats and no new DMA is issued for the skipped steps, which `pl.when`
 turns into no-ops: blocks outside the band are never loaded nor computed.
 Accumulators live in VMEM scratch across the band axis.
@@ -247,10 +248,10 @@ class _Specs:
   def __init__(self, cfg: Config, q_tile, k_tile):
     self.cfg, self.q_tile, self.k_tile = cfg, q_tile, k_tile
 
-  def source(self, rows: int, tile) -> pl.BlockSpec:
+  def source(self, rows: int, tile, lanes: int) -> pl.BlockSpec:  # q/k/v, dq/dk/dv
     heads = self.cfg.num_heads if self.cfg.mixing else 1
     head = (lambda h: 0) if self.cfg.mixing else (lambda h: h)
-    return pl.BlockSpec((None, heads, rows, self.cfg.width),
+    return pl.BlockSpec((None, heads, rows, lanes),
                         lambda b, x, h, o: (b, head(h), tile(x, o), 0))
 
   def column(self, rows: int, tile) -> pl.BlockSpec:  # [B, Np, 1] token data as a column
@@ -263,6 +264,9 @@ class _Specs:
     return pl.BlockSpec((None, None, self.cfg.num_pseudo, self.cfg.block_q, lanes),
                         lambda b, x, h, o: (b, h, 0, self.q_tile(x, o), 0))
 
+  def cotangents(self) -> list:  # do, lse, delta (backward inputs after `inputs`)
+    return [self.per_pseudo(self.cfg.value_width), self.per_pseudo(1), self.per_pseudo(1)]
+
   def inputs(self, with_alpha: bool) -> list:
     cfg = self.cfg
     bq, bk = cfg.block_q, cfg.block_k
@@ -271,8 +275,8 @@ class _Specs:
         pl.BlockSpec((1, cfg.half), lambda *_: (0, 0)),
         self.column(bq, self.q_tile), self.column(bq, self.q_tile),
         self.row(bk, self.k_tile), self.column(bk, self.k_tile),
-        self.source(bq, self.q_tile), self.source(bk, self.k_tile),
-        self.source(bk, self.k_tile)]
+        self.source(bq, self.q_tile, cfg.width), self.source(bk, self.k_tile, cfg.width),
+        self.source(bk, self.k_tile, cfg.value_width)]
 
   def dalpha(self) -> pl.BlockSpec:
     # [B, tiles, 1, H*H*P]: the last two block dims equal the array's (Mosaic tiling rule).
@@ -298,12 +302,12 @@ def _params(*semantics: str) -> pltpu.CompilerParams:
 
 
 def forward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, *, interpret):
-  """-> (o `[B, H, P, Np, W]` in q.dtype, lse `[B, H, P, Np, 1]` float32)."""
+  """-> (o `[B, H, P, Np, Wv]` in q.dtype, lse `[B, H, P, Np, 1]` float32)."""
   b = q.shape[0]
   seg_col, pos_col, seg_row = _token_layouts(seg, pos)
   specs = _forward_specs(cfg)
-  out_shape = (jax.ShapeDtypeStruct((b, cfg.num_targets, cfg.num_pseudo, cfg.seq_len, cfg.width),
-                                    q.dtype),
+  out_shape = (jax.ShapeDtypeStruct((b, cfg.num_targets, cfg.num_pseudo, cfg.seq_len,
+                                     cfg.value_width), q.dtype),
                jax.ShapeDtypeStruct((b, cfg.num_targets, cfg.num_pseudo, cfg.seq_len, 1),
                                     jnp.float32))
   pieces = (cfg.num_pseudo, cfg.block_q)
@@ -311,23 +315,24 @@ def forward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, *, interpret):
       functools.partial(_forward_kernel, cfg=cfg),
       grid=(b, cfg.num_q_blocks, cfg.num_targets, common.max_kv_band(cfg)),
       in_specs=specs.inputs(cfg.mixing),
-      out_specs=(specs.per_pseudo(cfg.width), specs.per_pseudo(1)),
+      out_specs=(specs.per_pseudo(cfg.value_width), specs.per_pseudo(1)),
       out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((*pieces, cfg.width), q.dtype),
                       pltpu.VMEM((*pieces, 1), jnp.float32),
                       pltpu.VMEM((*pieces, 1), jnp.float32),
-                      pltpu.VMEM((*pieces, cfg.width), jnp.float32)],
+                      pltpu.VMEM((*pieces, cfg.value_width), jnp.float32)],
       compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
       interpret=interpret, name="iha_forward",
   )(*alphas, inv_freq, seg_col, pos_col, seg_row, pos_col, q, k, v)
 
 
 def backward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, do, lse, delta, *, interpret):
-  """-> (dq, dk, dv `[B, H, Np, W]` f32, dalpha partials `[B, tiles, 1, H*H*P]` x3 or None)."""
+  """-> (dq, dk `[B, H, Np, W]`, dv `[B, H, Np, Wv]` f32, dalpha partials
+  `[B, tiles, 1, H*H*P]` x3 or None)."""
   b = q.shape[0]
   seg_col, pos_col, seg_row = _token_layouts(seg, pos)
   args = (*alphas, inv_freq, seg_col, pos_col, seg_row, pos_col, q, k, v, do, lse, delta)
-  grad = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+  grad, dv_out = (jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, v))
   flat = cfg.flat_alpha
   # Source-gradient blocks stay resident across the (arbitrary) target-head axis.
   head_semantics = "arbitrary" if cfg.mixing else "parallel"
@@ -339,9 +344,9 @@ def backward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, do, lse, delta, *
   dq, *dalpha_q = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg),
       grid=(b, cfg.num_q_blocks, cfg.num_targets, common.max_kv_band(cfg)),
-      in_specs=specs.inputs(cfg.mixing) + [specs.per_pseudo(cfg.width), specs.per_pseudo(1),
-                                           specs.per_pseudo(1)],
-      out_specs=[specs.source(cfg.block_q, specs.q_tile)] + [specs.dalpha()] * cfg.mixing,
+      in_specs=specs.inputs(cfg.mixing) + specs.cotangents(),
+      out_specs=[specs.source(cfg.block_q, specs.q_tile, cfg.width)]
+      + [specs.dalpha()] * cfg.mixing,
       out_shape=dq_out,
       scratch_shapes=[pltpu.VMEM((cfg.num_pseudo, cfg.block_q, cfg.width), q.dtype),
                       pltpu.VMEM((cfg.num_pseudo, cfg.block_q, cfg.width), jnp.float32)],
@@ -349,18 +354,22 @@ def backward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, do, lse, delta, *
   )(*args)
 
   specs = _Specs(cfg, lambda j, t: _clamp(*common.q_range(j, cfg), t), lambda j, t: j)
-  dkv_out = [grad, grad] + ([jax.ShapeDtypeStruct((b, cfg.num_k_blocks, 1, flat), jnp.float32)] * 2
-                            if cfg.mixing else [])
-  pieces = (cfg.num_pseudo, cfg.block_k, cfg.width)
+  dalpha_shapes = [jax.ShapeDtypeStruct((b, cfg.num_k_blocks, 1, flat), jnp.float32)] * 2
+  dkv_out = [grad, dv_out] + (dalpha_shapes if cfg.mixing else [])
+  pieces = (cfg.num_pseudo, cfg.block_k)
   dk, dv, *dalpha_kv = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg=cfg),
       grid=(b, cfg.num_k_blocks, cfg.num_targets, common.max_q_band(cfg)),
-      in_specs=specs.inputs(cfg.mixing) + [specs.per_pseudo(cfg.width), specs.per_pseudo(1),
-                                           specs.per_pseudo(1)],
-      out_specs=[specs.source(cfg.block_k, specs.k_tile)] * 2 + [specs.dalpha()] * 2 * cfg.mixing,
+      in_specs=specs.inputs(cfg.mixing) + specs.cotangents(),
+      out_specs=[specs.source(cfg.block_k, specs.k_tile, cfg.width),
+                 specs.source(cfg.block_k, specs.k_tile, cfg.value_width)]
+      + [specs.dalpha()] * 2 * cfg.mixing,
       out_shape=dkv_out,
-      scratch_shapes=[pltpu.VMEM(pieces, q.dtype), pltpu.VMEM(pieces, q.dtype),
-                      pltpu.VMEM(pieces, jnp.float32), pltpu.VMEM(pieces, jnp.float32)],
+      # pseudo k, pseudo v, dk, dv pieces
+      scratch_shapes=[pltpu.VMEM((*pieces, cfg.width), q.dtype),
+                      pltpu.VMEM((*pieces, cfg.value_width), q.dtype),
+                      pltpu.VMEM((*pieces, cfg.width), jnp.float32),
+                      pltpu.VMEM((*pieces, cfg.value_width), jnp.float32)],
       compiler_params=semantics, interpret=interpret, name="iha_backward_dkv",
   )(*args)
   dalpha = (dalpha_q[0], *dalpha_kv) if cfg.mixing else None

@@ -1,16 +1,25 @@
-"""Pure functions of Interleaved Head Attention (no Flax): IHA_SPEC sections 1 and 3."""
-from iha_jax.ops.attention import BlockSizes, iha_attention, mha_attention, resolve_implementation
+"""Pure functions of the attention kinds (no Flax): IHA, MHA and the paper's baselines.
+
+Entry points (each takes `implementation=`, see `iha_jax.ops.registry`):
+`iha_attention`, `mha_attention`, `talking_heads_attention`, `diff_attention`,
+`simplicial_attention`.
+"""
+from iha_jax.ops.attention import iha_attention, mha_attention, resolve_implementation
+from iha_jax.ops.differential import diff_attention, diff_lambda_init
 from iha_jax.ops.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
 from iha_jax.ops.masking import visible
 from iha_jax.ops.mixing import collapse_heads, pseudo_mix
+from iha_jax.ops.options import IMPLEMENTATIONS, BlockSizes
 from iha_jax.ops.reference import attention_probs, dense_attention
+from iha_jax.ops.registry import KINDS
 from iha_jax.ops.rope import apply_rope, rope_frequencies
-from iha_jax.ops.validation import IMPLEMENTATIONS
-from iha_jax.ops.xla_attention import flash_attention
+from iha_jax.ops.simplicial import simplicial_attention
+from iha_jax.ops.talking_heads import talking_heads_attention
 
 __all__ = [
-    "BlockSizes", "IMPLEMENTATIONS", "apply_rope", "attention_probs", "collapse_heads", "deinterleave",
-    "dense_attention", "flash_attention", "iha_attention", "interleave", "mha_attention",
-    "pseudo_mix", "resolve_implementation", "rope_frequencies", "virtual_positions",
+    "BlockSizes", "IMPLEMENTATIONS", "KINDS", "apply_rope", "attention_probs", "collapse_heads",
+    "deinterleave", "dense_attention", "diff_attention", "diff_lambda_init", "iha_attention",
+    "interleave", "mha_attention", "pseudo_mix", "resolve_implementation", "rope_frequencies",
+    "simplicial_attention", "talking_heads_attention", "virtual_positions",
     "virtual_segment_ids", "visible",
 ]

@@ -1,4 +1,4 @@
-"""The interleaved virtual sequence (IHA_SPEC 1.3-1.4).
+"""The interleaved virtual sequence (docs/design.md §1.3-1.4).
 
 Token n's P pseudo-tokens become consecutive virtual tokens: `t = n * P + p`,
 so every head sees a sequence of length `T = N * P`.

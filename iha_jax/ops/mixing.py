@@ -1,4 +1,4 @@
-"""Pseudo-head mixing and collapse: IHA's only new parameters (IHA_SPEC 1.2, 1.6).
+"""Pseudo-head mixing and collapse: IHA's only new parameters (docs/design.md §1.2, 1.6).
 
 Both are tiny einsums over the head axis; they stay separate functions so the
 Flax modules, the XLA path and the Pallas kernels share one definition.

@@ -1,4 +1,4 @@
-"""Rotary position embedding, rotate-half convention (IHA_SPEC 1.4, project choice)."""
+"""Rotary position embedding, rotate-half convention (docs/design.md §1.4, project choice)."""
 from __future__ import annotations
 
 import jax

@@ -1,35 +1,49 @@
-"""Argument checks for the attention entry points.
+"""Argument checks and defaults for the attention entry points.
 
 Everything here runs in Python on static shapes, so bad input fails with a
 message naming the argument before anything is traced or compiled.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-IMPLEMENTATIONS = ("reference", "xla", "pallas_tpu", "pallas_gpu", "auto")
 
 
 def _shape(x: Any) -> tuple[int, ...]:
   return tuple(jnp.shape(x))
 
 
-def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
-  """q, k, v: floating `[B, N, H, d]`, all of one shape and dtype."""
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if jnp.ndim(x) != 4:
-      raise ValueError(f"{name} must have rank 4 [B, N, H, d], got shape {_shape(x)}.")
+def check_arrays(names: Sequence[str], arrays: Sequence[jax.Array], rank: int, layout: str,
+                 *, same_shape: bool = True) -> None:
+  """Floating arrays of `rank` and one dtype; `same_shape`: all of one shape, else one
+  `[B, N, H]` prefix (the last axis may differ, e.g. v's width `dv`)."""
+  for name, x in zip(names, arrays):
+    if jnp.ndim(x) != rank:
+      raise ValueError(f"{name} must have rank {rank} {layout}, got shape {_shape(x)}.")
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
       raise ValueError(f"{name} must be a floating dtype, got {jnp.result_type(x)}.")
-  if not _shape(q) == _shape(k) == _shape(v):
-    raise ValueError(f"q, k and v must have the same shape [B, N, H, d], got q {_shape(q)}, "
-                     f"k {_shape(k)}, v {_shape(v)}.")
-  if not jnp.result_type(q) == jnp.result_type(k) == jnp.result_type(v):
-    raise ValueError(f"q, k and v must share one dtype, got {jnp.result_type(q)}, "
-                     f"{jnp.result_type(k)}, {jnp.result_type(v)}.")
+  listed = f"{', '.join(names[:-1])} and {names[-1]}"
+  shapes = [_shape(x) if same_shape else _shape(x)[:3] for x in arrays]
+  if any(s != shapes[0] for s in shapes):
+    what = "the same shape" if same_shape else "the same [B, N, H]"
+    got = ", ".join(f"{n} {_shape(x)}" for n, x in zip(names, arrays))
+    raise ValueError(f"{listed} must have {what} {layout}, got {got}.")
+  dtypes = [jnp.result_type(x) for x in arrays]
+  if any(t != dtypes[0] for t in dtypes):
+    raise ValueError(f"{listed} must share one dtype, got {', '.join(str(t) for t in dtypes)}.")
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, value_width: bool = False) -> None:
+  """q, k: floating `[B, N, H, d]` of one shape and dtype; v the same, or with
+  `value_width` only the same `[B, N, H]` (`[B, N, H, dv]`)."""
+  if not value_width:
+    check_arrays(("q", "k", "v"), (q, k, v), 4, "[B, N, H, d]")
+    return
+  check_arrays(("q", "k"), (q, k), 4, "[B, N, H, d]")
+  check_arrays(("q", "v"), (q, v), 4, "[B, N, H, dv]", same_shape=False)
 
 
 def check_mixing(num_heads: int, alpha_q: jax.Array, alpha_k: jax.Array, alpha_v: jax.Array,
@@ -56,11 +70,14 @@ def check_mixing(num_heads: int, alpha_q: jax.Array, alpha_k: jax.Array, alpha_v
 
 def check_options(q: jax.Array, *, window: int | None, segment_ids: jax.Array | None,
                   positions: jax.Array | None, rope_theta: float | None,
-                  implementation: str) -> None:
-  """window, segment_ids, positions, rope_theta and implementation against q `[B, N, H, d]`."""
+                  causal: bool) -> None:
+  """window, segment_ids, positions, rope_theta and causal against q `[B, N, H, ...]`."""
   if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                              or window < 1):
     raise ValueError(f"window must be None (global) or an int >= 1, got {window!r}.")
+  if not isinstance(causal, bool):
+    raise ValueError(f"causal must be a bool (True: causal, False: bidirectional), "
+                     f"got {causal!r}.")
   batch_tokens = _shape(q)[:2]
   for name, x in (("segment_ids", segment_ids), ("positions", positions)):
     if x is None:
@@ -76,6 +93,11 @@ def check_options(q: jax.Array, *, window: int | None, segment_ids: jax.Array | 
     if _shape(q)[-1] % 2:
       raise ValueError(f"RoPE needs an even head_dim d, got d = {_shape(q)[-1]}; "
                        "use an even d or rope_theta=None.")
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, "
-                     f"got {implementation!r}.")
+
+
+def default_positions(q: jax.Array, positions: jax.Array | None) -> jax.Array:
+  """`positions`, or `arange(N)` per row of q `[B, N, ...]`, int32 `[B, N]`."""
+  if positions is not None:
+    return positions
+  b, n = q.shape[:2]
+  return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))

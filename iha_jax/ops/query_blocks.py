@@ -1,0 +1,95 @@
+"""Query-blocked dense attention: the memory-efficient XLA path of the kinds whose score
+mixing (Talking-Heads) or score shape (2-simplicial) does not fit an online softmax.
+
+Queries are processed `block` at a time under `lax.map`; each block sees one static
+slab of keys (all N for global layers, the window band around the block otherwise) and
+runs the kind's dense math on it. The block function is rematerialised
+(`jax.checkpoint`), so the forward keeps only one block's scores alive and the backward
+recomputes them block by block: nothing `[B, H, N, N]`-sized exists in the forward or
+is saved for the backward. Residuals are the inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryBlocks:
+  """Static plan: `num_blocks` query blocks of `block` tokens, each with a `slab` of keys.
+
+  Attributes:
+    length: N, the sequence length.
+    block: queries per block (the last block is padded).
+    slab: keys per block: N (global), or the window band: `block + window - 1` causal,
+      `block + 2 * (window - 1)` bidirectional, capped at N.
+    window: sliding window in tokens, or None.
+  """
+  length: int
+  block: int
+  slab: int
+  window: int | None
+
+  @property
+  def num_blocks(self) -> int:
+    return -(-self.length // self.block)
+
+  def key_start(self, i: jax.Array) -> jax.Array | int:
+    """First key of query block i's slab (clamped so the slab stays inside [0, N))."""
+    if self.slab >= self.length:
+      return 0
+    return jnp.clip(i * self.block - (self.window - 1), 0, self.length - self.slab)
+
+
+def plan_query_blocks(length: int, block: int, window: int | None, causal: bool) -> QueryBlocks:
+  """The `QueryBlocks` for a sequence of `length` tokens (block capped at the length)."""
+  block = max(1, min(block, length))
+  if window is None:
+    slab = length
+  else:
+    slab = min(length, block + (window - 1) * (1 if causal else 2))
+  return QueryBlocks(length=length, block=block, slab=slab, window=window)
+
+
+def _pad_tokens(x: jax.Array, total: int) -> jax.Array:
+  """Zero-pads axis 1 (tokens) to `total`."""
+  if x.shape[1] == total:
+    return x
+  return jnp.pad(x, [(0, total - x.shape[1]) if a == 1 else (0, 0) for a in range(x.ndim)])
+
+
+Attend = Callable[[Sequence[jax.Array | None], Sequence[jax.Array | None], jax.Array,
+                   jax.Array], jax.Array]
+
+
+def map_query_blocks(attend: Attend, plan: QueryBlocks, queries: Sequence[jax.Array | None],
+                     keys: Sequence[jax.Array | None]) -> jax.Array:
+  """Runs `attend` on every query block and its key slab; returns `[B, N, ...]`.
+
+  Args:
+    attend: `(query blocks, key slabs, q_index [block], k_index [slab]) -> [B, block, ...]`;
+      query blocks are `queries` sliced to `[B, block, ...]`, key slabs `keys` sliced to
+      `[B, slab, ...]` (None entries stay None); indices are absolute token indices.
+    plan: the static blocking.
+    queries, keys: arrays `[B, N, ...]` (or None), sliced along axis 1.
+  """
+  total = plan.num_blocks * plan.block
+  queries = [None if x is None else _pad_tokens(x, total) for x in queries]
+
+  def one_block(i):
+    q_start, k_start = i * plan.block, plan.key_start(i)
+    q_blocks = [None if x is None else jax.lax.dynamic_slice_in_dim(x, q_start, plan.block, 1)
+                for x in queries]
+    k_slabs = [None if x is None else jax.lax.dynamic_slice_in_dim(x, k_start, plan.slab, 1)
+               for x in keys]
+    return attend(q_blocks, k_slabs, q_start + jnp.arange(plan.block),
+                  k_start + jnp.arange(plan.slab))
+
+  # Remat: only the block index and the closed-over inputs are saved for backward.
+  out = jax.lax.map(jax.checkpoint(one_block), jnp.arange(plan.num_blocks))
+  out = jnp.moveaxis(out, 0, 1)  # [B, blocks, block, ...]
+  out = out.reshape(out.shape[0], total, *out.shape[3:])
+  return out[:, :plan.length]

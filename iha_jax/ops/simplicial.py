@@ -1,0 +1,138 @@
+"""2-simplicial attention (Roy et al. 2025, arXiv 2507.02754), the paper's App. D baseline.
+
+Each query attends to PAIRS of keys through a trilinear form, no RoPE:
+
+    A[i, j, l] = sum_c q[i, c] k1[j, c] k2[l, c] / sqrt(d)    (j, l each visible from i)
+    S[i]       = softmax of A[i] over the pair (j, l), float32
+    out[i]     = sum_{j, l} S[i, j, l] (v1[j] * v2[l])        (elementwise product)
+
+Visibility of j and of l follows the causal / window / segment rule of the other kinds
+(window in tokens). Scores are `[N, N]` per query, so memory is O(N^2) per query by
+construction: the XLA path runs a block of queries at a time (`iha_jax.ops.query_blocks`;
+global layers see all N keys, window layers only the band), and both paths refuse
+shapes whose scores in flight exceed `MAX_SCORES` float32 elements.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from iha_jax.ops import registry, validation
+from iha_jax.ops.masking import MASK_VALUE, visible
+from iha_jax.ops.options import BlockSizes
+from iha_jax.ops.query_blocks import QueryBlocks, map_query_blocks, plan_query_blocks
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+# Most float32 score elements alive at once (2**27 = 512 MiB): the reference holds
+# B*H*N^3 of them, the XLA path B*H*block*slab^2 for one query block.
+MAX_SCORES = 2 ** 27
+DEFAULT_BLOCK = 32  # queries per block of the XLA path (halved until the block fits)
+
+
+def simplicial_attention(q: jax.Array, k1: jax.Array, k2: jax.Array, v1: jax.Array,
+                         v2: jax.Array, *, window: int | None = None,
+                         segment_ids: jax.Array | None = None,
+                         positions: jax.Array | None = None, causal: bool = True,
+                         implementation: str = "auto",
+                         block_sizes: BlockSizes | None = None) -> jax.Array:
+  """2-simplicial attention over `[B, N, H, d]` inputs.
+
+  Args:
+    q, k1, k2, v1, v2: `[B, N, H, d]`, one shape and dtype.
+    window: sliding window in tokens (`t - s < window`; `|t - s| < window` when not
+      causal), None = global.
+    segment_ids: `[B, N]` int32 packed-sequence ids; 0 = padding (zero output).
+    positions: `[B, N]` int32, accepted for a uniform signature and unused (no RoPE).
+    causal: keys at or before the query only; False: bidirectional.
+    implementation: "reference", "xla" or "auto" (= "xla").
+    block_sizes: `block_q`, the most queries per block of the XLA path.
+
+  Returns:
+    `[B, N, H, d]` in q.dtype.
+
+  Raises:
+    ValueError: also when the scores in flight would exceed `MAX_SCORES` float32
+      elements (`B*H*N^3` for "reference", `B*H*N^2` for one query of "xla" global
+      layers); use a window, a smaller batch or fewer heads.
+  """
+  names = ("q", "k1", "k2", "v1", "v2")
+  validation.check_arrays(names, (q, k1, k2, v1, v2), 4, "[B, N, H, d]")
+  validation.check_options(q, window=window, segment_ids=segment_ids, positions=positions,
+                           rope_theta=None, causal=causal)
+  fn = registry.lookup("simplicial", implementation)
+  return fn(q, k1, k2, v1, v2, window=window, segment_ids=segment_ids, causal=causal,
+            block_sizes=block_sizes)
+
+
+def _attend(q, k1, k2, v1, v2, mask, precision):
+  """Dense math on one block: q `[B, Q, H, d]`, keys/values `[B, S, H, d]`, mask
+  bool broadcastable to `[B, 1, Q, S]` (per key) -> float32 `[B, Q, H, d]`."""
+  b, n_q, h, d = q.shape
+  s = k1.shape[1]
+  f32 = lambda x: x.astype(jnp.float32)
+  scores = jnp.einsum("bqhc,bjhc,blhc->bhqjl", f32(q), f32(k1), f32(k2),
+                      precision=precision) * d ** -0.5
+  pair_mask = mask[..., :, None] & mask[..., None, :]  # j and l both visible
+  scores = jnp.where(pair_mask, scores, MASK_VALUE).reshape(b, h, n_q, s * s)
+  weights = jax.nn.softmax(scores, axis=-1).reshape(b, h, n_q, s, s)
+  return jnp.einsum("bhqjl,bjhc,blhc->bqhc", weights, f32(v1), f32(v2), precision=precision)
+
+
+def _mask(q_index, k_index, q_seg, k_seg, window, causal):
+  """`[B or 1, 1, Q, S]` per-key visibility from token indices and segments `[B, ·]`."""
+  if q_seg is None:
+    return visible(q_index[:, None], k_index[None, :], None, None, window, causal)[None, None]
+  return visible(q_index[:, None], k_index[None, :], q_seg[:, None, :, None],
+                 k_seg[:, None, None, :], window, causal)
+
+
+def _zero_padding(out: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+  if segment_ids is None:
+    return out
+  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0.0)
+
+
+def _refuse(what: str, elements: int, shape: tuple[int, ...], hint: str) -> None:
+  if elements > MAX_SCORES:
+    b, n, h, _ = shape
+    raise ValueError(f"simplicial_attention: {what} would hold {elements:,} float32 scores "
+                     f"(B={b}, N={n}, H={h}), above the limit of {MAX_SCORES:,} "
+                     f"(iha_jax.ops.simplicial.MAX_SCORES); {hint}")
+
+
+def simplicial_reference(q, k1, k2, v1, v2, *, window, segment_ids, causal, block_sizes=None):
+  """Dense `[B, H, N, N, N]` math in float32 at highest precision (the test oracle)."""
+  del block_sizes
+  b, n, h, _ = q.shape
+  _refuse("the dense reference", b * h * n ** 3, q.shape,
+          "use implementation='xla', which holds one block of queries at a time.")
+  index = jnp.arange(n)
+  out = _attend(q, k1, k2, v1, v2, _mask(index, index, segment_ids, segment_ids, window,
+                                          causal), _HIGHEST)
+  return _zero_padding(out, segment_ids).astype(q.dtype)
+
+
+def _plan(shape: tuple[int, ...], block: int, window: int | None, causal: bool) -> QueryBlocks:
+  """The largest query block (<= `block`) whose scores fit `MAX_SCORES`; refuses if none."""
+  b, n, h, _ = shape
+  plan = plan_query_blocks(n, block, window, causal)
+  while plan.block > 1 and b * h * plan.block * plan.slab ** 2 > MAX_SCORES:
+    plan = plan_query_blocks(n, plan.block // 2, window, causal)
+  _refuse("one query", b * h * plan.block * plan.slab ** 2, shape,
+          "use a window, a smaller batch or fewer heads.")
+  return plan
+
+
+def simplicial_xla(q, k1, k2, v1, v2, *, window, segment_ids, causal, block_sizes=None):
+  """Query-blocked math: `[B, H, block, slab, slab]` scores at a time, recomputed in
+  backward."""
+  block = (block_sizes.block_q if block_sizes else None) or DEFAULT_BLOCK
+  plan = _plan(q.shape, block, window, causal)
+
+  def attend(q_side, k_side, q_index, k_index):
+    (q_blk, q_seg), (k1_s, k2_s, v1_s, v2_s, k_seg) = q_side, k_side
+    mask = _mask(q_index, k_index, q_seg, k_seg, window, causal)
+    return _attend(q_blk, k1_s, k2_s, v1_s, v2_s, mask, None).astype(q.dtype)
+
+  out = map_query_blocks(attend, plan, (q, segment_ids), (k1, k2, v1, v2, segment_ids))
+  return _zero_padding(out, segment_ids)

@@ -1,0 +1,129 @@
+"""Talking-Heads attention (Shazeer et al. 2020, arXiv 2003.02436), a baseline of the paper.
+
+Per query and key, the H heads' scaled logits are mixed by `talk_logits [H, H]` before
+the (masked) softmax, and the H probability maps by `talk_weights [H, H]` after it:
+
+    J[h]   = rope(q_h) rope(k_h)^T / sqrt(d)
+    L[h']  = sum_h talk_logits[h, h'] J[h]          (then the mask)
+    W      = softmax(L) over keys, float32
+    U[h''] = sum_h' talk_weights[h', h''] W[h']
+    out[h''] = U[h''] v_h''
+
+Every step mixes whole score maps across heads, so the online softmax of flash attention
+does not apply; the memory-efficient path ("xla") runs the dense math one query block at
+a time (`iha_jax.ops.query_blocks`), never a `[B, H, N, N]` tensor.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from iha_jax.ops import registry, validation
+from iha_jax.ops.masking import MASK_VALUE, visible
+from iha_jax.ops.options import BlockSizes
+from iha_jax.ops.query_blocks import map_query_blocks, plan_query_blocks
+from iha_jax.ops.rope import apply_rope
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+DEFAULT_BLOCK = 128  # queries per block of the XLA path
+
+
+def talking_heads_attention(q: jax.Array, k: jax.Array, v: jax.Array, talk_logits: jax.Array,
+                            talk_weights: jax.Array, *, window: int | None = None,
+                            segment_ids: jax.Array | None = None,
+                            positions: jax.Array | None = None,
+                            rope_theta: float | None = 10000.0, causal: bool = True,
+                            implementation: str = "auto",
+                            block_sizes: BlockSizes | None = None) -> jax.Array:
+  """Talking-Heads attention over `[B, N, H, ·]` inputs.
+
+  Args:
+    q, k: `[B, N, H, d]` projections before RoPE; v: `[B, N, H, dv]`.
+    talk_logits, talk_weights: `[H, H]`, axes (source head, target head); identity
+      matrices give plain multi-head attention.
+    window: sliding window in tokens (`t - s < window`; `|t - s| < window` when not
+      causal), None = global.
+    segment_ids: `[B, N]` int32 packed-sequence ids; 0 = padding (zero output).
+    positions: `[B, N]` int32 token positions (default `arange(N)`).
+    rope_theta: RoPE base, None disables RoPE.
+    causal: keys at or before the query only; False: bidirectional.
+    implementation: "reference", "xla" or "auto" (= "xla": no kernel exists).
+    block_sizes: `block_q`, queries per block of the XLA path.
+
+  Returns:
+    `[B, N, H, dv]` in q.dtype.
+  """
+  validation.check_qkv(q, k, v, value_width=True)
+  h = q.shape[2]
+  for name, x in (("talk_logits", talk_logits), ("talk_weights", talk_weights)):
+    if tuple(jnp.shape(x)) != (h, h):
+      raise ValueError(f"{name} must have shape [H, H] = [{h}, {h}] (H from q), "
+                       f"got {tuple(jnp.shape(x))}.")
+  validation.check_options(q, window=window, segment_ids=segment_ids, positions=positions,
+                           rope_theta=rope_theta, causal=causal)
+  fn = registry.lookup("talking_heads", implementation)
+  return fn(q, k, v, talk_logits, talk_weights, window=window, segment_ids=segment_ids,
+            positions=validation.default_positions(q, positions), rope_theta=rope_theta,
+            causal=causal, block_sizes=block_sizes)
+
+
+def _attend(q, k, v, talk_logits, talk_weights, mask, precision):
+  """Dense talking-heads math on one block: q `[B, Q, H, d]`, k `[B, S, H, d]`,
+  v `[B, S, H, dv]`, mask bool broadcastable to `[B, H, Q, S]` -> float32 `[B, Q, H, dv]`."""
+  f32 = lambda x: x.astype(jnp.float32)
+  scores = jnp.einsum("bqhd,bshd->bhqs", q, k, precision=precision,
+                      preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+  logits = jnp.einsum("bhqs,hg->bgqs", scores, f32(talk_logits), precision=precision)
+  weights = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
+  mixed = jnp.einsum("bhqs,hg->bgqs", weights, f32(talk_weights), precision=precision)
+  return jnp.einsum("bgqs,bsgd->bqgd", mixed.astype(v.dtype), v, precision=precision,
+                    preferred_element_type=jnp.float32)
+
+
+def _block_mask(q_index, k_index, q_seg, k_seg, window, causal):
+  """`[B or 1, 1, Q, S]` visibility from token indices `[Q]`, `[S]` and segments `[B, ·]`."""
+  if q_seg is None:
+    return visible(q_index[:, None], k_index[None, :], None, None, window, causal)[None, None]
+  return visible(q_index[:, None], k_index[None, :], q_seg[:, None, :, None],
+                 k_seg[:, None, None, :], window, causal)
+
+
+def _zero_padding(out: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+  if segment_ids is None:
+    return out
+  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0.0)
+
+
+def _rotate(q, k, positions, rope_theta):
+  if rope_theta is None:
+    return q, k
+  return apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+
+
+def talking_heads_reference(q, k, v, talk_logits, talk_weights, *, window, segment_ids,
+                            positions, rope_theta, causal, block_sizes=None):
+  """Dense `[B, H, N, N]` math in float32 at highest precision (the test oracle)."""
+  del block_sizes
+  dtype = q.dtype
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  q, k = _rotate(q, k, positions, rope_theta)
+  index = jnp.arange(q.shape[1])
+  mask = _block_mask(index, index, segment_ids, segment_ids, window, causal)
+  out = _attend(q, k, v, talk_logits, talk_weights, mask, _HIGHEST)
+  return _zero_padding(out, segment_ids).astype(dtype)
+
+
+def talking_heads_xla(q, k, v, talk_logits, talk_weights, *, window, segment_ids, positions,
+                      rope_theta, causal, block_sizes=None):
+  """Query-blocked math: `[B, H, block, slab]` scores at a time, recomputed in backward."""
+  q, k = _rotate(q, k, positions, rope_theta)
+  block = (block_sizes.block_q if block_sizes else None) or DEFAULT_BLOCK
+  plan = plan_query_blocks(q.shape[1], block, window, causal)
+
+  def attend(q_side, k_side, q_index, k_index):
+    (q_blk, q_seg), (k_slab, v_slab, k_seg) = q_side, k_side
+    mask = _block_mask(q_index, k_index, q_seg, k_seg, window, causal)
+    return _attend(q_blk, k_slab, v_slab, talk_logits, talk_weights, mask, None).astype(q.dtype)
+
+  out = map_query_blocks(attend, plan, (q, segment_ids), (k, v, segment_ids))
+  return _zero_padding(out, segment_ids)
