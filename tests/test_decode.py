@@ -92,12 +92,12 @@ def test_cache_layouts_and_sizes():
   assert pseudo.nbytes - pseudo_iha == source.nbytes - source_iha  # MHA layers: same cache.
 
 
-@pytest.mark.parametrize("window,interleaved,num_pseudo,expected", [
-    (5, True, 2, 3), (4, True, 2, 3), (3, True, 2, 2), (2, True, 2, 2), (1, True, 2, 1),
-    (7, True, 3, 3), (3, False, None, 3), (None, True, 2, 40), (500, True, 2, 40),
+@pytest.mark.parametrize("window,kind,num_pseudo,expected", [
+    (5, "iha", 2, 3), (4, "iha", 2, 3), (3, "iha", 2, 2), (2, "iha", 2, 2), (1, "iha", 2, 1),
+    (7, "iha", 3, 3), (3, "mha", None, 3), (None, "iha", 2, 40), (500, "iha", 2, 40),
 ])
-def test_window_tokens(window, interleaved, num_pseudo, expected):
-  cfg = AttentionConfig(8, 2, 4, interleaved=interleaved, num_pseudo=num_pseudo, window=window)
+def test_window_tokens(window, kind, num_pseudo, expected):
+  cfg = AttentionConfig(8, 2, 4, kind=kind, num_pseudo=num_pseudo, window=window)
   assert window_tokens(cfg, 40) == expected
 
 
@@ -154,3 +154,18 @@ def test_prefill_rejects_bad_arguments():
   _, cache = prefill(model, _tokens(0, 4), max_len=8)
   with pytest.raises(ValueError, match=r"token must be an integer array \[B=2\]"):
     decode_step(model, _tokens(0, 1), cache)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(causal=False), "needs a causal model"),
+    (dict(num_outputs=3), "per-token head"),
+    (dict(attention_schedule="LT"), r"supports schedule letters 'ILMS'.*\['T'\]"),
+])
+def test_decoding_refuses_encoders_and_uncached_kinds(change, match):
+  """Encoders (every position sees later tokens), per-token heads and the baselines
+  without a cache are refused up front with a message naming the reason."""
+  model = _model(change.pop("attention_schedule", "LM"), **change)
+  with pytest.raises(ValueError, match=match):
+    generate(model, _tokens(0, 4), max_new_tokens=2)
+  with pytest.raises(ValueError, match=match):
+    prefill(model, _tokens(0, 4), max_len=8)

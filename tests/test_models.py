@@ -37,7 +37,7 @@ def test_expand_schedule(schedule, num_layers, expected):
 
 @pytest.mark.parametrize("schedule,num_layers,match", [
     ("", 2, "non-empty"),
-    ("LXM", 2, r"unknown letter 'X'.*allowed letters: I .*L .*M .*S "),
+    ("LQM", 2, r"unknown letter 'Q'.*allowed letters: I .*L .*M .*S .*T .*D .*X "),
     ("l", 2, "unknown letter 'l'"),
     ("M", 0, "num_layers"),
 ])
@@ -60,6 +60,11 @@ def test_expand_schedule_errors(schedule, num_layers, match):
     (dict(collapse_mode="diag"), "collapse_mode"),
     (dict(norm_eps=0.0), "norm_eps"),
     (dict(mlp_type="relu"), "mlp_type"),
+    (dict(attention_schedule="D", num_heads=3), "num_heads must be even for 'D'"),
+    (dict(num_outputs=0), "num_outputs"),
+    (dict(mixing_noise_std=-0.5), "mixing_noise_std"),
+    (dict(causal="yes"), "causal must be a bool"),
+    (dict(attention_schedule="T", implementation="pallas_gpu"), "no 'pallas_gpu'"),
 ])
 def test_config_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -79,6 +84,13 @@ def test_layers_follow_schedule():
                    (InterleavedHeadAttention, None)]
   assert model.layers[0].attn.config.pseudo == 3
   assert [b.letter for b in model.layers] == list("ILMSI")
+  model = TransformerLM(_config(attention_schedule="TDX", num_layers=3, causal=False),
+                        rngs=nnx.Rngs(0))
+  assert [(b.attn.config.kind, b.attn.config.num_heads, b.attn.config.causal)
+          for b in model.layers] == [("talking_heads", H, False), ("diff", H // 2, False),
+                                     ("simplicial", H, False)]
+  assert model.layers[1].attn.config.layer == 2  # differential lambda_init depth
+  assert model.layers[2].attn.config.rope_theta is None  # 2-simplicial: no RoPE
 
 
 # --- parameter trees ---------------------------------------------------------------------
@@ -129,9 +141,9 @@ class ForwardTest(chex.TestCase):
     chex.assert_tree_all_finite(logits)
 
 
-@pytest.mark.parametrize("schedule", ["I", "L", "M", "S", "LLLLM"])
+@pytest.mark.parametrize("schedule", ["I", "L", "M", "S", "LLLLM", "TDX"])
 def test_causality(schedule):
-  """Changing token n leaves logits at positions < n unchanged (IHA_SPEC 1)."""
+  """Changing token n leaves logits at positions < n unchanged."""
   model = TransformerLM(_config(attention_schedule=schedule, num_layers=len(schedule) + 1),
                         rngs=nnx.Rngs(1))
   forward = jax.jit(lambda t: model(t))
@@ -141,6 +153,17 @@ def test_causality(schedule):
     changed = forward(tokens.at[:, n].set((tokens[:, n] + 1) % V))
     chex.assert_trees_all_close(changed[:, :n], base[:, :n], atol=1e-6, rtol=1e-6)
     assert np.abs(np.asarray(changed[:, n:] - base[:, n:])).max() > 1e-4
+
+
+def test_encoder_sees_later_tokens_and_has_a_per_token_head():
+  """causal=False: changing the last token changes every position's outputs."""
+  model = TransformerLM(_config(attention_schedule="LMT", num_layers=3, causal=False,
+                                num_outputs=5), rngs=nnx.Rngs(1))
+  tokens = _tokens(1)
+  base = model(tokens)
+  chex.assert_shape(base, (B, N, 5))
+  changed = model(tokens.at[:, -1].set((tokens[:, -1] + 1) % V))
+  assert np.abs(np.asarray(changed - base)).max(axis=(0, 2)).min() > 1e-4
 
 
 def test_packed_segments_match_separate_sequences():

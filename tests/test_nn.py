@@ -10,10 +10,13 @@ import pytest
 from flax import nnx
 
 from iha_jax.models import count_params
-from iha_jax.nn import (InterleavedHeadAttention, InterleavedHeadAttentionLinen,
-                        MultiHeadAttention, MultiHeadAttentionLinen, identity_collapse_init,
-                        identity_mixing_init)
-from iha_jax.ops import iha_attention
+from iha_jax.nn import (DifferentialAttention, DifferentialAttentionLinen,
+                        InterleavedHeadAttention, InterleavedHeadAttentionLinen,
+                        MultiHeadAttention, MultiHeadAttentionLinen, SimplicialAttention,
+                        SimplicialAttentionLinen, TalkingHeadsAttention,
+                        TalkingHeadsAttentionLinen, identity_collapse_init, identity_mixing_init)
+from iha_jax.ops import diff_attention, iha_attention
+from iha_jax.parallel.rules import logical_to_mesh_spec
 
 B, N, D, H, HEAD_DIM = 2, 6, 16, 3, 4
 PROJ = ("wq", "wk", "wv", "wo")
@@ -71,6 +74,45 @@ def test_mha_param_tree():
       "wo": (H, HEAD_DIM, D)}
   assert _axes(m)["wo"] == ("heads", "head_dim", "embed")
   assert all(v.dtype == jnp.bfloat16 for v in _params(m).values())
+
+
+BASELINES = {  # kind -> (NNX class, Linen class, extra constructor arguments)
+    "talking_heads": (TalkingHeadsAttention, TalkingHeadsAttentionLinen, {}),
+    "diff": (DifferentialAttention, DifferentialAttentionLinen, {"layer": 3}),
+    "simplicial": (SimplicialAttention, SimplicialAttentionLinen, {}),
+}
+
+
+def test_baseline_param_trees():
+  """Names, shapes and logical axes of the baselines; every axis has a sharding rule."""
+  in_proj, out_proj = ("embed", "heads", "head_dim"), ("heads", "head_dim", "embed")
+  expected = {
+      "talking_heads": {"wq": ((D, H, HEAD_DIM), in_proj), "wk": ((D, H, HEAD_DIM), in_proj),
+                        "wv": ((D, H, HEAD_DIM), in_proj), "wo": ((H, HEAD_DIM, D), out_proj),
+                        "talk_logits": ((H, H), ("heads_src", "heads")),
+                        "talk_weights": ((H, H), ("heads_src", "heads"))},
+      "diff": {"wq": ((D, H, 2, HEAD_DIM), ("embed", "heads", "qk_pair", "head_dim")),
+               "wk": ((D, H, 2, HEAD_DIM), ("embed", "heads", "qk_pair", "head_dim")),
+               "wv": ((D, H, 2 * HEAD_DIM), in_proj), "wo": ((H, 2 * HEAD_DIM, D), out_proj),
+               **{f"lambda_{n}": ((HEAD_DIM,), ("head_dim",)) for n in ("q1", "k1", "q2", "k2")},
+               "norm_scale": ((2 * HEAD_DIM,), ("head_dim",))},
+      "simplicial": {**{w: ((D, H, HEAD_DIM), in_proj) for w in ("wq", "wk1", "wk2", "wv1",
+                                                                 "wv2")},
+                     "wo": ((H, HEAD_DIM, D), out_proj)},
+  }
+  for kind, (cls, _, extra) in BASELINES.items():
+    m = cls(D, H, HEAD_DIM, rngs=nnx.Rngs(0), **extra)
+    got = {k: (v.shape, _axes(m)[k]) for k, v in _params(m).items()}
+    assert got == expected[kind], kind
+    for axes in _axes(m).values():
+      logical_to_mesh_spec(jax.sharding.PartitionSpec(*axes))  # raises for a missing rule
+  talking = _params(TalkingHeadsAttention(D, H, HEAD_DIM, rngs=nnx.Rngs(0)))
+  np.testing.assert_array_equal(talking["talk_logits"], np.eye(H))
+  # H differential heads of value width 2d: the parameters of MHA with 2H heads of width d,
+  # plus the four lambdas and the norm scale.
+  diff = count_params(DifferentialAttention(D, H, HEAD_DIM, rngs=nnx.Rngs(0)))
+  mha = count_params(MultiHeadAttention(D, 2 * H, HEAD_DIM, rngs=nnx.Rngs(0)))
+  assert diff == mha + 6 * HEAD_DIM
 
 
 def test_logical_axes_map_to_mesh_axes_with_rules():
@@ -160,7 +202,7 @@ class ForwardTest(chex.TestCase):
 @pytest.mark.parametrize("implementation", ["reference", "xla"])
 @pytest.mark.parametrize("window,rope_theta", [(None, 10000.0), (3, 500000.0), (2, None)])
 def test_single_pseudo_head_with_identity_init_is_mha(implementation, window, rope_theta):
-  """IHA_SPEC 1: P = 1 with identity mixing/collapse is exactly MHA (same window, RoPE)."""
+  """docs/design.md §1: P = 1 with identity mixing/collapse is exactly MHA (same window, RoPE)."""
   opts = dict(window=window, rope_theta=rope_theta, implementation=implementation)
   mha = _mha(seed=5, **opts)
   iha = _iha(seed=7, num_pseudo=1, **opts)
@@ -182,6 +224,25 @@ def test_matches_from_scratch_computation():
   chex.assert_trees_all_close(m(x), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_differential_layer_from_scratch():
+  """lam from the lambdas and lambda_init(layer), per-head RMSNorm, scale 1 - lambda_init."""
+  layer = 4
+  m = DifferentialAttention(D, H, HEAD_DIM, layer=layer, implementation="reference",
+                            rngs=nnx.Rngs(2))
+  p, x = _params(m), _x(5)
+  q, k = (jnp.einsum("bnD,Dhcd->bnhcd", x, p[w]) for w in ("wq", "wk"))
+  v = jnp.einsum("bnD,Dhe->bnhe", x, p["wv"])
+  lambda_init = 0.8 - 0.6 * np.exp(-0.3 * (layer - 1))
+  lam = (jnp.exp(p["lambda_q1"] @ p["lambda_k1"]) - jnp.exp(p["lambda_q2"] @ p["lambda_k2"])
+         + lambda_init)
+  y = diff_attention(q, k, v, lam, implementation="reference")
+  y = y / jnp.sqrt(jnp.mean(y ** 2, axis=-1, keepdims=True) + 1e-5) * p["norm_scale"]
+  expected = jnp.einsum("bnhe,heD->bnD", y * (1 - lambda_init), p["wo"])
+  chex.assert_trees_all_close(m(x), expected, atol=1e-5, rtol=1e-5)
+  # A traced depth (scan over layers) gives the same layer.
+  chex.assert_trees_all_close(jax.jit(lambda l: m(x, layer=l))(layer), m(x), atol=1e-6)
+
+
 def test_projection_outputs_are_named_for_remat():
   jaxpr = str(jax.make_jaxpr(lambda x: _iha()(x))(_x()))
   for name in ("query_proj", "key_proj", "value_proj", "attention_out"):
@@ -191,16 +252,23 @@ def test_projection_outputs_are_named_for_remat():
 # --- Linen <-> NNX -----------------------------------------------------------------------
 
 
+LINEN_PAIRS = {"iha": (InterleavedHeadAttention, InterleavedHeadAttentionLinen),
+               "mha": (MultiHeadAttention, MultiHeadAttentionLinen),
+               **{kind: classes[:2] for kind, classes in BASELINES.items()}}
+
+
 @pytest.mark.parametrize("kind,kwargs", [
     ("iha", dict(num_pseudo=2, window=4)),
-    ("iha", dict(collapse_mode="per_head", rope_theta=None)),
+    ("iha", dict(collapse_mode="per_head", rope_theta=None, causal=False)),
     ("mha", dict(window=3)),
+    ("talking_heads", dict(window=3, causal=False)),
+    ("diff", dict(layer=3)),
+    ("simplicial", dict(causal=False)),
 ])
 def test_linen_nnx_transplant(kind, kwargs):
   kwargs = dict(kwargs, implementation="reference")
-  nnx_cls, linen_cls = ((InterleavedHeadAttention, InterleavedHeadAttentionLinen)
-                        if kind == "iha" else (MultiHeadAttention, MultiHeadAttentionLinen))
-  if kind == "iha":
+  nnx_cls, linen_cls = LINEN_PAIRS[kind]
+  if kind in ("iha", "talking_heads"):
     kwargs["mixing_noise_std"] = 0.1  # non-trivial mixing, so a transposed axis would show
   nnx_model = nnx_cls(D, H, HEAD_DIM, rngs=nnx.Rngs(0), **kwargs)
   linen_model = linen_cls(D, H, HEAD_DIM, **kwargs)

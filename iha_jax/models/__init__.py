@@ -1,4 +1,4 @@
-"""Models built from the `iha_jax.nn` layers (IHA_SPEC section 3)."""
+"""Models built from the `iha_jax.nn` layers (docs/design.md §3)."""
 from iha_jax.models.config import SCHEDULE_LETTERS, TransformerConfig, expand_schedule
 from iha_jax.models.layers import DecoderBlock, FeedForward, RMSNorm, make_attention
 from iha_jax.models.transformer import TransformerLM, count_params

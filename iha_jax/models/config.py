@@ -1,4 +1,4 @@
-"""Decoder-only LM configuration and the per-layer attention schedule (IHA_SPEC 3)."""
+"""Transformer configuration (decoder LM or encoder) and the per-layer attention schedule."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,14 @@ SCHEDULE_LETTERS = {
     "L": "sliding-window IHA, window iha_window",
     "M": "global MHA",
     "S": "sliding-window MHA, window mha_window",
+    "T": "global Talking-Heads attention",
+    "D": "global differential attention, num_heads/2 heads with value width 2*head_dim",
+    "X": "global 2-simplicial attention (no RoPE)",
 }
+# Schedule letter -> (attention kind, windowed).
+LETTER_KINDS = {"I": ("iha", False), "L": ("iha", True), "M": ("mha", False),
+                "S": ("mha", True), "T": ("talking_heads", False), "D": ("diff", False),
+                "X": ("simplicial", False)}
 
 
 MLP_TYPES = ("swiglu", "gelu")
@@ -65,6 +72,12 @@ class TransformerConfig:
     norm_eps: RMSNorm epsilon.
     mlp_type: "swiglu" (`w_gate, w_up: [D, F]`, `w_down: [F, D]`) or "gelu"
       (`w_up: [D, F]`, `w_down: [F, D]`).
+    causal: True for a decoder LM; False builds an encoder (bidirectional attention
+      in every layer; targets are per position, as the data gives them).
+    num_outputs: None: next-token logits over the vocabulary; an int: a per-token head
+      `output_head: [D, num_outputs]` (classification logits or regression values).
+    mixing_noise_std: std of Gaussian noise added to the identity init of the head
+      mixings (IHA's `alpha_*` and `collapse`, Talking-Heads' `talk_*`).
   """
   vocab_size: int
   num_layers: int
@@ -84,6 +97,9 @@ class TransformerConfig:
   implementation: str = "auto"
   norm_eps: float = 1e-6
   mlp_type: str = "swiglu"
+  causal: bool = True
+  num_outputs: int | None = None
+  mixing_noise_std: float = 0.0
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "mlp_dim"):
@@ -94,6 +110,12 @@ class TransformerConfig:
       raise ValueError(f"mlp_type must be one of {MLP_TYPES}, got {self.mlp_type!r}")
     if not self.norm_eps > 0:
       raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
+    if self.num_outputs is not None and (isinstance(self.num_outputs, bool) or not isinstance(
+        self.num_outputs, int) or self.num_outputs < 1):
+      raise ValueError(f"num_outputs must be None (vocabulary logits) or a positive integer, "
+                       f"got {self.num_outputs!r}")
+    if not isinstance(self.mixing_noise_std, (int, float)) or not self.mixing_noise_std >= 0:
+      raise ValueError(f"mixing_noise_std must be a number >= 0, got {self.mixing_noise_std!r}")
     try:
       schedule = expand_schedule(self.attention_schedule, self.num_layers)
     except ValueError as e:
@@ -104,6 +126,9 @@ class TransformerConfig:
     if "S" in schedule and self.mha_window is None:
       raise ValueError("mha_window must be set: attention_schedule "
                        f"{self.attention_schedule!r} has 'S' (sliding-window MHA) layers")
+    if "D" in schedule and self.num_heads % 2:
+      raise ValueError(f"num_heads must be even for 'D' (differential) layers, which use "
+                       f"num_heads/2 heads of value width 2*head_dim; got {self.num_heads}")
     for letter in set(schedule):  # Validates dims, windows, collapse_mode, RoPE, ...
       self.attention_config(letter)
 
@@ -112,14 +137,19 @@ class TransformerConfig:
     """The attention letter of every layer, `len == num_layers`."""
     return expand_schedule(self.attention_schedule, self.num_layers)
 
-  def attention_config(self, letter: str) -> AttentionConfig:
-    """The `AttentionConfig` of a layer with schedule letter `letter`."""
-    if letter not in SCHEDULE_LETTERS:
+  def attention_config(self, letter: str, layer: int = 1) -> AttentionConfig:
+    """The `AttentionConfig` of a layer with schedule letter `letter`.
+
+    `layer` is the layer's index counted from 1 (it sets differential attention's
+    lambda_init; the other kinds ignore it).
+    """
+    if letter not in LETTER_KINDS:
       raise ValueError(f"letter must be one of {tuple(SCHEDULE_LETTERS)}, got {letter!r}")
-    interleaved = letter in "IL"
-    window = {"I": None, "L": self.iha_window, "M": None, "S": self.mha_window}[letter]
+    kind, windowed = LETTER_KINDS[letter]
+    window = (self.iha_window if kind == "iha" else self.mha_window) if windowed else None
     return AttentionConfig(
-        self.model_dim, self.num_heads, self.head_dim, interleaved=interleaved,
-        num_pseudo=self.num_pseudo if interleaved else None, window=window,
-        rope_theta=self.rope_theta, collapse_mode=self.collapse_mode, dtype=self.dtype,
+        self.model_dim, self.num_heads // 2 if kind == "diff" else self.num_heads,
+        self.head_dim, kind=kind, num_pseudo=self.num_pseudo if kind == "iha" else None,
+        window=window, rope_theta=None if kind == "simplicial" else self.rope_theta,
+        collapse_mode=self.collapse_mode, causal=self.causal, layer=layer, dtype=self.dtype,
         implementation=self.implementation)

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from iha_jax.models.kv_cache import (KVCache, check_cache_mode, decode_layer, init_cache,
-                                     prefill_layer)
+from iha_jax.models.kv_cache import (KVCache, check_cache_mode, check_decodable, decode_layer,
+                                     init_cache, prefill_layer)
 from iha_jax.models.transformer import TransformerLM
 
 
@@ -76,6 +76,7 @@ def prefill(model: TransformerLM, tokens: jax.Array, *, max_len: int,
   Returns:
     `(logits [B, L0, V] float32, cache)` with `cache.length == L0`.
   """
+  check_decodable(model.config)
   check_cache_mode(cache_mode)
   _check_tokens(tokens, "tokens")
   if tokens.shape[1] > max_len:
@@ -153,6 +154,7 @@ def generate(model: TransformerLM, prompt_tokens: jax.Array, *, max_new_tokens: 
   Returns:
     `[B, L0 + max_new_tokens]` tokens: the prompt, then the generated tokens.
   """
+  check_decodable(model.config)
   check_cache_mode(cache_mode)
   _check_tokens(prompt_tokens, "prompt_tokens")
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \

@@ -1,4 +1,4 @@
-"""KV caches and per-layer cached attention for decoding `TransformerLM` (IHA_SPEC 1.2-1.7).
+"""KV caches and per-layer cached attention for decoding `TransformerLM` (docs/design.md §1.2-1.7).
 
 Every layer's cache is a ring buffer over token slots: token `n` lives in slot
 `n % C`. Global layers use `C = max_len` (the ring never wraps); window layers keep
@@ -122,8 +122,29 @@ def init_layer_cache(cfg: AttentionConfig, batch: int, max_len: int, mode: str,
   return LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
+DECODABLE_LETTERS = "ILMS"
+
+
+def check_decodable(config: TransformerConfig) -> None:
+  """Raises ValueError unless a KV cache can decode a model with `config`: a causal LM
+  (no encoder, no per-token output head) of I, L, M and S layers."""
+  if not config.causal:
+    raise ValueError("KV-cache decoding needs a causal model; this one has causal=False "
+                     "(a bidirectional encoder: every position sees later tokens). Run the "
+                     "full forward instead.")
+  if config.num_outputs is not None:
+    raise ValueError(f"KV-cache decoding needs next-token logits; this model has a per-token "
+                     f"head (num_outputs={config.num_outputs}).")
+  other = sorted(set(config.schedule) - set(DECODABLE_LETTERS))
+  if other:
+    raise ValueError(f"KV-cache decoding supports schedule letters {DECODABLE_LETTERS!r}; "
+                     f"attention_schedule {config.attention_schedule!r} has {other}. Run the "
+                     f"full forward for Talking-Heads, differential or 2-simplicial layers.")
+
+
 def init_cache(config: TransformerConfig, batch: int, max_len: int, mode: str) -> KVCache:
   """Empty caches for every layer of a model with `config` (computation dtype)."""
+  check_decodable(config)
   check_cache_mode(mode)
   layers = tuple(init_layer_cache(config.attention_config(letter), batch, max_len, mode,
                                   config.dtype) for letter in config.schedule)

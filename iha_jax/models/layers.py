@@ -1,4 +1,4 @@
-"""Building blocks of `TransformerLM` (Flax NNX): RMSNorm, MLP (SwiGLU or GELU), decoder block."""
+"""Building blocks of `TransformerLM` (Flax NNX): RMSNorm, MLP (SwiGLU or GELU), the block."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from iha_jax.models.config import TransformerConfig
-from iha_jax.nn import InterleavedHeadAttention, MultiHeadAttention, logical_param
+from iha_jax.nn import (DifferentialAttention, InterleavedHeadAttention, MultiHeadAttention,
+                        SimplicialAttention, TalkingHeadsAttention, logical_param)
 
 EMBED = "embed"
 MLP = "mlp"
@@ -59,17 +60,29 @@ class FeedForward(nnx.Module):
     return jnp.einsum("bnF,FD->bnD", hidden, self.w_down[...].astype(self.dtype))
 
 
-def make_attention(config: TransformerConfig, letter: str, *,
-                   rngs: nnx.Rngs) -> InterleavedHeadAttention | MultiHeadAttention:
-  """The attention module of a layer with schedule letter `letter` (I, L, M or S)."""
-  cfg = config.attention_config(letter)
-  common = dict(window=cfg.window, rope_theta=cfg.rope_theta, dtype=cfg.dtype,
+Attention = (InterleavedHeadAttention | MultiHeadAttention | TalkingHeadsAttention
+             | DifferentialAttention | SimplicialAttention)
+
+
+def make_attention(config: TransformerConfig, letter: str, *, layer: int = 1,
+                   rngs: nnx.Rngs) -> Attention:
+  """The attention module of layer `layer` (counted from 1) with schedule letter `letter`."""
+  cfg = config.attention_config(letter, layer)
+  common = dict(window=cfg.window, causal=cfg.causal, dtype=cfg.dtype,
                 param_dtype=config.param_dtype, implementation=cfg.implementation, rngs=rngs)
-  if cfg.interleaved:
-    return InterleavedHeadAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim,
-                                    num_pseudo=cfg.num_pseudo, collapse_mode=cfg.collapse_mode,
-                                    **common)
-  return MultiHeadAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, **common)
+  dims = (cfg.model_dim, cfg.num_heads, cfg.head_dim)
+  if cfg.kind == "iha":
+    return InterleavedHeadAttention(*dims, num_pseudo=cfg.num_pseudo,
+                                    collapse_mode=cfg.collapse_mode, rope_theta=cfg.rope_theta,
+                                    mixing_noise_std=config.mixing_noise_std, **common)
+  if cfg.kind == "talking_heads":
+    return TalkingHeadsAttention(*dims, rope_theta=cfg.rope_theta,
+                                 mixing_noise_std=config.mixing_noise_std, **common)
+  if cfg.kind == "diff":
+    return DifferentialAttention(*dims, layer=layer, rope_theta=cfg.rope_theta, **common)
+  if cfg.kind == "simplicial":
+    return SimplicialAttention(*dims, **common)
+  return MultiHeadAttention(*dims, rope_theta=cfg.rope_theta, **common)
 
 
 class DecoderBlock(nnx.Module):
@@ -78,19 +91,28 @@ class DecoderBlock(nnx.Module):
   Kept a standalone module so scan-over-layers and remat can wrap it unchanged.
   """
 
-  def __init__(self, config: TransformerConfig, letter: str, *, rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, letter: str, *, layer: int = 1,
+               rngs: nnx.Rngs):
     self.letter = letter
     norm = dict(eps=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype)
     self.attn_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
-    self.attn = make_attention(config, letter, rngs=rngs)
+    self.attn = make_attention(config, letter, layer=layer, rngs=rngs)
     self.mlp_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
     self.mlp = FeedForward(config.model_dim, config.mlp_dim, mlp_type=config.mlp_type,
                            dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
-    """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32."""
-    attend = lambda h: (self.attn(h, segment_ids=segment_ids, positions=positions), None)
+               positions: jax.Array | None = None,
+               layer: jax.Array | None = None) -> jax.Array:
+    """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32.
+
+    `layer` (counted from 1, may be traced) overrides the depth the block was built with;
+    only differential attention depends on it (a scan over layers passes it).
+    """
+    depth = {} if layer is None or not isinstance(self.attn, DifferentialAttention) else {
+        "layer": layer}
+    attend = lambda h: (self.attn(h, segment_ids=segment_ids, positions=positions, **depth),
+                        None)
     return self.apply_with(x, attend)[0]
 
   def apply_with(self, x: jax.Array, attend: Callable[[jax.Array], tuple[jax.Array, Any]]

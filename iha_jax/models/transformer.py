@@ -1,4 +1,5 @@
-"""`TransformerLM`: decoder-only language model with a per-layer attention schedule."""
+"""`TransformerLM`: a decoder LM (or, `causal=False`, an encoder) with a per-layer attention
+schedule."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,6 +13,7 @@ from iha_jax.models.layers import DEFAULT_KERNEL_INIT, EMBED, DecoderBlock, RMSN
 from iha_jax.nn import logical_param
 
 VOCAB = "vocab"
+OUTPUTS = "outputs"
 
 
 class TransformerLM(nnx.Module):
@@ -19,7 +21,9 @@ class TransformerLM(nnx.Module):
 
   Parameters: `embedding: [V, D]` ("vocab", "embed"); `layers[i]` with the attention of
   schedule letter `config.schedule[i]`; `final_norm.scale: [D]`; and, untied,
-  `lm_head: [D, V]` ("embed", "vocab").
+  `lm_head: [D, V]` ("embed", "vocab"), or with `num_outputs`, a per-token
+  `output_head: [D, num_outputs]` ("embed", "outputs") instead of vocabulary logits.
+  With `config.causal=False` every layer is bidirectional (an encoder).
   """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
@@ -29,17 +33,20 @@ class TransformerLM(nnx.Module):
     # of unit scale, the same as the fan-in-initialised untied head.
     self.embedding = logical_param(jax.nn.initializers.normal(d ** -0.5), (VOCAB, EMBED),
                                    rngs.params(), (v, d), config.param_dtype)
-    self.layers = nnx.List([DecoderBlock(config, letter, rngs=rngs)
-                            for letter in config.schedule])
+    self.layers = nnx.List([DecoderBlock(config, letter, layer=i + 1, rngs=rngs)
+                            for i, letter in enumerate(config.schedule)])
     self.final_norm = RMSNorm(d, eps=config.norm_eps, dtype=config.dtype,
                               param_dtype=config.param_dtype, rngs=rngs)
-    if not config.tie_embeddings:
+    if config.num_outputs is not None:
+      self.output_head = logical_param(DEFAULT_KERNEL_INIT, (EMBED, OUTPUTS), rngs.params(),
+                                       (d, config.num_outputs), config.param_dtype)
+    elif not config.tie_embeddings:
       self.lm_head = logical_param(DEFAULT_KERNEL_INIT, (EMBED, VOCAB), rngs.params(), (d, v),
                                    config.param_dtype)
 
   def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array:
-    """Next-token logits.
+    """Per-token outputs: next-token logits, or the `num_outputs` head's outputs.
 
     Args:
       tokens: `[B, N]` int32 token ids.
@@ -47,7 +54,8 @@ class TransformerLM(nnx.Module):
       positions: optional `[B, N]` int32 token positions (default `arange(N)`).
 
     Returns:
-      `[B, N, V]` float32 logits; position n depends only on tokens `<= n`.
+      `[B, N, V]` (or `[B, N, num_outputs]`) float32; with `causal`, position n depends
+      only on tokens `<= n`.
     """
     if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
       raise ValueError(f"tokens must be an integer array [B, N], got shape "
@@ -62,12 +70,23 @@ class TransformerLM(nnx.Module):
     return jnp.take(self.embedding[...], tokens, axis=0).astype(self.config.dtype)
 
   def logits(self, x: jax.Array) -> jax.Array:
-    """Last block's output `x: [B, N, D]` -> float32 logits `[B, N, V]` (final norm + head).
+    """Last block's output `x: [B, N, D]` -> float32 `[B, N, V or num_outputs]` (final
+    norm + head).
 
     `embed` and `logits` are separate so KV-cache decoding can run the blocks itself.
     """
-    lm_head = None if self.config.tie_embeddings else self.lm_head[...]
-    return vocab_logits(self.final_norm(x), self.embedding[...], lm_head, self.config.dtype)
+    heads = {name: getattr(self, name)[...] for name in ("embedding", "lm_head", "output_head")
+             if hasattr(self, name)}
+    return output_logits(self.final_norm(x), heads, self.config)
+
+
+def output_logits(x: jax.Array, params: dict[str, Any], config: TransformerConfig) -> jax.Array:
+  """Normalised `x: [B, N, D]` -> float32 `[B, N, V]` logits (or `[B, N, num_outputs]`)
+  from the model's top-level parameters `params` (`embedding`, `lm_head`, `output_head`)."""
+  if config.num_outputs is not None:
+    return jnp.einsum("bnD,DO->bnO", x, params["output_head"].astype(config.dtype),
+                      preferred_element_type=jnp.float32)
+  return vocab_logits(x, params["embedding"], params.get("lm_head"), config.dtype)
 
 
 def vocab_logits(x: jax.Array, embedding: jax.Array, lm_head: jax.Array | None,

@@ -1,7 +1,7 @@
 """The attention layer's forward pass as a pure function of its parameters.
 
 Both the NNX and the Linen modules call `attention_forward`, so the layer math exists
-once: projections, the attention core from `iha_jax.ops`, output projection.
+once for every kind: projections, the kind's core from `iha_jax.ops`, output projection.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from flax.linen import with_logical_constraint
 from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.nn.config import AttentionConfig
-from iha_jax.ops import iha_attention, mha_attention
+from iha_jax.ops import (diff_attention, diff_lambda_init, iha_attention, mha_attention,
+                         simplicial_attention, talking_heads_attention)
 
 # Names for remat policies (e.g. `jax.checkpoint_policies.save_only_these_names`):
 # the q/k/v projections and the core's output are what a memory-efficient attention
@@ -26,9 +27,11 @@ ATTENTION_OUT = "attention_out"
 # Logical activation axes for sharding constraints; no-ops unless a mesh and logical-axis
 # rules are active (`iha_jax.parallel.rules` maps them). IHA mixing contracts over source
 # heads, so its q/k/v are gathered whole over the head axis ("activation_heads_src")
-# before mixing, instead of communicating the P-times larger pseudo-heads.
+# before mixing, instead of communicating the P-times larger pseudo-heads; Talking-Heads
+# likewise, instead of its [B, H, N, N]-sized score maps.
 SOURCE_HEADS_AXES = ("activation_batch", "activation_length", "activation_heads_src", None)
 HEADS_AXES = ("activation_batch", "activation_length", "activation_heads", None)
+DIFF_NORM_EPS = 1e-5  # the per-head RMSNorm of differential attention (as Ye et al.)
 
 
 def check_input(x: jax.Array, cfg: AttentionConfig) -> None:
@@ -59,17 +62,18 @@ def project_qkv(p: Mapping[str, jax.Array], x: jax.Array) -> tuple[jax.Array, ..
 
 def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig, *,
                       segment_ids: jax.Array | None = None,
-                      positions: jax.Array | None = None) -> jax.Array:
-  """Applies one IHA or MHA layer.
+                      positions: jax.Array | None = None,
+                      layer: int | jax.Array | None = None) -> jax.Array:
+  """Applies one attention layer of kind `cfg.kind`.
 
   Args:
-    params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`:
-      `wq, wk, wv: [D, H, d]`, `wo: [H, d, D]`, and for IHA `alpha_q, alpha_k,
-      alpha_v: [H, H, P]` and `collapse: [H, H, P]` or `[H, P]`.
+    params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`.
     x: `[B, N, D]` input.
     cfg: the layer configuration.
     segment_ids: optional `[B, N]` int32 packed-sequence ids (0 = padding).
     positions: optional `[B, N]` int32 token positions (default `arange(N)`).
+    layer: overrides `cfg.layer` (differential attention's depth, counted from 1); may be
+      traced, e.g. inside a scan over layers.
 
   Returns:
     `[B, N, D]` in the computation dtype (`cfg.dtype`, or the promoted dtype of `x` and
@@ -77,15 +81,46 @@ def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: Attent
   """
   check_input(x, cfg)
   p, x = to_compute_dtype(params, x, cfg)
-  q, k, v = project_qkv(p, x)
-  if cfg.interleaved:
-    q, k, v = (with_logical_constraint(t, SOURCE_HEADS_AXES) for t in (q, k, v))
   options = dict(window=cfg.window, segment_ids=segment_ids, positions=positions,
-                 rope_theta=cfg.rope_theta, implementation=cfg.implementation)
-  if cfg.interleaved:
-    y = iha_attention(q, k, v, p["alpha_q"], p["alpha_k"], p["alpha_v"], p["collapse"],
-                      **options)
+                 causal=cfg.causal, implementation=cfg.implementation)
+  if cfg.kind == "diff":
+    y = _differential(p, x, cfg, options, cfg.layer if layer is None else layer)
+  elif cfg.kind == "simplicial":
+    q, k1, k2, v1, v2 = (jnp.einsum("bnD,Dhd->bnhd", x, p[w])
+                         for w in ("wq", "wk1", "wk2", "wv1", "wv2"))
+    y = simplicial_attention(q, k1, k2, v1, v2, **options)
   else:
-    y = mha_attention(q, k, v, **options)
+    q, k, v = project_qkv(p, x)
+    if cfg.kind in ("iha", "talking_heads"):
+      # Both mix across heads: gather the source heads rather than mixed activations.
+      q, k, v = (with_logical_constraint(t, SOURCE_HEADS_AXES) for t in (q, k, v))
+    if cfg.interleaved:
+      y = iha_attention(q, k, v, p["alpha_q"], p["alpha_k"], p["alpha_v"], p["collapse"],
+                        rope_theta=cfg.rope_theta, **options)
+    elif cfg.kind == "talking_heads":
+      y = talking_heads_attention(q, k, v, p["talk_logits"], p["talk_weights"],
+                                  rope_theta=cfg.rope_theta, **options)
+    else:
+      y = mha_attention(q, k, v, rope_theta=cfg.rope_theta, **options)
   y = checkpoint_name(with_logical_constraint(y, HEADS_AXES), ATTENTION_OUT)
   return jnp.einsum("bnhd,hdD->bnD", y, p["wo"])
+
+
+def _differential(p: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig,
+                  options: dict, layer: int | jax.Array) -> jax.Array:
+  """Differential attention (Ye et al. 2024) up to the output projection: `[B, N, H, 2d]`.
+
+  `lam = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init`, then a
+  per-head RMSNorm of `A1 v - lam A2 v` (float32 statistics, learned `norm_scale`) and
+  the scale `1 - lambda_init`.
+  """
+  q = checkpoint_name(jnp.einsum("bnD,Dhcd->bnhcd", x, p["wq"]), QUERY_PROJ)
+  k = checkpoint_name(jnp.einsum("bnD,Dhcd->bnhcd", x, p["wk"]), KEY_PROJ)
+  v = checkpoint_name(jnp.einsum("bnD,Dhe->bnhe", x, p["wv"]), VALUE_PROJ)
+  f32 = lambda name: p[name].astype(jnp.float32)
+  lambda_init = diff_lambda_init(layer)
+  lam = (jnp.exp(jnp.dot(f32("lambda_q1"), f32("lambda_k1")))
+         - jnp.exp(jnp.dot(f32("lambda_q2"), f32("lambda_k2"))) + lambda_init)
+  y = diff_attention(q, k, v, lam, rope_theta=cfg.rope_theta, **options).astype(jnp.float32)
+  y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + DIFF_NORM_EPS)
+  return (y * f32("norm_scale") * (1.0 - lambda_init)).astype(x.dtype)

@@ -1,4 +1,4 @@
-"""Initializers for IHA's parameters (IHA_SPEC 1, "Initialisation").
+"""Initializers for the head-mixing parameters (IHA's mixing and collapse, Talking-Heads).
 
 All follow the standard `jax.nn.initializers` signature `(key, shape, dtype)`.
 """
@@ -53,6 +53,19 @@ def identity_collapse_init(noise_std: float = 0.0) -> Initializer:
       raise ValueError(
           f"identity_collapse_init: shape must be [H, H, P] or [H, P], got {tuple(shape)}")
     return _with_noise(jnp.broadcast_to(base, shape), key, noise_std, dtype)
+
+  return init
+
+
+def identity_talking_init(noise_std: float = 0.0) -> Initializer:
+  """Initializer for Talking-Heads' `talk_logits, talk_weights: [H, H]`: the identity
+  (each head talks only to itself: plain multi-head attention), plus optional
+  `N(0, noise_std)` noise."""
+
+  def init(key: jax.Array, shape: Shape, dtype=jnp.float32) -> jax.Array:
+    if len(shape) != 2 or shape[0] != shape[1]:
+      raise ValueError(f"identity_talking_init: shape must be [H, H], got {tuple(shape)}")
+    return _with_noise(jnp.eye(shape[0], dtype=jnp.float32), key, noise_std, dtype)
 
   return init
 

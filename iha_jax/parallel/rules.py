@@ -44,6 +44,8 @@ LOGICAL_AXIS_RULES: LogicalRules = (
     ("heads_src", None),      # alpha_* source axis: contracted, kept whole.
     ("heads_dst", None),      # full collapse output head: tiny, replicated.
     ("pseudo", None),
+    ("qk_pair", None),        # differential attention's two query/key maps.
+    ("outputs", None),        # per-token output head (encoders): small, replicated.
     # Activations.
     (ACTIVATION_BATCH, BATCH_AXES),
     (ACTIVATION_LENGTH, None),
