@@ -1,4 +1,8 @@
-"""Trains an IHA / MHA language model: `python train.py --config configs/default.py --workdir DIR`.
+"""Trains a language model: `python train.py --config configs/default.py --workdir DIR`.
+
+Any attention schedule (IHA, MHA, Talking-Heads, differential, 2-simplicial); at start,
+process 0 logs the run's budget (`iha_jax.train.flops.budget_table`): parameters and
+attention FLOPs per token of every layer kind, and the train FLOPs per step.
 
 Override any config key with `--config.KEY=VALUE` (e.g. `--config.train.total_steps=100`).
 Multi-process: `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (or the
@@ -31,7 +35,8 @@ def main(argv):
   # Before any JAX computation: joining a multi-process run must precede backend start.
   parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                       auto=FLAGS.distributed)
-  from iha_jax.train import ConfigError, NonFiniteLossError, train  # pylint: disable=import-outside-toplevel
+  from iha_jax.train import (  # pylint: disable=import-outside-toplevel
+      ConfigError, NonFiniteLossError, train)
   try:
     train(FLAGS.config, FLAGS.workdir)
   except (ConfigError, NonFiniteLossError) as e:

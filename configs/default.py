@@ -26,7 +26,9 @@ def get_config() -> ml_collections.ConfigDict:
       mlp_dim=256,
       mlp_type="swiglu",            # swiglu | gelu (2-matrix)
       num_pseudo=FieldReference(2, field_type=int),  # P; None = H (the paper's default)
-      attention_schedule="LM",      # I/L = global/window IHA, M/S = global/window MHA
+      # I/L = global/window IHA, M/S = global/window MHA, T = Talking-Heads,
+      # D = differential (H/2 heads of value width 2d), X = 2-simplicial (no RoPE).
+      attention_schedule="LM",
       # 'L' layers, in virtual tokens; "auto" = seq_len / (2P); None: no 'L' layers.
       window=FieldReference("auto", field_type=str),
       mha_window=placeholder(int),  # 'S' layers, tokens (None: no 'S' layers)
@@ -38,6 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
       remat_policy="none",          # none | full | save_projections
       scan_layers=False,            # scan over repeats of the schedule period
       implementation="auto",        # attention core: auto | xla | reference | pallas_*
+      causal=True,                  # False: encoder, every layer bidirectional
+      num_outputs=placeholder(int),  # None: vocabulary logits; an int: per-token head
+      mixing_noise_std=0.0,         # noise on the identity init of alpha/collapse/talk_*
   ))
 
   config.data = data.default_config()
@@ -64,6 +69,11 @@ def get_config() -> ml_collections.ConfigDict:
       grad_clip=1.0,
       grad_accum_steps=1,
       seed=0,
+      # Weight decay on the head-mixing coefficients (alpha_*, collapse, talk_*): off.
+      # They are identity-initialised structural coefficients, like norm gains; decoupled
+      # decay pulls them toward 0, not toward their identity init, shrinking pseudo-heads
+      # and the collapse. The paper states no decay rule for them.
+      decay_mixing=False,
   ))
 
   config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))

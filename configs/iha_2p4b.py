@@ -1,4 +1,4 @@
-"""The paper's 2.4B IHA model (IHA_SPEC 4): schedule LLLLM, FSDP, bf16, 240k steps.
+"""The paper's 2.4B IHA model (docs/design.md §4): schedule LLLLM, FSDP, bf16, 240k steps.
 
 26 layers, width 2560, H = 20, d = 128, P = H, vocabulary 128256, RoPE theta 500000,
 context 8192; AdamW (0.9, 0.95), wd 0.1, peak LR 8e-4, 1000 warm-up steps, cosine to 8e-6,
@@ -8,7 +8,7 @@ MLP *(project)*: the paper's "MLP 10240" is read as a 2-matrix (GELU) MLP of wid
 with tied embeddings that gives the paper's 2.4B parameters (a 3-matrix SwiGLU of width
 10240 would be 3.1B).
 Window: 'L' layers use "auto" = 8192 / (2 P) = 204 virtual tokens (~10 tokens), the
-paper's FLOP-matched window (IHA_SPEC 2).
+paper's FLOP-matched window (docs/design.md §2).
 Data: a tokenized text corpus; set data.name (e.g. tfds:c4/en prepared as array_record)
 and data.tokenizer (a SentencePiece model with 128256 ids).
 """
@@ -21,7 +21,8 @@ def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.model.update(
       vocab_size=128256, num_layers=26, model_dim=2560, num_heads=20, head_dim=128,
-      mlp_dim=10240, mlp_type="gelu", attention_schedule="LLLLM", window="auto", rope_theta=500000.0, collapse_mode="full", tie_embeddings=True,
+      mlp_dim=10240, mlp_type="gelu", attention_schedule="LLLLM", window="auto",
+      rope_theta=500000.0, collapse_mode="full", tie_embeddings=True,
       dtype="bfloat16", param_dtype="float32", remat_policy="save_projections",
       scan_layers=True, implementation="auto")
   config.model.num_pseudo = None  # P = H

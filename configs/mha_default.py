@@ -1,7 +1,7 @@
 """MHA twin of configs/default.py: the same model with every layer global MHA ("MM").
 
-Matching (IHA_SPEC 2, the paper's recipe): the IHA layer of default.py is a sliding-window
-layer whose window, seq_len / (2P) virtual tokens, gives its attention core about the
+Matching (docs/design.md §2, the paper's recipe): the IHA layer of default.py is a
+sliding-window layer whose window, seq_len / (2P) virtual tokens, gives its attention core about the
 unmasked query-key pairs of one causal MHA layer (T * w ~ N^2 / 2 with T = N P,
 w = N / (2P)); so "LM" and "MM" do about the same attention work. What is left:
 - parameters: IHA adds 4 H^2 P = 128 mixing/collapse scalars per IHA layer (0.1% of the
@@ -9,8 +9,8 @@ w = N / (2P)); so "LM" and "MM" do about the same attention work. What is left:
   exactly: the twin keeps mlp_dim and is 128 parameters (0.09%) smaller;
 - FLOPs: the mixing and collapse, 8 H^2 P d per token (~1% of the demo's FLOPs), are not
   matched, and the window layer's core counts slightly fewer pairs than a causal layer.
-`tests/test_train_config.py` checks parameters within 1% and FLOPs within 5%; the exact
-figures are in WORKSPACE_NOTES_TRAIN.md.
+`tests/test_train_config.py` checks parameters within 1% and FLOPs within 5%; `train.py`
+prints both budgets at start.
 """
 import ml_collections
 

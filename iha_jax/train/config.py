@@ -2,10 +2,16 @@
 
 Window keys *(project)*:
 - `model.window`: window of the 'L' (sliding-window IHA) layers in VIRTUAL tokens, or
-  "auto" = the paper's FLOP-matched `data.seq_len / (2 P)` virtual tokens (IHA_SPEC 2),
+  "auto" = the paper's FLOP-matched `data.seq_len / (2 P)` virtual tokens (docs/design.md §2),
   or None when the schedule has no 'L'.
 - `model.mha_window`: window of the 'S' (sliding-window MHA) layers in tokens.
 - `model.vocab_size`: -1 takes the data's vocabulary (`iha_jax.data.vocab_size`).
+
+Model variants: `model.causal` (False: encoder, every layer bidirectional),
+`model.num_outputs` (None: vocabulary logits; an int: a per-token output head),
+`model.mixing_noise_std` (noise on the identity init of the head mixings).
+`train.decay_mixing`: decoupled weight decay on the head-mixing coefficients
+(`iha_jax.nn.MIXING_PARAMS`); off by default, see `iha_jax.train.optimizer`.
 """
 from __future__ import annotations
 
@@ -23,7 +29,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 MODEL_KEYS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_dim",
               "mlp_type", "num_pseudo", "attention_schedule", "window", "mha_window", "rope_theta",
               "collapse_mode", "tie_embeddings", "dtype", "param_dtype", "remat_policy",
-              "scan_layers", "implementation")
+              "scan_layers", "implementation", "causal", "num_outputs", "mixing_noise_std")
+# Model keys added after checkpoints were first saved: their value when a saved config
+# lacks them (the model they describe is the one built before the key existed).
+MODEL_DEFAULTS = {"causal": True, "num_outputs": None, "mixing_noise_std": 0.0}
 
 
 class ConfigError(ValueError):
@@ -67,21 +76,40 @@ def resolve_window(config: ml_collections.ConfigDict) -> int | None:
   return max(1, config.data.seq_len // (2 * p))
 
 
+def _model_variant(m: ml_collections.ConfigDict) -> dict[str, Any]:
+  """`causal`, `num_outputs`, `mixing_noise_std` of `config.model`, type-checked."""
+  values = {key: m.get(key, default) for key, default in MODEL_DEFAULTS.items()}
+  if not isinstance(values["causal"], bool):
+    raise ConfigError(f"model.causal must be a bool (False: bidirectional encoder), "
+                      f"got {values['causal']!r}")
+  outputs = values["num_outputs"]
+  if outputs is not None and (isinstance(outputs, bool) or not isinstance(outputs, int)
+                              or outputs < 1):
+    raise ConfigError(f"model.num_outputs must be None (vocabulary logits) or an integer "
+                      f">= 1, got {outputs!r}")
+  noise = values["mixing_noise_std"]
+  if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not noise >= 0:
+    raise ConfigError(f"model.mixing_noise_std must be a number >= 0, got {noise!r}")
+  return values
+
+
 def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
   """The `TransformerConfig` of `config.model` (+ data vocabulary and "auto" window)."""
   m = config.model
   for key in ("dtype", "param_dtype"):
     if m[key] not in DTYPES:
       raise ConfigError(f"model.{key} must be one of {sorted(DTYPES)}, got {m[key]!r}")
+  variant = _model_variant(m)
   try:
     return TransformerConfig(
         vocab_size=resolve_vocab_size(config), num_layers=m.num_layers,
         model_dim=m.model_dim, num_heads=m.num_heads, head_dim=m.head_dim,
-        mlp_dim=m.mlp_dim, mlp_type=m.mlp_type, num_pseudo=m.num_pseudo, attention_schedule=m.attention_schedule,
+        mlp_dim=m.mlp_dim, mlp_type=m.mlp_type, num_pseudo=m.num_pseudo,
+        attention_schedule=m.attention_schedule,
         iha_window=resolve_window(config), mha_window=m.mha_window, rope_theta=m.rope_theta,
         collapse_mode=m.collapse_mode, tie_embeddings=m.tie_embeddings,
         dtype=DTYPES[m.dtype], param_dtype=DTYPES[m.param_dtype],
-        implementation=m.implementation)
+        implementation=m.implementation, **variant)
   except ValueError as e:
     raise ConfigError(f"model: {e}") from e
 
@@ -122,6 +150,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
   for key in ("learning_rate", "weight_decay", "grad_clip", "final_learning_rate"):
     if not isinstance(t[key], (int, float)) or t[key] < 0:
       raise ConfigError(f"train.{key} must be a number >= 0, got {t[key]!r}")
+  if not isinstance(t.get("decay_mixing"), bool):
+    raise ConfigError(f"train.decay_mixing must be a bool, got {t.get('decay_mixing')!r}")
   try:
     data, fsdp, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)
   except ValueError as e:
@@ -146,11 +176,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any],
                        prefix: str = "") -> list[str]:
-  """`["model.num_layers: 2 (checkpoint) vs 4 (config)", ...]` for every differing leaf."""
+  """`["model.num_layers: 2 (checkpoint) vs 4 (config)", ...]` for every differing leaf.
+
+  A `MODEL_DEFAULTS` key missing from `saved` (a checkpoint older than the key) counts
+  as its default, so such checkpoints still resume when the config keeps the default.
+  """
   diffs = []
   for key in sorted(set(saved) | set(current)):
     name = f"{prefix}{key}"
-    a, b = saved.get(key, "<missing>"), current.get(key, "<missing>")
+    missing = MODEL_DEFAULTS.get(key, "<missing>") if prefix == "model." else "<missing>"
+    a, b = saved.get(key, missing), current.get(key, "<missing>")
     if isinstance(a, dict) and isinstance(b, dict):
       diffs += config_differences(a, b, name + ".")
     elif a != b and not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))

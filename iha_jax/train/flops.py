@@ -1,23 +1,41 @@
-"""IHA-aware FLOP count (IHA_SPEC 2), per-device peak table and MFU.
+"""Model FLOP and parameter budget of every attention kind (docs/design.md §2), peak table and MFU.
 
-Per token and layer (D width, H heads, d head width, P pseudo-heads, F MLP width):
-- projections q, k, v, o: `4 * 2*D*H*d`;
+Forward FLOPs (a multiply-add is 2), per token and layer (D width, H heads of the layer's
+`AttentionConfig`, d head width, dv value width, P pseudo-heads, F MLP width):
+- projections: `2 *` the entries of the layer's projection matrices (`w*`), i.e.
+  `4 * 2*D*H*d` for iha / mha / talking_heads, the same for diff (wq, wk `[D, H/2, 2, d]`,
+  wv `[D, H/2, 2d]`, wo `[H/2, 2d, D]`) and `6 * 2*D*H*d` for simplicial (q, k1, k2, v1,
+  v2, o);
 - IHA mixing `2*3*H*H*P*d` and collapse `2*H*H*P*d` (full) or `2*H*P*d` (per_head);
 - MLP: `3 * 2*D*F` (SwiGLU) or `2 * 2*D*F` (GELU);
-per sequence and layer, the attention core: unmasked query-key pairs per head times
-`4*d` (QK and PV), over `T = N*P` virtual tokens (IHA) or `N` tokens (MHA); causal
-`T(T+1)/2` pairs, a window `w` layer `sum_t min(t+1, w)`. Plus the output head
-`2*D*V` per token. Training = 3x forward. Packing/padding is ignored: every one of the
-`B*N` positions counts.
+per sequence and layer, the attention core, from the visible query-key pairs of one head
+(and, for simplicial, the visible key-key triples of one query):
+- iha / mha: `4d` per pair and head (QK and PV); IHA counts over `T = N*P` virtual
+  tokens with its window in virtual tokens;
+- talking_heads: `4d` per pair and head, plus the two `H x H` mixings of the logits and
+  of the weights, `2*H*H` each per pair (`4*H*H` per pair for all heads);
+- diff (H/2 heads): two maps of QK `2d` and PV `2*dv = 4d`: `12d` per pair and head;
+- simplicial: `4d` per visible triple `(i, j, l)` (j and l both visible from i) plus `3d`
+  per visible pair, per head; a query with `k` visible keys has `k^2` triples.
+Plus the output head `2*D*V` per token (`2*D*num_outputs` with a per-token head).
+Training = 3x forward. Packing/padding is ignored: every one of the `B*N` positions counts.
+
+Visible keys of query t over `L` positions, window w (None: global):
+causal `min(t+1, w)`; bidirectional `min(t, w-1) + min(L-1-t, w-1) + 1` (`|t-s| < w`),
+global bidirectional `L`.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from iha_jax.models import TransformerConfig
+from iha_jax.nn import AttentionConfig, param_specs
+from iha_jax.train.model import num_params
 
 # Dense bf16 peak TFLOP/s per device (per chip for TPU), by device_kind substring.
 PEAK_TFLOPS = (
@@ -33,38 +51,185 @@ PEAK_TFLOPS = (
 )
 
 
+def visible_keys(length: int, window: int | None, causal: bool = True) -> np.ndarray:
+  """`[length]` int64: the keys each query t of one head sees (no segments)."""
+  t = np.arange(length, dtype=np.int64)
+  w = length if window is None else min(window, length)
+  if causal:
+    return np.minimum(t + 1, w)
+  return np.minimum(t, w - 1) + np.minimum(length - 1 - t, w - 1) + 1
+
+
+def visible_pairs(length: int, window: int | None, causal: bool = True) -> int:
+  """Visible (query, key) pairs of one head over `length` positions."""
+  return int(visible_keys(length, window, causal).sum())
+
+
+def visible_triples(length: int, window: int | None, causal: bool = True) -> int:
+  """Visible (query, key j, key l) triples of one 2-simplicial head: sum of keys^2."""
+  keys = visible_keys(length, window, causal)
+  return int(np.dot(keys, keys))  # int64: exact below ~2e6 positions
+
+
 def causal_pairs(length: int, window: int | None) -> int:
-  """Unmasked (query, key) pairs of one head over `length` positions."""
-  if window is None or window >= length:
-    return length * (length + 1) // 2
-  # Queries t < window see t+1 keys, the rest see `window`.
-  return window * (window + 1) // 2 + (length - window) * window
+  """Unmasked (query, key) pairs of one causal head over `length` positions."""
+  return visible_pairs(length, window, causal=True)
+
+
+def attention_params(acfg: AttentionConfig) -> int:
+  """Parameters of one attention layer, from `param_specs` shapes."""
+  return sum(int(np.prod(s.shape)) for s in param_specs(acfg).values())
+
+
+def projection_flops_per_token(acfg: AttentionConfig) -> int:
+  """Forward FLOPs of the layer's projections (every `w*` matrix) for one token."""
+  return sum(2 * int(np.prod(s.shape)) for name, s in param_specs(acfg).items()
+             if name.startswith("w"))
+
+
+def mixing_flops_per_token(acfg: AttentionConfig) -> int:
+  """IHA's pseudo-head mixing and collapse for one token (0 for the other kinds)."""
+  if not acfg.interleaved:
+    return 0
+  h, p, d = acfg.num_heads, acfg.pseudo, acfg.head_dim
+  collapse = h * h * p if acfg.collapse_mode == "full" else h * p
+  return 2 * 3 * h * h * p * d + 2 * collapse * d
+
+
+def core_flops_per_sequence(acfg: AttentionConfig, seq_len: int) -> int:
+  """Forward FLOPs of the attention core of one `[seq_len]` sequence, all heads
+  (Talking-Heads' per-pair logit/weight mixings included)."""
+  h, d, dv = acfg.num_heads, acfg.head_dim, acfg.value_dim
+  length = seq_len * acfg.pseudo  # IHA: T = N*P virtual tokens
+  pairs = visible_pairs(length, acfg.window, acfg.causal)
+  if acfg.kind == "simplicial":
+    return h * (4 * d * visible_triples(length, acfg.window, acfg.causal) + 3 * d * pairs)
+  maps = 2 if acfg.kind == "diff" else 1
+  core = h * pairs * maps * (2 * d + 2 * dv)  # QK + PV per map
+  if acfg.kind == "talking_heads":
+    core += pairs * 2 * (2 * h * h)
+  return core
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBudget:
+  """Parameters and forward FLOPs of the layers of one schedule letter.
+
+  Attributes:
+    letter: schedule letter (I, L, M, S, T, D, X).
+    kind: attention kind of `iha_jax.ops`.
+    window: virtual tokens for iha, tokens otherwise; None is global.
+    causal: False for bidirectional (encoder) layers.
+    count: layers of the model with this letter.
+    params: attention parameters of one layer (`param_specs` shapes).
+    block_params: one whole block: attention, MLP and its two RMSNorm scales.
+    projection_flops: per token.
+    mixing_flops: per token (IHA mixing + collapse).
+    core_flops: per sequence of `seq_len` tokens.
+    mlp_flops: per token.
+    seq_len: N.
+  """
+  letter: str
+  kind: str
+  window: int | None
+  causal: bool
+  count: int
+  params: int
+  block_params: int
+  projection_flops: int
+  mixing_flops: int
+  core_flops: int
+  mlp_flops: int
+  seq_len: int
+
+  @property
+  def attention_flops_per_token(self) -> float:
+    """Forward core + mixing FLOPs per token of one layer (projections excluded)."""
+    return self.core_flops / self.seq_len + self.mixing_flops
+
+  @property
+  def forward_flops_per_sequence(self) -> int:
+    """Forward FLOPs of one layer over one sequence (projections, attention, MLP)."""
+    per_token = self.projection_flops + self.mixing_flops + self.mlp_flops
+    return per_token * self.seq_len + self.core_flops
+
+
+def layer_budgets(config: TransformerConfig, seq_len: int) -> list[LayerBudget]:
+  """One `LayerBudget` per distinct schedule letter, in order of first appearance."""
+  schedule = config.schedule
+  mlp_matrices = 3 if config.mlp_type == "swiglu" else 2
+  mlp_params = mlp_matrices * config.model_dim * config.mlp_dim
+  budgets = []
+  for letter in dict.fromkeys(schedule):
+    acfg = config.attention_config(letter)
+    params = attention_params(acfg)
+    budgets.append(LayerBudget(
+        letter=letter, kind=acfg.kind, window=acfg.window, causal=acfg.causal,
+        count=schedule.count(letter), params=params,
+        block_params=params + mlp_params + 2 * config.model_dim,
+        projection_flops=projection_flops_per_token(acfg),
+        mixing_flops=mixing_flops_per_token(acfg),
+        core_flops=core_flops_per_sequence(acfg, seq_len), mlp_flops=2 * mlp_params,
+        seq_len=seq_len))
+  return budgets
+
+
+def output_head_flops_per_token(config: TransformerConfig) -> int:
+  """Vocabulary logits `2*D*V`, or `2*D*num_outputs` with a per-token output head."""
+  outputs = config.vocab_size if config.num_outputs is None else config.num_outputs
+  return 2 * config.model_dim * outputs
 
 
 def forward_flops_per_sequence(config: TransformerConfig, seq_len: int) -> float:
   """Forward FLOPs of one `[seq_len]` sequence through `TransformerLM(config)`."""
-  c = config
-  h, d, big_d = c.num_heads, c.head_dim, c.model_dim
-  per_token = 2 * big_d * c.vocab_size  # output head
-  per_sequence = 0
-  for letter in c.schedule:
-    acfg = c.attention_config(letter)
-    mlp_matrices = 3 if c.mlp_type == "swiglu" else 2
-    per_token += 4 * 2 * big_d * h * d + mlp_matrices * 2 * big_d * c.mlp_dim
-    if acfg.interleaved:
-      p = acfg.num_pseudo or h
-      collapse = h * h * p if acfg.collapse_mode == "full" else h * p
-      per_token += 2 * 3 * h * h * p * d + 2 * collapse * d
-      length = seq_len * p
-    else:
-      length = seq_len
-    per_sequence += h * causal_pairs(length, acfg.window) * 4 * d
-  return float(per_token * seq_len + per_sequence)
+  layers = sum(b.count * b.forward_flops_per_sequence for b in layer_budgets(config, seq_len))
+  return float(output_head_flops_per_token(config) * seq_len + layers)
 
 
 def train_flops_per_step(config: TransformerConfig, batch_size: int, seq_len: int) -> float:
   """Model FLOPs of one training step (forward + backward = 3x forward); remat excluded."""
   return 3.0 * batch_size * forward_flops_per_sequence(config, seq_len)
+
+
+def _si(value: float) -> str:
+  """4 significant digits with a k/M/G/T/P suffix."""
+  for suffix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    if abs(value) >= scale:
+      return f"{value / scale:.4g}{suffix}"
+  return f"{value:.4g}"
+
+
+def _window_text(budget: LayerBudget) -> str:
+  if budget.window is None:
+    return "global"
+  return f"{budget.window} {'virtual' if budget.kind == 'iha' else 'tokens'}"
+
+
+def budget_table(config: TransformerConfig, seq_len: int, batch_size: int = 1) -> str:
+  """Plain-text budget of `config` at `seq_len`: one row per schedule letter, then totals.
+
+  Columns: letter, kind, window (virtual tokens for iha), mask, layers, attention
+  parameters per layer, block parameters per layer, attention FLOPs per token forward
+  (core + mixing, projections excluded). Totals: model parameters, attention FLOPs per
+  token summed over layers, train FLOPs per step at `batch_size`.
+  """
+  budgets = layer_budgets(config, seq_len)
+  header = ("letter", "kind", "window", "mask", "layers", "attn params", "block params",
+            "attn FLOPs/token")
+  rows = [(b.letter, b.kind, _window_text(b),
+           "causal" if b.causal else "bidir", str(b.count), f"{b.params:,}",
+           f"{b.block_params:,}", _si(b.attention_flops_per_token)) for b in budgets]
+  widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+  line = lambda r: "  ".join(c.ljust(w) if i < 4 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+  attention = sum(b.count * b.attention_flops_per_token for b in budgets)
+  lines = [f"budget at seq_len {seq_len} (forward FLOPs; train = 3x forward):",
+           line(header), *map(line, rows),
+           f"parameters: {num_params(config):,}",
+           f"attention FLOPs per token (all layers, forward): {_si(attention)}",
+           f"train FLOPs per step (batch {batch_size}): "
+           f"{_si(train_flops_per_step(config, batch_size, seq_len))}"]
+  return "\n".join(lines)
 
 
 def measured_matmul_tflops(device: jax.Device | None = None, size: int = 1024,

@@ -87,6 +87,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   tx = make_optimizer(config.train)
   logging.info("model: %s, %.4g M parameters, mesh %s", model_cfg, num_params(model_cfg) / 1e6,
                dict(mesh.shape))
+  if jax.process_index() == 0:  # every run states its parameters and attention FLOPs
+    logging.info("%s", flops_lib.budget_table(model_cfg, config.data.seq_len,
+                                              config.train.batch_size))
 
   inputs.prepare(config)
   train_it = inputs.train_iterator(config)
@@ -118,7 +121,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   step_flops = flops_lib.train_flops_per_step(model_cfg, batch_size, seq_len)
   peak, peak_source = flops_lib.peak_tflops_per_device()
-  logging.info("%.4g TFLOP per step (IHA_SPEC 2); peak %.4g TFLOP/s per device from %s",
+  logging.info("%.4g TFLOP per step (docs/design.md §2); peak %.4g TFLOP/s per device from %s",
                step_flops / 1e12, peak, peak_source)
 
   writer = MetricsWriter(workdir, total_steps=config.train.total_steps, initial_step=start)

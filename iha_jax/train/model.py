@@ -24,7 +24,7 @@ from flax.linen import with_logical_constraint
 from jax.sharding import PartitionSpec
 
 from iha_jax.models import TransformerConfig, TransformerLM
-from iha_jax.models.transformer import vocab_logits
+from iha_jax.models.transformer import output_logits
 from iha_jax.nn.functional import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ
 from iha_jax.parallel.rules import (ACTIVATION_BATCH, ACTIVATION_EMBED, ACTIVATION_LENGTH,
                                     ACTIVATION_VOCAB)
@@ -100,11 +100,14 @@ class LanguageModel:
     return self._specs
 
   def _block(self, index: int) -> Callable:
-    """`(block_params, x, segment_ids, positions) -> x` of layer `index`, remat-wrapped."""
+    """`(block_params, x, segment_ids, positions, layer) -> x` of layer `index` (its
+    graphdef), remat-wrapped. `layer` (counted from 1, may be traced) is the depth the
+    block runs at: scanned blocks share the graphdef of the first period."""
     graphdef = self._block_defs[index]
 
-    def apply(block_params, x, segment_ids, positions):
-      y = nnx.merge(graphdef, block_params)(x, segment_ids=segment_ids, positions=positions)
+    def apply(block_params, x, segment_ids, positions, layer=None):
+      y = nnx.merge(graphdef, block_params)(x, segment_ids=segment_ids, positions=positions,
+                                            layer=layer)
       return with_logical_constraint(y, RESIDUAL_AXES)
 
     if self.remat == "none":
@@ -113,7 +116,8 @@ class LanguageModel:
 
   def apply(self, params: Params, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
             positions: jax.Array | None = None) -> jax.Array:
-    """`tokens: [B, N]` int32 -> float32 logits `[B, N, V]` (as `TransformerLM.__call__`)."""
+    """`tokens: [B, N]` int32 -> float32 logits `[B, N, V]` (or `[B, N, num_outputs]`), as
+    `TransformerLM.__call__`."""
     dtype = self.config.dtype
     # The lookup reads a replicated table (gathered like any FSDP weight): a gather from
     # a vocab/embed-sharded table would force a full rematerialisation of its output.
@@ -123,16 +127,20 @@ class LanguageModel:
     if self.repeats:
       blocks = [self._block(j) for j in range(self.period)]
 
-      def period_body(x, period_params):
+      def period_body(x, scanned):
+        period_params, repeat = scanned
         for j, block in enumerate(blocks):
-          x = block(period_params[str(j)], x, segment_ids, positions)
+          x = block(period_params[str(j)], x, segment_ids, positions,
+                    repeat * self.period + j + 1)
         return x, None
 
-      x, _ = jax.lax.scan(period_body, x, params["scanned"])
+      x, _ = jax.lax.scan(period_body, x, (params["scanned"], jnp.arange(self.repeats)))
     for key, block_params in sorted(params["layers"].items(), key=lambda kv: int(kv[0])):
       x = self._block(int(key))(block_params, x, segment_ids, positions)
     x = nnx.merge(self._norm_def, params["final_norm"])(x)
-    logits = vocab_logits(x, params["embedding"], params.get("lm_head"), dtype)
+    logits = output_logits(x, params, self.config)
+    if self.config.num_outputs is not None:  # a few outputs per token: not vocab-sharded
+      return with_logical_constraint(logits, RESIDUAL_AXES[:2] + (None,))
     return with_logical_constraint(logits, LOGITS_AXES)
 
 
