@@ -11,6 +11,7 @@ themselves are checked against float64 loops in tests/test_ops_reference.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -158,6 +159,26 @@ def test_diff_through_mha_kernels():
   want = _value_and_grads(lambda *a: ops.diff_attention(*a, implementation="reference",
                                                         **options), args, cotangent)
   assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["talking_heads", "diff"])
+def test_memory_efficient_paths_hold_no_dense_score_map(name):
+  """Neither the forward nor the backward of the xla path has a `[.., N, N]` array; the
+  reference does (so the check can fail)."""
+  n = 24  # no other axis is 24 long
+  kind = KINDS[name]
+  args = tuple(jax.ShapeDtypeStruct((B, n, *x.shape[2:]) if x.ndim >= 4 else x.shape, x.dtype)
+               for x in kind.make(jax.random.key(0)))
+
+  def program(implementation):
+    loss = lambda *a: jnp.sum(kind.call(*a, implementation=implementation, causal=False,
+                                        block_sizes=ops.BlockSizes(8, 8)) ** 2)
+    grad = jax.grad(loss, argnums=tuple(range(len(args))))
+    return jax.jit(grad).lower(*args).as_text()
+
+  dense = re.compile(rf"tensor<(?:\d+x)*{n}x{n}x(?:f32|bf16)>")
+  assert not dense.search(program("xla"))
+  assert dense.search(program("reference"))
 
 
 # --- registry ------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from iha_jax.ops.masking import visible
+
 
 @dataclasses.dataclass(frozen=True)
 class QueryBlocks:
@@ -93,3 +95,20 @@ def map_query_blocks(attend: Attend, plan: QueryBlocks, queries: Sequence[jax.Ar
   out = jnp.moveaxis(out, 0, 1)  # [B, blocks, block, ...]
   out = out.reshape(out.shape[0], total, *out.shape[3:])
   return out[:, :plan.length]
+
+
+def block_mask(q_index: jax.Array, k_index: jax.Array, q_segment: jax.Array | None,
+               k_segment: jax.Array | None, window: int | None, causal: bool) -> jax.Array:
+  """Visibility `[B or 1, 1, Q, S]` of keys `k_index [S]` from queries `q_index [Q]`
+  (token indices), with segment ids `[B, Q]`, `[B, S]` or None."""
+  if q_segment is None:
+    return visible(q_index[:, None], k_index[None, :], None, None, window, causal)[None, None]
+  return visible(q_index[:, None], k_index[None, :], q_segment[:, None, :, None],
+                 k_segment[:, None, None, :], window, causal)
+
+
+def zero_padding(out: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+  """`out [B, N, H, ·]` with padding queries (segment 0) set to exact zeros."""
+  if segment_ids is None:
+    return out
+  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0.0)

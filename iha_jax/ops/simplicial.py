@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from iha_jax.ops import registry, validation
-from iha_jax.ops.masking import MASK_VALUE, visible
+from iha_jax.ops.masking import MASK_VALUE
 from iha_jax.ops.options import BlockSizes
-from iha_jax.ops.query_blocks import QueryBlocks, map_query_blocks, plan_query_blocks
+from iha_jax.ops.query_blocks import (QueryBlocks, block_mask, map_query_blocks,
+                                     plan_query_blocks, zero_padding)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Most float32 score elements alive at once (2**27 = 512 MiB): the reference holds
@@ -78,20 +79,6 @@ def _attend(q, k1, k2, v1, v2, mask, precision):
   return jnp.einsum("bhqjl,bjhc,blhc->bqhc", weights, f32(v1), f32(v2), precision=precision)
 
 
-def _mask(q_index, k_index, q_seg, k_seg, window, causal):
-  """`[B or 1, 1, Q, S]` per-key visibility from token indices and segments `[B, ·]`."""
-  if q_seg is None:
-    return visible(q_index[:, None], k_index[None, :], None, None, window, causal)[None, None]
-  return visible(q_index[:, None], k_index[None, :], q_seg[:, None, :, None],
-                 k_seg[:, None, None, :], window, causal)
-
-
-def _zero_padding(out: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-  if segment_ids is None:
-    return out
-  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0.0)
-
-
 def _refuse(what: str, elements: int, shape: tuple[int, ...], hint: str) -> None:
   if elements > MAX_SCORES:
     b, n, h, _ = shape
@@ -107,9 +94,9 @@ def simplicial_reference(q, k1, k2, v1, v2, *, window, segment_ids, causal, bloc
   _refuse("the dense reference", b * h * n ** 3, q.shape,
           "use implementation='xla', which holds one block of queries at a time.")
   index = jnp.arange(n)
-  out = _attend(q, k1, k2, v1, v2, _mask(index, index, segment_ids, segment_ids, window,
+  out = _attend(q, k1, k2, v1, v2, block_mask(index, index, segment_ids, segment_ids, window,
                                           causal), _HIGHEST)
-  return _zero_padding(out, segment_ids).astype(q.dtype)
+  return zero_padding(out, segment_ids).astype(q.dtype)
 
 
 def _plan(shape: tuple[int, ...], block: int, window: int | None, causal: bool) -> QueryBlocks:
@@ -131,8 +118,8 @@ def simplicial_xla(q, k1, k2, v1, v2, *, window, segment_ids, causal, block_size
 
   def attend(q_side, k_side, q_index, k_index):
     (q_blk, q_seg), (k1_s, k2_s, v1_s, v2_s, k_seg) = q_side, k_side
-    mask = _mask(q_index, k_index, q_seg, k_seg, window, causal)
+    mask = block_mask(q_index, k_index, q_seg, k_seg, window, causal)
     return _attend(q_blk, k1_s, k2_s, v1_s, v2_s, mask, None).astype(q.dtype)
 
   out = map_query_blocks(attend, plan, (q, segment_ids), (k1, k2, v1, v2, segment_ids))
-  return _zero_padding(out, segment_ids)
+  return zero_padding(out, segment_ids)

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from iha_jax.ops import registry, validation
-from iha_jax.ops.masking import MASK_VALUE, visible
+from iha_jax.ops.masking import MASK_VALUE
 from iha_jax.ops.options import BlockSizes
-from iha_jax.ops.query_blocks import map_query_blocks, plan_query_blocks
+from iha_jax.ops.query_blocks import (block_mask, map_query_blocks, plan_query_blocks,
+                                     zero_padding)
 from iha_jax.ops.rope import apply_rope
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -80,20 +81,6 @@ def _attend(q, k, v, talk_logits, talk_weights, mask, precision):
                     preferred_element_type=jnp.float32)
 
 
-def _block_mask(q_index, k_index, q_seg, k_seg, window, causal):
-  """`[B or 1, 1, Q, S]` visibility from token indices `[Q]`, `[S]` and segments `[B, ·]`."""
-  if q_seg is None:
-    return visible(q_index[:, None], k_index[None, :], None, None, window, causal)[None, None]
-  return visible(q_index[:, None], k_index[None, :], q_seg[:, None, :, None],
-                 k_seg[:, None, None, :], window, causal)
-
-
-def _zero_padding(out: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-  if segment_ids is None:
-    return out
-  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0.0)
-
-
 def _rotate(q, k, positions, rope_theta):
   if rope_theta is None:
     return q, k
@@ -108,9 +95,9 @@ def talking_heads_reference(q, k, v, talk_logits, talk_weights, *, window, segme
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   q, k = _rotate(q, k, positions, rope_theta)
   index = jnp.arange(q.shape[1])
-  mask = _block_mask(index, index, segment_ids, segment_ids, window, causal)
+  mask = block_mask(index, index, segment_ids, segment_ids, window, causal)
   out = _attend(q, k, v, talk_logits, talk_weights, mask, _HIGHEST)
-  return _zero_padding(out, segment_ids).astype(dtype)
+  return zero_padding(out, segment_ids).astype(dtype)
 
 
 def talking_heads_xla(q, k, v, talk_logits, talk_weights, *, window, segment_ids, positions,
@@ -122,8 +109,8 @@ def talking_heads_xla(q, k, v, talk_logits, talk_weights, *, window, segment_ids
 
   def attend(q_side, k_side, q_index, k_index):
     (q_blk, q_seg), (k_slab, v_slab, k_seg) = q_side, k_side
-    mask = _block_mask(q_index, k_index, q_seg, k_seg, window, causal)
+    mask = block_mask(q_index, k_index, q_seg, k_seg, window, causal)
     return _attend(q_blk, k_slab, v_slab, talk_logits, talk_weights, mask, None).astype(q.dtype)
 
   out = map_query_blocks(attend, plan, (q, segment_ids), (k, v, segment_ids))
-  return _zero_padding(out, segment_ids)
+  return zero_padding(out, segment_ids)
