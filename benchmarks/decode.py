@@ -1,7 +1,7 @@
 """KV-cache decoding: IHA (LLLLM, both cache modes) vs MHA (M), cache bytes and tokens/s.
 
 Builds two small `TransformerLM`s of the same width, depth and heads: the paper's
-schedule LLLLM (window max_len/(2P) virtual tokens, IHA_SPEC 2) and plain M, generates
+schedule LLLLM (window max_len/(2P) virtual tokens, docs/design.md §2) and plain M, generates
 greedily with a KV cache, and reports side by side the cache bytes and the decode
 throughput (prefill time subtracted), best of `--repeats`, in one process.
 

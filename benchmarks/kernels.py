@@ -2,7 +2,7 @@
 
 Rows: layer kind (window IHA, global IHA, global MHA) x implementation x pass
 (forward, forward+backward). Reports median milliseconds, TFLOP/s with the
-IHA_SPEC section 2 count (attention core only: visible query-key pairs per head
+docs/design.md §2 count (attention core only: visible query-key pairs per head
 x 4d FLOPs forward, x3 for training) and the compiled peak memory
 (arguments + outputs + temporaries - aliases, from `memory_analysis()`).
 
@@ -39,7 +39,7 @@ IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "xla", "cudnn")
 
 def attention_flops(b: int, n: int, h: int, d: int, p: int, window: int | None,
                     train: bool) -> float:
-  """IHA_SPEC 2: 4d FLOPs per visible pair, x3 for forward + backward."""
+  """docs/design.md §2: 4d FLOPs per visible pair, x3 for forward + backward."""
   return b * h * causal_pairs(n * p, window) * 4 * d * (3 if train else 1)
 
 
@@ -112,7 +112,7 @@ def main() -> None:
   parser.add_argument("--small", action="store_true", help="tiny shape (CPU smoke test)")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--pseudo", type=int, default=4, help="P (IHA_SPEC 4: 4 or H = 20)")
+  parser.add_argument("--pseudo", type=int, default=4, help="P (docs/design.md §4: 4 or H = 20)")
   cli = parser.parse_args()
   b, n, h, d, p = (1, 64, 2, 32, min(cli.pseudo, 4)) if cli.small else (1, 8192, 20, 128,
                                                                           cli.pseudo)
@@ -121,7 +121,7 @@ def main() -> None:
   keys = jax.random.split(jax.random.key(0), 7)
   qkv = [jax.random.normal(keys[i], (b, n, h, d), dtype) for i in range(3)]
   mixing = [jax.random.normal(keys[3 + i], (h, h, p), dtype) / h for i in range(4)]
-  # IHA_SPEC 2: window layers use N/(2P) virtual tokens.
+  # docs/design.md §2: window layers use N/(2P) virtual tokens.
   layers = {"window_iha": (p, n // (2 * p)), "global_iha": (p, None), "global_mha": (1, None)}
   peak = matmul_tflops(dtype, 512 if cli.small else 8192, iters)
   print(f"backend={jax.default_backend()} B={b} N={n} H={h} d={d} P={p} dtype={dtype.name} "

@@ -3,8 +3,8 @@
     python benchmarks/train_step.py [--steps 30] [--configs configs/default.py,configs/mha_default.py]
 
 Times the compiled, sharded train step (synthetic tokens, so no input pipeline) on the
-current backend and prints tokens/s, model TFLOP/s per device (IHA_SPEC 2 FLOPs), MFU and
-the IHA / MHA step-time ratio (target: at most 1.3).
+current backend and prints tokens/s, model TFLOP/s per device (docs/design.md §2 FLOPs),
+MFU and the IHA / MHA step-time ratio (target: at most 1.3).
 """
 from __future__ import annotations
 

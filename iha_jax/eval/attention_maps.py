@@ -1,6 +1,6 @@
 """Attention pictures: every head's probabilities over the virtual sequence, as heat-maps.
 
-An IHA layer attends over `T = N*P` virtual tokens (`t = n*P + p`, IHA_SPEC 1.3), so a
+An IHA layer attends over `T = N*P` virtual tokens (`t = n*P + p`, docs/design.md §1.3), so a
 head's map is `[T, T]` and shows P x P blocks: pseudo-query p of token n against the
 pseudo-keys of token m. The maps are a dense recomputation from the layer's parameters
 and its input (O(T^2) memory: for small N); MHA layers give `[N, N]` maps (P = 1).
