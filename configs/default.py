@@ -74,6 +74,9 @@ def get_config() -> ml_collections.ConfigDict:
       # decay pulls them toward 0, not toward their identity init, shrinking pseudo-heads
       # and the collapse. The paper states no decay rule for them.
       decay_mixing=False,
+      # cross_entropy (softmax over the outputs) | binary_cross_entropy (needs
+      # model.num_outputs=1: one sigmoid logit per position, 0/1 targets).
+      loss="cross_entropy",
   ))
 
   config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))

@@ -148,6 +148,8 @@ def _replace(config: ml_collections.ConfigDict, key: str, value) -> None:
     ("model.mixing_noise_std", "0.1", "model.mixing_noise_std must be a number >= 0"),
     ("train.decay_mixing", "yes", "train.decay_mixing must be a bool"),
     ("train.decay_mixing", None, "train.decay_mixing must be a bool"),
+    ("train.loss", "mse", "train.loss must be one of"),
+    ("train.loss", "binary_cross_entropy", "needs model.num_outputs=1"),
 ])
 def test_new_keys_reject_bad_values(key, value, message):
   config = tiny.get_config()

@@ -4,6 +4,11 @@ A random ``m x m`` boolean relation ``R`` is drawn with i.i.d.
 Bernoulli(``density``) entries and ``m`` uniform in ``min_size..max_size``.
 The label of cell ``(i, j)`` is ``(R o R)[i, j]`` (binary: some ``k`` has
 ``R[i, k]`` and ``R[k, j]``) or ``(R o R o R)[i, j]`` (ternary).
+
+Two renderings: for a decoder-only LM (a query block after the matrix, labels
+as tokens) and, ``encoder=True``, the paper's encoder format (the ``m^2``
+cells row-major, one 0/1 label per cell for a bidirectional model with a
+per-position binary head).
 """
 
 from __future__ import annotations
@@ -32,12 +37,15 @@ class RelationCompositionConfig(builder_base.SyntheticConfig):
     min_size: smallest matrix side ``m``.
     max_size: largest matrix side ``M``; it sizes the vocabulary.
     density: probability that an entry of ``R`` is true.
+    encoder: the encoder rendering (``m^2`` cell tokens, 0/1 targets per cell)
+      instead of the decoder-only one.
   """
 
   hops: int = 2
   min_size: int = 6
   max_size: int = 10
   density: float = 0.325
+  encoder: bool = False
 
   @property
   def query_offset(self) -> int:
@@ -50,7 +58,7 @@ class RelationCompositionConfig(builder_base.SyntheticConfig):
   @property
   def max_length(self) -> int:
     """Length of an example with ``m = max_size``."""
-    return 2 * self.max_size**2 + 2
+    return self.max_size**2 if self.encoder else 2 * self.max_size**2 + 2
 
   def validate(self) -> None:
     super().validate()
@@ -85,16 +93,18 @@ def compose(relation: np.ndarray, hops: int) -> np.ndarray:
 def generate_example(
     rng: np.random.Generator, config: RelationCompositionConfig
 ) -> builder_base.Example:
-  """Draws one relation and renders it for a decoder-only LM.
+  """Draws one relation and renders it for a decoder-only LM or an encoder.
 
   Args:
     rng: the example's generator.
     config: task parameters.
 
   Returns:
-    ``inputs``, ``targets`` (int32 [2 m^2 + 2]), ``weights`` (float32, same
-    length) and ``labels`` (int32 [m^2], the raw 0/1 label of each cell in
-    row-major order).
+    ``inputs``, ``targets`` (int32), ``weights`` (float32) and ``labels``
+    (int32 [m^2], the raw 0/1 label of each cell in row-major order). Decoder:
+    length ``2 m^2 + 2``, label tokens at the query block. Encoder: length
+    ``m^2``, ``inputs`` the cell tokens, ``targets`` the 0/1 labels, all
+    weighted.
   """
   m = int(rng.integers(config.min_size, config.max_size + 1))
   relation = rng.random((m, m)) < config.density
@@ -102,6 +112,13 @@ def generate_example(
   rows, cols = np.divmod(np.arange(m * m), m)
   cell_ids = rows * config.max_size + cols
   cells = CELL_OFFSET + 2 * cell_ids + relation.reshape(-1)
+  if config.encoder:
+    return {
+        "inputs": cells.astype(np.int32),
+        "targets": labels,
+        "weights": np.ones(m * m, np.float32),
+        "labels": labels,
+    }
   queries = config.query_offset + cell_ids
   inputs = np.concatenate([[BOS], cells, [SEP], queries]).astype(np.int32)
   answer_start = m * m + 2
@@ -143,6 +160,12 @@ class RelationComposition(builder_base.SyntheticBuilder):
   label tokens FALSE/TRUE never occur in ``inputs``. The extra feature
   ``labels`` holds the raw 0/1 labels (int32 [m^2]) for binary cross-entropy
   heads.
+
+  Encoder rendering (configs ``binary_encoder``, ``ternary_encoder``; the
+  paper's format for its one-layer bidirectional models): ``inputs`` are the
+  ``m^2`` cell tokens alone (each names its value and its ``(i, j)``: the
+  value plus a 2-D position, since ``m`` varies), ``targets`` the 0/1 label of
+  every cell, every position weighted; a batch is right-padded (segment 0).
   """
 
   BUILDER_CONFIGS = [
@@ -161,6 +184,24 @@ class RelationComposition(builder_base.SyntheticBuilder):
           min_size=5,
           max_size=8,
           density=0.264,
+      ),
+      RelationCompositionConfig(
+          name="binary_encoder",
+          description="R o R, m in 6..10, Bernoulli(0.325); encoder rendering.",
+          hops=2,
+          min_size=6,
+          max_size=10,
+          density=0.325,
+          encoder=True,
+      ),
+      RelationCompositionConfig(
+          name="ternary_encoder",
+          description="R o R o R, m in 5..8, Bernoulli(0.264); encoder rendering.",
+          hops=3,
+          min_size=5,
+          max_size=8,
+          density=0.264,
+          encoder=True,
       ),
   ]
 

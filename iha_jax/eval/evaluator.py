@@ -104,7 +104,9 @@ class RestoredRun:
   @functools.cached_property
   def evaluator(self) -> Evaluator:
     # One jit: each new sequence length (sweep) retraces it, with the same shardings.
-    return Evaluator(self.model, self.mesh, self.param_shardings)
+    # Checkpoints saved before `train.loss` existed trained with cross-entropy.
+    return Evaluator(self.model, self.mesh, self.param_shardings,
+                     self.config.train.get("loss", "cross_entropy"))
 
   def evaluate(self, config: ml_collections.ConfigDict, split: str) -> dict[str, float]:
     """Metrics of one pass over `split` of `config.data` (prepared first if needed)."""

@@ -23,6 +23,7 @@ import ml_collections
 from iha_jax import data as data_lib
 from iha_jax.models import TransformerConfig
 from iha_jax.parallel import resolve_mesh_shape
+from iha_jax.train.step import LOSSES
 
 REMAT_POLICIES = ("none", "full", "save_projections")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -152,6 +153,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
       raise ConfigError(f"train.{key} must be a number >= 0, got {t[key]!r}")
   if not isinstance(t.get("decay_mixing"), bool):
     raise ConfigError(f"train.decay_mixing must be a bool, got {t.get('decay_mixing')!r}")
+  loss = t.get("loss", "cross_entropy")
+  if loss not in LOSSES:
+    raise ConfigError(f"train.loss must be one of {LOSSES}, got {loss!r}")
+  if loss == "binary_cross_entropy" and model.num_outputs != 1:
+    raise ConfigError(f"train.loss='binary_cross_entropy' needs model.num_outputs=1 (one "
+                      f"logit per position), got {model.num_outputs!r}")
   try:
     data, fsdp, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)
   except ValueError as e:

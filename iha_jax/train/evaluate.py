@@ -17,10 +17,11 @@ from iha_jax.train.step import make_eval_step
 class Evaluator:
   """Compiles the eval step once for a model, mesh and parameter shardings."""
 
-  def __init__(self, model: LanguageModel, mesh: Mesh, param_shardings: Any):
+  def __init__(self, model: LanguageModel, mesh: Mesh, param_shardings: Any,
+               loss: str = "cross_entropy"):
     self.mesh = mesh
     with parallel.activate(mesh):
-      self._step = jax.jit(make_eval_step(model),
+      self._step = jax.jit(make_eval_step(model, loss),
                            in_shardings=(param_shardings, parallel.batch_sharding(mesh)),
                            out_shardings=parallel.replicated(mesh))
 
@@ -28,7 +29,7 @@ class Evaluator:
     """One pass over `batches` -> loss, perplexity, token_accuracy, exact_match, examples.
 
     `exact_match` is the fraction of examples (rows with a weighted target) whose every
-    weighted target token is the argmax prediction.
+    weighted target is predicted right (argmax, or the logit's sign for binary outputs).
     """
     totals: dict[str, float] = {}
     with parallel.activate(self.mesh):

@@ -105,8 +105,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     start = 0
 
   batch_sharding = parallel.batch_sharding(mesh)
+  loss = config.train.get("loss", "cross_entropy")
   step_fn = make_train_step(model, tx, learning_rate_schedule(config.train),
-                            config.train.grad_accum_steps)
+                            config.train.grad_accum_steps, loss)
   seq_len, batch_size = config.data.seq_len, config.train.batch_size
   abstract_batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=batch_sharding)
                     for k, dtype in (("inputs", np.int32), ("targets", np.int32),
@@ -117,7 +118,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                        out_shardings=(shardings, parallel.replicated(mesh)),
                        donate_argnums=0).lower(target, abstract_batch).compile()
   _log_memory(compiled)
-  evaluator = Evaluator(model, mesh, shardings.params) if config.eval_every else None
+  evaluator = Evaluator(model, mesh, shardings.params, loss) if config.eval_every else None
 
   step_flops = flops_lib.train_flops_per_step(model_cfg, batch_size, seq_len)
   peak, peak_source = flops_lib.peak_tflops_per_device()

@@ -12,24 +12,41 @@ from iha_jax.train.state import TrainState
 
 Batch = Mapping[str, jax.Array]  # inputs, targets, segment_ids, positions, weights: [B, N]
 
+# "cross_entropy": softmax over the outputs (vocabulary or num_outputs classes), integer
+# targets. "binary_cross_entropy": one sigmoid output per position (num_outputs=1),
+# targets 0/1 (e.g. per-cell labels of an encoder).
+LOSSES = ("cross_entropy", "binary_cross_entropy")
 
-def loss_terms(model: LanguageModel, params: Params, batch: Batch
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Summed weighted cross-entropy (float32) and per-example statistics.
+
+def check_loss(loss: str) -> None:
+  if loss not in LOSSES:
+    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+
+
+def loss_terms(model: LanguageModel, params: Params, batch: Batch,
+               loss: str = "cross_entropy") -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Summed weighted loss (float32) and per-position correctness.
 
   Returns:
     `loss_sum` (scalar), and `{"weight_sum": scalar, "correct": [B, N] bool}`; the
-    mean loss is `loss_sum / weight_sum`.
+    mean loss is `loss_sum / weight_sum`. A position is correct when the argmax output
+    (cross_entropy) or the sign of the logit (binary_cross_entropy) matches its target.
   """
   logits = model.apply(params, batch["inputs"], segment_ids=batch["segment_ids"],
                        positions=batch["positions"])  # [B, N, V] float32
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  targets = batch["targets"]
+  if loss == "binary_cross_entropy":
+    logit = logits[..., 0]
+    per_position = optax.sigmoid_binary_cross_entropy(logit, targets.astype(jnp.float32))
+    correct = (logit > 0) == (targets > 0)
+  else:
+    per_position = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    correct = jnp.argmax(logits, axis=-1) == targets
   weights = batch["weights"].astype(jnp.float32)
-  correct = jnp.argmax(logits, axis=-1) == batch["targets"]
-  return jnp.sum(nll * weights), {"weight_sum": jnp.sum(weights), "correct": correct}
+  return jnp.sum(per_position * weights), {"weight_sum": jnp.sum(weights), "correct": correct}
 
 
-def _grads(model: LanguageModel, params: Params, batch: Batch, accum_steps: int
+def _grads(model: LanguageModel, params: Params, batch: Batch, accum_steps: int, loss: str
            ) -> tuple[jax.Array, jax.Array, Params]:
   """(loss_sum, weight_sum, grads of loss_sum) over `accum_steps` microbatches.
 
@@ -37,7 +54,7 @@ def _grads(model: LanguageModel, params: Params, batch: Batch, accum_steps: int
   ("data", "fsdp") sharding without a reshuffle between devices.
   """
   def micro(params, micro_batch):
-    loss_sum, aux = loss_terms(model, params, micro_batch)
+    loss_sum, aux = loss_terms(model, params, micro_batch, loss)
     return loss_sum, aux["weight_sum"]
 
   grad_fn = jax.value_and_grad(micro, has_aux=True)
@@ -61,9 +78,11 @@ def _grads(model: LanguageModel, params: Params, batch: Batch, accum_steps: int
 
 
 def make_train_step(model: LanguageModel, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, accum_steps: int
+                    schedule: optax.Schedule, accum_steps: int, loss: str = "cross_entropy"
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
   """`(state, batch) -> (new_state, metrics)`; jit it with shardings and donation.
+
+  `loss` is one of `LOSSES`.
 
   The loss is the weighted mean over all (micro)batches, identical to one big batch.
   A non-finite loss or gradient leaves the state unchanged (`metrics["finite"]` is
@@ -71,25 +90,27 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformation,
   """
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    loss_sum, weight_sum, grads = _grads(model, state.params, batch, accum_steps)
+    loss_sum, weight_sum, grads = _grads(model, state.params, batch, accum_steps, loss)
     denom = jnp.maximum(weight_sum, 1.0)
-    loss = loss_sum / denom
+    mean_loss = loss_sum / denom
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = jnp.isfinite(mean_loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     # Select, not cond: both branches are already computed and this keeps shardings.
     new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
+    metrics = {"loss": mean_loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                "finite": finite, "weight_sum": weight_sum}
     return new, metrics
 
+  check_loss(loss)
   return step
 
 
-def make_eval_step(model: LanguageModel) -> Callable[[Params, Batch], dict[str, jax.Array]]:
+def make_eval_step(model: LanguageModel, loss: str = "cross_entropy"
+                   ) -> Callable[[Params, Batch], dict[str, jax.Array]]:
   """`(params, batch) -> sums`: loss_sum, weight_sum, exact-match count and examples.
 
   An example is a row with any weighted position (tasks are one example per row);
@@ -97,7 +118,7 @@ def make_eval_step(model: LanguageModel) -> Callable[[Params, Batch], dict[str, 
   """
 
   def step(params: Params, batch: Batch) -> dict[str, jax.Array]:
-    loss_sum, aux = loss_terms(model, params, batch)
+    loss_sum, aux = loss_terms(model, params, batch, loss)
     scored = batch["weights"] > 0
     has_target = jnp.any(scored, axis=-1)
     all_right = jnp.all(aux["correct"] | ~scored, axis=-1) & has_target
@@ -105,4 +126,5 @@ def make_eval_step(model: LanguageModel) -> Callable[[Params, Batch], dict[str, 
             "token_correct": jnp.sum(aux["correct"] & scored),
             "exact_match": jnp.sum(all_right), "examples": jnp.sum(has_target)}
 
+  check_loss(loss)
   return step

@@ -1,0 +1,202 @@
+"""The comparison protocol every published study follows (docs/design.md §7).
+
+For every variant: train over the variant's own learning-rate grid (seed 0), choose the
+rate on validation, train the remaining seeds at that rate, evaluate every run on test;
+then, at each variant's chosen rate and for every seed, the study's sweep points (e.g.
+more key-value pairs, another width). Every finished run is written to `DIR/STUDY.json`
+at once, so a rerun skips it (resumable); the report is rewritten at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_collections
+import tqdm
+
+from experiments.trainer import CompiledVariant
+from iha_jax.train import inputs
+
+ConfigEdit = Callable[[ml_collections.ConfigDict], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One contender: a name, a label for tables, and edits of the base config.
+
+  `base(scale_name)`, when given, replaces the scale's base config (e.g. another
+  rendering of the task); `edit` applies after it.
+  """
+  name: str
+  label: str
+  edit: ConfigEdit
+  base: Callable[[str], ml_collections.ConfigDict] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """Extra points of one axis, run at each variant's chosen rate for every seed; the
+  base runs are the point `base` of the axis."""
+  axis: str                                   # e.g. "num_pairs"
+  base: Any                                   # the axis value of the base config
+  values: tuple[Any, ...]                     # the other points
+  edit: Callable[[ml_collections.ConfigDict, Any], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  """Budget of a study at one scale."""
+  config: Callable[[], ml_collections.ConfigDict]  # the base config (every key)
+  learning_rates: tuple[float, ...]               # every variant's grid
+  total_steps: int
+  eval_every: int
+  patience: int                                   # validation passes without improvement
+  sweeps: tuple[Sweep, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """A comparison: variants, scales, the selection metric and the paper's numbers."""
+  name: str
+  title: str
+  description: str
+  variants: tuple[Variant, ...]
+  scales: dict[str, Scale]
+  select: str                       # validation metric that picks the rate (higher wins)
+  metrics: tuple[str, ...]          # test metrics reported, the first one plotted
+  paper: str                        # what the paper reports, verbatim, for the page
+
+
+def run_key(variant: str, learning_rate: float, seed: int, sweep: tuple[str, Any] | None
+            ) -> str:
+  key = f"{variant}/lr={learning_rate:g}/seed={seed}"
+  return key if sweep is None else f"{key}/{sweep[0]}={sweep[1]}"
+
+
+def variant_config(study: Study, scale_name: str, variant: Variant, data_dir: str,
+                   sweep: tuple[Sweep, Any] | None = None) -> ml_collections.ConfigDict:
+  """The full training config of `variant` (and a sweep point) at `scale_name`."""
+  scale = study.scales[scale_name]
+  config = scale.config() if variant.base is None else variant.base(scale_name)
+  config.data.data_dir = data_dir
+  config.train.total_steps = scale.total_steps
+  variant.edit(config)
+  if sweep is not None:
+    sweep[0].edit(config, sweep[1])
+  return config
+
+
+def choose_rate(runs: Sequence[dict[str, Any]], select: str) -> float:
+  """The grid rate with the best validation `select` (ties: lower validation loss)."""
+  best = max(runs, key=lambda r: (r["validation"][select], -r["validation"]["loss"]))
+  return best["learning_rate"]
+
+
+class Store:
+  """`DIR/STUDY.json`: the finished runs, rewritten after each one (resumable)."""
+
+  def __init__(self, path: str, header: dict[str, Any]):
+    self.path = path
+    self.data = {**header, "runs": {}, "chosen_learning_rates": {}}
+    if os.path.exists(path):
+      with open(path) as f:
+        saved = json.load(f)
+      if {k: saved.get(k) for k in header} != header:
+        found = {k: saved.get(k) for k in header}
+        raise ValueError(f"{path} holds another study or scale ({found}); use another "
+                         f"--out or delete it")
+      self.data = saved
+
+  def __contains__(self, key: str) -> bool:
+    return key in self.data["runs"]
+
+  def add(self, key: str, record: dict[str, Any]) -> None:
+    self.data["runs"][key] = record
+    self.save()
+
+  def save(self) -> None:
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(self.data, f, indent=1)
+    os.replace(tmp, self.path)  # atomic: a killed run never leaves a torn file
+
+
+def planned_runs(scale: Scale, seeds: int, num_variants: int) -> int:
+  per_variant = len(scale.learning_rates) + (seeds - 1)
+  per_variant += seeds * sum(len(s.values) for s in scale.sweeps)
+  return per_variant * num_variants
+
+
+def run_study(study: Study, scale_name: str, seeds: int, out: str, data_dir: str,
+              progress: bool = True, variants: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs (or resumes) `study` at `scale_name`; returns the store's data.
+
+  `variants` (names) restricts the run to some variants (default: all).
+  """
+  if seeds < 1:
+    raise ValueError(f"--seeds must be >= 1, got {seeds}")
+  names = [v.name for v in study.variants]
+  unknown = sorted(set(variants or ()) - set(names))
+  if unknown:
+    raise ValueError(f"{study.name} has no variant(s) {unknown}; choose from {names}")
+  chosen_variants = [v for v in study.variants if variants is None or v.name in variants]
+  scale = study.scales[scale_name]
+  os.makedirs(out, exist_ok=True)
+  store = Store(os.path.join(out, f"{study.name}.json"),
+                {"study": study.name, "scale": scale_name, "select": study.select})
+  store.data["seeds"] = seeds
+  store.data["sweep_bases"] = {s.axis: s.base for s in scale.sweeps}
+  runs_bar = tqdm.tqdm(total=planned_runs(scale, seeds, len(chosen_variants)),
+                       desc=f"{study.name} runs", position=0, disable=not progress)
+  runs_bar.update(sum(r["variant"] in {v.name for v in chosen_variants}
+                      for r in store.data["runs"].values()))
+  prepared: set[str] = set()
+  for variant in chosen_variants:
+    compiled: dict[Any, CompiledVariant] = {}
+
+    def run(learning_rate: float, seed: int, phase: str,
+            sweep: tuple[Sweep, Any] | None = None, variant=variant, compiled=compiled):
+      point = None if sweep is None else (sweep[0].axis, sweep[1])
+      key = run_key(variant.name, learning_rate, seed, point)
+      if key in store:
+        return store.data["runs"][key]
+      if point not in compiled:
+        config = variant_config(study, scale_name, variant, data_dir, sweep)
+        if config.data.name + repr(dict(config.data.options)) not in prepared:
+          inputs.prepare(config)
+          prepared.add(config.data.name + repr(dict(config.data.options)))
+        compiled[point] = CompiledVariant(config)
+      target = compiled[point]
+      steps_bar = tqdm.tqdm(total=scale.total_steps, desc=key, position=1, leave=False,
+                            disable=not progress)
+      result = target.run(learning_rate, seed, total_steps=scale.total_steps,
+                          eval_every=scale.eval_every, patience=scale.patience,
+                          select=study.select, on_step=lambda _: steps_bar.update(1))
+      steps_bar.close()
+      record = {"variant": variant.name, "label": variant.label, "phase": phase,
+                "learning_rate": learning_rate, "seed": seed,
+                "sweep": None if point is None else {"axis": point[0], "value": point[1]},
+                "params": target.params,
+                "attention_flops_per_token": target.attention_flops_per_token,
+                "batch_size": target.config.train.batch_size,
+                "seq_len": target.config.data.seq_len,
+                **dataclasses.asdict(result)}
+      store.add(key, record)
+      runs_bar.update(1)
+      return record
+
+    grid = [run(lr, 0, "grid") for lr in scale.learning_rates]
+    chosen = choose_rate(grid, study.select)
+    store.data["chosen_learning_rates"][variant.name] = chosen
+    store.save()
+    for seed in range(1, seeds):
+      run(chosen, seed, "seed")
+    for sweep in scale.sweeps:
+      for value in sweep.values:
+        for seed in range(seeds):
+          run(chosen, seed, "sweep", (sweep, value))
+  runs_bar.close()
+  return store.data

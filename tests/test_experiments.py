@@ -1,0 +1,98 @@
+"""The study runner end to end at `--scale tiny`: every variant trained over its grid and
+seeds, the JSON / Markdown / PNG written from them, resumption, and controls that must
+learn (2 x 2 relation composition, MQAR with one pair), so a broken pipeline fails here."""
+from __future__ import annotations
+
+import json
+import os
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from experiments import protocol, run
+from experiments.studies import STUDIES
+
+SEEDS = 2
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> str:
+  return str(tmp_path_factory.mktemp("data"))
+
+
+def _check_outputs(out: str, name: str, variants: list[str]) -> dict:
+  with open(os.path.join(out, f"{name}.json")) as f:
+    data = json.load(f)
+  study = STUDIES[name]
+  for variant in variants:
+    chosen = data["chosen_learning_rates"][variant]
+    assert chosen in study.scales["tiny"].learning_rates
+    grid = [r for r in data["runs"].values() if r["variant"] == variant and r["phase"] == "grid"]
+    assert sorted(r["learning_rate"] for r in grid) == sorted(study.scales["tiny"].learning_rates)
+    at_rate = [r for r in data["runs"].values() if r["variant"] == variant
+               and r["learning_rate"] == chosen and r["sweep"] is None]
+    assert sorted(r["seed"] for r in at_rate) == list(range(SEEDS))
+    for r in at_rate:  # budgets and both splits are recorded
+      assert r["params"] > 0 and r["attention_flops_per_token"] > 0 and r["steps"] > 0
+      assert set(r["test"]) == set(r["validation"]) == {"loss", "token_accuracy", "exact_match"}
+      assert r["curve"] and r["curve"][-1]["step"] <= r["steps"]
+      # The control learns: every variant, every seed.
+      assert r["test"]["token_accuracy"] >= 0.9, (variant, r["seed"], r["test"])
+  with open(os.path.join(out, f"{name}.md")) as f:
+    md = f.read()
+  labels = {r["variant"]: r["label"] for r in data["runs"].values()}
+  for variant in variants:
+    row = next(line for line in md.splitlines() if line.startswith(f"| {labels[variant]} |"))
+    assert row.count("±") == len(study.metrics)  # mean ± std per metric
+    assert row.count(",") >= len(study.metrics) * (SEEDS - 1)  # per-seed values
+  assert "The paper:" in md and "Regenerate:" in md
+  image = matplotlib.image.imread(os.path.join(out, f"{name}.png"))
+  assert image.shape[0] > 300 and image.shape[1] > 800
+  assert image[..., :3].std() > 0.05  # not a blank canvas
+  return data
+
+
+def test_relcomp_binary_tiny_every_variant(tmp_path, data_dir):
+  out = str(tmp_path)
+  run.main(["relcomp_binary", "--scale", "tiny", "--seeds", str(SEEDS), "--out", out,
+            "--data_dir", data_dir, "--quiet"])
+  _check_outputs(out, "relcomp_binary", [v.name for v in STUDIES["relcomp_binary"].variants])
+
+
+# The other two studies on a subset of their variants (each variant's code path is the
+# same as above: a schedule letter of the same model), to keep the suite fast.
+MQAR_VARIANTS = ["iha", "global_local"]
+
+
+def test_mqar_tiny_with_sweep_and_resume(tmp_path, data_dir, monkeypatch):
+  out = str(tmp_path)
+  args = ["mqar", "--scale", "tiny", "--seeds", str(SEEDS), "--out", out, "--data_dir",
+          data_dir, "--quiet", "--variants", ",".join(MQAR_VARIANTS)]
+  run.main(args)
+  data = _check_outputs(out, "mqar", MQAR_VARIANTS)
+  sweep = [r for r in data["runs"].values() if r["sweep"]]
+  assert {(r["sweep"]["axis"], r["sweep"]["value"]) for r in sweep} == {("num_pairs", 2)}
+  assert len(sweep) == SEEDS * len(MQAR_VARIANTS)
+  with open(os.path.join(out, "mqar.md")) as f:
+    assert "Sweep over `num_pairs`" in f.read()
+  # A rerun trains nothing: every run is found in the JSON.
+  monkeypatch.setattr(protocol, "CompiledVariant",
+                      lambda *a, **k: pytest.fail("a finished run was trained again"))
+  run.main(args)
+
+
+def test_relcomp_ternary_tiny_subset(tmp_path, data_dir):
+  out = str(tmp_path)
+  run.main(["relcomp_ternary", "--scale", "tiny", "--seeds", str(SEEDS), "--out", out,
+            "--data_dir", data_dir, "--quiet", "--variants", "iha"])
+  _check_outputs(out, "relcomp_ternary", ["iha"])
+  with pytest.raises(ValueError, match="no variant"):
+    run.main(["relcomp_ternary", "--scale", "tiny", "--out", out, "--variants", "gpt"])
+
+
+def test_choose_rate_prefers_the_metric_then_the_lower_loss():
+  runs = [{"learning_rate": lr, "validation": {"token_accuracy": acc, "loss": loss}}
+          for lr, acc, loss in ((1e-3, 0.5, 1.0), (3e-3, 0.9, 0.4), (1e-2, 0.9, 0.3))]
+  assert protocol.choose_rate(runs, "token_accuracy") == 1e-2
+  assert np.isclose(protocol.choose_rate(runs[:2], "token_accuracy"), 3e-3)
