@@ -11,7 +11,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.model.update(num_layers=2, model_dim=32, num_heads=4, head_dim=8, mlp_dim=64,
                       num_pseudo=2, attention_schedule="IM")
-  config.data.name = "multikey_retrieval/cpu_demo"  # default.py now uses mqar
+  config.data.name = "multikey_retrieval/cpu_demo"  # short retrieval examples
   config.data.seq_len = 48
   config.data.options = {"length": 48, "num_needles": 2, "num_train": 512,
                          "num_validation": 32, "num_test": 32}

@@ -30,7 +30,8 @@ from iha_jax.train import config as config_lib
 from iha_jax.train import flops as flops_lib
 from iha_jax.train import inputs
 from iha_jax.train.evaluate import Evaluator
-from iha_jax.train.model import LanguageModel, num_params
+from iha_jax.models import count_params
+from iha_jax.train.model import LanguageModel
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import make_init_fn, state_shardings
 from iha_jax.train.step import make_train_step
@@ -89,7 +90,7 @@ class CompiledVariant:
 
   @property
   def params(self) -> int:
-    return num_params(self.model_config)
+    return count_params(self.model_config)
 
   @property
   def attention_flops_per_token(self) -> float:

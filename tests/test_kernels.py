@@ -1,4 +1,4 @@
-"""Fused Pallas kernels (issue 5) against the dense reference, in interpret mode on CPU.
+"""Fused Pallas kernels against the dense reference, in interpret mode on CPU.
 
 GPU (Triton) kernels run through the public dispatcher: off-GPU they lower to
 Pallas' interpreter automatically. TPU (Mosaic) kernels additionally run under

@@ -210,7 +210,7 @@ def test_jit_grad_step(collapse_mode):
     assert np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
 
 
-def test_gelu_mlp_has_two_matrices_and_trains():
+def test_gelu_mlp_has_two_matrices_with_gradients():
   cfg = _config(attention_schedule="LM", mlp_type="gelu", implementation="xla")
   model = TransformerLM(cfg, rngs=nnx.Rngs(0))
   shapes = jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(model, nnx.Param)))

@@ -41,10 +41,6 @@ from iha_jax.ops.masking import MASK_VALUE, visible
 Parts = tuple[jax.Array, ...]  # one tile split along lanes: (x1, x2) for q/k, (x,) for v
 
 
-def round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
 def next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
@@ -108,6 +104,13 @@ class Config:
   @property
   def num_k_blocks(self) -> int:
     return self.seq_len // self.block_k
+
+
+def split_alpha(refs: Sequence, cfg: Config) -> tuple[tuple, Sequence]:
+  """A kernel's refs -> ((alpha_q, alpha_k, alpha_v) refs, or Nones without mixing, the rest)."""
+  if cfg.mixing:
+    return tuple(refs[:3]), refs[3:]
+  return (None, None, None), refs
 
 
 # --- Block ranges: which tiles the causal / bidirectional, window band touches. -----------

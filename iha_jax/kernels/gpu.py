@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from iha_jax.kernels import common
 from iha_jax.kernels.common import Config
+from iha_jax.ops.options import round_up
 
 
 def default_block(num_pseudo: int) -> int:
@@ -46,7 +47,7 @@ def tiles(n: int, num_pseudo: int, dtype, block_q: int | None, block_k: int | No
   cap = max(16, common.next_pow2(n))
   block_q = min(block_q or default_block(num_pseudo), cap)
   block_k = min(block_k or default_block(num_pseudo), cap)
-  return block_q, block_k, common.round_up(n, max(block_q, block_k))
+  return block_q, block_k, round_up(n, max(block_q, block_k))
 
 
 def check_blocks(cfg: Config) -> None:
@@ -103,16 +104,9 @@ def _key_tile(j, h, k_ref, v_ref, seg_ref, pos_ref, ak, av, inv_freq, cfg: Confi
   return k, v, _row(seg_ref, k_rows), common.token_index(j * bk, bk, 1)
 
 
-def _split_alpha(refs, cfg: Config):
-  """(alpha_q, alpha_k, alpha_v refs or Nones, remaining refs)."""
-  if cfg.mixing:
-    return refs[:3], refs[3:]
-  return (None, None, None), refs
-
-
 def _forward_kernel(*refs, cfg: Config):
   (aq, ak, av), (freq_ref, seg_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref) = (
-      _split_alpha(refs, cfg))
+      common.split_alpha(refs, cfg))
   i, h = pl.program_id(0), pl.program_id(2)
   bq = cfg.block_q
   q_rows = pl.ds(i * bq, bq)
@@ -141,7 +135,7 @@ def _zero_rows(refs, rows, cfg: Config) -> None:
 
 def _dq_kernel(*refs, cfg: Config):
   (aq, ak, av), (freq_ref, seg_ref, pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                 dq_ref, *dalpha) = _split_alpha(refs, cfg)
+                 dq_ref, *dalpha) = common.split_alpha(refs, cfg)
   i = pl.program_id(0)
   bq = cfg.block_q
   q_rows = pl.ds(i * bq, bq)
@@ -186,7 +180,7 @@ def _dq_kernel(*refs, cfg: Config):
 
 def _dkv_kernel(*refs, cfg: Config):
   (aq, ak, av), (freq_ref, seg_ref, pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                 dk_ref, dv_ref, *dalpha) = _split_alpha(refs, cfg)
+                 dk_ref, dv_ref, *dalpha) = common.split_alpha(refs, cfg)
   j = pl.program_id(0)
   bq, bk = cfg.block_q, cfg.block_k
   k_rows = pl.ds(j * bk, bk)

@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax.kernels import common
 from iha_jax.kernels.common import Config
+from iha_jax.ops.options import round_up
 from iha_jax.ops.masking import MASK_VALUE
 
 _LANES = 128
@@ -43,24 +44,18 @@ def tiles(n: int, num_pseudo: int, dtype, block_q: int | None, block_k: int | No
           ) -> tuple[int, int, int]:
   """(block_q, block_k, padded tokens) in tokens, obeying Mosaic's (sublane, lane) tiling."""
   sublanes = 8 * (4 // min(4, dtype.itemsize))
-  n_min = common.round_up(n, sublanes)
+  n_min = round_up(n, sublanes)
   block_q = min(block_q or max(sublanes, 256 // num_pseudo // sublanes * sublanes), n_min)
   block_k = block_k or _LANES
   if block_q % sublanes:
     raise ValueError(f"TPU query tiles must be multiples of {sublanes} tokens, got {block_q}.")
   if block_k >= n_min:  # one key tile holds the whole (padded) sequence
-    seq_len = common.round_up(n_min, block_q)
+    seq_len = round_up(n_min, block_q)
     return block_q, seq_len, seq_len
   if block_k % _LANES:
     raise ValueError(f"TPU key tiles must be multiples of {_LANES} tokens (or cover the "
                      f"sequence), got {block_k}.")
-  return block_q, block_k, common.round_up(n, math.lcm(block_q, block_k))
-
-
-def _split_alpha(refs, cfg: Config):
-  if cfg.mixing:
-    return refs[:3], refs[3:]
-  return (None, None, None), refs
+  return block_q, block_k, round_up(n, math.lcm(block_q, block_k))
 
 
 def _head(m, cfg: Config):
@@ -109,7 +104,7 @@ def _masker(q_start, k_start, seg_q, seg_k, cfg: Config):
 
 def _forward_kernel(*refs, cfg: Config):
   (aq, ak, av), (freq, seg_q, pos_q, seg_k, pos_k, q_ref, k_ref, v_ref, o_ref, lse_ref,
-                 q_sc, m_sc, l_sc, acc_sc) = _split_alpha(refs, cfg)
+                 q_sc, m_sc, l_sc, acc_sc) = common.split_alpha(refs, cfg)
   i, h, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
   lo, hi = common.kv_range(i, cfg)
   kv = lo + j
@@ -144,7 +139,7 @@ def _forward_kernel(*refs, cfg: Config):
 
 def _dq_kernel(*refs, cfg: Config):
   (aq, ak, av), (freq, seg_q, pos_q, seg_k, pos_k, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                 delta_ref, dq_ref, *rest) = _split_alpha(refs, cfg)
+                 delta_ref, dq_ref, *rest) = common.split_alpha(refs, cfg)
   *dalpha, q_sc, dq_sc = rest
   i, h, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
   lo, hi = common.kv_range(i, cfg)
@@ -189,7 +184,7 @@ def _dq_kernel(*refs, cfg: Config):
 
 def _dkv_kernel(*refs, cfg: Config):
   (aq, ak, av), (freq, seg_q, pos_q, seg_k, pos_k, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                 delta_ref, dk_ref, dv_ref, *rest) = _split_alpha(refs, cfg)
+                 delta_ref, dk_ref, dv_ref, *rest) = common.split_alpha(refs, cfg)
   *dalpha, k_sc, v_sc, dk_sc, dv_sc = rest
   j, h, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
   lo, hi = common.q_range(j, cfg)

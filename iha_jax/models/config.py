@@ -7,6 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from iha_jax.nn.config import AttentionConfig
+from iha_jax.ops.validation import is_int
 
 # Schedule letter -> the layer's attention.
 SCHEDULE_LETTERS = {
@@ -41,7 +42,7 @@ def expand_schedule(schedule: str, num_layers: int) -> str:
       allowed = ", ".join(f"{k} ({v})" for k, v in SCHEDULE_LETTERS.items())
       raise ValueError(f"schedule {schedule!r} has unknown letter {letter!r} at index {index}; "
                        f"allowed letters: {allowed}")
-  if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+  if not is_int(num_layers, 1):
     raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
   repeats = -(-num_layers // len(schedule))
   return (schedule * repeats)[:num_layers]
@@ -104,14 +105,13 @@ class TransformerConfig:
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "mlp_dim"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      if not is_int(value, 1):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if self.mlp_type not in MLP_TYPES:
       raise ValueError(f"mlp_type must be one of {MLP_TYPES}, got {self.mlp_type!r}")
     if not self.norm_eps > 0:
       raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
-    if self.num_outputs is not None and (isinstance(self.num_outputs, bool) or not isinstance(
-        self.num_outputs, int) or self.num_outputs < 1):
+    if self.num_outputs is not None and not is_int(self.num_outputs, 1):
       raise ValueError(f"num_outputs must be None (vocabulary logits) or a positive integer, "
                        f"got {self.num_outputs!r}")
     if not isinstance(self.mixing_noise_std, (int, float)) or not self.mixing_noise_std >= 0:

@@ -16,16 +16,8 @@ from flax import nnx
 
 from iha_jax.models.kv_cache import (KVCache, check_cache_mode, check_decodable, decode_layer,
                                      init_cache, prefill_layer)
-from iha_jax.models.transformer import TransformerLM
-
-
-def _check_tokens(tokens: jax.Array, name: str) -> None:
-  if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-    raise ValueError(f"{name} must be an integer array [B, L], got shape "
-                     f"{tuple(jnp.shape(tokens))} dtype {jnp.result_type(tokens)}")
-  if jnp.shape(tokens)[1] < 1:
-    raise ValueError(f"{name} must hold at least one token per row, got shape "
-                     f"{tuple(jnp.shape(tokens))}")
+from iha_jax.models.transformer import TransformerLM, check_tokens
+from iha_jax.ops.validation import is_int
 
 
 def _prefill(model: TransformerLM, tokens: jax.Array, max_len: int,
@@ -78,7 +70,7 @@ def prefill(model: TransformerLM, tokens: jax.Array, *, max_len: int,
   """
   check_decodable(model.config)
   check_cache_mode(cache_mode)
-  _check_tokens(tokens, "tokens")
+  check_tokens(tokens, "tokens")
   if tokens.shape[1] > max_len:
     raise ValueError(f"tokens has {tokens.shape[1]} tokens per row, longer than the cache "
                      f"(max_len={max_len})")
@@ -156,9 +148,8 @@ def generate(model: TransformerLM, prompt_tokens: jax.Array, *, max_new_tokens: 
   """
   check_decodable(model.config)
   check_cache_mode(cache_mode)
-  _check_tokens(prompt_tokens, "prompt_tokens")
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-      or max_new_tokens < 1:
+  check_tokens(prompt_tokens, "prompt_tokens")
+  if not is_int(max_new_tokens, 1):
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
   prompt_len = prompt_tokens.shape[1]
   max_len = prompt_len + max_new_tokens if max_len is None else max_len
@@ -173,8 +164,7 @@ def generate(model: TransformerLM, prompt_tokens: jax.Array, *, max_new_tokens: 
   if temperature > 0.0 and rng is None:
     raise ValueError("rng must be a PRNG key when temperature > 0")
   vocab = model.config.vocab_size
-  if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                            or not 1 <= top_k <= vocab):
+  if top_k is not None and not (is_int(top_k, 1) and top_k <= vocab):
     raise ValueError(f"top_k must be None or an integer in [1, {vocab}], got {top_k!r}")
   rng = jax.random.key(0) if rng is None else rng  # Unused by greedy decoding.
   graphdef, state = nnx.split(model)

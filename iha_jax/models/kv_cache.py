@@ -26,6 +26,7 @@ from flax import nnx, struct
 
 from iha_jax.models.config import TransformerConfig
 from iha_jax.nn import AttentionConfig, project_qkv, to_compute_dtype
+from iha_jax.ops.validation import default_positions
 from iha_jax.ops import (apply_rope, attention_probs, collapse_heads, deinterleave, interleave,
                          pseudo_mix, virtual_positions)
 
@@ -181,7 +182,7 @@ def prefill_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, mode: str) 
   cfg = attn.config
   params, x = to_compute_dtype(attn.param_values(), x, cfg)
   _, k, v = project_qkv(params, x)
-  positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+  positions = default_positions(x, None)
   k, v = _cache_entries(params, cfg, mode, k, v, positions)
   per_token = k.shape[1] // x.shape[1]
   start = jnp.zeros((), jnp.int32)

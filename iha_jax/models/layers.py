@@ -10,10 +10,8 @@ from flax import nnx
 from iha_jax.models.config import TransformerConfig
 from iha_jax.nn import (DifferentialAttention, InterleavedHeadAttention, MultiHeadAttention,
                         SimplicialAttention, TalkingHeadsAttention, logical_param)
-
-EMBED = "embed"
-MLP = "mlp"
-DEFAULT_KERNEL_INIT = jax.nn.initializers.lecun_normal()
+from iha_jax.nn.config import DEFAULT_KERNEL_INIT
+from iha_jax.parallel.axes import EMBED, MLP
 
 
 class RMSNorm(nnx.Module):

@@ -2,6 +2,7 @@
 schedule."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -9,11 +10,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from iha_jax.models.config import TransformerConfig
-from iha_jax.models.layers import DEFAULT_KERNEL_INIT, EMBED, DecoderBlock, RMSNorm
+from iha_jax.models.layers import DecoderBlock, RMSNorm
 from iha_jax.nn import logical_param
+from iha_jax.nn.config import DEFAULT_KERNEL_INIT
+from iha_jax.parallel.axes import EMBED, OUTPUTS, VOCAB
 
-VOCAB = "vocab"
-OUTPUTS = "outputs"
 
 
 class TransformerLM(nnx.Module):
@@ -57,9 +58,7 @@ class TransformerLM(nnx.Module):
       `[B, N, V]` (or `[B, N, num_outputs]`) float32; with `causal`, position n depends
       only on tokens `<= n`.
     """
-    if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-      raise ValueError(f"tokens must be an integer array [B, N], got shape "
-                       f"{tuple(jnp.shape(tokens))} dtype {jnp.result_type(tokens)}")
+    check_tokens(tokens, "tokens")
     x = self.embed(tokens)
     for block in self.layers:
       x = block(x, segment_ids=segment_ids, positions=positions)
@@ -78,6 +77,16 @@ class TransformerLM(nnx.Module):
     heads = {name: getattr(self, name)[...] for name in ("embedding", "lm_head", "output_head")
              if hasattr(self, name)}
     return output_logits(self.final_norm(x), heads, self.config)
+
+
+def check_tokens(tokens: jax.Array, name: str) -> None:
+  """Raises ValueError naming `name` unless `tokens` is an integer `[B, N]` array, N >= 1."""
+  if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+    raise ValueError(f"{name} must be an integer array [B, N], got shape "
+                     f"{tuple(jnp.shape(tokens))} dtype {jnp.result_type(tokens)}")
+  if jnp.shape(tokens)[1] < 1:
+    raise ValueError(f"{name} must hold at least one token per row, got shape "
+                     f"{tuple(jnp.shape(tokens))}")
 
 
 def output_logits(x: jax.Array, params: dict[str, Any], config: TransformerConfig) -> jax.Array:
@@ -99,8 +108,11 @@ def vocab_logits(x: jax.Array, embedding: jax.Array, lm_head: jax.Array | None,
   return jnp.einsum("bnD,DV->bnV", x, lm_head.astype(dtype), preferred_element_type=jnp.float32)
 
 
-def count_params(model_or_params: nnx.Module | Any) -> int:
-  """Number of parameter scalars of an NNX module (its `nnx.Param`s) or of a param pytree."""
+def count_params(model_or_params: TransformerConfig | nnx.Module | Any) -> int:
+  """Number of parameter scalars of a `TransformerLM` config (from shapes only, nothing
+  allocated), an NNX module (its `nnx.Param`s) or a parameter pytree."""
+  if isinstance(model_or_params, TransformerConfig):
+    model_or_params = nnx.eval_shape(lambda: TransformerLM(model_or_params, rngs=nnx.Rngs(0)))
   if isinstance(model_or_params, nnx.Module):
     model_or_params = nnx.state(model_or_params, nnx.Param)
-  return sum(jnp.size(leaf) for leaf in jax.tree.leaves(model_or_params))
+  return sum(math.prod(jnp.shape(leaf)) for leaf in jax.tree.leaves(model_or_params))

@@ -3,20 +3,9 @@
 One place defines every parameter's name, shape, logical axes and initializer, so the
 two front ends cannot drift apart (same parameter tree in both).
 
-Logical axis names *(project)*; the sharding rules map them to mesh axes:
-
-- `embed`: model width D.
-- `heads`: the attention heads the core runs over (projection heads of q/k/v/o, and
-  the head owning a pseudo-head), i.e. the head axis of the activations.
-- `head_dim`: per-head width d.
-- `heads_src`: source head m of the pseudo-head mixing (`alpha_*` axis 0) and of the
-  Talking-Heads mixing (`talk_*` axis 0).
-- `heads_dst`: output head h of the full collapse (`collapse` axis 0).
-- `pseudo`: pseudo-head index p.
-- `qk_pair`: the two query/key maps of differential attention (`wq`, `wk` axis 2).
-
-The mixing/collapse tensors are tiny (`H*H*P`); rules normally replicate
-`heads_src`, `heads_dst`, `pseudo` and `qk_pair`.
+Every parameter carries logical axis names (`iha_jax.parallel.axes`, mapped to mesh axes
+by `iha_jax.parallel.rules`); the mixing/collapse tensors are tiny (`H*H*P`) and the
+rules replicate their head and pseudo axes.
 """
 from __future__ import annotations
 
@@ -28,14 +17,8 @@ import jax
 from iha_jax.nn.initializers import (fold_fan_in, identity_collapse_init, identity_mixing_init,
                                      identity_talking_init)
 from iha_jax.ops import IMPLEMENTATIONS, KINDS, registry
-
-EMBED = "embed"
-HEADS = "heads"
-HEAD_DIM = "head_dim"
-HEADS_SRC = "heads_src"
-HEADS_DST = "heads_dst"
-PSEUDO = "pseudo"
-QK_PAIR = "qk_pair"
+from iha_jax.ops.validation import is_int
+from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS, HEADS_DST, HEADS_SRC, PSEUDO, QK_PAIR
 
 COLLAPSE_MODES = ("full", "per_head")
 DEFAULT_KERNEL_INIT = jax.nn.initializers.lecun_normal()
@@ -44,7 +27,7 @@ DEFAULT_KERNEL_INIT = jax.nn.initializers.lecun_normal()
 def _check_positive(name: str, value: Any, *, optional: bool = False) -> None:
   if optional and value is None:
     return
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+  if not is_int(value, 1):
     raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, "
                      f"got {value!r}")
 

@@ -1,4 +1,5 @@
-"""Option types shared by every attention kind and implementation (a leaf module).
+"""Option types and tile arithmetic shared by every attention kind and implementation
+(a leaf module).
 
 `iha_jax.ops` (the public entry points) and `iha_jax.kernels` (the Pallas kernels)
 both import from here and from nowhere else in `ops` that could import them back,
@@ -25,3 +26,8 @@ class BlockSizes:
   """
   block_q: int | None = None
   block_k: int | None = None
+
+
+def round_up(x: int, multiple: int) -> int:
+  """The smallest multiple of `multiple` that is >= `x` (tile padding)."""
+  return -(-x // multiple) * multiple

@@ -16,6 +16,15 @@ def _shape(x: Any) -> tuple[int, ...]:
   return tuple(jnp.shape(x))
 
 
+def is_int(value: Any, minimum: int | None = None) -> bool:
+  """Whether `value` is a Python int (not a bool) and, if `minimum` is given, >= it.
+
+  The one check behind every "must be a positive integer" message of the project.
+  """
+  return (isinstance(value, int) and not isinstance(value, bool)
+          and (minimum is None or value >= minimum))
+
+
 def check_arrays(names: Sequence[str], arrays: Sequence[jax.Array], rank: int, layout: str,
                  *, same_shape: bool = True) -> None:
   """Floating arrays of `rank` and one dtype; `same_shape`: all of one shape, else one
@@ -72,8 +81,7 @@ def check_options(q: jax.Array, *, window: int | None, segment_ids: jax.Array | 
                   positions: jax.Array | None, rope_theta: float | None,
                   causal: bool) -> None:
   """window, segment_ids, positions, rope_theta and causal against q `[B, N, H, ...]`."""
-  if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                             or window < 1):
+  if window is not None and not is_int(window, 1):
     raise ValueError(f"window must be None (global) or an int >= 1, got {window!r}.")
   if not isinstance(causal, bool):
     raise ValueError(f"causal must be a bool (True: causal, False: bidirectional), "

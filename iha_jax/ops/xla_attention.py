@@ -18,10 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from iha_jax.ops.masking import MASK_VALUE, visible
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
+from iha_jax.ops.options import round_up
 
 
 def _kv_block_range(i, block_q: int, block_k: int, num_k_blocks: int, window: int | None,
@@ -212,9 +209,9 @@ def default_block_size(seq_len: int, window: int | None) -> int:
   split into that many blocks as evenly as possible (a multiple of 8), so padding
   stays under 8 rows per block: T = 592 takes 2 blocks of 296, not 2 of 512.
   """
-  block = 512 if window is None else max(16, min(512, _round_up(window, 16) // 2))
+  block = 512 if window is None else max(16, min(512, round_up(window, 16) // 2))
   num_blocks = -(-seq_len // block)
-  return _round_up(-(-seq_len // num_blocks), 8)
+  return round_up(-(-seq_len // num_blocks), 8)
 
 
 def flash_attention_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -243,7 +240,7 @@ def flash_attention_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, *,
   default = default_block_size(t, window)
   block_q = block_q or default
   block_k = block_k or default
-  tq, tk = _round_up(t, block_q), _round_up(t, block_k)
+  tq, tk = round_up(t, block_q), round_up(t, block_k)
   q, k, v = _pad_to(q, tq, 2), _pad_to(k, tk, 2), _pad_to(v, tk, 2)
   if segment_ids is None and not causal and tk != t:
     # Causality hides padded key slots (they lie after every real query); without it

@@ -1,8 +1,8 @@
 """Logical-axis rules: the ONE place mapping logical axis names to mesh axes.
 
-Parameters carry logical names (`iha_jax.nn.config`, `iha_jax.models`); activations
-are named by the `ACTIVATION_*` constants below and constrained with
-`flax.linen.with_logical_constraint` (a no-op without rules and a mesh). Mesh axes:
+Parameters and activations carry the logical names of `iha_jax.parallel.axes`;
+activations are constrained with `flax.linen.with_logical_constraint` (a no-op without
+rules and a mesh). Mesh axes:
 
 - `data`: pure data parallelism (parameters replicated).
 - `fsdp`: data parallelism with parameters and optimizer state sharded (ZeRO-3).
@@ -20,32 +20,29 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from iha_jax.parallel.axes import (ACTIVATION_BATCH, ACTIVATION_EMBED, ACTIVATION_HEADS,
+                                   ACTIVATION_HEADS_SRC, ACTIVATION_LENGTH, ACTIVATION_VOCAB,
+                                   EMBED, HEAD_DIM, HEADS, HEADS_DST, HEADS_SRC, MLP, OUTPUTS,
+                                   PSEUDO, QK_PAIR, VOCAB)
+
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 MESH_AXES = (DATA, FSDP, TENSOR)
 BATCH_AXES = (DATA, FSDP)
 
-# Activation names (parameters use the names of iha_jax.nn.config / iha_jax.models).
-ACTIVATION_BATCH = "activation_batch"
-ACTIVATION_LENGTH = "activation_length"
-ACTIVATION_EMBED = "activation_embed"
-ACTIVATION_HEADS = "activation_heads"
-ACTIVATION_HEADS_SRC = "activation_heads_src"
-ACTIVATION_VOCAB = "activation_vocab"
-
 LogicalRules = tuple[tuple[str, Any], ...]
 
 LOGICAL_AXIS_RULES: LogicalRules = (
-    # Parameters.
-    ("embed", FSDP),          # model width D: FSDP shards every [D, ...] matrix.
-    ("heads", TENSOR),        # projection heads and IHA target heads.
-    ("mlp", TENSOR),          # MLP hidden width F.
-    ("vocab", TENSOR),        # embedding rows / output head columns.
-    ("head_dim", None),
-    ("heads_src", None),      # alpha_* source axis: contracted, kept whole.
-    ("heads_dst", None),      # full collapse output head: tiny, replicated.
-    ("pseudo", None),
-    ("qk_pair", None),        # differential attention's two query/key maps.
-    ("outputs", None),        # per-token output head (encoders): small, replicated.
+    # Parameters (names: iha_jax.parallel.axes).
+    (EMBED, FSDP),            # model width D: FSDP shards every [D, ...] matrix.
+    (HEADS, TENSOR),          # projection heads and IHA target heads.
+    (MLP, TENSOR),            # MLP hidden width F.
+    (VOCAB, TENSOR),          # embedding rows / output head columns.
+    (HEAD_DIM, None),
+    (HEADS_SRC, None),        # alpha_* / talk_* source axis: contracted, kept whole.
+    (HEADS_DST, None),        # full collapse output head: tiny, replicated.
+    (PSEUDO, None),
+    (QK_PAIR, None),          # differential attention's two query/key maps.
+    (OUTPUTS, None),          # per-token output head (encoders): small, replicated.
     # Activations.
     (ACTIVATION_BATCH, BATCH_AXES),
     (ACTIVATION_LENGTH, None),

@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from iha_jax.models import TransformerConfig
+from iha_jax.models import TransformerConfig, count_params
 from iha_jax.nn import AttentionConfig, param_specs
-from iha_jax.train.model import num_params
 
 # Dense bf16 peak TFLOP/s per device (per chip for TPU), by device_kind substring.
 PEAK_TFLOPS = (
@@ -225,7 +224,7 @@ def budget_table(config: TransformerConfig, seq_len: int, batch_size: int = 1) -
   attention = sum(b.count * b.attention_flops_per_token for b in budgets)
   lines = [f"budget at seq_len {seq_len} (forward FLOPs; train = 3x forward):",
            line(header), *map(line, rows),
-           f"parameters: {num_params(config):,}",
+           f"parameters: {count_params(config):,}",
            f"attention FLOPs per token (all layers, forward): {_si(attention)}",
            f"train FLOPs per step (batch {batch_size}): "
            f"{_si(train_flops_per_step(config, batch_size, seq_len))}"]

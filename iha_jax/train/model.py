@@ -26,12 +26,9 @@ from jax.sharding import PartitionSpec
 from iha_jax.models import TransformerConfig, TransformerLM
 from iha_jax.models.transformer import output_logits
 from iha_jax.nn.functional import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ
-from iha_jax.parallel.rules import (ACTIVATION_BATCH, ACTIVATION_EMBED, ACTIVATION_LENGTH,
-                                    ACTIVATION_VOCAB)
+from iha_jax.parallel.axes import LOGITS_AXES, RESIDUAL_AXES
 
 Params = dict[str, Any]
-RESIDUAL_AXES = (ACTIVATION_BATCH, ACTIVATION_LENGTH, ACTIVATION_EMBED)
-LOGITS_AXES = (ACTIVATION_BATCH, ACTIVATION_LENGTH, ACTIVATION_VOCAB)
 
 
 def remat_policy(name: str) -> Callable | None:
@@ -143,8 +140,3 @@ class LanguageModel:
       return with_logical_constraint(logits, RESIDUAL_AXES[:2] + (None,))
     return with_logical_constraint(logits, LOGITS_AXES)
 
-
-def num_params(config: TransformerConfig) -> int:
-  """Parameter count, from shapes only (no allocation)."""
-  abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
-  return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
