@@ -2,6 +2,7 @@
 nothing but memory; sharded steps equal the single-device step."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -9,13 +10,16 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax import parallel
 from iha_jax.models import TransformerConfig
+from iha_jax.nn import functional
+from iha_jax.train import export
 from iha_jax.train.model import LanguageModel
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
-from iha_jax.train.step import make_train_step
+from iha_jax.train.step import loss_terms, make_train_step
 
 MODEL = TransformerConfig(vocab_size=40, num_layers=4, model_dim=32, num_heads=4, head_dim=8,
                           mlp_dim=64, num_pseudo=2, attention_schedule="LIM", iha_window=12,
@@ -140,3 +144,79 @@ def test_encoder_with_per_token_head_trains():
   losses, _, final = _train(config, batch=batch, steps=3)
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
   assert final["output_head"].shape == (32, 3)
+
+
+# --- the Pallas kernels inside the sharded step ---------------------------------------------
+
+KERNEL_MODEL = dataclasses.replace(ALL_LETTERS, num_layers=2, attention_schedule="LD",
+                                   mha_window=None)
+
+
+def _loss_and_grads(config: TransformerConfig, mesh_sizes=None) -> tuple[float, dict]:
+  """The train step's loss and gradients at the initial parameters, under the mesh."""
+  mesh = parallel.create_mesh(mesh_sizes or dict(data=1, fsdp=1, tensor=1))
+  model = LanguageModel(config)
+  state, shardings = create_state(model, make_optimizer(TRAIN), mesh, seed=0)
+  batch_sharding = parallel.batch_sharding(mesh)
+  with parallel.activate(mesh):
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_terms(model, p, b)[0]),
+                      in_shardings=(shardings.params, batch_sharding))
+    loss, grads = grad_fn(state.params, jax.device_put(_batch(), batch_sharding))
+  return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.fixture(scope="module")
+def xla_one_device():
+  return _loss_and_grads(KERNEL_MODEL)
+
+
+# data=8 and fsdp=8 split the kernels' batch alike (both are batch axes; fsdp also splits
+# the parameters): one platform each; tensor parallelism, where IHA gathers source heads
+# and psums its collapse, on both.
+@pytest.mark.parametrize("platform,mesh_sizes", [
+    ("gpu", dict(data=8, fsdp=1, tensor=1)), ("tpu", dict(data=1, fsdp=8, tensor=1)),
+    ("gpu", dict(data=2, fsdp=2, tensor=2)), ("tpu", dict(data=2, fsdp=2, tensor=2)),
+], ids=["gpu-data8", "tpu-fsdp8", "gpu-2x2x2", "tpu-2x2x2"])
+def test_kernels_in_sharded_step_match_one_device_xla(xla_one_device, platform, mesh_sizes):
+  """IHA (L) and differential (D, through the MHA kernel) layers on the Pallas kernels
+  (interpret mode), run by the layers inside shard_map under the mesh: the train step's
+  loss and every parameter's gradient equal the one-device XLA run's."""
+  config = dataclasses.replace(KERNEL_MODEL, implementation=f"pallas_{platform}")
+  mode = pltpu.force_tpu_interpret_mode() if platform == "tpu" else contextlib.nullcontext()
+  with mode:
+    loss, grads = _loss_and_grads(config, mesh_sizes)
+  want_loss, want_grads = xla_one_device
+  np.testing.assert_allclose(loss, want_loss, rtol=2e-6)
+  for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads),
+                               jax.tree.leaves(want_grads)):
+    scale = np.abs(want).max()
+    assert scale > 0, jax.tree_util.keystr(path)  # every parameter gets a gradient
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_exported_step_runs_every_kernel_inside_shard_map(monkeypatch):
+  """The train step exported for TPU and for CUDA on a 2 x 2 x 2 mesh: every kernel call
+  (Mosaic, Triton) sits in a manual-sharding region that takes q/k/v split over the batch
+  axes, so no device gathers the global batch. Control: with the layers' mesh routing
+  switched off, the CUDA export has its kernel calls outside any region (the check can
+  fail), and JAX refuses to lower the TPU one at all."""
+  mesh = parallel.create_mesh(dict(data=2, fsdp=2, tensor=2))
+
+  def placement(platform):
+    config = dataclasses.replace(KERNEL_MODEL, implementation=f"pallas_{platform}")
+    exported = export.export_train_step(config, TRAIN, mesh, batch_size=8, seq_len=16,
+                                        platform="cuda" if platform == "gpu" else "tpu")
+    return export.kernel_placement(exported.mlir_module())
+
+  for platform in ("tpu", "gpu"):
+    routed = placement(platform)
+    # L: forward + 3 backward kernels; D (two maps as one MHA call): forward + 2 backward.
+    assert (routed.inside, routed.outside) == (7, 0), (platform, routed)
+    assert len(routed.regions) == 4, routed.regions  # L and D, forward and backward
+    assert all(r.startswith('<@mesh, [{"data", "fsdp"}') for r in routed.regions), routed
+  monkeypatch.setattr(functional, "kernel_sharding", lambda cfg: None)
+  unrouted = placement("gpu")
+  assert (unrouted.inside, unrouted.outside) == (0, 7), unrouted
+  with pytest.raises(NotImplementedError, match="shard_map"):
+    placement("tpu")

@@ -1,29 +1,79 @@
-"""The fused kernels under a mesh: batch over data axes, target heads over a tensor axis.
+"""The fused kernels under a mesh: batch over data axes, heads over a tensor axis.
 
-Mixing contracts over SOURCE heads, so every shard needs all H source heads of
-q, k, v: their in_specs replicate the head axis (shard_map all-gathers a
-head-sharded q/k/v across `head_axis`), while alpha_* are split along their
-target axis, so a shard computes only its target heads from all source heads.
-Full collapse then sums over every target head (a psum over `head_axis`);
-per_head collapse stays local and the output keeps its head sharding.
+A `pallas_call` has no partitioning rule: called on sharded operands, XLA would gather
+them whole onto every device. These wrappers run the kernels inside `jax.shard_map`,
+so each device attends over its own rows (and heads) only.
+
+- MHA (`sharded_mha_attention`): q, k, v and the output are split over batch and heads.
+- IHA (`sharded_iha_attention`): mixing contracts over SOURCE heads, so every shard
+  needs all H source heads of q, k, v: their in_specs replicate the head axis
+  (shard_map all-gathers a head-sharded q/k/v across `head_axis`, `[B, N, H, d]`: the
+  small tensors), while alpha_* are split along their target axis, so a shard computes
+  only its target heads' pseudo-heads. Full collapse then sums over every target head
+  (a psum over `head_axis`); per_head collapse stays local and keeps the head sharding.
+
+`mesh=None` takes the mesh made current by `jax.set_mesh` (`iha_jax.parallel.activate`);
+`batch_axes` / `head_axis` name its axes (`()` / None: not split).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from iha_jax.kernels import fused
 from iha_jax.ops.options import BlockSizes
+from iha_jax.ops.validation import default_positions
+
+MeshLike = Mesh | AbstractMesh
+
+
+def _current(mesh: MeshLike | None) -> MeshLike:
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty:
+    raise ValueError("no mesh: pass mesh= or call under jax.set_mesh / "
+                     "iha_jax.parallel.activate")
+  return mesh
+
+
+def check_divisible(mesh: MeshLike, batch: int, heads: int, batch_axes: Sequence[str],
+                    head_axis: str | None) -> None:
+  """Batch and head counts must split evenly over their mesh axes (named in the error)."""
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  for axis in (*batch_axes, *([head_axis] if head_axis else [])):
+    if axis not in sizes:
+      raise ValueError(f"mesh axis {axis!r} does not exist; the mesh has {tuple(sizes)}")
+  shards = math.prod(sizes[a] for a in batch_axes)
+  if batch % shards:
+    raise ValueError(f"batch B={batch} is not divisible by the mesh axes {tuple(batch_axes)} "
+                     f"(size {shards}); use a batch that is a multiple of {shards}")
+  if head_axis and heads % sizes[head_axis]:
+    raise ValueError(f"num_heads H={heads} is not divisible by mesh axis {head_axis!r} "
+                     f"(size {sizes[head_axis]}); use H a multiple of it")
+
+
+def _shard_map(local: Callable, mesh: MeshLike, in_specs: tuple, out_specs: P,
+               args: Sequence[jax.Array]) -> jax.Array:
+  axes = {a for spec in in_specs for entry in spec if entry
+          for a in ((entry,) if isinstance(entry, str) else entry)}
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  # Explicit-axis meshes (jax.make_mesh's default) want inputs laid out as in_specs;
+  # Auto axes are resharded by shard_map itself.
+  if axes and all(types[axis] == AxisType.Explicit for axis in axes):
+    args = [jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(args, in_specs)]
+  # pallas_call carries no varying-manual-axes types: check_vma off.
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)(*args)
 
 
 def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
                           alpha_k: jax.Array, alpha_v: jax.Array, collapse: jax.Array, *,
-                          mesh: Mesh, batch_axes: Sequence[str] = ("data",),
-                          head_axis: str = "tensor", window: int | None = None,
+                          mesh: MeshLike | None = None, batch_axes: Sequence[str] = ("data",),
+                          head_axis: str | None = "tensor", window: int | None = None,
                           segment_ids: jax.Array | None = None,
                           positions: jax.Array | None = None,
                           rope_theta: float | None = 10000.0, causal: bool = True,
@@ -35,19 +85,17 @@ def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax
     q, k, v: `[B, N, H, d]`; B divisible by the product of `batch_axes` sizes.
     alpha_q, alpha_k, alpha_v: `[H, H, P]`; H divisible by the `head_axis` size.
     collapse: `[H, H, P]` (full) or `[H, P]` (per_head).
-    mesh: device mesh holding `batch_axes` and `head_axis`.
+    mesh: device mesh holding `batch_axes` and `head_axis` (None: the current mesh).
     window, segment_ids, positions, rope_theta, causal, platform, block_sizes: as
-      `iha_jax.kernels.iha_attention` (ids/positions `[B, N]`, default filled here).
+      `iha_jax.kernels.fused.iha_attention` (ids/positions `[B, N]`, defaults filled here).
 
   Returns:
     `[B, N, H, d]`: batch-sharded; per_head collapse also head-sharded.
   """
-  b, n = q.shape[:2]
-  if segment_ids is None:
-    segment_ids = jnp.ones((b, n), jnp.int32)
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+  mesh = _current(mesh)
   batch = tuple(batch_axes)
+  check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis)
+  positions = default_positions(q, positions)
   full = collapse.ndim == 3
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions):
@@ -56,24 +104,48 @@ def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax
                                          positions=positions, rope_theta=rope_theta,
                                          causal=causal, platform=platform,
                                          block_sizes=block_sizes)
-    if full:  # every output head mixes every target head: sum the shards' shares
+    if full and head_axis:  # every output head mixes every target head: sum the shares
       y = jax.lax.psum(y, head_axis)
     return restore(y).astype(q.dtype)
 
+  if segment_ids is None:  # the kernels fill it, but shard_map needs an array per spec
+    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
   source = P(batch, None, None, None)
   alpha = P(None, head_axis, None)
   tokens = P(batch, None)
   in_specs = (source, source, source, alpha, alpha, alpha,
               alpha if full else P(head_axis, None), tokens, tokens)
-  args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions)
-  # Explicit-axis meshes (jax.make_mesh's default) want inputs laid out as in_specs;
-  # Auto axes are resharded by shard_map itself.
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  if all(types[axis] == AxisType.Explicit for axis in (*batch, head_axis)):
-    args = [jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(args, in_specs)]
-  return jax.shard_map(
-      local, mesh=mesh, in_specs=in_specs,
-      out_specs=source if full else P(batch, None, head_axis, None),
-      # pallas_call carries no varying-manual-axes types.
-      check_vma=False,
-  )(*args)
+  out_specs = source if full else P(batch, None, head_axis, None)
+  return _shard_map(local, mesh, in_specs, out_specs,
+                    (q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions))
+
+
+def sharded_mha_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                          mesh: MeshLike | None = None, batch_axes: Sequence[str] = ("data",),
+                          head_axis: str | None = "tensor", window: int | None = None,
+                          segment_ids: jax.Array | None = None,
+                          positions: jax.Array | None = None,
+                          rope_theta: float | None = 10000.0, causal: bool = True,
+                          platform: str = "gpu",
+                          block_sizes: BlockSizes | None = None) -> jax.Array:
+  """`mha_attention` (fused kernels) via `jax.shard_map`: heads are independent, so
+  q `[B, N, H, d]`, k, v `[B, N, H, dv]` and the output stay split over batch and heads.
+
+  Args and returns as `sharded_iha_attention` without the mixing; `[B, N, H, dv]`.
+  """
+  mesh = _current(mesh)
+  batch = tuple(batch_axes)
+  check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis)
+  positions = default_positions(q, positions)
+
+  def local(q, k, v, segment_ids, positions):
+    return fused.mha_attention(q, k, v, window=window, segment_ids=segment_ids,
+                               positions=positions, rope_theta=rope_theta, causal=causal,
+                               platform=platform, block_sizes=block_sizes)
+
+  if segment_ids is None:
+    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+  heads = P(batch, None, head_axis, None)
+  tokens = P(batch, None)
+  return _shard_map(local, mesh, (heads, heads, heads, tokens, tokens), heads,
+                    (q, k, v, segment_ids, positions))

@@ -2,11 +2,19 @@
 
 Both the NNX and the Linen modules call `attention_forward`, so the layer math exists
 once for every kind: projections, the kind's core from `iha_jax.ops`, output projection.
+
+Under a mesh (`jax.set_mesh`, e.g. `iha_jax.parallel.activate`), the Pallas kernels run
+inside `jax.shard_map` (`iha_jax.kernels.sharded`): a `pallas_call` has no partitioning
+rule, so XLA would otherwise gather the whole batch's q/k/v onto every device. The batch
+and head mesh axes come from the logical-axis rules (`activation_batch`,
+`activation_heads`); without a mesh the kernels are called directly.
 """
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen import with_logical_constraint
@@ -14,7 +22,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.nn.config import AttentionConfig
 from iha_jax.ops import (diff_attention, diff_lambda_init, iha_attention, mha_attention,
-                         simplicial_attention, talking_heads_attention)
+                         registry, simplicial_attention, talking_heads_attention)
+from iha_jax.ops.differential import diff_via_mha
+from iha_jax.parallel.axes import (ACTIVATION_BATCH, ACTIVATION_HEADS, HEADS_AXES,
+                                   SOURCE_HEADS_AXES)
+from iha_jax.parallel.rules import LOGICAL_AXIS_RULES
 
 # Names for remat policies (e.g. `jax.checkpoint_policies.save_only_these_names`):
 # the q/k/v projections and the core's output are what a memory-efficient attention
@@ -24,13 +36,6 @@ KEY_PROJ = "key_proj"
 VALUE_PROJ = "value_proj"
 ATTENTION_OUT = "attention_out"
 
-# Logical activation axes for sharding constraints; no-ops unless a mesh and logical-axis
-# rules are active (`iha_jax.parallel.rules` maps them). IHA mixing contracts over source
-# heads, so its q/k/v are gathered whole over the head axis ("activation_heads_src")
-# before mixing, instead of communicating the P-times larger pseudo-heads; Talking-Heads
-# likewise, instead of its [B, H, N, N]-sized score maps.
-SOURCE_HEADS_AXES = ("activation_batch", "activation_length", "activation_heads_src", None)
-HEADS_AXES = ("activation_batch", "activation_length", "activation_heads", None)
 DIFF_NORM_EPS = 1e-5  # the per-head RMSNorm of differential attention (as Ye et al.)
 
 
@@ -60,6 +65,26 @@ def project_qkv(p: Mapping[str, jax.Array], x: jax.Array) -> tuple[jax.Array, ..
                for w, name in (("wq", QUERY_PROJ), ("wk", KEY_PROJ), ("wv", VALUE_PROJ)))
 
 
+def kernel_sharding(cfg: AttentionConfig) -> dict | None:
+  """`{platform, batch_axes, head_axis}` when `cfg` runs a Pallas kernel under a mesh.
+
+  None without a kernel (an `xla`/`reference` implementation, or a kind without one) or
+  without a current mesh. The axes are the active logical-axis rules' mapping of
+  `activation_batch` and `activation_heads` (the project's rules when none are active),
+  kept to the axes the mesh has.
+  """
+  implementation = registry.resolve(cfg.kind, cfg.implementation)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not implementation.startswith("pallas_") or mesh.empty:
+    return None
+  rules = nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
+  batch, heads = nn.logical_to_mesh_axes((ACTIVATION_BATCH, ACTIVATION_HEADS), rules)
+  names = set(mesh.axis_names)
+  batch = tuple(a for a in ((batch,) if isinstance(batch, str) else batch or ()) if a in names)
+  return dict(platform=implementation.removeprefix("pallas_"), batch_axes=batch,
+              head_axis=heads if heads in names else None)
+
+
 def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig, *,
                       segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None,
@@ -83,8 +108,9 @@ def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: Attent
   p, x = to_compute_dtype(params, x, cfg)
   options = dict(window=cfg.window, segment_ids=segment_ids, positions=positions,
                  causal=cfg.causal, implementation=cfg.implementation)
+  sharding = kernel_sharding(cfg)
   if cfg.kind == "diff":
-    y = _differential(p, x, cfg, options, cfg.layer if layer is None else layer)
+    y = _differential(p, x, cfg, options, cfg.layer if layer is None else layer, sharding)
   elif cfg.kind == "simplicial":
     q, k1, k2, v1, v2 = (jnp.einsum("bnD,Dhd->bnhd", x, p[w])
                          for w in ("wq", "wk1", "wk2", "wv1", "wv2"))
@@ -92,22 +118,41 @@ def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: Attent
   else:
     q, k, v = project_qkv(p, x)
     if cfg.kind in ("iha", "talking_heads"):
-      # Both mix across heads: gather the source heads rather than mixed activations.
+      # Both mix across heads: gather the small source-head q/k/v over the head axis
+      # rather than communicate P-times larger pseudo-heads or [B, H, N, N] score maps
+      # (a no-op unless a mesh and logical-axis rules are active).
       q, k, v = (with_logical_constraint(t, SOURCE_HEADS_AXES) for t in (q, k, v))
     if cfg.interleaved:
-      y = iha_attention(q, k, v, p["alpha_q"], p["alpha_k"], p["alpha_v"], p["collapse"],
-                        rope_theta=cfg.rope_theta, **options)
+      mixing = (p["alpha_q"], p["alpha_k"], p["alpha_v"], p["collapse"])
+      if sharding:
+        y = _sharded().sharded_iha_attention(q, k, v, *mixing, rope_theta=cfg.rope_theta,
+                                             **_without_implementation(options), **sharding)
+      else:
+        y = iha_attention(q, k, v, *mixing, rope_theta=cfg.rope_theta, **options)
     elif cfg.kind == "talking_heads":
       y = talking_heads_attention(q, k, v, p["talk_logits"], p["talk_weights"],
                                   rope_theta=cfg.rope_theta, **options)
+    elif sharding:
+      y = _sharded().sharded_mha_attention(q, k, v, rope_theta=cfg.rope_theta,
+                                           **_without_implementation(options), **sharding)
     else:
       y = mha_attention(q, k, v, rope_theta=cfg.rope_theta, **options)
   y = checkpoint_name(with_logical_constraint(y, HEADS_AXES), ATTENTION_OUT)
   return jnp.einsum("bnhd,hdD->bnD", y, p["wo"])
 
 
+def _sharded():
+  """The kernels' shard_map wrappers, imported on first use under a mesh."""
+  from iha_jax.kernels import sharded  # pylint: disable=import-outside-toplevel
+  return sharded
+
+
+def _without_implementation(options: dict) -> dict:
+  return {k: v for k, v in options.items() if k != "implementation"}
+
+
 def _differential(p: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig,
-                  options: dict, layer: int | jax.Array) -> jax.Array:
+                  options: dict, layer: int | jax.Array, sharding: dict | None) -> jax.Array:
   """Differential attention (Ye et al. 2024) up to the output projection: `[B, N, H, 2d]`.
 
   `lam = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init`, then a
@@ -121,6 +166,11 @@ def _differential(p: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig
   lambda_init = diff_lambda_init(layer)
   lam = (jnp.exp(jnp.dot(f32("lambda_q1"), f32("lambda_k1")))
          - jnp.exp(jnp.dot(f32("lambda_q2"), f32("lambda_k2"))) + lambda_init)
-  y = diff_attention(q, k, v, lam, rope_theta=cfg.rope_theta, **options).astype(jnp.float32)
+  if sharding:  # both maps through the kernels under shard_map, as one MHA call
+    y = diff_via_mha(q, k, v, lam, rope_theta=cfg.rope_theta, **options,
+                     mha=functools.partial(_sharded().sharded_mha_attention, **sharding))
+  else:
+    y = diff_attention(q, k, v, lam, rope_theta=cfg.rope_theta, **options)
+  y = y.astype(jnp.float32)
   y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + DIFF_NORM_EPS)
   return (y * f32("norm_scale") * (1.0 - lambda_init)).astype(x.dtype)

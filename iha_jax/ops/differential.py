@@ -5,13 +5,16 @@ Two softmax maps per head from two query/key pairs, subtracted:
     out = A1 v - lam * A2 v,    A_i = softmax(rope(q_i) rope(k_i)^T / sqrt(d))
 
 with `q, k: [B, N, H, 2, d]` (the pairs on axis 3) and `v: [B, N, H, dv]`. Both maps run
-as ONE multi-head attention call over 2H heads (heads `0..H-1` map 1, `H..2H-1` map 2,
-v repeated), so every MHA implementation, the Pallas kernels included, serves it and
-the two maps cost exactly what two softmax attentions cost.
+as ONE multi-head attention call over 2H heads (head `2h + i` is map i of head h, v
+repeated), so every MHA implementation, the Pallas kernels included, serves it, the two
+maps cost exactly what two softmax attentions cost, and a head-sharded call keeps both
+maps of a head on one device.
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -69,14 +72,16 @@ def diff_attention(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array | fl
 
 
 def diff_via_mha(q, k, v, lam, *, implementation, window, segment_ids, positions, rope_theta,
-                 causal, block_sizes=None):
-  """Both maps as one `mha_attention(implementation=...)` call over 2H heads."""
+                 causal, block_sizes=None, mha: Callable[..., jax.Array] | None = None):
+  """Both maps as one MHA call over 2H heads: `mha_attention(implementation=...)`, or
+  `mha(q, k, v, **options)` when given (e.g. the kernels under shard_map)."""
   b, n, h, _, d = q.shape
-  # [B, N, H, 2, d] -> [B, N, 2H, d]: map 1 on heads 0..H-1, map 2 on heads H..2H-1.
-  both_maps = lambda x: jnp.swapaxes(x, 2, 3).reshape(b, n, 2 * h, d)
-  out = mha_attention(both_maps(q), both_maps(k), jnp.concatenate([v, v], axis=2),
-                      window=window, segment_ids=segment_ids, positions=positions,
-                      rope_theta=rope_theta, causal=causal, implementation=implementation,
-                      block_sizes=block_sizes).astype(jnp.float32)
+  options = dict(window=window, segment_ids=segment_ids, positions=positions,
+                 rope_theta=rope_theta, causal=causal, block_sizes=block_sizes)
+  if mha is None:
+    mha = functools.partial(mha_attention, implementation=implementation)
+  # [B, N, H, 2, d] -> [B, N, 2H, d]: head 2h + i is map i of head h.
+  out = mha(q.reshape(b, n, 2 * h, d), k.reshape(b, n, 2 * h, d), jnp.repeat(v, 2, axis=2),
+            **options).astype(jnp.float32)
   lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (h,))[:, None]
-  return (out[:, :, :h] - lam * out[:, :, h:]).astype(q.dtype)
+  return (out[:, :, 0::2] - lam * out[:, :, 1::2]).astype(q.dtype)
