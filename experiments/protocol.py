@@ -1,7 +1,8 @@
 """The comparison protocol every published study follows (docs/design.md §7).
 
-For every variant: train over the variant's own learning-rate grid (seed 0), choose the
-rate on validation, train the remaining seeds at that rate, evaluate every run on test;
+For every variant: train over the variant's own learning-rate grid (seed 0; extended by
+up to two steps past an edge where the best rate sits), choose the rate on validation,
+train the remaining seeds at that rate, evaluate every run on test;
 then, at each variant's chosen rate and for every seed, the study's sweep points (e.g.
 more key-value pairs, another width). Every finished run is written to `DIR/STUDY.json`
 at once, so a rerun skips it (resumable); the report is rewritten at the end.
@@ -55,6 +56,10 @@ class Scale:
   eval_every: int
   patience: int                                   # validation passes without improvement
   sweeps: tuple[Sweep, ...] = ()
+  # A variant whose best grid rate is the grid's largest (smallest) gets the next rate up
+  # (down) of the 1-3-10 series, up to this many times, so no variant is judged at the
+  # edge of a grid too narrow for it. Every variant follows the same rule.
+  grid_extensions: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +73,14 @@ class Study:
   select: str                       # validation metric that picks the rate (higher wins)
   metrics: tuple[str, ...]          # test metrics reported, the first one plotted
   paper: str                        # what the paper reports, verbatim, for the page
+
+
+def half_decade_step(rate: float, up: bool) -> float:
+  """The next rate of the 1-3-10 series above (or below) `rate`: 1e-2 -> 3e-2 -> 1e-1."""
+  series = sorted(m * 10.0 ** e for e in range(-8, 3) for m in (1, 3))
+  if up:
+    return float(f"{next(r for r in series if r > rate * 1.01):.3g}")
+  return float(f"{next(r for r in reversed(series) if r < rate / 1.01):.3g}")
 
 
 def run_key(variant: str, learning_rate: float, seed: int, sweep: tuple[str, Any] | None
@@ -125,6 +138,7 @@ class Store:
 
 
 def planned_runs(scale: Scale, seeds: int, num_variants: int) -> int:
+  """Runs without grid extensions (the progress bar's total grows by those)."""
   per_variant = len(scale.learning_rates) + (seeds - 1)
   per_variant += seeds * sum(len(s.values) for s in scale.sweeps)
   return per_variant * num_variants
@@ -190,6 +204,15 @@ def run_study(study: Study, scale_name: str, seeds: int, out: str, data_dir: str
 
     grid = [run(lr, 0, "grid") for lr in scale.learning_rates]
     chosen = choose_rate(grid, study.select)
+    for _ in range(scale.grid_extensions):  # the best rate on an edge: one step further
+      rates = sorted(r["learning_rate"] for r in grid)
+      if chosen not in (rates[0], rates[-1]) or len(rates) < 2:
+        break
+      runs_bar.total += 1
+      grid.append(run(half_decade_step(chosen, up=chosen == rates[-1]), 0, "grid"))
+      if choose_rate(grid, study.select) == chosen:
+        break
+      chosen = choose_rate(grid, study.select)
     store.data["chosen_learning_rates"][variant.name] = chosen
     store.save()
     for seed in range(1, seeds):

@@ -3,6 +3,7 @@ seeds, the JSON / Markdown / PNG written from them, resumption, and controls tha
 learn (2 x 2 relation composition, MQAR with one pair), so a broken pipeline fails here."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import protocol, run
+from experiments.trainer import RunResult
 from experiments.studies import STUDIES
 
 SEEDS = 2
@@ -96,3 +98,29 @@ def test_choose_rate_prefers_the_metric_then_the_lower_loss():
           for lr, acc, loss in ((1e-3, 0.5, 1.0), (3e-3, 0.9, 0.4), (1e-2, 0.9, 0.3))]
   assert protocol.choose_rate(runs, "token_accuracy") == 1e-2
   assert np.isclose(protocol.choose_rate(runs[:2], "token_accuracy"), 3e-3)
+
+
+def test_grid_extends_past_an_edge(monkeypatch, tmp_path):
+  """A best rate on the grid's edge is followed one step further (same rule for all)."""
+  calls = []
+
+  class Fake:
+    def __init__(self, config):
+      self.config, self.params, self.attention_flops_per_token = config, 1, 1.0
+
+    def run(self, learning_rate, seed, **kwargs):
+      calls.append((learning_rate, seed))
+      score = -abs(learning_rate - 0.03)  # best at 3e-2: above the grid's top 1e-2
+      metrics = {"token_accuracy": score, "exact_match": 0.0, "loss": 1.0}
+      return RunResult(steps=1, best_step=1, validation=metrics, test=metrics, curve=[],
+                       wall_s=0.0)
+
+  monkeypatch.setattr(protocol, "CompiledVariant", Fake)
+  monkeypatch.setattr(protocol.inputs, "prepare", lambda config: None)
+  study = STUDIES["mqar"]
+  scale = dataclasses.replace(study.scales["tiny"], sweeps=(), grid_extensions=2)
+  study = dataclasses.replace(study, variants=study.variants[:1], scales={"tiny": scale})
+  data = protocol.run_study(study, "tiny", 2, str(tmp_path), str(tmp_path), progress=False)
+  assert [lr for lr, seed in calls if seed == 0] == [1e-3, 3e-3, 1e-2, 0.03, 0.1]
+  assert data["chosen_learning_rates"]["iha"] == 0.03
+  assert (0.03, 1) in calls

@@ -88,7 +88,8 @@ MQAR = Study(
     variants=VARIANTS,
     scales={
         "tiny": Scale(lambda: _config("tiny"), (1e-3, 3e-3, 1e-2), total_steps=80,
-                      eval_every=40, patience=10, sweeps=(Sweep("num_pairs", 1, (2,), _pairs),)),
+                      eval_every=40, patience=10, sweeps=(Sweep("num_pairs", 1, (2,), _pairs),),
+                      grid_extensions=0),
         # A 2-core CPU budget (~3 h): 1200 steps, two more pair counts, one more width.
         "small": Scale(lambda: _config("small"), (1e-3, 3e-3, 1e-2), total_steps=1200,
                        eval_every=100, patience=5,

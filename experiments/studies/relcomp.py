@@ -82,7 +82,7 @@ def _study(hops: int) -> Study:
   )
   scales = {
       "tiny": Scale(lambda: _config(hops, "tiny"), (1e-3, 3e-3, 1e-2), total_steps=80,
-                    eval_every=40, patience=10),
+                    eval_every=40, patience=10, grid_extensions=0),
       "small": Scale(lambda: _config(hops, "small"), (1e-4, 3e-4, 1e-3), total_steps=800,
                      eval_every=100, patience=5),
       "paper": Scale(lambda: _config(hops, "paper"), (1e-4, 3e-4, 1e-3, 3e-3),
