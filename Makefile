@@ -7,10 +7,11 @@ WORKDIR ?= workdirs/default
 
 .PHONY: test test-fast train bench clean-venv
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
 # The whole suite on CPU (Pallas kernels in interpret mode), one worker per core.

@@ -10,13 +10,16 @@
       every head's attention in that layer for one test example: OUT/<run>_layer0.png.
 
 The mesh is --mesh, else the run's saved mesh when it fits the devices, else all devices
-on fsdp (checkpoints restore onto any mesh).
+on fsdp (checkpoints restore onto any mesh). Workdirs and --out_dir may be local or URLs
+(gs://...). An unreadable latest checkpoint is skipped with a warning naming its step.
+The run's config is the one saved in its checkpoint (`python train.py --help` lists the
+keys). Errors a person can fix print one line (`--debug` or IHA_DEBUG=1: the traceback).
 """
 import json
 
-from absl import app, flags
+from absl import flags
 
-from iha_jax import parallel
+from iha_jax import cli, parallel
 from iha_jax.train import metrics
 
 FLAGS = flags.FLAGS
@@ -33,6 +36,7 @@ flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of pr
 flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
 flags.DEFINE_bool("distributed", False, "jax.distributed.initialize() with auto-detection.")
+cli.define_debug_flag()
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -42,16 +46,18 @@ def main(argv):
   parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                       auto=FLAGS.distributed)
   # pylint: disable-next=import-outside-toplevel
-  from iha_jax.eval import attention_pictures, evaluate_workdir, length_sweep, parse_mesh
+  from iha_jax.eval import (attention_pictures, evaluate_workdir, length_sweep, parse_mesh,
+                            sweep_png)
   mesh = None if FLAGS.mesh is None else parse_mesh(FLAGS.mesh)
   needs_out_dir = FLAGS.sweep_lengths is not None or FLAGS.attention_layer is not None
   if needs_out_dir and not FLAGS.out_dir:
-    raise app.UsageError("--out_dir is required with --sweep_lengths or --attention_layer")
+    cli.fail("--out_dir is required with --sweep_lengths or --attention_layer")
   if FLAGS.sweep_lengths is not None:
     result = length_sweep(FLAGS.workdir, FLAGS.sweep_lengths, FLAGS.out_dir,
                           num_examples=FLAGS.sweep_examples, split=FLAGS.split,
                           step=FLAGS.step, mesh=mesh)
     print(json.dumps(result, indent=2))
+    print(sweep_png(FLAGS.out_dir))
   if FLAGS.attention_layer is not None:
     for workdir in FLAGS.workdir:
       print(attention_pictures(workdir, FLAGS.attention_layer, FLAGS.out_dir,
@@ -63,4 +69,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -4,28 +4,32 @@ Any attention schedule (IHA, MHA, Talking-Heads, differential, 2-simplicial); at
 process 0 logs the run's budget (`iha_jax.train.flops.budget_table`): parameters and
 attention FLOPs per token of every layer kind, and the train FLOPs per step.
 
-Override any config key with `--config.KEY=VALUE` (e.g. `--config.train.total_steps=100`).
+Override any config key with `--config.KEY=VALUE` (e.g. `--config.train.total_steps=100`);
+`--help` lists every key of the config with its value. The workdir may be local or a URL
+(`gs://BUCKET/run`). Re-running resumes from the newest readable checkpoint; SIGTERM and
+Ctrl-C save the current step and exit. Errors a person can fix print one line (`--debug`
+or IHA_DEBUG=1: the traceback).
 Multi-process: `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (or the
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables), or
 `--distributed` where JAX detects the cluster itself (TPU pod slices, SLURM, Open MPI).
 """
-import sys
-
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
-from iha_jax import parallel
+from iha_jax import cli, parallel
 from iha_jax.train import metrics
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).",
                                 lock_config=True)
-flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, TensorBoard.")
+flags.DEFINE_string("workdir", None, "Run directory (local or gs://...): checkpoints, "
+                    "metrics, TensorBoard.")
 flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
 flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() with cluster "
                   "auto-detection (TPU pod slices, SLURM, Open MPI, Kubernetes).")
+cli.define_debug_flag()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -35,14 +39,9 @@ def main(argv):
   # Before any JAX computation: joining a multi-process run must precede backend start.
   parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                       auto=FLAGS.distributed)
-  from iha_jax.train import (  # pylint: disable=import-outside-toplevel
-      ConfigError, NonFiniteLossError, train)
-  try:
-    train(FLAGS.config, FLAGS.workdir)
-  except (ConfigError, NonFiniteLossError) as e:
-    logging.error("%s: %s", type(e).__name__, e)
-    sys.exit(f"{type(e).__name__}: {e}")
+  from iha_jax.train import train  # pylint: disable=import-outside-toplevel
+  train(FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, help_extra=cli.config_keys_help)

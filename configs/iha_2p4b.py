@@ -9,18 +9,24 @@ with tied embeddings that gives the paper's 2.4B parameters (a 3-matrix SwiGLU o
 10240 would be 3.1B).
 Window: 'L' layers use "auto" = 8192 / (2 P) = 204 virtual tokens (~10 tokens), the
 paper's FLOP-matched window (docs/design.md §2).
-Data: a tokenized text corpus; set data.name (e.g. tfds:c4/en prepared as array_record)
-and data.tokenizer (a SentencePiece model with 128256 ids).
+Data: a text corpus prepared as array_record (data.name, default tfds:c4/en) and the paper's
+tokenizer, Llama 3's (128,256 ids): a file the user supplies (the README's pod section shows
+how to get it), `TOKENIZER` by default or `--config.data.tokenizer=PATH_OR_URL`. The
+vocabulary is read from that file (model.vocab_size = -1).
 """
 import ml_collections
 
 from configs import default
 
+# Llama 3's Hugging Face tokenizer.json, relative to the working directory (or a URL given
+# with --config.data.tokenizer); its original tiktoken `tokenizer.model` works as well.
+TOKENIZER = "tokenizers/llama3/tokenizer.json"
+
 
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.model.update(
-      vocab_size=128256, num_layers=26, model_dim=2560, num_heads=20, head_dim=128,
+      vocab_size=-1, num_layers=26, model_dim=2560, num_heads=20, head_dim=128,
       mlp_dim=10240, mlp_type="gelu", attention_schedule="LLLLM", window="auto",
       rope_theta=500000.0, collapse_mode="full", tie_embeddings=True,
       dtype="bfloat16", param_dtype="float32", remat_policy="save_projections",
@@ -28,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.num_pseudo = None  # P = H
   config.data.name = "tfds:c4/en"
   config.data.seq_len = 8192
-  config.data.tokenizer = "sentencepiece_128k.model"
+  config.data.tokenizer = TOKENIZER  # 128,256 ids: the vocabulary
   config.data.options = {}
   config.train.update(
       batch_size=128, total_steps=240_000, learning_rate=8e-4, final_learning_rate=8e-6,

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from iha_jax.eval.attention_maps import (attention_maps, layer_attention_probs,
+from iha_jax.eval.attention_maps import (MIN_GRID_PIXELS, PANEL_PIXELS, attention_maps,
+                                         grid_step, layer_attention_probs,
                                          plot_attention_maps)
 from iha_jax.models import TransformerConfig, TransformerLM
 from iha_jax.ops import collapse_heads, deinterleave, interleave, pseudo_mix
@@ -73,6 +74,16 @@ def test_plot_writes_png(model, tmp_path):
   plot_attention_maps(probs, P, path, title="layer 0 (L)")
   data = path.read_bytes()
   assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def test_token_lines_never_crowd_out_the_band():
+  """A line every P virtual tokens is ~5 px apart at the demo's T = 128, P = 2: lines then
+  go every k tokens, at least MIN_GRID_PIXELS apart; large blocks keep one per token."""
+  step = grid_step(128, 2)
+  assert step % 2 == 0 and step * PANEL_PIXELS / 128 >= MIN_GRID_PIXELS
+  assert (step - 2) * PANEL_PIXELS / 128 < MIN_GRID_PIXELS  # the densest that is readable
+  assert grid_step(16, 2) == 2 and grid_step(8, 1) == 1
+  assert grid_step(20, 20) is None  # one token: nothing to outline
 
 
 def test_bad_arguments(model, tmp_path):

@@ -1,5 +1,6 @@
 """Text corpora: local-file builder, tokenizers, packing and truncation."""
 
+import base64
 import json
 import logging
 import pickle
@@ -239,3 +240,63 @@ def test_missing_text_key_lists_the_features(corpus):
         shard_index=0,
         shard_count=1,
     )
+
+
+def test_bpe_tokenizer_json_trained_by_the_cli_round_trips(corpus, tmp_path):
+  """A byte-level BPE saved as a Hugging Face tokenizer.json, built locally."""
+  train_tokenizer.main([
+      "--name=local_text/lines",
+      f"--data_dir={corpus['data_dir']}",
+      f"--output={tmp_path / 'bpe'}",
+      "--vocab_size=300",
+      "--format=tokenizer.json",
+  ])
+  path = str(tmp_path / "bpe.json")
+  assert tokenizers.tokenizer_format(open(path, "rb").read()) == "tokenizer.json"
+  tok = pickle.loads(pickle.dumps(data.load_tokenizer(path)))
+  assert isinstance(tok, data.HuggingFaceTokenizer)
+  assert tok.vocab_size == 300 == data.vocab_size(_text_config(corpus, seq_len=32,
+                                                               tokenizer=path))
+  assert (tok.bos_id, tok.eos_id) == (tokenizers.BOS_ID, tokenizers.EOS_ID)
+  for text in corpus["validation"]:
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and ids.min() > tokenizers.EOS_ID
+    assert tok.decode(np.concatenate([[tok.bos_id], ids, [tok.eos_id]])) == text
+
+
+def _tiktoken_file(path, merges=(b"al", b"ph", b"alph", b"alpha", b" beta")):
+  """A tiktoken BPE ranks file: every byte, then `merges` (base64 token, rank)."""
+  tokens = [bytes([b]) for b in range(256)] + list(merges)
+  path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(tokens)))
+  return str(path), len(tokens)
+
+
+def test_tiktoken_bpe_file_has_llama3_special_ids(tmp_path):
+  path, ranks = _tiktoken_file(tmp_path / "tokenizer.model")
+  tok = pickle.loads(pickle.dumps(data.load_tokenizer(path)))
+  assert isinstance(tok, data.TiktokenTokenizer)
+  # Llama 3: the ranks, then 256 special ids starting with BOS, EOS (128,000 + 256).
+  assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (ranks + 256, ranks, ranks + 1)
+  text = "alpha beta <|begin_of_text|> é"
+  ids = tok.encode(text)
+  assert ids[0] == ranks - 2 and ids[1] == ranks - 1  # "alpha", " beta"
+  assert ids.max() < ranks  # special-token text in a document is ordinary text
+  assert tok.decode(np.concatenate([[tok.bos_id], ids, [tok.eos_id]])) == text
+
+
+def test_training_on_a_local_bpe_tokenizer(corpus, tmp_path):
+  """The model's vocabulary is read from the tokenizer file (model.vocab_size = -1)."""
+  from configs import tiny  # pylint: disable=import-outside-toplevel
+  from iha_jax.train import model_config, train  # pylint: disable=import-outside-toplevel
+
+  texts = corpus["train"]
+  path = train_tokenizer.train_bpe_json(iter(texts), tmp_path / "bpe", vocab_size=280)
+  config = tiny.get_config()
+  config.data.update(name="local_text/lines", data_dir=corpus["data_dir"], tokenizer=path,
+                     seq_len=32)
+  config.data.options = {}
+  config.train.update(total_steps=3, warmup_steps=1)
+  config.mesh.fsdp, config.eval_every = 1, 0
+  assert config.model.vocab_size == -1 and model_config(config).vocab_size == 280
+  record = train(config, str(tmp_path / "run"))
+  assert np.isfinite(record["loss"]) and record["loss"] > 0

@@ -15,6 +15,7 @@ from configs.default import get_config as default_config
 from iha_jax.eval import (attention_pictures, evaluate_workdir, length_sweep, parse_lengths,
                           parse_mesh, restore_run)
 from iha_jax.eval.evaluator import FALLBACK_MESH, chance_exact_match, choose_mesh
+from iha_jax.eval.sweep import sweep_title
 from iha_jax.train import LanguageModel, model_config, train
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train.optimizer import make_optimizer
@@ -137,6 +138,11 @@ def test_length_sweep_writes_json_and_plot(runs, tmp_path):
   assert list(result["runs"]) == ["iha", "mha"]
   assert result["runs"]["iha"]["label"] == "iha (IM, P=2)"
   assert result["runs"]["mha"]["label"] == "mha (MM)"
+  assert {r["dataset"] for r in result["runs"].values()} == {"multikey_retrieval/cpu_demo"}
+  assert sweep_title(result) == (
+      "Multi-key retrieval (multikey_retrieval/cpu_demo) against context length")
+  assert sweep_title({"runs": {"a": {"dataset": "mqar/cpu_demo"}}}).startswith(
+      "Multi-query associative recall (mqar/cpu_demo)")
   for record in result["runs"].values():
     assert record["step"] == 4 and record["train_length"] == 48
     assert sorted(record["exact_match"]) == sorted(str(n) for n in LENGTHS)

@@ -19,6 +19,8 @@ from iha_jax.eval import evaluate_workdir
 from iha_jax.train import ConfigError, NonFiniteLossError, train
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
+from iha_jax.train.loop import _Preemption
+from iha_jax.train.metrics import MetricsWriter
 from iha_jax.train.model import LanguageModel
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
@@ -169,8 +171,58 @@ def test_eval_workdir_writes_metrics(reference_run):
     assert json.load(f) == record
 
 
-def test_sigterm_saves_current_step_and_exits_cleanly(data_dir, tmp_path):
-  """Preemption: SIGTERM to a running train.py saves a checkpoint and exits with 0."""
+def test_unreadable_latest_checkpoint_falls_back_to_the_newest_intact_step(
+    reference_run, tmp_path, caplog):
+  """Step 8's arrays truncated (a half-copied checkpoint): eval and training warn, name
+  step 8 and use step 4; training moves step 8 aside and makes it again, loss for loss."""
+  config, workdir = reference_run
+  copy = str(tmp_path / "run")
+  shutil.copytree(os.path.join(workdir, "checkpoints"), os.path.join(copy, "checkpoints"))
+  for root, _, files in os.walk(os.path.join(copy, "checkpoints", "8", "state")):
+    for name in files:
+      if os.path.basename(root) == "d":  # array chunks
+        open(os.path.join(root, name), "wb").close()
+  with caplog.at_level("WARNING"):
+    assert evaluate_workdir(copy)["step"] == 4
+  assert "checkpoint step 8 in" in caplog.text and "cannot be read" in caplog.text
+  train(config, copy)
+  assert os.path.isdir(os.path.join(copy, ckpt.UNREADABLE_DIR, "8"))
+  assert sorted(losses(copy)) == [5, 6, 7, 8]
+  assert [losses(copy)[s] for s in (5, 6, 7, 8)] == [losses(workdir)[s] for s in (5, 6, 7, 8)]
+  assert evaluate_workdir(copy)["step"] == 8
+
+
+def test_sigterm_and_ctrl_c_request_a_save(monkeypatch):
+  """Both signals set the same flag the loop checks after each step; a second Ctrl-C
+  stops at once; closing restores the previous handlers."""
+  previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    preemption = _Preemption()
+    try:
+      assert not preemption.agreed()
+      signal.raise_signal(sig)
+      assert preemption.agreed()
+      if sig == signal.SIGINT:
+        with pytest.raises(KeyboardInterrupt):
+          signal.raise_signal(sig)
+    finally:
+      preemption.close()
+  assert {sig: signal.getsignal(sig) for sig in previous} == previous
+
+
+def test_progress_bar_keeps_eval_results_on_screen(tmp_path, capsys):
+  writer = MetricsWriter(str(tmp_path), total_steps=4, progress_bar=True)
+  writer.write(1, {"loss": 2.5})
+  writer.write(2, {"loss": 2.0, "eval_loss": 1.5, "eval_exact_match": 0.25})
+  writer.close()
+  out = capsys.readouterr().out
+  assert "step 2: eval_loss=1.5, eval_exact_match=0.25" in out
+  assert "step 1" not in out  # training steps only update the bar
+
+
+def test_ctrl_c_saves_current_step_and_exits_cleanly(data_dir, tmp_path):
+  """Ctrl-C (SIGINT) to a running train.py saves a checkpoint and exits with 0, as SIGTERM
+  (preemption) does: both go through the same flag (test above)."""
   workdir = str(tmp_path / "preempted")
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=repo, XLA_FLAGS="--xla_force_host_platform_device_count=1")
@@ -186,7 +238,7 @@ def test_sigterm_saves_current_step_and_exits_cleanly(data_dir, tmp_path):
       assert proc.poll() is None, proc.stderr.read()[-3000:]
       assert time.time() < deadline, "train.py logged no step within 240 s"
       time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
   finally:
     if proc.poll() is None:

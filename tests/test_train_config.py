@@ -1,6 +1,7 @@
 """Config validation, the shipped configs, and the IHA-aware FLOP count."""
 from __future__ import annotations
 
+import base64
 import re
 
 import jax
@@ -12,11 +13,12 @@ from flax import nnx
 
 from configs import (default, diff_2p4b, global_2p4b, global_local_2p4b, iha_2p4b, mha_default,
                      talking_heads_2p4b, tiny)
-from iha_jax.models import TransformerConfig, TransformerLM
+from iha_jax.data import DataError
+from iha_jax.models import TransformerConfig, TransformerLM, count_params
 from iha_jax.models.layers import make_attention
 from iha_jax.nn import MIXING_PARAMS, param_specs
 from iha_jax.ops.masking import visible
-from iha_jax.train import ConfigError, LanguageModel, model_config, num_params, validate
+from iha_jax.train import ConfigError, LanguageModel, model_config, validate
 from iha_jax.train import flops
 from iha_jax.train.config import config_differences
 from iha_jax.train.optimizer import decay_mask, make_optimizer
@@ -60,8 +62,34 @@ def test_window_override_from_the_command_line():
   assert validate(config, 8).iha_window == 24
 
 
-def test_window_auto_is_flop_matched():
-  config = iha_2p4b.get_config()
+@pytest.fixture(scope="module")
+def llama3_sized_tokenizer(tmp_path_factory) -> str:
+  """A tiktoken BPE file with Llama 3's 128,000 ranks (made up, no download): with its 256
+  special tokens the vocabulary the paper configs read from their tokenizer file."""
+  tokens = [bytes([b]) for b in range(256)]
+  tokens += [bytes([a, b, c]) for a in range(256) for b in range(256) for c in (0, 1)][
+      :128000 - 256]
+  path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.model"
+  path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(tokens)))
+  return str(path)
+
+
+def paper_config(module, tokenizer: str) -> ml_collections.ConfigDict:
+  """A 2.4B config reading its vocabulary from `tokenizer` (the user's file in real runs)."""
+  config = module.get_config()
+  assert config.model.vocab_size == -1 and config.data.tokenizer == iha_2p4b.TOKENIZER
+  config.data.tokenizer = tokenizer
+  return config
+
+
+def test_paper_configs_name_the_users_tokenizer_file():
+  with pytest.raises(DataError, match=r"data.tokenizer: 'tokenizers/llama3/tokenizer.json' "
+                                      r"is neither 'byte' nor an existing tokenizer file"):
+    validate(iha_2p4b.get_config(), 128)
+
+
+def test_window_auto_is_flop_matched(llama3_sized_tokenizer):
+  config = paper_config(iha_2p4b, llama3_sized_tokenizer)
   model = validate(config, 128)
   assert model.iha_window == 8192 // (2 * 20)  # N / (2P) virtual tokens, P = H = 20
 
@@ -78,8 +106,9 @@ GLOBAL_2P4B_PARAMS = 128256 * 2560 + 2560 + 26 * (4 * 2560 * 2560 + 2 * 2560 * 1
     (talking_heads_2p4b, "T", 26 * 2 * 20 * 20),  # talk_logits, talk_weights [H, H]
     (diff_2p4b, "D", 26 * (4 * 128 + 256)),       # lambda_q1/k1/q2/k2 [d], norm_scale [2d]
 ])
-def test_paper_configs_build_at_2p4b_without_allocating(module, schedule, extra):
-  config = module.get_config()
+def test_paper_configs_build_at_2p4b_without_allocating(module, schedule, extra,
+                                                       llama3_sized_tokenizer):
+  config = paper_config(module, llama3_sized_tokenizer)
   model_cfg = validate(config, 128)
   assert model_cfg.attention_schedule == schedule and model_cfg.num_layers == 26
   # docs/design.md §4: width 2560, H = 20, d = 128, MLP 10240, vocabulary 128256, theta 500000.
@@ -97,7 +126,7 @@ def test_mha_twin_matches_params_and_flops():
   iha, mha = (validate(m.get_config(), 1) for m in (default, mha_default))
   assert "I" in iha.schedule or "L" in iha.schedule
   assert set(mha.schedule) <= {"M", "S"}
-  assert abs(num_params(iha) / num_params(mha) - 1) < 0.01
+  assert abs(count_params(iha) / count_params(mha) - 1) < 0.01
   seq = default.get_config().data.seq_len
   ratio = flops.train_flops_per_step(iha, 1, seq) / flops.train_flops_per_step(mha, 1, seq)
   assert abs(ratio - 1) < 0.05, ratio
@@ -248,7 +277,7 @@ def test_layer_budget_by_hand(letter, causal):
   head = 2 * 16 * 10
   per_token = projection + mixing + mlp + head
   assert flops.forward_flops_per_sequence(config, 6) == 6 * per_token + core
-  assert budget.block_params + 10 * 16 + 16 == num_params(config)  # + embedding, final norm
+  assert budget.block_params + 10 * 16 + 16 == count_params(config)  # + embedding, final norm
 
 
 def test_per_head_collapse_and_output_head_flops():
@@ -264,21 +293,21 @@ def test_budget_table_rows_and_totals():
   budgets = flops.layer_budgets(config, 6)
   assert [b.letter for b in budgets] == list("ILMSTDX")
   assert sum(b.params for b in budgets) + 7 * (3 * 16 * 32 + 2 * 16) + 10 * 16 + 16 == (
-      num_params(config))
+      count_params(config))
   table = flops.budget_table(config, 6, batch_size=4)
   lines = table.splitlines()
   for letter, kind in zip("ILMSTDX", ("iha", "iha", "mha", "mha", "talking_heads", "diff",
                                        "simplicial")):
     assert any(line.split()[:2] == [letter, kind] for line in lines), table
   assert "4 virtual" in table and "3 tokens" in table and "bidir" in table
-  assert f"parameters: {num_params(config):,}" in table
+  assert f"parameters: {count_params(config):,}" in table
   assert "train FLOPs per step (batch 4)" in table
 
 
-def test_paper_diff_baseline_matches_mha_projections():
+def test_paper_diff_baseline_matches_mha_projections(llama3_sized_tokenizer):
   """Counts of all five 2.4B configs: test_paper_configs_build_at_2p4b_without_allocating."""
-  diff = validate(diff_2p4b.get_config(), 128)
-  global_cfg = validate(global_2p4b.get_config(), 128)
+  diff = validate(paper_config(diff_2p4b, llama3_sized_tokenizer), 128)
+  global_cfg = validate(paper_config(global_2p4b, llama3_sized_tokenizer), 128)
   assert diff.iha_window is None and diff.attention_config("D").num_heads == 10
   specs = param_specs(diff.attention_config("D"))
   assert specs["wq"].shape == (2560, 10, 2, 128) and specs["wv"].shape == (2560, 10, 256)

@@ -31,6 +31,7 @@ from absl import flags
 from iha_jax.data import registry
 from iha_jax.data import tokenizers
 from iha_jax.data import transforms
+from iha_jax.data.errors import DataError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,7 +78,7 @@ class DataConfig:
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(config) - fields)
     if unknown:
-      raise ValueError(
+      raise DataError(
           f"Unknown data config field(s) {unknown}; valid: {sorted(fields)}."
       )
     return cls(**{**config, "options": dict(config.get("options") or {})})
@@ -105,7 +106,7 @@ def _record_transform(
   if not registry.is_text(config.name):
     return transforms.TaskToLM()
   if config.text_key not in builder.info.features:
-    raise ValueError(
+    raise DataError(
         f"Dataset {config.name!r} has no feature {config.text_key!r}; set"
         f" text_key to one of {sorted(builder.info.features)}."
     )
@@ -154,18 +155,18 @@ def make_dataset(
   shard_index = jax.process_index() if shard_index is None else shard_index
   shard_count = jax.process_count() if shard_count is None else shard_count
   if not 0 <= shard_index < shard_count:
-    raise ValueError(
+    raise DataError(
         f"Need 0 <= shard_index < shard_count, got {shard_index}, {shard_count}."
     )
   if global_batch_size < 1 or global_batch_size % shard_count:
-    raise ValueError(
+    raise DataError(
         f"global_batch_size={global_batch_size} must be a positive multiple of"
         f" shard_count={shard_count}."
     )
   if config.seq_len < 1:
-    raise ValueError(f"seq_len must be >= 1, got {config.seq_len}.")
+    raise DataError(f"seq_len must be >= 1, got {config.seq_len}.")
   if num_epochs is not None and num_epochs < 1:
-    raise ValueError(f"num_epochs must be None or >= 1, got {num_epochs}.")
+    raise DataError(f"num_epochs must be None or >= 1, got {num_epochs}.")
   packing = (
       registry.is_text(config.name) if config.packing is None else config.packing
   )

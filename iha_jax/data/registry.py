@@ -18,16 +18,20 @@ import dataclasses
 import hashlib
 import os
 import shlex
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import tensorflow_datasets as tfds
+from etils import epath
 
+from iha_jax import storage
 from iha_jax.data import builder_base
 from iha_jax.data import local_text
 from iha_jax.data import mqar
 from iha_jax.data import multikey_retrieval
 from iha_jax.data import relation_composition
+from iha_jax.data.errors import DataError
 
 TFDS_PREFIX = "tfds:"
 
@@ -74,8 +78,8 @@ def build_command(
   return shlex.join(parts)
 
 
-def _unknown_name_error(name: str) -> ValueError:
-  return ValueError(
+def _unknown_name_error(name: str) -> DataError:
+  return DataError(
       f"Unknown dataset {name!r}. Available: {', '.join(list_datasets())};"
       f" or '{TFDS_PREFIX}<name>[/config]' for a TFDS text dataset prepared as"
       " array_record."
@@ -107,7 +111,7 @@ def builder_config(
   )
   unknown = sorted(set(options) - set(allowed))
   if unknown:
-    raise ValueError(
+    raise DataError(
         f"Unknown option(s) {unknown} for {cls.name}/{base.name}; valid"
         f" options: {allowed}."
     )
@@ -119,7 +123,10 @@ def builder_config(
     overrides = ", ".join(f"{k}={v!r}" for k, v in changed.items())
     config = dataclasses.replace(base, name=f"{base.name}-{digest}",
                                  description=f"{base.name} with {overrides}.", **changed)
-  config.validate()
+  try:
+    config.validate()
+  except ValueError as e:
+    raise DataError(f"Dataset {name!r} with options {options}: {e}") from e
   return config
 
 
@@ -135,13 +142,13 @@ def get_builder(
   """
   options = dict(options or {})
   if not data_dir:
-    raise ValueError(
+    raise DataError(
         f"No data_dir given for dataset {name!r}. Prepare it with:\n  "
         f"{build_command(name, None, options)}\nand pass that --data_dir."
     )
   if name.startswith(TFDS_PREFIX):
     if options:
-      raise ValueError(f"{name!r} takes no options, got {sorted(options)}.")
+      raise DataError(f"{name!r} takes no options, got {sorted(options)}.")
     try:
       return tfds.builder(name[len(TFDS_PREFIX) :], data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError as e:
@@ -168,6 +175,8 @@ def prepare(
   Returns:
     The prepared builder.
   """
+  if storage.is_remote(data_dir):
+    return _prepare_remote(name, data_dir, options=options, manual_dir=manual_dir)
   builder = get_builder(name, data_dir, options)
   download_config = tfds.download.DownloadConfig(manual_dir=manual_dir)
   builder.download_and_prepare(
@@ -175,6 +184,33 @@ def prepare(
       file_format=tfds.core.FileFormat.ARRAY_RECORD,
   )
   return builder
+
+
+def _prepare_remote(
+    name: str,
+    data_dir: str | os.PathLike[str],
+    *,
+    options: Mapping[str, Any] | None,
+    manual_dir: str | os.PathLike[str] | None,
+) -> tfds.core.DatasetBuilder:
+  """Prepares into a local temporary directory, then copies the dataset up.
+
+  ArrayRecord's C++ writer only knows local files (its reader reads ``gs://``
+  itself), so TFDS cannot write the shards straight to a bucket.
+  """
+  builder = get_builder(name, data_dir, options)
+  if builder.is_prepared():
+    return builder
+  with tempfile.TemporaryDirectory(prefix="iha_jax_data_") as local:
+    local_builder = prepare(name, local, options=options, manual_dir=manual_dir)
+    source = epath.Path(local_builder.data_dir)
+    target = epath.Path(builder.data_dir)
+    for path in sorted(source.rglob("*")):
+      if path.is_file():
+        destination = target / path.relative_to(source)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        destination.write_bytes(path.read_bytes())
+  return get_builder(name, data_dir, options)
 
 
 def open_split(
@@ -192,20 +228,20 @@ def open_split(
   """
   builder = get_builder(name, data_dir, options)
   if not builder.is_prepared():
-    raise ValueError(
+    raise DataError(
         f"Dataset {name!r} is not prepared in data_dir {os.fspath(data_dir)!r}"
         f" (looked for {os.fspath(builder.data_path)}). Prepare it with:\n  "
         f"{build_command(name, data_dir, options)}"
     )
   if split not in builder.info.splits:
-    raise ValueError(
+    raise DataError(
         f"Dataset {name!r} has no split {split!r}; available:"
         f" {sorted(builder.info.splits)}."
     )
   try:
     source = builder.as_data_source(split=split)
   except NotImplementedError as e:
-    raise ValueError(
+    raise DataError(
         f"Dataset {name!r} in {os.fspath(data_dir)!r} is stored as"
         f" {builder.info.file_format}, not array_record. Prepare it into"
         f" another data_dir with:\n  {build_command(name, 'NEW_DATA_DIR', options)}"

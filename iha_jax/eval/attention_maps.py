@@ -97,19 +97,38 @@ def attention_maps(model: TransformerLM, tokens: jax.Array, *, layer: int,
   return np.asarray(probs[0])
 
 
+PANEL_PIXELS = 300  # approximate width of one head's heat-map in the PNG (3.2 in, 120 dpi)
+MIN_GRID_PIXELS = 12  # token-block lines closer than this would hide the attention band
+
+
+def grid_step(num_virtual: int, num_pseudo: int, *, panel_pixels: int = PANEL_PIXELS,
+              min_pixels: int = MIN_GRID_PIXELS) -> int | None:
+  """Virtual tokens between two token-block lines: P when a P x P block spans at least
+  `min_pixels` pixels, else the smallest multiple of P that does (lines every k tokens);
+  None when even one line would be too dense (fewer than 2 blocks)."""
+  pixels_per_block = panel_pixels * num_pseudo / num_virtual
+  tokens = max(1, -(-min_pixels // max(pixels_per_block, 1e-9)))
+  step = int(tokens) * num_pseudo
+  return step if step < num_virtual else None
+
+
 def plot_attention_maps(probs: np.ndarray, num_pseudo: int, path: str | os.PathLike, *,
                         title: str | None = None) -> None:
-  """Writes one heat-map panel per head to a PNG file.
+  """Writes one heat-map panel per head to a PNG file (local path or URL).
 
   Args:
     probs: `[H, T, T]` attention probabilities (rows: queries, columns: keys).
-    num_pseudo: P; gridlines every P virtual tokens outline the token blocks.
+    num_pseudo: P; faint lines outline the P x P token blocks, or every k-th block when
+      blocks are only a few pixels wide (`grid_step`), so they never hide the band.
     path: output file (PNG).
     title: optional figure title.
   """
   # Imported here so the maps themselves do not need matplotlib; the object-oriented
   # Figure API renders with Agg without touching pyplot's global backend.
+  from matplotlib.colors import PowerNorm  # pylint: disable=import-outside-toplevel
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+
+  from iha_jax import storage  # pylint: disable=import-outside-toplevel
 
   probs = np.asarray(probs)
   if probs.ndim != 3 or probs.shape[1] != probs.shape[2]:
@@ -119,18 +138,23 @@ def plot_attention_maps(probs: np.ndarray, num_pseudo: int, path: str | os.PathL
     raise ValueError(f"num_pseudo must be a positive integer dividing T={probs.shape[1]}, "
                      f"got {num_pseudo!r}")
   heads, t = probs.shape[:2]
-  fig = Figure(figsize=(3.2 * heads + 1.0, 3.4), layout="constrained")
+  step = grid_step(t, num_pseudo)
+  fig = Figure(figsize=(3.2 * heads + 1.0, 3.6), layout="constrained")
   axes = fig.subplots(1, heads, squeeze=False)[0]
+  # Square-root colour scale: spread-out attention (1/window each) stays visible.
+  norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
   for head, ax in enumerate(axes):
-    image = ax.imshow(probs[head], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
-    for edge in np.arange(num_pseudo, t, num_pseudo) - 0.5:  # Token boundaries.
-      ax.axhline(edge, color="white", linewidth=0.4)
-      ax.axvline(edge, color="white", linewidth=0.4)
+    image = ax.imshow(probs[head], cmap="viridis", norm=norm, interpolation="nearest")
+    for edge in (np.arange(step, t, step) - 0.5 if step else ()):  # Token boundaries.
+      ax.axhline(edge, color="white", linewidth=0.3, alpha=0.35)
+      ax.axvline(edge, color="white", linewidth=0.3, alpha=0.35)
     ax.set_title(f"head {head}")
     ax.set_xlabel("key (virtual token)")
     if head == 0:
       ax.set_ylabel("query (virtual token)")
-  fig.colorbar(image, ax=list(axes), shrink=0.8, label="probability")
-  if title is not None:
-    fig.suptitle(title)
-  fig.savefig(path, format="png", dpi=120)
+  fig.colorbar(image, ax=list(axes), shrink=0.8, label="probability (sqrt scale)")
+  grid = ("no token lines (blocks too small)" if step is None else
+          f"lines every {step // num_pseudo} token(s) = {step} virtual")
+  fig.suptitle(f"{title + chr(10) if title else ''}P = {num_pseudo}: {grid}", fontsize=9)
+  with storage.as_path(path).open("wb") as f:
+    fig.savefig(f, format="png", dpi=120)

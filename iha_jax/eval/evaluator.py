@@ -3,7 +3,9 @@ draw attention pictures.
 
 A checkpoint restores onto any mesh (Orbax reshards to the target shardings), so the
 mesh is chosen for the devices present now: `--mesh` when given, else the mesh saved in
-the run's config when it fits, else every device on the fsdp axis.
+the run's config when it fits, else every device on the fsdp axis. Workdirs and output
+directories may be local or remote (`gs://...`, through `iha_jax.storage`). The latest
+checkpoint that cannot be read is skipped with a warning naming its step.
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import functools
 import json
 import logging
 import math
-import os
 from typing import Any
 
 import jax
@@ -21,7 +22,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from iha_jax import data as data_lib
-from iha_jax import parallel
+from iha_jax import parallel, storage
+from iha_jax.errors import UserError
 from iha_jax.eval.attention_maps import attention_maps, plot_attention_maps
 from iha_jax.models import TransformerConfig
 from iha_jax.parallel.rules import MESH_AXES
@@ -36,17 +38,25 @@ from iha_jax.train.state import abstract_state
 FALLBACK_MESH = {"data": 1, "fsdp": -1, "tensor": 1}
 
 
+class EvalError(UserError, ValueError):
+  """A bad eval.py argument (`--step`, `--mesh`, `--sweep_lengths`, ...); names the flag."""
+
+
+class RunNotFoundError(UserError, FileNotFoundError):
+  """`--workdir` is missing or holds no checkpoint; says what train.py command makes one."""
+
+
 def parse_mesh(text: str) -> dict[str, int]:
   """`"data:1,fsdp:-1,tensor:1"` -> mesh sizes; axes left out are 1."""
   sizes = dict.fromkeys(MESH_AXES, 1)
   for item in filter(None, (part.strip() for part in text.split(","))):
     axis, _, size = item.partition(":")
     if axis not in MESH_AXES:
-      raise ValueError(f"--mesh={text!r}: unknown axis {axis!r}; axes: {', '.join(MESH_AXES)}")
+      raise EvalError(f"--mesh={text!r}: unknown axis {axis!r}; axes: {', '.join(MESH_AXES)}")
     try:
       sizes[axis] = int(size)
     except ValueError:
-      raise ValueError(f"--mesh={text!r}: {axis} needs an integer size, got {size!r}") from None
+      raise EvalError(f"--mesh={text!r}: {axis} needs an integer size, got {size!r}") from None
   return sizes
 
 
@@ -70,7 +80,7 @@ def choose_mesh(saved: dict[str, int], model: TransformerConfig, num_devices: in
   if override is not None:
     problem = _mesh_problem(override, model, num_devices)
     if problem:
-      raise ValueError(f"--mesh {override} does not fit {num_devices} devices: {problem}")
+      raise EvalError(f"--mesh {override} does not fit {num_devices} devices: {problem}")
     return override
   problem = _mesh_problem(saved, model, num_devices)
   if problem is None:
@@ -93,7 +103,7 @@ class RestoredRun:
 
   @property
   def name(self) -> str:
-    return os.path.basename(os.path.normpath(self.workdir))
+    return storage.basename(self.workdir)
 
   @property
   def eval_batch_size(self) -> int:
@@ -117,26 +127,49 @@ class RestoredRun:
 
 def restore_run(workdir: str, step: int | None = None, mesh: dict[str, int] | None = None
                 ) -> RestoredRun:
-  """Restores `workdir`'s checkpoint `step` (default: the latest) with the config saved
-  in it, onto `mesh` or the mesh `choose_mesh` picks for the current devices."""
-  if not os.path.isdir(workdir):
-    raise FileNotFoundError(f"--workdir {workdir!r} is not a directory")
+  """Restores `workdir`'s checkpoint `step` (default: the newest one that can be read) with
+  the config saved in it, onto `mesh` or the mesh `choose_mesh` picks for the current
+  devices. `workdir` may be a local path or a URL (`gs://BUCKET/run`)."""
+  workdir = storage.resolve(workdir, name="--workdir")
+  if not storage.as_path(workdir).is_dir():
+    raise RunNotFoundError(f"--workdir {workdir!r} is not a directory; train a run into it "
+                           f"with python train.py --config CONFIG --workdir {workdir}")
+  no_checkpoint = RunNotFoundError(
+      f"--workdir {workdir!r}: no checkpoint in {ckpt.checkpoint_dir(workdir)}; train.py "
+      f"saves one every checkpoint.every steps and at the end of the run")
+  if not storage.as_path(ckpt.checkpoint_dir(workdir)).is_dir():
+    raise no_checkpoint
   manager = ckpt.make_manager(workdir)
   try:
     steps = sorted(manager.all_steps())
     if not steps:
-      raise FileNotFoundError(f"--workdir {workdir!r}: no checkpoint in "
-                              f"{ckpt.checkpoint_dir(workdir)}")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-      raise ValueError(f"--step={step}: {workdir!r} has checkpoints at steps {steps}")
-    config = ckpt.restore_config(manager, step)
-    model_cfg = config_lib.model_config(config)
-    sizes = choose_mesh(dict(config.mesh), model_cfg, jax.device_count(), mesh)
-    model = LanguageModel(model_cfg, remat="none", scan_layers=config.model.scan_layers)
-    device_mesh = parallel.create_mesh(sizes)
-    target, shardings = abstract_state(model, make_optimizer(config.train), device_mesh)
-    state = ckpt.restore_params(manager, step, target)  # no optimizer moments
+      raise no_checkpoint
+    if step is not None and step not in steps:
+      raise EvalError(f"--step={step}: {workdir!r} has checkpoints at steps {steps}")
+
+    def restore_step(candidate: int) -> tuple[Any, ...]:
+      config = ckpt.restore_config(manager, candidate)
+      model_cfg = config_lib.model_config(config)
+      sizes = choose_mesh(dict(config.mesh), model_cfg, jax.device_count(), mesh)
+      model = LanguageModel(model_cfg, remat="none", scan_layers=config.model.scan_layers)
+      device_mesh = parallel.create_mesh(sizes)
+      target, shardings = abstract_state(model, make_optimizer(config.train), device_mesh)
+      state = ckpt.restore_params(manager, candidate, target)  # no optimizer moments
+      return config, model, device_mesh, state, shardings
+
+    if step is None:
+      step, (config, model, device_mesh, state, shardings), _ = ckpt.restore_newest(
+          manager, restore_step)
+    else:
+      try:
+        config, model, device_mesh, state, shardings = restore_step(step)
+      except Exception as e:  # pylint: disable=broad-except
+        if not ckpt.is_read_error(e):
+          raise
+        raise ckpt.CheckpointError(f"--step={step}: the checkpoint in "
+                                   f"{ckpt.checkpoint_dir(workdir)} cannot be read "
+                                   f"({ckpt.describe(e)}); pick another of steps {steps}"
+                                   ) from e
   finally:
     manager.close()
   return RestoredRun(workdir=workdir, step=int(step), config=config, model=model,
@@ -155,8 +188,7 @@ def evaluate_workdir(workdir: str, split: str = "test", step: int | None = None,
   if chance is not None:
     record["chance_exact_match"] = chance
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "eval.json"), "w", encoding="utf-8") as f:
-      json.dump(record, f, indent=2)
+    storage.write_text(storage.join(run.workdir, "eval.json"), json.dumps(record, indent=2))
   logging.info("eval %s", record)
   return record
 
@@ -182,10 +214,10 @@ def attention_pictures(workdir: str, layer: int, out_dir: str, *, split: str = "
   run = restore_run(workdir, step, mesh)
   num_layers = run.model.config.num_layers
   if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
-    raise ValueError(f"--attention_layer={layer!r} is out of range: {workdir!r} has "
+    raise EvalError(f"--attention_layer={layer!r} is out of range: {workdir!r} has "
                      f"{num_layers} layers (0..{num_layers - 1})")
   if example < 0:
-    raise ValueError(f"--attention_example must be >= 0, got {example}")
+    raise EvalError(f"--attention_example must be >= 0, got {example}")
   # One unshuffled process-independent row: every process draws the same example.
   rows = data_lib.make_dataset(run.config.data, split, global_batch_size=1, shard_index=0,
                                shard_count=1, shuffle=False, num_epochs=1)
@@ -193,16 +225,16 @@ def attention_pictures(workdir: str, layer: int, out_dir: str, *, split: str = "
     if index == example:
       break
   else:
-    raise ValueError(f"--attention_example={example}: split {split!r} has {index + 1} examples")
+    raise EvalError(f"--attention_example={example}: split {split!r} has {index + 1} examples")
   keep = batch["segment_ids"][0] > 0
   tokens = np.asarray(batch["inputs"][0][keep])
   with parallel.activate(run.mesh):
     probs = attention_maps(run.model.module(run.params), tokens, layer=layer)
   num_pseudo = probs.shape[-1] // len(tokens)
   kind = run.model.config.attention_schedule[layer % len(run.model.config.attention_schedule)]
-  path = os.path.join(out_dir, f"{run.name}_layer{layer}.png")
+  path = storage.join(out_dir, f"{run.name}_layer{layer}.png")
   if jax.process_index() == 0:
-    os.makedirs(out_dir, exist_ok=True)
+    storage.makedirs(out_dir)
     plot_attention_maps(probs, num_pseudo, path,
                         title=f"{run.name} step {run.step}, layer {layer} ('{kind}', "
                               f"P={num_pseudo}), {split} example {example}")

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any, Sequence
 
 import jax
 import ml_collections
 
-from iha_jax.eval.evaluator import chance_exact_match, restore_run
+from iha_jax import storage
+from iha_jax.eval.evaluator import EvalError, chance_exact_match, restore_run
 
 TASKS = ("multikey_retrieval", "mqar")  # tasks with a `length` option and exact match
+TASK_TITLES = {"multikey_retrieval": "Multi-key retrieval",
+               "mqar": "Multi-query associative recall"}
 JSON_NAME, PNG_NAME = "length_sweep.json", "length_sweep.png"
 
 
@@ -26,13 +28,13 @@ def parse_lengths(values: Sequence[str | int]) -> list[int]:
   """`["128", "256"]` -> `[128, 256]` (sorted, distinct); raises ValueError naming
   `--sweep_lengths` when empty or not positive integers."""
   if not values:
-    raise ValueError("--sweep_lengths must list at least one context length, e.g. 128,256")
+    raise EvalError("--sweep_lengths must list at least one context length, e.g. 128,256")
   try:
     lengths = sorted({int(v) for v in values})
   except ValueError:
-    raise ValueError(f"--sweep_lengths must be integers, got {list(values)}") from None
+    raise EvalError(f"--sweep_lengths must be integers, got {list(values)}") from None
   if lengths[0] < 1:
-    raise ValueError(f"--sweep_lengths must be positive, got {list(values)}")
+    raise EvalError(f"--sweep_lengths must be positive, got {list(values)}")
   return lengths
 
 
@@ -63,24 +65,26 @@ def length_sweep(workdirs: Sequence[str], lengths: Sequence[int], out_dir: str, 
   """Evaluates every run at every length; writes `out_dir/length_sweep.{json,png}`.
 
   Returns:
-    `{"lengths", "examples", "split", "runs": {name: {"workdir", "label", "step",
-    "train_length", "chance_exact_match", "exact_match": {length: accuracy},
-    "token_accuracy": {length: accuracy}}}}`; JSON keys of lengths are strings.
+    `{"lengths", "examples", "split", "runs": {name: {"workdir", "label", "dataset",
+    "step", "train_length", "chance_exact_match", "exact_match": {length: accuracy},
+    "token_accuracy": {length: accuracy}}}}`; JSON keys of lengths are strings. `out_dir`
+    may be local or remote (`gs://...`).
   """
   if not workdirs:
-    raise ValueError("--workdir: give at least one run directory to sweep")
+    raise EvalError("--workdir: give at least one run directory to sweep")
   lengths = parse_lengths(lengths)
   if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 1:
-    raise ValueError(f"--sweep_examples must be a positive integer, got {num_examples!r}")
+    raise EvalError(f"--sweep_examples must be a positive integer, got {num_examples!r}")
   runs: dict[str, Any] = {}
   for workdir in workdirs:
     run = restore_run(workdir, step, mesh)
     if not run.config.data.name.startswith(TASKS):
-      raise ValueError(f"--sweep_lengths needs runs trained on one of {TASKS}; "
+      raise EvalError(f"--sweep_lengths needs runs trained on one of {TASKS}; "
                        f"--workdir {workdir!r} trained on {run.config.data.name!r}")
     # Distinct names even for runs whose directories share a basename.
-    name = run.name if run.name not in runs else os.path.abspath(workdir)
-    record = {"workdir": os.path.abspath(workdir), "label": run_label(name, run.config),
+    name = run.name if run.name not in runs else run.workdir
+    record = {"workdir": run.workdir, "label": run_label(name, run.config),
+              "dataset": run.config.data.name,
               "step": run.step, "train_length": run.config.data.seq_len,
               "chance_exact_match": chance_exact_match(run.config),
               "exact_match": {}, "token_accuracy": {}}
@@ -92,16 +96,29 @@ def length_sweep(workdirs: Sequence[str], lengths: Sequence[int], out_dir: str, 
     runs[name] = record
   result = {"lengths": lengths, "examples": num_examples, "split": split, "runs": runs}
   if jax.process_index() == 0:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, JSON_NAME), "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
-    plot_sweep(result, os.path.join(out_dir, PNG_NAME))
+    storage.write_text(storage.join(out_dir, JSON_NAME), json.dumps(result, indent=2))
+    plot_sweep(result, sweep_png(out_dir))
   return result
+
+
+def sweep_png(out_dir: str) -> str:
+  """The path of the sweep's plot in `out_dir`."""
+  return storage.join(out_dir, PNG_NAME)
+
+
+def sweep_title(result: dict[str, Any]) -> str:
+  """`"Multi-query associative recall (mqar/cpu_demo) against context length"`: the
+  task and dataset(s) the runs were trained on."""
+  datasets = sorted({record.get("dataset", "") for record in result["runs"].values()} - {""})
+  tasks = sorted({TASK_TITLES.get(name.split("/")[0], name) for name in datasets})
+  if not tasks:
+    return "Exact match against context length"
+  return f"{' / '.join(tasks)} ({', '.join(datasets)}) against context length"
 
 
 def plot_sweep(result: dict[str, Any], path: str) -> None:
   """Exact match against context length (log2 axis), one line per run, the training
-  lengths dotted and chance dashed."""
+  lengths dotted and chance dashed; written to `path` (local or remote)."""
   # The Figure API renders with Agg without touching pyplot's global backend.
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
@@ -121,8 +138,9 @@ def plot_sweep(result: dict[str, Any], path: str) -> None:
   ax.set_ylim(-0.02, 1.02)
   ax.set_xlabel("context length (tokens); dotted: training length")
   ax.set_ylabel(f"exact match ({result['examples']} {result['split']} examples)")
-  ax.set_title("Multi-key retrieval against context length")
+  ax.set_title(sweep_title(result), fontsize=10)
   ax.grid(True, alpha=0.3)
   ax.legend()
-  fig.savefig(path, format="png", dpi=120)
+  with storage.as_path(path).open("wb") as f:
+    fig.savefig(f, format="png", dpi=120)
 

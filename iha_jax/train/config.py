@@ -15,13 +15,16 @@ Model variants: `model.causal` (False: encoder, every layer bidirectional),
 """
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import jax.numpy as jnp
 import ml_collections
 
 from iha_jax import data as data_lib
+from iha_jax.errors import UserError
 from iha_jax.models import TransformerConfig
+from iha_jax.ops.validation import is_int
 from iha_jax.parallel import resolve_mesh_shape
 from iha_jax.train.step import LOSSES
 
@@ -36,14 +39,14 @@ MODEL_KEYS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", 
 MODEL_DEFAULTS = {"causal": True, "num_outputs": None, "mixing_noise_std": 0.0}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   """An invalid training config; the message names the offending key."""
 
 
 def _positive_int(config: ml_collections.ConfigDict, key: str, *, minimum: int = 1) -> int:
   section, name = key.split(".")
   value = config[section][name]
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+  if not is_int(value, minimum):
     raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
   return value
 
@@ -84,8 +87,7 @@ def _model_variant(m: ml_collections.ConfigDict) -> dict[str, Any]:
     raise ConfigError(f"model.causal must be a bool (False: bidirectional encoder), "
                       f"got {values['causal']!r}")
   outputs = values["num_outputs"]
-  if outputs is not None and (isinstance(outputs, bool) or not isinstance(outputs, int)
-                              or outputs < 1):
+  if outputs is not None and not is_int(outputs, 1):
     raise ConfigError(f"model.num_outputs must be None (vocabulary logits) or an integer "
                       f">= 1, got {outputs!r}")
   noise = values["mixing_noise_std"]
@@ -101,9 +103,10 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     if m[key] not in DTYPES:
       raise ConfigError(f"model.{key} must be one of {sorted(DTYPES)}, got {m[key]!r}")
   variant = _model_variant(m)
+  vocab_size = resolve_vocab_size(config)  # a DataError names data.*, not model.*
   try:
     return TransformerConfig(
-        vocab_size=resolve_vocab_size(config), num_layers=m.num_layers,
+        vocab_size=vocab_size, num_layers=m.num_layers,
         model_dim=m.model_dim, num_heads=m.num_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, mlp_type=m.mlp_type, num_pseudo=m.num_pseudo,
         attention_schedule=m.attention_schedule,
@@ -126,14 +129,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
       raise ConfigError(f"config has no section {section!r}")
   unknown = sorted(set(config.model) - set(MODEL_KEYS))
   if unknown:
-    raise ConfigError(f"unknown model key(s) {', '.join('model.' + k for k in unknown)}; "
+    guesses = [f"did you mean model.{close[0]}?" for close in (
+        difflib.get_close_matches(key, MODEL_KEYS, n=1) for key in unknown) if close]
+    raise ConfigError(f"unknown model key(s) {', '.join('model.' + k for k in unknown)}"
+                      f"{'; ' + ' '.join(guesses) if guesses else ''}; "
                       f"known: {', '.join(MODEL_KEYS)}")
   if config.model.remat_policy not in REMAT_POLICIES:
     raise ConfigError(f"model.remat_policy must be one of {REMAT_POLICIES}, "
                       f"got {config.model.remat_policy!r}")
   window = _window(config)
-  if window not in (None, "auto") and (isinstance(window, bool) or not isinstance(window, int)
-                                        or window < 1):
+  if window not in (None, "auto") and not is_int(window, 1):
     raise ConfigError(f"model.window must be a positive integer, 'auto' or None, got {window!r}")
   model = model_config(config)
   for key in ("train.batch_size", "train.total_steps", "train.grad_accum_steps",
@@ -142,7 +147,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
   _positive_int(config, "train.warmup_steps", minimum=0)
   for key in ("log_every", "eval_every"):
     value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value, 0):
       raise ConfigError(f"{key} must be an integer >= 0 (0 disables), got {value!r}")
   t = config.train
   if t.warmup_steps > t.total_steps:

@@ -10,24 +10,38 @@ import ml_collections
 from jax.experimental import multihost_utils
 
 from iha_jax import data as data_lib
+from iha_jax import storage
 
 ENV_DATA_DIR = "IHA_DATA_DIR"
 
 
 def resolve_data_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
   """`data.data_dir`, else `$IHA_DATA_DIR`, else `<parent of workdir>/data` (shared by
-  the runs of one workdirs/ folder, so the MHA twin reuses the IHA run's data)."""
+  the runs of one workdirs/ folder, so the MHA twin reuses the IHA run's data). Local
+  paths become absolute; URLs (`gs://BUCKET/data`) stay as given."""
   if config.data.data_dir:
-    return os.path.abspath(os.path.expanduser(config.data.data_dir))
+    return storage.resolve(config.data.data_dir, name="data.data_dir")
   if os.environ.get(ENV_DATA_DIR):
-    return os.path.abspath(os.path.expanduser(os.environ[ENV_DATA_DIR]))
-  return os.path.join(os.path.dirname(os.path.abspath(workdir)), "data")
+    return storage.resolve(os.environ[ENV_DATA_DIR], name=f"${ENV_DATA_DIR}")
+  return storage.join(storage.parent(storage.resolve(workdir, name="--workdir")), "data")
+
+
+def resolve_tokenizer(config: ml_collections.ConfigDict) -> str:
+  """`data.tokenizer` with a local file path made absolute (eval may run elsewhere)."""
+  spec = config.data.get("tokenizer", "byte")
+  if spec in data_lib.BUILTIN_TOKENIZERS:
+    return spec
+  return storage.resolve(spec, name="data.tokenizer")
 
 
 def prepare(config: ml_collections.ConfigDict) -> None:
-  """Generates the dataset into `data.data_dir` unless already there (no network for the
-  project's synthetic tasks). Process 0 goes first; the others then find it prepared on
-  a shared filesystem, or generate the identical data locally."""
+  """Generates a synthetic task into `data.data_dir` unless already there (no network).
+  Process 0 goes first; the others then find it prepared on a shared filesystem or
+  bucket, or generate the identical data locally. Text corpora are prepared by the user
+  (`python -m iha_jax.data.build`): reading one that is missing names that command."""
+  if data_lib.is_text(config.data.name):
+    return
+
   def run():
     logging.info("preparing %s in %s (no-op when prepared)", config.data.name,
                  config.data.data_dir)

@@ -3,7 +3,11 @@
 Guarantees:
 - Restarting with the same workdir resumes from the latest checkpoint (state and data
   position) and reproduces the uninterrupted run loss for loss.
-- SIGTERM (preemption) makes a final checkpoint at the current step and returns.
+- SIGTERM (preemption) and SIGINT (Ctrl-C) make a final checkpoint at the current step
+  and return; a second Ctrl-C stops at once, without saving.
+- An unreadable latest checkpoint is skipped with a warning naming its step; the run
+  resumes from the newest step that restores and moves the bad ones to
+  `WORKDIR/checkpoints_unreadable/`.
 - A non-finite loss or gradient stops the run with `NonFiniteLossError`; the step
   never updated the state and nothing is saved after it, so the latest checkpoint is
   the last good one.
@@ -20,32 +24,40 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from iha_jax import parallel
+from iha_jax import parallel, storage
+from iha_jax.errors import UserError
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train.evaluate import Evaluator
 from iha_jax.train import flops as flops_lib
 from iha_jax.train import inputs
 from iha_jax.train.metrics import MetricsWriter
-from iha_jax.train.model import LanguageModel, num_params
+from iha_jax.train.model import LanguageModel
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import abstract_state, create_state
 from iha_jax.train.step import make_train_step
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(UserError, RuntimeError):
   """The loss or gradient norm of a step was NaN or infinite."""
 
 
 class _Preemption:
-  """SIGTERM sets a flag; all processes agree on it before acting (same step)."""
+  """SIGTERM or SIGINT (Ctrl-C) sets a flag; all processes agree on it before acting (same
+  step). A second SIGINT raises KeyboardInterrupt: the way out when saving hangs."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
     self.requested = False
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
-    logging.warning("SIGTERM received: checkpointing and exiting after this step")
+    if signum == signal.SIGINT and self.requested:
+      raise KeyboardInterrupt
+    name = signal.Signals(signum).name
+    logging.warning("%s received: checkpointing and exiting after this step%s", name,
+                    " (Ctrl-C again: exit without saving)" if signum == signal.SIGINT else "")
     self.requested = True
 
   def agreed(self) -> bool:
@@ -54,7 +66,8 @@ class _Preemption:
     return bool(np.any(multihost_utils.process_allgather(np.asarray(self.requested))))
 
   def close(self) -> None:
-    signal.signal(signal.SIGTERM, self._previous)
+    for sig, previous in self._previous.items():
+      signal.signal(sig, previous)
 
 
 def _log_memory(compiled: Any) -> None:
@@ -71,22 +84,25 @@ def _log_memory(compiled: Any) -> None:
 
 
 def prepare_config(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.ConfigDict:
-  """A copy with the data directory resolved (saved with checkpoints, used by eval)."""
+  """A copy with the data directory and the tokenizer file resolved (saved with
+  checkpoints, used by eval from any working directory)."""
   config = ml_collections.ConfigDict(config.to_dict())
   config.data.data_dir = inputs.resolve_data_dir(config, workdir)
+  config.data.tokenizer = inputs.resolve_tokenizer(config)
   return config
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains `config` in `workdir` until `train.total_steps`; returns the last metrics."""
+  """Trains `config` in `workdir` (a local path or a URL such as `gs://BUCKET/run`) until
+  `train.total_steps`; returns the last metrics."""
+  workdir = storage.resolve(workdir, name="--workdir")
   config = prepare_config(config, workdir)
   model_cfg = config_lib.validate(config, jax.device_count())
   mesh = parallel.create_mesh(dict(config.mesh))
   model = LanguageModel(model_cfg, remat=config.model.remat_policy,
                         scan_layers=config.model.scan_layers)
   tx = make_optimizer(config.train)
-  logging.info("model: %s, %.4g M parameters, mesh %s", model_cfg, num_params(model_cfg) / 1e6,
-               dict(mesh.shape))
+  logging.info("model: %s, mesh %s", model_cfg, dict(mesh.shape))
   if jax.process_index() == 0:  # every run states its parameters and attention FLOPs
     logging.info("%s", flops_lib.budget_table(model_cfg, config.data.seq_len,
                                               config.train.batch_size))
@@ -95,10 +111,20 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   train_it = inputs.train_iterator(config)
   manager = ckpt.make_manager(workdir, config)
   target, shardings = abstract_state(model, tx, mesh)
-  start = manager.latest_step()
-  if start is not None:
-    ckpt.check_compatible(ckpt.restore_config(manager, start), config)
-    state = ckpt.restore(manager, start, target, train_it)
+
+  def restore_step(step: int):
+    ckpt.check_compatible(ckpt.restore_config(manager, step), config)
+    return ckpt.restore(manager, step, target, train_it)
+
+  restored = ckpt.restore_newest(manager, restore_step)
+  if restored is not None:
+    start, state, unreadable = restored
+    if unreadable:
+      if jax.process_index() == 0:
+        ckpt.set_aside(workdir, unreadable)
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("iha_jax unreadable checkpoints set aside")
+      manager.reload()
     logging.info("resumed from step %d of %s", start, ckpt.checkpoint_dir(workdir))
   else:
     state, _ = create_state(model, tx, mesh, config.train.seed)

@@ -1,37 +1,44 @@
 """Metric sinks: WORKDIR/metrics.jsonl, TensorBoard events, a progress bar on terminals.
 
-Only process 0 writes; the others keep silent no-op writers.
+WORKDIR may be local or remote (`gs://...`): both files go through etils.epath
+(`iha_jax.storage`). Only process 0 writes; the others keep silent no-op writers.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from typing import Any, Mapping
 
 import jax
 
+from iha_jax import storage
+
 
 class MetricsWriter:
   """Appends one JSON object per logged step to `metrics.jsonl` and mirrors scalars to
-  TensorBoard (tensorboardX, no TensorFlow needed) under `workdir/tensorboard`."""
+  TensorBoard (tensorboardX, no TensorFlow needed) under `workdir/tensorboard`.
 
-  def __init__(self, workdir: str, *, total_steps: int, initial_step: int = 0):
+  `progress_bar` (default: whether stdout is a terminal) shows a tqdm bar; evaluation
+  results are then printed above it, other steps only update its loss."""
+
+  def __init__(self, workdir: str, *, total_steps: int, initial_step: int = 0,
+               progress_bar: bool | None = None):
     self.enabled = jax.process_index() == 0
     self._jsonl = self._tb = self._bar = None
     if not self.enabled:
       return
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
     # Append: a resumed run continues the same file (steps after the restore point
     # of a killed run may appear twice; readers keep the last occurrence).
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    self._jsonl = storage.TextLog(storage.join(workdir, "metrics.jsonl"))
     try:
       import tensorboardX  # pylint: disable=import-outside-toplevel
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
+      storage.register_tensorboard_factories()
+      self._tb = tensorboardX.SummaryWriter(storage.join(workdir, "tensorboard"))
     except ImportError:
       logging.warning("tensorboardX is not installed: no TensorBoard events")
-    if sys.stdout.isatty():
+    if sys.stdout.isatty() if progress_bar is None else progress_bar:
       import tqdm  # pylint: disable=import-outside-toplevel
       self._bar = tqdm.tqdm(total=total_steps, initial=initial_step, unit="step",
                             dynamic_ncols=True)
@@ -48,12 +55,17 @@ class MetricsWriter:
         if key != "step" and isinstance(value, (int, float)):
           self._tb.add_scalar(key, value, step)
       self._tb.flush()
-    if self._bar is not None and "loss" in record:
-      self._bar.set_postfix(loss=f"{record['loss']:.4f}")
-    else:
-      logging.info("step %d: %s", step, ", ".join(
-          f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
-          for k, v in record.items() if k != "step"))
+    line = f"step {step}: " + ", ".join(
+        f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in record.items() if k != "step")
+    if self._bar is None or "loss" not in record:
+      logging.info("%s", line)
+      return
+    self._bar.set_postfix(loss=f"{record['loss']:.4f}")
+    evals = {k: v for k, v in record.items() if k.startswith("eval_")}
+    if evals:  # evaluations are rare and worth keeping on screen: print above the bar
+      self._bar.write(f"step {step}: " + ", ".join(
+          f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in evals.items()))
 
   def advance(self, steps: int = 1) -> None:
     """Moves the progress bar (terminals only)."""

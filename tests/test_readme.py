@@ -1,0 +1,51 @@
+"""Every Python block of README.md is a complete program that runs outside the repository.
+
+The blocks run in one interpreter (JAX is imported once) started in a temporary directory
+without PYTHONPATH, so `import iha_jax` must find the installed package (`pip install -e .`,
+done by the Makefile), and each block gets a fresh namespace, so a block that leans on
+another block's imports or inputs fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNNER = """
+import json, sys, traceback
+import iha_jax
+blocks = json.load(open(sys.argv[1]))
+print("iha_jax from", iha_jax.__file__)
+for index, (line, code) in enumerate(blocks):
+  try:
+    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__main__"})
+  except Exception:
+    traceback.print_exc()
+    sys.exit(f"README.md python block {index} (line {line}) failed")
+"""
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+  """`(first line number, code)` of every ```python block."""
+  return [(text[:m.start()].count("\n") + 2, m.group(1))
+          for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+
+
+def test_readme_python_blocks_run_outside_the_repository(tmp_path):
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    blocks = python_blocks(f.read())
+  assert len(blocks) >= 5, blocks
+  (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+  (tmp_path / "run_blocks.py").write_text(RUNNER)
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  proc = subprocess.run([sys.executable, "run_blocks.py", "blocks.json"], cwd=tmp_path,
+                        env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert "No module named 'iha_jax'" not in proc.stderr, (
+      "iha_jax is not installed in this Python: `make test` installs it (pip install -e .)")
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  installed = proc.stdout.splitlines()[0]
+  assert installed.startswith("iha_jax from " + os.path.join(REPO, "iha_jax")), installed
