@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdirs/default
+TEST_MINUTES ?= 17
 
 .PHONY: test test-fast train bench clean-venv
 
@@ -16,12 +17,16 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 # The whole suite on CPU (Pallas kernels in interpret mode), one worker per core.
 test: $(VENV)/.installed
+	@echo "make test: about $(TEST_MINUTES) min on a 2-core CPU (measured); progress in % below"
 	$(PY) -m pytest -n auto -q
 
-# The default training demo, then its evaluation.
+# The default training demo, then its evaluation and its pictures (the retrieval length
+# sweep, layer 0's pseudo-head attention maps) in WORKDIR/pictures.
 train: $(VENV)/.installed
 	$(PY) train.py --config configs/default.py --workdir $(WORKDIR)
 	$(PY) eval.py --workdir $(WORKDIR)
+	$(PY) eval.py --workdir $(WORKDIR) --sweep_lengths=64,128,256 --attention_layer=0 \
+	  --out_dir $(WORKDIR)/pictures
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/attention.py
