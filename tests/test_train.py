@@ -10,6 +10,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -67,15 +68,22 @@ def reference_run(data_dir, tmp_path_factory):
 def test_loss_falls(data_dir, tmp_path):
   config = make_config(data_dir, train__total_steps=40, train__learning_rate=1e-2,
                        checkpoint__every=40)
-  train(config, str(tmp_path))
+  def embedding_norm(step, state):  # a user's metric, added without editing the loop
+    return {"embedding_norm": float(jnp.linalg.norm(state.params["embedding"])),
+            "hook_step": step}
+
+  final = train(config, str(tmp_path), hooks=[embedding_norm])
   curve = losses(str(tmp_path))
   assert len(curve) == 40
   first, last = np.mean([curve[s] for s in (1, 2, 3)]), np.mean([curve[s] for s in (38, 39, 40)])
   assert last < first - 0.5, (first, last)
-  record = json.loads(open(tmp_path / "metrics.jsonl", encoding="utf-8").readline())
+  with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+    records = [json.loads(line) for line in f]
   for key in ("loss", "grad_norm", "learning_rate", "tokens_per_sec",
-              "tflops_per_sec_per_device", "mfu"):
-    assert np.isfinite(record[key]) and record[key] >= 0, key
+              "tflops_per_sec_per_device", "mfu", "embedding_norm"):
+    assert np.isfinite(records[0][key]) and records[0][key] >= 0, key
+  assert all(r["hook_step"] == r["step"] for r in records)
+  assert final["embedding_norm"] != records[0]["embedding_norm"]  # the state it saw moved
   assert os.listdir(tmp_path / "tensorboard")
 
 

@@ -15,6 +15,7 @@ Model variants: `model.causal` (False: encoder, every layer bidirectional),
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Any
 
@@ -30,10 +31,11 @@ from iha_jax.train.step import LOSSES
 
 REMAT_POLICIES = ("none", "full", "save_projections")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-MODEL_KEYS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_dim",
-              "mlp_type", "num_pseudo", "attention_schedule", "window", "mha_window", "rope_theta",
-              "collapse_mode", "tie_embeddings", "dtype", "param_dtype", "remat_policy",
-              "scan_layers", "implementation", "causal", "num_outputs", "mixing_noise_std")
+# The `model.` section: TransformerConfig's fields, with `window` (resolved, "auto"
+# allowed) for `iha_window` and without `norm_eps` (fixed), plus how the trainer runs it.
+_RENAMED = {"iha_window": "window"}
+MODEL_KEYS = tuple(_RENAMED.get(f.name, f.name) for f in dataclasses.fields(TransformerConfig)
+                   if f.name != "norm_eps") + ("remat_policy", "scan_layers")
 # Model keys added after checkpoints were first saved: their value when a saved config
 # lacks them (the model they describe is the one built before the key existed).
 MODEL_DEFAULTS = {"causal": True, "num_outputs": None, "mixing_noise_std": 0.0}

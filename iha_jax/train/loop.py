@@ -14,9 +14,11 @@ Guarantees:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,7 +36,7 @@ from iha_jax.train import inputs
 from iha_jax.train.metrics import MetricsWriter
 from iha_jax.train.model import LanguageModel
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
-from iha_jax.train.state import abstract_state, create_state
+from iha_jax.train.state import TrainState, abstract_state, create_state
 from iha_jax.train.step import make_train_step
 
 
@@ -92,128 +94,201 @@ def prepare_config(config: ml_collections.ConfigDict, workdir: str) -> ml_collec
   return config
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains `config` in `workdir` (a local path or a URL such as `gs://BUCKET/run`) until
-  `train.total_steps`; returns the last metrics."""
-  workdir = storage.resolve(workdir, name="--workdir")
-  config = prepare_config(config, workdir)
-  model_cfg = config_lib.validate(config, jax.device_count())
-  mesh = parallel.create_mesh(dict(config.mesh))
-  model = LanguageModel(model_cfg, remat=config.model.remat_policy,
-                        scan_layers=config.model.scan_layers)
-  tx = make_optimizer(config.train)
-  logging.info("model: %s, mesh %s", model_cfg, dict(mesh.shape))
-  if jax.process_index() == 0:  # every run states its parameters and attention FLOPs
-    logging.info("%s", flops_lib.budget_table(model_cfg, config.data.seq_len,
-                                              config.train.batch_size))
+# A hook runs after every logged step with the step and the current state; the numbers
+# it returns join that step's record (metrics.jsonl, TensorBoard, the console).
+Hook = Callable[[int, TrainState], Mapping[str, float] | None]
 
-  inputs.prepare(config)
-  train_it = inputs.train_iterator(config)
-  manager = ckpt.make_manager(workdir, config)
-  target, shardings = abstract_state(model, tx, mesh)
 
-  def restore_step(step: int):
-    ckpt.check_compatible(ckpt.restore_config(manager, step), config)
-    return ckpt.restore(manager, step, target, train_it)
+class _Clock:
+  """Time per step between two logged steps, without the evals and saves in between."""
 
-  restored = ckpt.restore_newest(manager, restore_step)
-  if restored is not None:
+  def __init__(self, step: int):
+    self.last_time, self.last_step, self.paused = time.perf_counter(), step, 0.0
+
+  @contextlib.contextmanager
+  def paused_while(self) -> Iterator[None]:
+    tic = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.paused += time.perf_counter() - tic
+
+  def step_time(self, step: int) -> float:
+    now = time.perf_counter()
+    seconds = (now - self.last_time - self.paused) / max(step - self.last_step, 1)
+    self.last_time, self.last_step, self.paused = now, step, 0.0
+    return seconds
+
+
+class Trainer:
+  """One run: `Trainer(config, workdir).run()`, which `train` calls.
+
+  The constructor builds everything once (config, mesh, model, data, checkpoint manager,
+  the restored or fresh state, the compiled step, the evaluator); `run` steps until
+  `train.total_steps`. Each concern is a method (`restore_or_init`, `compile_step`,
+  `evaluate`, `save`, `log`): subclass one, or pass `hooks` to add a metric without
+  editing the loop.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               hooks: Sequence[Hook] = ()):
+    self.workdir = storage.resolve(workdir, name="--workdir")
+    self.config = config = prepare_config(config, self.workdir)
+    self.hooks = list(hooks)
+    self.model_config = config_lib.validate(config, jax.device_count())
+    self.mesh = parallel.create_mesh(dict(config.mesh))
+    self.model = LanguageModel(self.model_config, remat=config.model.remat_policy,
+                               scan_layers=config.model.scan_layers)
+    self.tx = make_optimizer(config.train)
+    self.loss = config.train.get("loss", "cross_entropy")
+    logging.info("model: %s, mesh %s", self.model_config, dict(self.mesh.shape))
+    if jax.process_index() == 0:  # every run states its parameters and attention FLOPs
+      logging.info("%s", flops_lib.budget_table(self.model_config, config.data.seq_len,
+                                                config.train.batch_size))
+    inputs.prepare(config)
+    self.train_it = inputs.train_iterator(config)
+    self.manager = ckpt.make_manager(self.workdir, config)
+    self.target, self.shardings = abstract_state(self.model, self.tx, self.mesh)
+    self.start, self.state = self.restore_or_init()
+    self.compiled = self.compile_step()
+    self.evaluator = (Evaluator(self.model, self.mesh, self.shardings.params, self.loss)
+                      if config.eval_every else None)
+    batch, seq_len = config.train.batch_size, config.data.seq_len
+    self.tokens_per_step = batch * seq_len
+    self.step_flops = flops_lib.train_flops_per_step(self.model_config, batch, seq_len)
+    self.peak, peak_source = flops_lib.peak_tflops_per_device()
+    logging.info("%.4g TFLOP per step (docs/design.md §2); peak %.4g TFLOP/s per device "
+                 "from %s", self.step_flops / 1e12, self.peak, peak_source)
+    self.record: dict[str, Any] = {}
+
+  def restore_or_init(self) -> tuple[int, TrainState]:
+    """`(step, state)` of the newest readable checkpoint (unreadable newer ones are set
+    aside), else `(0, a fresh state)`."""
+    config, manager = self.config, self.manager
+
+    def restore_step(step: int) -> TrainState:
+      ckpt.check_compatible(ckpt.restore_config(manager, step), config)
+      return ckpt.restore(manager, step, self.target, self.train_it)
+
+    restored = ckpt.restore_newest(manager, restore_step)
+    if restored is None:
+      return 0, create_state(self.model, self.tx, self.mesh, config.train.seed)[0]
     start, state, unreadable = restored
     if unreadable:
       if jax.process_index() == 0:
-        ckpt.set_aside(workdir, unreadable)
+        ckpt.set_aside(self.workdir, unreadable)
       if jax.process_count() > 1:
         multihost_utils.sync_global_devices("iha_jax unreadable checkpoints set aside")
       manager.reload()
-    logging.info("resumed from step %d of %s", start, ckpt.checkpoint_dir(workdir))
-  else:
-    state, _ = create_state(model, tx, mesh, config.train.seed)
-    start = 0
+    logging.info("resumed from step %d of %s", start, ckpt.checkpoint_dir(self.workdir))
+    return start, state
 
-  batch_sharding = parallel.batch_sharding(mesh)
-  loss = config.train.get("loss", "cross_entropy")
-  step_fn = make_train_step(model, tx, learning_rate_schedule(config.train),
-                            config.train.grad_accum_steps, loss)
-  seq_len, batch_size = config.data.seq_len, config.train.batch_size
-  abstract_batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=batch_sharding)
-                    for k, dtype in (("inputs", np.int32), ("targets", np.int32),
-                                     ("segment_ids", np.int32), ("positions", np.int32),
-                                     ("weights", np.float32))}
-  with parallel.activate(mesh):
-    compiled = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
-                       out_shardings=(shardings, parallel.replicated(mesh)),
-                       donate_argnums=0).lower(target, abstract_batch).compile()
-  _log_memory(compiled)
-  evaluator = Evaluator(model, mesh, shardings.params, loss) if config.eval_every else None
+  def compile_step(self) -> Any:
+    """The train step, jitted with shardings and a donated state, compiled ahead."""
+    config, mesh = self.config, self.mesh
+    rows = parallel.batch_sharding(mesh)
+    step_fn = make_train_step(self.model, self.tx, learning_rate_schedule(config.train),
+                              config.train.grad_accum_steps, self.loss)
+    shape = (config.train.batch_size, config.data.seq_len)
+    abstract_batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+                      for k, dtype in (("inputs", np.int32), ("targets", np.int32),
+                                       ("segment_ids", np.int32), ("positions", np.int32),
+                                       ("weights", np.float32))}
+    with parallel.activate(mesh):
+      compiled = jax.jit(step_fn, in_shardings=(self.shardings, rows),
+                         out_shardings=(self.shardings, parallel.replicated(mesh)),
+                         donate_argnums=0).lower(self.target, abstract_batch).compile()
+    _log_memory(compiled)
+    return compiled
 
-  step_flops = flops_lib.train_flops_per_step(model_cfg, batch_size, seq_len)
-  peak, peak_source = flops_lib.peak_tflops_per_device()
-  logging.info("%.4g TFLOP per step (docs/design.md §2); peak %.4g TFLOP/s per device from %s",
-               step_flops / 1e12, peak, peak_source)
+  def evaluate(self) -> dict[str, float]:
+    """Validation metrics of the current parameters, as `eval_*` record entries."""
+    results = self.evaluator.evaluate(self.state.params,
+                                      inputs.eval_iterator(self.config, "validation"))
+    return {f"eval_{k}": v for k, v in results.items()}
 
-  writer = MetricsWriter(workdir, total_steps=config.train.total_steps, initial_step=start)
-  preemption = _Preemption()
-  pending: tuple[int, Any] | None = None  # (step, device metrics): read one step late
-  last_time, last_step, record = time.perf_counter(), start, {}
-  paused = 0.0  # seconds spent in evals and checkpoint saves, kept out of step times
+  def save(self, step: int) -> None:
+    ckpt.save(self.manager, step, self.state, self.train_it, self.config)
 
-  def finish(step: int, metrics: Any, force_log: bool = False,
-             extra: dict[str, float] | None = None) -> None:
-    nonlocal last_time, last_step, record, paused
-    host = jax.device_get(metrics)
+  def check_finite(self, step: int, host: Mapping[str, Any]) -> None:
+    """Stops the run at a NaN/inf step; that step never updated the state."""
     if not bool(host["finite"]):
-      latest = manager.latest_step()
       raise NonFiniteLossError(
           f"step {step}: non-finite loss {float(host['loss'])} / grad_norm "
           f"{float(host['grad_norm'])}; stopping. The state was not updated by this step; "
-          f"last good checkpoint: step {latest} in {ckpt.checkpoint_dir(workdir)}")
-    if not (force_log or (config.log_every and step % config.log_every == 0)):
-      return
-    now = time.perf_counter()
-    step_time = (now - last_time - paused) / max(step - last_step, 1)
-    last_time, last_step, paused = now, step, 0.0
-    tflops = step_flops / step_time / mesh.size / 1e12
+          f"last good checkpoint: step {self.manager.latest_step()} in "
+          f"{ckpt.checkpoint_dir(self.workdir)}")
+
+  def log(self, step: int, host: Mapping[str, Any], step_time: float,
+          extra: Mapping[str, float] | None) -> dict[str, Any]:
+    """The record of a logged step: the step's metrics, throughput, `extra`, hooks."""
+    tflops = self.step_flops / step_time / self.mesh.size / 1e12
     record = {"loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
               "learning_rate": float(host["learning_rate"]), "step_time_s": step_time,
-              "tokens_per_sec": batch_size * seq_len / step_time,
-              "tflops_per_sec_per_device": tflops, "mfu": tflops / peak, **(extra or {})}
-    writer.write(step, record)
+              "tokens_per_sec": self.tokens_per_step / step_time,
+              "tflops_per_sec_per_device": tflops, "mfu": tflops / self.peak, **(extra or {})}
+    for hook in self.hooks:
+      record.update(hook(step, self.state) or {})
+    return record
 
-  try:
-    with parallel.activate(mesh):
-      for step in range(start + 1, config.train.total_steps + 1):
-        batch = parallel.shard_batch(next(train_it), mesh)
-        state, metrics = compiled(state, batch)
-        writer.advance()
+  def run(self) -> dict[str, Any]:
+    """Steps from the restored step to `train.total_steps`; returns the last record.
+
+    Device metrics are read one step late, so the host never waits on the step it just
+    launched; eval and save steps read theirs at once (the NaN check precedes a save).
+    """
+    config = self.config
+    total, every = config.train.total_steps, config.checkpoint.every
+    writer = MetricsWriter(self.workdir, total_steps=total, initial_step=self.start)
+    preemption, clock = _Preemption(), _Clock(self.start)
+    pending: tuple[int, Any] | None = None  # (step, device metrics)
+
+    def finish(step: int, metrics: Any, force_log: bool = False,
+               extra: Mapping[str, float] | None = None) -> None:
+      host = jax.device_get(metrics)
+      self.check_finite(step, host)
+      if force_log or (config.log_every and step % config.log_every == 0):
+        self.record = self.log(step, host, clock.step_time(step), extra)
+        writer.write(step, self.record)
+
+    try:
+      with parallel.activate(self.mesh):
+        for step in range(self.start + 1, total + 1):
+          batch = parallel.shard_batch(next(self.train_it), self.mesh)
+          self.state, metrics = self.compiled(self.state, batch)
+          writer.advance()
+          if pending is not None:
+            finish(*pending)
+          pending = (step, metrics)
+          preempted = preemption.agreed()
+          save_now = step % every == 0 or preempted or step == total
+          eval_now = self.evaluator is not None and step % config.eval_every == 0
+          if save_now or eval_now:
+            extra = None
+            if eval_now:
+              jax.block_until_ready(metrics)
+              with clock.paused_while():
+                extra = self.evaluate()
+            finish(step, metrics, force_log=eval_now, extra=extra)
+            pending = None
+            if save_now:
+              with clock.paused_while():
+                self.save(step)
+          if preempted:
+            logging.warning("preempted: saved step %d, exiting", step)
+            break
         if pending is not None:
           finish(*pending)
-        pending = (step, metrics)
-        preempted = preemption.agreed()
-        save_now = (step % config.checkpoint.every == 0 or preempted
-                    or step == config.train.total_steps)
-        eval_now = evaluator is not None and step % config.eval_every == 0
-        if save_now or eval_now:
-          extra = None
-          if eval_now:
-            jax.block_until_ready(metrics)
-            tic = time.perf_counter()
-            results = evaluator.evaluate(state.params, inputs.eval_iterator(config, "validation"))
-            extra = {f"eval_{k}": v for k, v in results.items()}
-            paused += time.perf_counter() - tic
-          finish(step, metrics, force_log=eval_now, extra=extra)  # also the NaN check
-          pending = None
-          if save_now:
-            tic = time.perf_counter()
-            ckpt.save(manager, step, state, train_it, config)
-            paused += time.perf_counter() - tic
-        if preempted:
-          logging.warning("preempted: saved step %d, exiting", step)
-          break
-      if pending is not None:
-        finish(*pending)
-  finally:
-    manager.wait_until_finished()
-    manager.close()
-    preemption.close()
-    writer.close()
-  return record
+    finally:
+      self.manager.wait_until_finished()
+      self.manager.close()
+      preemption.close()
+      writer.close()
+    return self.record
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, *,
+          hooks: Sequence[Hook] = ()) -> dict[str, Any]:
+  """Trains `config` in `workdir` (a local path or a URL such as `gs://BUCKET/run`) until
+  `train.total_steps`; returns the last logged record. `hooks` add metrics to it."""
+  return Trainer(config, workdir, hooks).run()
