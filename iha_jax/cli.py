@@ -71,7 +71,10 @@ def config_keys(config: Any, prefix: str = "") -> dict[str, Any]:
 
 def config_keys_help(argv: Sequence[str]) -> str:
   """The keys of `--config` (default configs/default.py) with their values, for --help."""
-  spec = _flag_value(argv, "config") or DEFAULT_CONFIG
+  spec = _flag_value(argv, "config")
+  if spec is None:  # the repository's default config, from any working directory
+    beside_script = os.path.join(os.path.dirname(os.path.abspath(argv[0])), DEFAULT_CONFIG)
+    spec = DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else beside_script
   try:
     keys = config_keys(load_config_file(spec))
   except Exception as e:  # pylint: disable=broad-except

@@ -88,7 +88,9 @@ def _study(hops: int) -> Study:
       "paper": Scale(lambda: _config(hops, "paper"), (1e-4, 3e-4, 1e-3, 3e-3),
                      total_steps=20_000, eval_every=500, patience=10),
   }
-  sides = "6..10, density 0.325" if hops == 2 else "5..8, density 0.264"
+  paper_sides = "6..10, density 0.325" if hops == 2 else "5..8, density 0.264"
+  sides = (f"{paper_sides} at scale `paper`; {_SIZES['small']['sides'][0]}.."
+           f"{_SIZES['small']['sides'][1]} at `small`, {_SIZES['tiny']['sides'][0]} at `tiny`")
   return Study(
       name=f"relcomp_{name}", title=f"{name.capitalize()} relation composition",
       description=(f"`m x m` boolean relation (m in {sides}); label of cell (i, j): "
