@@ -1,6 +1,6 @@
 """Runs a study under the project's comparison protocol and writes its results.
 
-  python -m experiments.run STUDY [--scale tiny|small|paper] [--seeds N] [--out DIR]
+  python -m experiments.run STUDY [--scale tiny|small|paper|demo] [--seeds N] [--out DIR]
 
 Writes `DIR/STUDY.json` (every run: variant, learning rate, seed, steps, parameters,
 attention FLOPs per token, validation and test metrics, learning curve, wall time),
@@ -21,7 +21,8 @@ from experiments.studies import STUDIES
 def main(argv: list[str] | None = None) -> tuple[str, str]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("study", choices=sorted(STUDIES))
-  parser.add_argument("--scale", default="small", choices=("tiny", "small", "paper"))
+  parser.add_argument("--scale", default="small",
+                      help="tiny | small | paper; mqar also has demo (`make train`'s setting)")
   parser.add_argument("--seeds", type=int, default=3, help="seeds at the chosen rate (>= 3 "
                       "for a published comparison)")
   parser.add_argument("--out", default="runs/studies", help="output directory")
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> tuple[str, str]:
   parser.add_argument("--quiet", action="store_true", help="no progress bars")
   args = parser.parse_args(argv)
   study = STUDIES[args.study]
+  if args.scale not in study.scales:
+    parser.error(f"--scale {args.scale!r}: {study.name} has scales {', '.join(study.scales)}")
   absl_logging.set_verbosity(absl_logging.ERROR)  # TFDS notes on every dataset access
   data_dir = args.data_dir or os.environ.get("IHA_DATA_DIR") or os.path.join(args.out, "data")
   variants = [v for v in args.variants.split(",") if v] or None

@@ -50,6 +50,13 @@ def _config(scale: str) -> ml_collections.ConfigDict:
   return config
 
 
+def _demo_config() -> ml_collections.ConfigDict:
+  """`make train`'s demo exactly (configs/default.py: mqar/cpu_demo, 3000 steps)."""
+  config = default.get_config()
+  config.eval_every = 0
+  return config
+
+
 def _schedule(schedule: str):
   def edit(config: ml_collections.ConfigDict) -> None:
     p = config.model.num_pseudo  # the scale's IHA P (base config)
@@ -95,6 +102,9 @@ MQAR = Study(
                        eval_every=100, patience=5,
                        sweeps=(Sweep("num_pairs", 8, (4, 16), _pairs),
                                Sweep("model_dim", 64, (32,), _width))),
+        # The demo's own setting: tunes IHA and its twins for `make train`.
+        "demo": Scale(_demo_config, (1e-3, 3e-3, 1e-2), total_steps=3000, eval_every=250,
+                      patience=4),
         "paper": Scale(lambda: _config("paper"), (3e-4, 1e-3, 3e-3, 1e-2), total_steps=20_000,
                        eval_every=500, patience=10,
                        sweeps=(Sweep("num_pairs", 64, (16, 32, 128), _pairs),
