@@ -4,9 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdirs/default
+TWIN_WORKDIR ?= workdirs/global_local_default
 TEST_MINUTES ?= 17
 
-.PHONY: test test-fast train bench clean-venv
+.PHONY: test train bench clean-venv
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,13 +21,15 @@ test: $(VENV)/.installed
 	@echo "make test: about $(TEST_MINUTES) min on a 2-core CPU (measured); progress in % below"
 	$(PY) -m pytest -n auto -q
 
-# The default training demo, then its evaluation and its pictures (the retrieval length
-# sweep, layer 0's pseudo-head attention maps) in WORKDIR/pictures.
+# The default training demo: IHA ("LM") and its Global+Local twin ("SM"), each at its own
+# tuned learning rate, evaluated side by side; then the retrieval length sweep of both
+# and their layer-0 attention maps in WORKDIR/pictures.
 train: $(VENV)/.installed
 	$(PY) train.py --config configs/default.py --workdir $(WORKDIR)
-	$(PY) eval.py --workdir $(WORKDIR)
-	$(PY) eval.py --workdir $(WORKDIR) --sweep_lengths=64,128,256 --attention_layer=0 \
-	  --out_dir $(WORKDIR)/pictures
+	$(PY) train.py --config configs/global_local_default.py --workdir $(TWIN_WORKDIR)
+	$(PY) eval.py --workdir $(WORKDIR) --workdir $(TWIN_WORKDIR)
+	$(PY) eval.py --workdir $(WORKDIR) --workdir $(TWIN_WORKDIR) --sweep_lengths=64,128,256 \
+	  --attention_layer=0 --out_dir $(WORKDIR)/pictures
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/attention.py

@@ -15,7 +15,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.seq_len = 48
   config.data.options = {"length": 48, "num_needles": 2, "num_train": 512,
                          "num_validation": 32, "num_test": 32}
-  config.train.update(batch_size=8, total_steps=20, warmup_steps=2, learning_rate=3e-3)
+  config.train.update(batch_size=8, total_steps=20, warmup_steps=2, learning_rate=3e-3,
+                      final_learning_rate=5e-5)
   config.mesh.update(data=1, fsdp=-1, tensor=1)
   config.checkpoint.update({"every": 10, "keep": 3, "async": False})
   config.log_every = 1

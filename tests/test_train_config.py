@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import (default, diff_2p4b, global_2p4b, global_local_2p4b, iha_2p4b, mha_default,
-                     talking_heads_2p4b, tiny)
+from configs import (default, diff_2p4b, global_2p4b, global_local_2p4b, global_local_default,
+                     iha_2p4b, mha_default, talking_heads_2p4b, tiny)
 from iha_jax.data import DataError
 from iha_jax.models import TransformerConfig, TransformerLM, count_params
 from iha_jax.models.layers import make_attention
@@ -130,6 +130,16 @@ def test_mha_twin_matches_params_and_flops():
   seq = default.get_config().data.seq_len
   ratio = flops.train_flops_per_step(iha, 1, seq) / flops.train_flops_per_step(mha, 1, seq)
   assert abs(ratio - 1) < 0.05, ratio
+
+
+def test_global_local_twin_has_the_iha_window_in_tokens():
+  """make train's second model: the same parameters (to 1%), window = IHA's in tokens,
+  its own tuned learning rate."""
+  iha, local = (validate(m.get_config(), 1) for m in (default, global_local_default))
+  assert local.schedule == "SM" and local.mha_window * iha.num_pseudo == iha.iha_window
+  assert abs(count_params(iha) / count_params(local) - 1) < 0.01
+  config = global_local_default.get_config()
+  assert config.train.learning_rate == global_local_default.LEARNING_RATE
 
 
 def test_flop_count_by_hand():
