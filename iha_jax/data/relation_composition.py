@@ -185,24 +185,16 @@ class RelationComposition(builder_base.SyntheticBuilder):
           max_size=8,
           density=0.264,
       ),
-      RelationCompositionConfig(
-          name="binary_encoder",
-          description="R o R, m in 6..10, Bernoulli(0.325); encoder rendering.",
-          hops=2,
-          min_size=6,
-          max_size=10,
-          density=0.325,
+  ]
+  # The same tasks in the encoder rendering: "binary_encoder", "ternary_encoder".
+  BUILDER_CONFIGS += [
+      dataclasses.replace(
+          config,
+          name=f"{config.name}_encoder",
+          description=config.description.removesuffix(".") + "; encoder rendering.",
           encoder=True,
-      ),
-      RelationCompositionConfig(
-          name="ternary_encoder",
-          description="R o R o R, m in 5..8, Bernoulli(0.264); encoder rendering.",
-          hops=3,
-          min_size=5,
-          max_size=8,
-          density=0.264,
-          encoder=True,
-      ),
+      )
+      for config in BUILDER_CONFIGS
   ]
 
   def generate_example(self, rng: np.random.Generator) -> builder_base.Example:

@@ -94,21 +94,34 @@ class ByteTokenizer:
     return data.decode("utf-8", errors="replace")
 
 
-class SentencePieceTokenizer:
-  """A SentencePiece model; picklable (it carries the serialized model)."""
+class _FileTokenizer:
+  """A tokenizer loaded from a file's bytes (path, URL or the bytes themselves); picklable
+  for data workers: it carries the bytes and reloads from them. Subclasses define
+  ``_load(blob)``."""
 
-  def __init__(self, model: str | os.PathLike[str] | bytes):
-    self._load(model if isinstance(model, bytes) else epath.Path(model).read_bytes())
+  def __init__(self, source: str | os.PathLike[str] | bytes):
+    self._load(source if isinstance(source, bytes) else epath.Path(source).read_bytes())
 
-  def _load(self, model_proto: bytes) -> None:
-    self._model_proto = model_proto
-    self._processor = spm.SentencePieceProcessor(model_proto=model_proto)
+  def _load(self, blob: bytes) -> None:
+    raise NotImplementedError
 
   def __getstate__(self) -> dict[str, Any]:
-    return {"model_proto": self._model_proto}
+    return {"blob": self._blob}
 
   def __setstate__(self, state: dict[str, Any]) -> None:
-    self._load(state["model_proto"])
+    self._load(state["blob"])
+
+
+def _as_text(text: str | bytes) -> str:
+  return text.decode("utf-8") if isinstance(text, bytes) else text
+
+
+class SentencePieceTokenizer(_FileTokenizer):
+  """A SentencePiece model."""
+
+  def _load(self, blob: bytes) -> None:
+    self._blob = blob
+    self._processor = spm.SentencePieceProcessor(model_proto=blob)
 
   @property
   def vocab_size(self) -> int:
@@ -123,23 +136,18 @@ class SentencePieceTokenizer:
     return self._processor.eos_id()
 
   def encode(self, text: str | bytes) -> np.ndarray:
-    if isinstance(text, bytes):
-      text = text.decode("utf-8")
-    return np.asarray(self._processor.encode(text), np.int32)
+    return np.asarray(self._processor.encode(_as_text(text)), np.int32)
 
   def decode(self, ids: np.ndarray) -> str:
     return self._processor.decode(np.asarray(ids).tolist())
 
 
-class HuggingFaceTokenizer:
-  """A Hugging Face ``tokenizer.json`` (e.g. Llama 3's); picklable (carries the JSON).
+class HuggingFaceTokenizer(_FileTokenizer):
+  """A Hugging Face ``tokenizer.json`` (e.g. Llama 3's).
 
   BOS and EOS are its special tokens named in ``BOS_TOKENS`` / ``EOS_TOKENS``; the
   project adds them itself, so the file's own post-processor is not applied.
   """
-
-  def __init__(self, source: str | os.PathLike[str] | bytes):
-    self._load(source if isinstance(source, bytes) else epath.Path(source).read_bytes())
 
   def _load(self, blob: bytes) -> None:
     import tokenizers as hf_tokenizers  # pylint: disable=import-outside-toplevel
@@ -149,12 +157,6 @@ class HuggingFaceTokenizer:
     self._vocab_size = max(vocab.values()) + 1
     self._bos_id = _special_id(vocab, BOS_TOKENS, "BOS")
     self._eos_id = _special_id(vocab, EOS_TOKENS, "EOS")
-
-  def __getstate__(self) -> dict[str, Any]:
-    return {"blob": self._blob}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self._load(state["blob"])
 
   @property
   def vocab_size(self) -> int:
@@ -169,9 +171,7 @@ class HuggingFaceTokenizer:
     return self._eos_id
 
   def encode(self, text: str | bytes) -> np.ndarray:
-    if isinstance(text, bytes):
-      text = text.decode("utf-8")
-    ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+    ids = self._tokenizer.encode(_as_text(text), add_special_tokens=False).ids
     return np.asarray(ids, np.int32)
 
   def decode(self, ids: np.ndarray) -> str:
@@ -189,16 +189,13 @@ def _special_id(vocab: dict[str, int], names: tuple[str, ...], role: str) -> int
   )
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(_FileTokenizer):
   """A tiktoken BPE ranks file with Llama 3's split pattern and special tokens.
 
   Ids ``0 .. R-1`` are the file's R ranks; ``R`` is ``<|begin_of_text|>`` (BOS),
   ``R + 1`` ``<|end_of_text|>`` (EOS), then reserved special tokens up to
-  ``R + 256``. Picklable (carries the file).
+  ``R + 256``.
   """
-
-  def __init__(self, source: str | os.PathLike[str] | bytes):
-    self._load(source if isinstance(source, bytes) else epath.Path(source).read_bytes())
 
   def _load(self, blob: bytes) -> None:
     import tiktoken  # pylint: disable=import-outside-toplevel
@@ -215,12 +212,6 @@ class TiktokenTokenizer:
         name="iha_jax_tiktoken", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
         special_tokens={name: self._num_ranks + i for i, name in enumerate(names)})
 
-  def __getstate__(self) -> dict[str, Any]:
-    return {"blob": self._blob}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self._load(state["blob"])
-
   @property
   def vocab_size(self) -> int:
     return self._num_ranks + LLAMA3_NUM_SPECIAL
@@ -234,10 +225,8 @@ class TiktokenTokenizer:
     return self._num_ranks + 1
 
   def encode(self, text: str | bytes) -> np.ndarray:
-    if isinstance(text, bytes):
-      text = text.decode("utf-8")
     # Special-token text in a document is ordinary text, never a control token.
-    return np.asarray(self._encoding.encode_ordinary(text), np.int32)
+    return np.asarray(self._encoding.encode_ordinary(_as_text(text)), np.int32)
 
   def decode(self, ids: np.ndarray) -> str:
     ids = np.asarray(ids)

@@ -70,6 +70,20 @@ def _shard_map(local: Callable, mesh: MeshLike, in_specs: tuple, out_specs: P,
                        check_vma=False)(*args)
 
 
+def _prepare(q: jax.Array, mesh: MeshLike | None, batch_axes: Sequence[str],
+             head_axis: str | None, segment_ids: jax.Array | None,
+             positions: jax.Array | None) -> tuple[MeshLike, tuple[str, ...], jax.Array,
+                                                   jax.Array]:
+  """The mesh, batch axes and explicit `[B, N]` ids / positions of a sharded call (the
+  kernels fill defaults themselves, but shard_map needs an array per in_spec)."""
+  mesh = _current(mesh)
+  batch = tuple(batch_axes)
+  check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis)
+  if segment_ids is None:
+    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+  return mesh, batch, segment_ids, default_positions(q, positions)
+
+
 def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
                           alpha_k: jax.Array, alpha_v: jax.Array, collapse: jax.Array, *,
                           mesh: MeshLike | None = None, batch_axes: Sequence[str] = ("data",),
@@ -92,10 +106,8 @@ def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax
   Returns:
     `[B, N, H, d]`: batch-sharded; per_head collapse also head-sharded.
   """
-  mesh = _current(mesh)
-  batch = tuple(batch_axes)
-  check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis)
-  positions = default_positions(q, positions)
+  mesh, batch, segment_ids, positions = _prepare(q, mesh, batch_axes, head_axis,
+                                                 segment_ids, positions)
   full = collapse.ndim == 3
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions):
@@ -108,8 +120,6 @@ def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax
       y = jax.lax.psum(y, head_axis)
     return restore(y).astype(q.dtype)
 
-  if segment_ids is None:  # the kernels fill it, but shard_map needs an array per spec
-    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
   source = P(batch, None, None, None)
   alpha = P(None, head_axis, None)
   tokens = P(batch, None)
@@ -133,18 +143,14 @@ def sharded_mha_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
 
   Args and returns as `sharded_iha_attention` without the mixing; `[B, N, H, dv]`.
   """
-  mesh = _current(mesh)
-  batch = tuple(batch_axes)
-  check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis)
-  positions = default_positions(q, positions)
+  mesh, batch, segment_ids, positions = _prepare(q, mesh, batch_axes, head_axis,
+                                                 segment_ids, positions)
 
   def local(q, k, v, segment_ids, positions):
     return fused.mha_attention(q, k, v, window=window, segment_ids=segment_ids,
                                positions=positions, rope_theta=rope_theta, causal=causal,
                                platform=platform, block_sizes=block_sizes)
 
-  if segment_ids is None:
-    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
   heads = P(batch, None, head_axis, None)
   tokens = P(batch, None)
   return _shard_map(local, mesh, (heads, heads, heads, tokens, tokens), heads,
