@@ -36,7 +36,7 @@ from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=wrong-impo
 
 from iha_jax.models import count_params  # pylint: disable=wrong-import-position
 from iha_jax.train import config as config_lib  # pylint: disable=wrong-import-position
-from iha_jax.train.model import LanguageModel  # pylint: disable=wrong-import-position
+from iha_jax.models import LanguageModel  # pylint: disable=wrong-import-position
 
 GiB = 2**30
 POLICIES = ("none", "save_projections", "full")

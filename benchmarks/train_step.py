@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from iha_jax import parallel  # noqa: E402
 from iha_jax.train import config as config_lib  # noqa: E402
 from iha_jax.train import flops  # noqa: E402
-from iha_jax.train.model import LanguageModel  # noqa: E402
+from iha_jax.models import LanguageModel  # noqa: E402
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer  # noqa: E402
 from iha_jax.train.state import create_state  # noqa: E402
 from iha_jax.train.step import make_train_step  # noqa: E402

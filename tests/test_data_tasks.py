@@ -24,7 +24,7 @@ def data_dir(tmp_path_factory):
 
 
 def _examples(name, data_dir, options, split="train"):
-  """Prepares ``name`` and reads a split through ``tfds.data_source``."""
+  """Prepares `name` and reads a split through `tfds.data_source`."""
   builder = data.prepare(name, data_dir, options=options)
   full_name = f"{builder.name}/{builder.builder_config.name}"
   source = tfds.data_source(full_name, split=split, data_dir=data_dir)

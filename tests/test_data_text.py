@@ -19,7 +19,7 @@ WORDS = "alpha beta gamma delta épsilon zeta eta théta iota kappa lambda mu".s
 
 
 class IhaTestCorpus(tfds.core.GeneratorBasedBuilder):
-  """A TFDS text dataset outside the project, read as ``tfds:iha_test_corpus``."""
+  """A TFDS text dataset outside the project, read as `tfds:iha_test_corpus`."""
 
   VERSION = tfds.core.Version("1.0.0")
 
@@ -47,7 +47,7 @@ def _corpus(rng, count):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  """A prepared ``local_text/lines`` dataset and the documents it holds."""
+  """A prepared `local_text/lines` dataset and the documents it holds."""
   rng = np.random.default_rng(0)
   manual_dir = tmp_path_factory.mktemp("manual")
   train_txt, train_jsonl = _corpus(rng, 40), _corpus(rng, 20)

@@ -16,7 +16,8 @@ from iha_jax.eval import (attention_pictures, evaluate_workdir, length_sweep, pa
                           parse_mesh, restore_run)
 from iha_jax.eval.evaluator import FALLBACK_MESH, chance_exact_match, choose_mesh
 from iha_jax.eval.sweep import sweep_title
-from iha_jax.train import LanguageModel, model_config, train
+from iha_jax.models import LanguageModel
+from iha_jax.train import model_config, train
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
@@ -117,11 +118,12 @@ def test_mesh_choice(runs):
     parse_mesh("fsdp:x")
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
-def test_module_holds_the_parameters(scan_layers):
-  """`LanguageModel.module` (used for the pictures) inverts the layout, scanned or not."""
+@pytest.mark.parametrize("scan_layers,remat", [(False, "none"), (True, "full")])
+def test_module_holds_the_parameters(scan_layers, remat):
+  """`LanguageModel.module` (used for the pictures) inverts the layout, and the trainer's
+  scanned, rematerialised forward pass is `TransformerLM`'s."""
   config = make_config("unused", model__num_layers=3)  # "IM" scanned: 1 period + 1 tail.
-  model = LanguageModel(model_config(config), scan_layers=scan_layers)
+  model = LanguageModel(model_config(config), remat=remat, scan_layers=scan_layers)
   params = model.init(3)
   tokens = np.arange(10, dtype=np.int32)[None] % 7
   np.testing.assert_allclose(np.asarray(model.module(params)(tokens)),

@@ -14,11 +14,11 @@ from flax import nnx
 from configs import (default, diff_2p4b, global_2p4b, global_local_2p4b, global_local_default,
                      iha_2p4b, mha_default, talking_heads_2p4b, tiny)
 from iha_jax.data import DataError
-from iha_jax.models import TransformerConfig, TransformerLM, count_params
+from iha_jax.models import LanguageModel, TransformerConfig, TransformerLM, count_params
 from iha_jax.models.layers import make_attention
 from iha_jax.nn import MIXING_PARAMS, param_specs
 from iha_jax.ops.masking import visible
-from iha_jax.train import ConfigError, LanguageModel, model_config, validate
+from iha_jax.train import ConfigError, model_config, validate
 from iha_jax.train import flops
 from iha_jax.train.config import config_differences
 from iha_jax.train.optimizer import decay_mask, make_optimizer

@@ -22,7 +22,7 @@ from iha_jax.data import registry
 
 
 def parse_option(text: str) -> tuple[str, Any]:
-  """Parses ``KEY=VALUE``; VALUE is a Python literal, else a string."""
+  """Parses `KEY=VALUE`; VALUE is a Python literal, else a string."""
   key, sep, value = text.partition("=")
   if not sep or not key:
     raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")

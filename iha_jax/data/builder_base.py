@@ -1,11 +1,11 @@
 """Base classes shared by the project's offline TFDS builders.
 
-Every builder here writes ``array_record`` files by default, so that
-``tfds.builder(name, data_dir=...).download_and_prepare()`` followed by
-``tfds.data_source(name, data_dir=...)`` works without TensorFlow and without
+Every builder here writes `array_record` files by default, so that
+`tfds.builder(name, data_dir=...).download_and_prepare()` followed by
+`tfds.data_source(name, data_dir=...)` works without TensorFlow and without
 network access. Synthetic builders derive every example from a seed held in
-their ``BuilderConfig``: example ``i`` of split ``s`` is a pure function of
-``(config, seed, s, i)``, independent of generation order.
+their `BuilderConfig`: example `i` of split `s` is a pure function of
+`(config, seed, s, i)`, independent of generation order.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ Example = dict[str, np.ndarray]
 
 
 class ArrayRecordBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """A ``GeneratorBasedBuilder`` whose default file format is ``array_record``.
+  """A `GeneratorBasedBuilder` whose default file format is `array_record`.
 
-  ``array_record`` gives random access (``tfds.data_source``, Grain) and needs
-  no TensorFlow. Passing ``file_format=...`` explicitly still overrides it.
+  `array_record` gives random access (`tfds.data_source`, Grain) and needs
+  no TensorFlow. Passing `file_format=...` explicitly still overrides it.
   """
 
   def __init__(self, *, file_format: str | None = None, **kwargs: Any):
@@ -40,15 +40,15 @@ class ArrayRecordBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True
 class SyntheticConfig(tfds.core.BuilderConfig):
   """Fields every synthetic task config has.
 
-  Subclasses add their task's fields and a ``vocab_size`` property (token ids
-  are ``0 .. vocab_size - 1``, with 0 the padding id).
+  Subclasses add their task's fields and a `vocab_size` property (token ids
+  are `0 .. vocab_size - 1`, with 0 the padding id).
 
   Attributes:
     seed: generation seed; together with the other fields it fully determines
       the dataset.
-    num_train: number of examples in the ``train`` split.
-    num_validation: number of examples in the ``validation`` split.
-    num_test: number of examples in the ``test`` split.
+    num_train: number of examples in the `train` split.
+    num_validation: number of examples in the `validation` split.
+    num_test: number of examples in the `test` split.
   """
 
   seed: int = 0
@@ -64,7 +64,7 @@ class SyntheticConfig(tfds.core.BuilderConfig):
     }
 
   def validate(self) -> None:
-    """Raises ``ValueError`` if the fields are inconsistent.
+    """Raises `ValueError` if the fields are inconsistent.
 
     Subclasses extend this with their own checks.
     """
@@ -76,9 +76,9 @@ class SyntheticConfig(tfds.core.BuilderConfig):
 class SyntheticBuilder(ArrayRecordBuilder, skip_registration=True):
   """Builder for a deterministic synthetic task rendered for a decoder-only LM.
 
-  Subclasses set ``BUILDER_CONFIGS`` (``SyntheticConfig`` subclasses) and
-  implement ``generate_example``. Every example has at least
-  ``inputs`` (int32 [L]), ``targets`` (int32 [L]) and ``weights``
+  Subclasses set `BUILDER_CONFIGS` (`SyntheticConfig` subclasses) and
+  implement `generate_example`. Every example has at least
+  `inputs` (int32 [L]), `targets` (int32 [L]) and `weights`
   (float32 [L], 1 on scored positions).
   """
 
@@ -91,10 +91,10 @@ class SyntheticBuilder(ArrayRecordBuilder, skip_registration=True):
 
   @abc.abstractmethod
   def generate_example(self, rng: np.random.Generator) -> Example:
-    """Draws one example from ``rng`` for ``self.config``."""
+    """Draws one example from `rng` for `self.config`."""
 
   def extra_features(self) -> dict[str, tfds.features.FeatureConnector]:
-    """Features stored beside ``inputs``, ``targets`` and ``weights``."""
+    """Features stored beside `inputs`, `targets` and `weights`."""
     return {}
 
   def _info(self) -> tfds.core.DatasetInfo:

@@ -1,5 +1,5 @@
-"""A TFDS builder that turns the user's local ``.txt``/``.jsonl`` files into
-an ``array_record`` text dataset (feature ``text``), offline."""
+"""A TFDS builder that turns the user's local `.txt`/`.jsonl` files into
+an `array_record` text dataset (feature `text`), offline."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ class LocalTextConfig(tfds.core.BuilderConfig):
   """How local files are cut into documents.
 
   Attributes:
-    document: for ``.txt`` files, ``"line"`` makes every non-blank line a
-      document, ``"file"`` makes the whole file one document.
-    jsonl_key: field holding the text in each ``.jsonl`` record (one document
-      per non-blank line, whatever ``document`` says).
+    document: for `.txt` files, `"line"` makes every non-blank line a
+      document, `"file"` makes the whole file one document.
+    jsonl_key: field holding the text in each `.jsonl` record (one document
+      per non-blank line, whatever `document` says).
   """
 
   document: str = "line"
@@ -35,7 +35,7 @@ class LocalTextConfig(tfds.core.BuilderConfig):
 
 
 def split_files(root: epath.Path) -> dict[str, list[epath.Path]]:
-  """Maps each split to its files ``<split>*.txt`` / ``<split>*.jsonl``."""
+  """Maps each split to its files `<split>*.txt` / `<split>*.jsonl`."""
   files = {}
   for split in builder_base.SPLITS:
     matches = sorted(
@@ -49,12 +49,12 @@ def split_files(root: epath.Path) -> dict[str, list[epath.Path]]:
 class LocalText(builder_base.ArrayRecordBuilder):
   """Documents read from local text files.
 
-  Put ``train*.txt``/``train*.jsonl`` (and optionally ``validation*``,
-  ``test*``) in the manual directory; each split gets the documents of its
-  files in sorted file order. Configs: ``lines`` (one document per non-blank
-  line of a ``.txt``) and ``files`` (one document per ``.txt`` file).
-  ``.jsonl`` files always give one document per record, read from
-  ``jsonl_key``. Feature: ``text`` (a string).
+  Put `train*.txt`/`train*.jsonl` (and optionally `validation*`,
+  `test*`) in the manual directory; each split gets the documents of its
+  files in sorted file order. Configs: `lines` (one document per non-blank
+  line of a `.txt`) and `files` (one document per `.txt` file).
+  `.jsonl` files always give one document per record, read from
+  `jsonl_key`. Feature: `text` (a string).
   """
 
   VERSION = tfds.core.Version("1.0.0")

@@ -1,7 +1,7 @@
 """Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology").
 
-A context of ``num_pairs`` key-value pairs is followed by a query region in
-which ``num_queries`` of the keys reappear at random positions; the model must
+A context of `num_pairs` key-value pairs is followed by a query region in
+which `num_queries` of the keys reappear at random positions; the model must
 emit each queried key's value at that key's position.
 """
 
@@ -24,9 +24,9 @@ class MqarConfig(builder_base.SyntheticConfig):
   """MQAR task parameters.
 
   Attributes:
-    length: example length ``L`` in tokens (every example has exactly ``L``).
+    length: example length `L` in tokens (every example has exactly `L`).
     num_pairs: key-value pairs in the context; keys are distinct.
-    num_queries: keys queried (distinct, at most ``num_pairs``); ``None``
+    num_queries: keys queried (distinct, at most `num_pairs`); `None`
       queries every key once.
     num_keys: size of the key vocabulary.
     num_values: size of the value vocabulary.
@@ -82,7 +82,7 @@ def generate_example(
     config: task parameters.
 
   Returns:
-    ``inputs``, ``targets`` (int32 [L]) and ``weights`` (float32 [L]).
+    `inputs`, `targets` (int32 [L]) and `weights` (float32 [L]).
   """
   keys = KEY_OFFSET + rng.choice(config.num_keys, config.num_pairs, replace=False)
   values = config.value_offset + rng.integers(
@@ -118,12 +118,12 @@ def _config(name: str, length: int, num_pairs: int, **kwargs) -> MqarConfig:
 class Mqar(builder_base.SyntheticBuilder):
   """Multi-query associative recall, rendered for a decoder-only LM.
 
-  Vocabulary: ``0`` PAD, ``1`` BOS, ``2`` BLANK, keys
-  ``3 .. 3 + num_keys - 1``, values ``3 + num_keys .. vocab_size - 1``
-  (``vocab_size = 3 + num_keys + num_values``, 8195 by default as in Zoology's
+  Vocabulary: `0` PAD, `1` BOS, `2` BLANK, keys
+  `3 .. 3 + num_keys - 1`, values `3 + num_keys .. vocab_size - 1`
+  (`vocab_size = 3 + num_keys + num_values`, 8195 by default as in Zoology's
   8192-token vocabulary).
 
-  Layout (length ``L``)::
+  Layout (length `L`)::
 
     inputs   BOS k1 v1 k2 v2 .. kN vN  BLANK .. k7 .. BLANK .. k2 .. BLANK
     targets  PAD PAD ...            PAD  PAD   .. v7 .. PAD   .. v2 .. PAD
@@ -131,7 +131,7 @@ class Mqar(builder_base.SyntheticBuilder):
 
   A queried key sits at a uniformly random position of the query region and
   its value is the target at that same position, so a causal LM predicts it
-  from the key it has just read. Values occur in ``inputs`` only inside the
+  from the key it has just read. Values occur in `inputs` only inside the
   key-value context, never in the query region.
   """
 

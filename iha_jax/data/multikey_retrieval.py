@@ -1,8 +1,8 @@
-"""Multi-key needle retrieval in the style of RULER's ``niah_multikey``.
+"""Multi-key needle retrieval in the style of RULER's `niah_multikey`.
 
-``num_needles`` needles ``key -> value`` with distinct multi-token keys are
+`num_needles` needles `key -> value` with distinct multi-token keys are
 hidden at random depths in a haystack of random filler tokens; the model is
-asked for the values of ``num_queries`` of the keys, the other needles being
+asked for the values of `num_queries` of the keys, the other needles being
 distractors.
 """
 
@@ -27,7 +27,7 @@ class MultikeyRetrievalConfig(builder_base.SyntheticConfig):
   """Retrieval task parameters.
 
   Attributes:
-    length: example length ``L`` in tokens, queries included.
+    length: example length `L` in tokens, queries included.
     num_needles: needles in the haystack (queried ones plus distractors).
     num_queries: needles whose value is asked for (distinct keys).
     key_len: tokens per key.
@@ -127,7 +127,7 @@ def generate_example(
     config: task parameters.
 
   Returns:
-    ``inputs``, ``targets`` (int32 [L]) and ``weights`` (float32 [L]).
+    `inputs`, `targets` (int32 [L]) and `weights` (float32 [L]).
   """
   keys = config.key_offset + _distinct_keys(rng, config)
   values = config.value_offset + rng.integers(
@@ -177,28 +177,28 @@ def _config(name: str, length: int, **kwargs) -> MultikeyRetrievalConfig:
 class MultikeyRetrieval(builder_base.SyntheticBuilder):
   """Multi-key needle retrieval, rendered for a decoder-only LM.
 
-  Vocabulary (``V = value_len``, ``F = num_filler``, ``K = num_key_tokens``,
-  ``W = num_value_tokens``):
+  Vocabulary (`V = value_len`, `F = num_filler`, `K = num_key_tokens`,
+  `W = num_value_tokens`):
 
-  * ``0`` PAD, ``1`` BOS, ``2`` NEEDLE, ``3`` IS, ``4`` QUERY;
-  * ``5 .. 5 + V - 1``: ANSWER slot placeholders ``A_0 .. A_{V-1}``;
-  * then ``F`` filler tokens, ``K`` key tokens and ``W`` value tokens;
-  * ``vocab_size = 5 + V + F + K + W`` (584 with the defaults).
+  * `0` PAD, `1` BOS, `2` NEEDLE, `3` IS, `4` QUERY;
+  * `5 .. 5 + V - 1`: ANSWER slot placeholders `A_0 .. A_{V-1}`;
+  * then `F` filler tokens, `K` key tokens and `W` value tokens;
+  * `vocab_size = 5 + V + F + K + W` (584 with the defaults).
 
-  Layout (length ``L``)::
+  Layout (length `L`)::
 
     inputs   BOS filler.. NEEDLE k k IS v v v filler.. (more needles) ..
              QUERY k k A_0 A_1 A_2   (one block per query)
     targets  PAD everywhere except the answer slots, which hold v v v
     weights  1 on the answer slots, 0 elsewhere
 
-  A needle is ``NEEDLE key IS value``; needles sit at uniformly random depths
+  A needle is `NEEDLE key IS value`; needles sit at uniformly random depths
   of the filler. Each query block repeats a needle's key, followed by one
-  placeholder per value token; the value token ``t`` is the target at
-  placeholder ``A_t``. All answer tokens are thus predicted in one forward
+  placeholder per value token; the value token `t` is the target at
+  placeholder `A_t`. All answer tokens are thus predicted in one forward
   pass from placeholders, never teacher-forced: the answer occurs in
-  ``inputs`` only inside its needle, never in the query blocks. Exact match of
-  a query means all of its ``V`` slots are right.
+  `inputs` only inside its needle, never in the query blocks. Exact match of
+  a query means all of its `V` slots are right.
   """
 
   BUILDER_CONFIGS = [

@@ -1,4 +1,4 @@
-"""The training/eval input pipeline: ``make_dataset`` and its config.
+"""The training/eval input pipeline: `make_dataset` and its config.
 
 Per process, the pipeline is::
 
@@ -8,10 +8,10 @@ Per process, the pipeline is::
     -> truncate to seq_len (counted)
     -> pack (first fit, text default) or pad (synthetic default) to seq_len
     -> batch [global_batch_size / shard_count, seq_len]
-    -> background prefetch (a thread, or ``num_workers`` processes)
+    -> background prefetch (a thread, or `num_workers` processes)
 
-Everything is deterministic given ``seed``, the data and the config
-(``num_workers`` included), and the iterator's ``get_state``/``set_state``
+Everything is deterministic given `seed`, the data and the config
+(`num_workers` included), and the iterator's `get_state`/`set_state`
 resume at the exact next batch.
 """
 
@@ -36,20 +36,20 @@ from iha_jax.data.errors import DataError
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-  """What to read and how (the trainer's ``config.data``).
+  """What to read and how (the trainer's `config.data`).
 
   Attributes:
-    name: dataset name, see ``registry.list_datasets``; ``tfds:<name>`` for
+    name: dataset name, see `registry.list_datasets`; `tfds:<name>` for
       a TFDS text dataset prepared as array_record.
-    seq_len: row length ``L`` of the batches.
+    seq_len: row length `L` of the batches.
     data_dir: TFDS data directory holding the prepared dataset.
-    packing: pack several examples per row; ``None`` packs text corpora and
+    packing: pack several examples per row; `None` packs text corpora and
       pads synthetic tasks (one example per row).
     options: builder-config overrides of a project dataset, e.g.
-      ``{"num_train": 1000, "seed": 1}``.
-    tokenizer: text corpora only: ``"byte"`` or a SentencePiece model path.
+      `{"num_train": 1000, "seed": 1}`.
+    tokenizer: text corpora only: `"byte"` or a SentencePiece model path.
     text_key: text corpora only: the feature holding the text.
-    num_workers: worker processes (Grain ``mp_prefetch``); 0 runs the
+    num_workers: worker processes (Grain `mp_prefetch`); 0 runs the
       pipeline in one background thread of this process.
     read_threads: threads reading and converting records per process.
     prefetch_batches: batches kept ready ahead of the consumer.
@@ -70,7 +70,7 @@ class DataConfig:
   def from_config(
       cls, config: DataConfig | ml_collections.ConfigDict | Mapping[str, Any]
   ) -> DataConfig:
-    """Builds a ``DataConfig`` from a ConfigDict or a mapping of its fields."""
+    """Builds a `DataConfig` from a ConfigDict or a mapping of its fields."""
     if isinstance(config, DataConfig):
       return config
     if isinstance(config, ml_collections.ConfigDict):
@@ -85,7 +85,7 @@ class DataConfig:
 
 
 def default_config() -> ml_collections.ConfigDict:
-  """The ``data`` section of a training config, with every field."""
+  """The `data` section of a training config, with every field."""
   return ml_collections.ConfigDict(
       dataclasses.asdict(DataConfig(name="mqar/cpu_demo", seq_len=64)),
       type_safe=False,
@@ -129,23 +129,23 @@ def make_dataset(
   """Returns this process's iterator of LM batches.
 
   Args:
-    config: a ``DataConfig`` or a ConfigDict/mapping of its fields.
-    split: ``"train"``, ``"validation"``, ``"test"`` (what the dataset has).
+    config: a `DataConfig` or a ConfigDict/mapping of its fields.
+    split: `"train"`, `"validation"`, `"test"` (what the dataset has).
     global_batch_size: rows per step over all processes; a multiple of
-      ``shard_count``.
+      `shard_count`.
     seed: shuffle and packing seed.
-    shard_index: this process's shard; defaults to ``jax.process_index()``.
-    shard_count: number of shards; defaults to ``jax.process_count()``.
+    shard_index: this process's shard; defaults to `jax.process_index()`.
+    shard_count: number of shards; defaults to `jax.process_count()`.
     shuffle: shuffle examples (reshuffled every epoch).
-    num_epochs: passes over the shard; ``None`` repeats forever. With a
+    num_epochs: passes over the shard; `None` repeats forever. With a
       finite count the last batch is filled with padding rows, and without
       packing every shard yields the same number of batches.
 
   Returns:
-    A Grain ``DatasetIterator`` of dicts with ``inputs``, ``targets``,
-    ``segment_ids``, ``positions`` (int32) and ``weights`` (float32), each
-    ``[global_batch_size // shard_count, seq_len]``; ``num_truncated``
-    counts the examples cut to ``seq_len``.
+    A Grain `DatasetIterator` of dicts with `inputs`, `targets`,
+    `segment_ids`, `positions` (int32) and `weights` (float32), each
+    `[global_batch_size // shard_count, seq_len]`; `num_truncated`
+    counts the examples cut to `seq_len`.
 
   Raises:
     ValueError: for an unknown or unprepared dataset (with the command that

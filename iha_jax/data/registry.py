@@ -1,14 +1,14 @@
 """Dataset names, builders, preparation and the errors that explain them.
 
-Names are ``builder/config`` for the project's builders (``mqar/kv8_len128``,
-``relation_composition/binary``, ``local_text/lines`` ...; the config part may
-be left out for the builder's first config) and ``tfds:<tfds name>`` for any
-TFDS text dataset the user has prepared as ``array_record`` (``tfds:lm1b``,
-``tfds:c4/en``).
+Names are `builder/config` for the project's builders (`mqar/kv8_len128`,
+`relation_composition/binary`, `local_text/lines` ...; the config part may
+be left out for the builder's first config) and `tfds:<tfds name>` for any
+TFDS text dataset the user has prepared as `array_record` (`tfds:lm1b`,
+`tfds:c4/en`).
 
-Task ``options`` override fields of the builder config (``num_train``,
-``seed``, ``length`` ...). A config with overrides gets its own name,
-``<config>-<digest of the overrides>``, so it is prepared into its own
+Task `options` override fields of the builder config (`num_train`,
+`seed`, `length` ...). A config with overrides gets its own name,
+`<config>-<digest of the overrides>`, so it is prepared into its own
 directory and never mixed up with the registered config.
 """
 
@@ -51,7 +51,7 @@ _DESCRIPTIVE_FIELDS = frozenset(
 
 
 def list_datasets() -> list[str]:
-  """Returns the ``builder/config`` names of the project's datasets."""
+  """Returns the `builder/config` names of the project's datasets."""
   return sorted(
       f"{name}/{config.name}"
       for name, cls in _BUILDERS.items()
@@ -60,7 +60,7 @@ def list_datasets() -> list[str]:
 
 
 def is_text(name: str) -> bool:
-  """Whether ``name`` is a text corpus (else a synthetic task)."""
+  """Whether `name` is a text corpus (else a synthetic task)."""
   return name.startswith(TFDS_PREFIX) or name.split("/")[0] in TEXT_BUILDERS
 
 
@@ -69,7 +69,7 @@ def build_command(
     data_dir: str | os.PathLike[str] | None,
     options: Mapping[str, Any] | None = None,
 ) -> str:
-  """The shell command that prepares ``name`` into ``data_dir``."""
+  """The shell command that prepares `name` into `data_dir`."""
   parts = ["python", "-m", "iha_jax.data.build", f"--name={name}"]
   parts.append(f"--data_dir={data_dir if data_dir else 'DATA_DIR'}")
   if name.split("/")[0] in TEXT_BUILDERS:
@@ -97,7 +97,7 @@ def _builder_class(name: str) -> type[builder_base.ArrayRecordBuilder]:
 def builder_config(
     name: str, options: Mapping[str, Any] | None = None
 ) -> tfds.core.BuilderConfig:
-  """The config of project dataset ``name`` with ``options`` applied.
+  """The config of project dataset `name` with `options` applied.
 
   Raises:
     ValueError: for an unknown name, unknown options or invalid values.
@@ -135,10 +135,10 @@ def get_builder(
     data_dir: str | os.PathLike[str] | None,
     options: Mapping[str, Any] | None = None,
 ) -> tfds.core.DatasetBuilder:
-  """Returns the TFDS builder of ``name`` in ``data_dir`` (not prepared).
+  """Returns the TFDS builder of `name` in `data_dir` (not prepared).
 
   Raises:
-    ValueError: for an unknown name, unknown options, or no ``data_dir``.
+    ValueError: for an unknown name, unknown options, or no `data_dir`.
   """
   options = dict(options or {})
   if not data_dir:
@@ -164,13 +164,13 @@ def prepare(
     options: Mapping[str, Any] | None = None,
     manual_dir: str | os.PathLike[str] | None = None,
 ) -> tfds.core.DatasetBuilder:
-  """Prepares ``name`` into ``data_dir`` as array_record unless already there.
+  """Prepares `name` into `data_dir` as array_record unless already there.
 
   Args:
-    name: dataset name (see ``list_datasets``), or ``tfds:<name>``.
+    name: dataset name (see `list_datasets`), or `tfds:<name>`.
     data_dir: the TFDS data directory.
-    options: builder-config overrides (synthetic tasks, ``local_text``).
-    manual_dir: directory of the source files, for ``local_text``.
+    options: builder-config overrides (synthetic tasks, `local_text`).
+    manual_dir: directory of the source files, for `local_text`.
 
   Returns:
     The prepared builder.
@@ -195,7 +195,7 @@ def _prepare_remote(
 ) -> tfds.core.DatasetBuilder:
   """Prepares into a local temporary directory, then copies the dataset up.
 
-  ArrayRecord's C++ writer only knows local files (its reader reads ``gs://``
+  ArrayRecord's C++ writer only knows local files (its reader reads `gs://`
   itself), so TFDS cannot write the shards straight to a bucket.
   """
   builder = get_builder(name, data_dir, options)
@@ -222,8 +222,8 @@ def open_split(
   """Returns the builder and a random-access source of one prepared split.
 
   Raises:
-    ValueError: if the dataset is unknown or not prepared in ``data_dir``
-      (the message gives the command that prepares it), or ``split`` does not
+    ValueError: if the dataset is unknown or not prepared in `data_dir`
+      (the message gives the command that prepares it), or `split` does not
       exist.
   """
   builder = get_builder(name, data_dir, options)

@@ -1,12 +1,12 @@
 """Binary and ternary relation composition (IHA paper, App. D).
 
-A random ``m x m`` boolean relation ``R`` is drawn with i.i.d.
-Bernoulli(``density``) entries and ``m`` uniform in ``min_size..max_size``.
-The label of cell ``(i, j)`` is ``(R o R)[i, j]`` (binary: some ``k`` has
-``R[i, k]`` and ``R[k, j]``) or ``(R o R o R)[i, j]`` (ternary).
+A random `m x m` boolean relation `R` is drawn with i.i.d.
+Bernoulli(`density`) entries and `m` uniform in `min_size..max_size`.
+The label of cell `(i, j)` is `(R o R)[i, j]` (binary: some `k` has
+`R[i, k]` and `R[k, j]`) or `(R o R o R)[i, j]` (ternary).
 
 Two renderings: for a decoder-only LM (a query block after the matrix, labels
-as tokens) and, ``encoder=True``, the paper's encoder format (the ``m^2``
+as tokens) and, `encoder=True`, the paper's encoder format (the `m^2`
 cells row-major, one 0/1 label per cell for a bidirectional model with a
 per-position binary head).
 """
@@ -34,10 +34,10 @@ class RelationCompositionConfig(builder_base.SyntheticConfig):
 
   Attributes:
     hops: number of factors in the composition (2 binary, 3 ternary).
-    min_size: smallest matrix side ``m``.
-    max_size: largest matrix side ``M``; it sizes the vocabulary.
-    density: probability that an entry of ``R`` is true.
-    encoder: the encoder rendering (``m^2`` cell tokens, 0/1 targets per cell)
+    min_size: smallest matrix side `m`.
+    max_size: largest matrix side `M`; it sizes the vocabulary.
+    density: probability that an entry of `R` is true.
+    encoder: the encoder rendering (`m^2` cell tokens, 0/1 targets per cell)
       instead of the decoder-only one.
   """
 
@@ -57,7 +57,7 @@ class RelationCompositionConfig(builder_base.SyntheticConfig):
 
   @property
   def max_length(self) -> int:
-    """Length of an example with ``m = max_size``."""
+    """Length of an example with `m = max_size`."""
     return self.max_size**2 if self.encoder else 2 * self.max_size**2 + 2
 
   def validate(self) -> None:
@@ -78,10 +78,10 @@ def compose(relation: np.ndarray, hops: int) -> np.ndarray:
 
   Args:
     relation: bool [m, m].
-    hops: number of factors; 1 returns ``relation``.
+    hops: number of factors; 1 returns `relation`.
 
   Returns:
-    bool [m, m], ``R o R o ... o R`` with ``hops`` factors.
+    bool [m, m], `R o R o ... o R` with `hops` factors.
   """
   as_int = relation.astype(np.int64)
   result = as_int
@@ -100,10 +100,10 @@ def generate_example(
     config: task parameters.
 
   Returns:
-    ``inputs``, ``targets`` (int32), ``weights`` (float32) and ``labels``
+    `inputs`, `targets` (int32), `weights` (float32) and `labels`
     (int32 [m^2], the raw 0/1 label of each cell in row-major order). Decoder:
-    length ``2 m^2 + 2``, label tokens at the query block. Encoder: length
-    ``m^2``, ``inputs`` the cell tokens, ``targets`` the 0/1 labels, all
+    length `2 m^2 + 2`, label tokens at the query block. Encoder: length
+    `m^2`, `inputs` the cell tokens, `targets` the 0/1 labels, all
     weighted.
   """
   m = int(rng.integers(config.min_size, config.max_size + 1))
@@ -137,34 +137,34 @@ def generate_example(
 class RelationComposition(builder_base.SyntheticBuilder):
   """Relation composition, rendered for a decoder-only LM.
 
-  Vocabulary (``M = max_size``):
+  Vocabulary (`M = max_size`):
 
-  * ``0`` PAD, ``1`` BOS, ``2`` SEP, ``3`` FALSE, ``4`` TRUE (label tokens);
-  * ``5 + 2 * (i * M + j) + R[i, j]``: cell ``(i, j)`` holding value
-    ``R[i, j]``;
-  * ``5 + 2 * M * M + i * M + j``: the query for cell ``(i, j)``.
+  * `0` PAD, `1` BOS, `2` SEP, `3` FALSE, `4` TRUE (label tokens);
+  * `5 + 2 * (i * M + j) + R[i, j]`: cell `(i, j)` holding value
+    `R[i, j]`;
+  * `5 + 2 * M * M + i * M + j`: the query for cell `(i, j)`.
 
-  ``vocab_size = 5 + 3 * M * M`` (305 binary, 197 ternary).
+  `vocab_size = 5 + 3 * M * M` (305 binary, 197 ternary).
 
-  Layout (length ``2 m^2 + 2``)::
+  Layout (length `2 m^2 + 2`)::
 
     inputs   BOS  cell(0,0) .. cell(m-1,m-1)  SEP  query(0,0) .. query(m-1,m-1)
     targets  PAD  PAD       .. PAD            PAD  label(0,0) .. label(m-1,m-1)
     weights  0    0         .. 0              0    1          .. 1
 
-  The matrix is the row-major block of ``m^2`` cell tokens. Labels are
+  The matrix is the row-major block of `m^2` cell tokens. Labels are
   scored at the query positions, where a causal model has seen the whole
   matrix (at the cell positions it has not). Each token names its cell, so a
-  position never needs to infer ``(i, j)`` from an offset that depends on
-  ``m``, like the 2-D positional encodings of the original encoder setup. The
-  label tokens FALSE/TRUE never occur in ``inputs``. The extra feature
-  ``labels`` holds the raw 0/1 labels (int32 [m^2]) for binary cross-entropy
+  position never needs to infer `(i, j)` from an offset that depends on
+  `m`, like the 2-D positional encodings of the original encoder setup. The
+  label tokens FALSE/TRUE never occur in `inputs`. The extra feature
+  `labels` holds the raw 0/1 labels (int32 [m^2]) for binary cross-entropy
   heads.
 
-  Encoder rendering (configs ``binary_encoder``, ``ternary_encoder``; the
-  paper's format for its one-layer bidirectional models): ``inputs`` are the
-  ``m^2`` cell tokens alone (each names its value and its ``(i, j)``: the
-  value plus a 2-D position, since ``m`` varies), ``targets`` the 0/1 label of
+  Encoder rendering (configs `binary_encoder`, `ternary_encoder`; the
+  paper's format for its one-layer bidirectional models): `inputs` are the
+  `m^2` cell tokens alone (each names its value and its `(i, j)`: the
+  value plus a 2-D position, since `m` varies), `targets` the 0/1 label of
   every cell, every position weighted; a batch is right-padded (segment 0).
   """
 

@@ -1,16 +1,16 @@
-"""Tokenizers for text corpora, named by ``data.tokenizer``.
+"""Tokenizers for text corpora, named by `data.tokenizer`.
 
-* ``"byte"`` (default): UTF-8 bytes, ``0`` PAD, ``1`` BOS, ``2`` EOS, vocabulary 259.
-* a Hugging Face ``tokenizer.json`` (the ``tokenizers`` package), e.g. Llama 3's;
-* a tiktoken BPE file (``base64-token rank`` lines), e.g. Llama 3's original
-  ``tokenizer.model``: the ranks, then 256 special tokens as in Llama 3
-  (``<|begin_of_text|>`` BOS, ``<|end_of_text|>`` EOS): 128,000 + 256 = 128,256 ids;
-* a SentencePiece ``.model`` (``python -m iha_jax.data.train_tokenizer`` trains
-  one with ``0`` PAD, ``1`` BOS, ``2`` EOS, ``3`` UNK).
+* `"byte"` (default): UTF-8 bytes, `0` PAD, `1` BOS, `2` EOS, vocabulary 259.
+* a Hugging Face `tokenizer.json` (the `tokenizers` package), e.g. Llama 3's;
+* a tiktoken BPE file (`base64-token rank` lines), e.g. Llama 3's original
+  `tokenizer.model`: the ranks, then 256 special tokens as in Llama 3
+  (`<|begin_of_text|>` BOS, `<|end_of_text|>` EOS): 128,000 + 256 = 128,256 ids;
+* a SentencePiece `.model` (`python -m iha_jax.data.train_tokenizer` trains
+  one with `0` PAD, `1` BOS, `2` EOS, `3` UNK).
 
 The file's format is read from its content; the path may be local or a URL
-(``gs://...``). The vocabulary (the embedding size) is the tokenizer's. Padding
-positions are marked by ``segment_ids == 0`` in batches, so the PAD id itself is
+(`gs://...`). The vocabulary (the embedding size) is the tokenizer's. Padding
+positions are marked by `segment_ids == 0` in batches, so the PAD id itself is
 never scored.
 """
 
@@ -63,12 +63,12 @@ class Tokenizer(Protocol):
     ...
 
   def decode(self, ids: np.ndarray) -> str:
-    """Inverts ``encode``; special ids are skipped."""
+    """Inverts `encode`; special ids are skipped."""
     ...
 
 
 class ByteTokenizer:
-  """UTF-8 bytes offset by 3: byte ``b`` is id ``b + 3``; vocabulary 259."""
+  """UTF-8 bytes offset by 3: byte `b` is id `b + 3`; vocabulary 259."""
 
   OFFSET = 3
 
@@ -97,7 +97,7 @@ class ByteTokenizer:
 class _FileTokenizer:
   """A tokenizer loaded from a file's bytes (path, URL or the bytes themselves); picklable
   for data workers: it carries the bytes and reloads from them. Subclasses define
-  ``_load(blob)``."""
+  `_load(blob)`."""
 
   def __init__(self, source: str | os.PathLike[str] | bytes):
     self._load(source if isinstance(source, bytes) else epath.Path(source).read_bytes())
@@ -143,9 +143,9 @@ class SentencePieceTokenizer(_FileTokenizer):
 
 
 class HuggingFaceTokenizer(_FileTokenizer):
-  """A Hugging Face ``tokenizer.json`` (e.g. Llama 3's).
+  """A Hugging Face `tokenizer.json` (e.g. Llama 3's).
 
-  BOS and EOS are its special tokens named in ``BOS_TOKENS`` / ``EOS_TOKENS``; the
+  BOS and EOS are its special tokens named in `BOS_TOKENS` / `EOS_TOKENS`; the
   project adds them itself, so the file's own post-processor is not applied.
   """
 
@@ -192,9 +192,9 @@ def _special_id(vocab: dict[str, int], names: tuple[str, ...], role: str) -> int
 class TiktokenTokenizer(_FileTokenizer):
   """A tiktoken BPE ranks file with Llama 3's split pattern and special tokens.
 
-  Ids ``0 .. R-1`` are the file's R ranks; ``R`` is ``<|begin_of_text|>`` (BOS),
-  ``R + 1`` ``<|end_of_text|>`` (EOS), then reserved special tokens up to
-  ``R + 256``.
+  Ids `0 .. R-1` are the file's R ranks; `R` is `<|begin_of_text|>` (BOS),
+  `R + 1` `<|end_of_text|>` (EOS), then reserved special tokens up to
+  `R + 256`.
   """
 
   def _load(self, blob: bytes) -> None:
@@ -234,7 +234,7 @@ class TiktokenTokenizer(_FileTokenizer):
 
 
 def tokenizer_format(blob: bytes) -> str:
-  """``"tokenizer.json"``, ``"tiktoken"`` or ``"sentencepiece"`` from a file's bytes."""
+  """`"tokenizer.json"`, `"tiktoken"` or `"sentencepiece"` from a file's bytes."""
   if blob.lstrip()[:1] == b"{":
     return "tokenizer.json"
   first = blob.split(b"\n", 1)[0].strip()
@@ -248,15 +248,15 @@ _CLASSES = {"tokenizer.json": HuggingFaceTokenizer, "tiktoken": TiktokenTokenize
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-  """Returns the tokenizer named by ``spec`` (``data.tokenizer``).
+  """Returns the tokenizer named by `spec` (`data.tokenizer`).
 
   Args:
-    spec: ``"byte"``, or the path or URL of a Hugging Face ``tokenizer.json``, a
-      tiktoken BPE file (Llama 3's ``tokenizer.model``) or a SentencePiece
-      ``.model``; the format is read from the content.
+    spec: `"byte"`, or the path or URL of a Hugging Face `tokenizer.json`, a
+      tiktoken BPE file (Llama 3's `tokenizer.model`) or a SentencePiece
+      `.model`; the format is read from the content.
 
   Raises:
-    DataError: if ``spec`` is none of these, naming how to get one.
+    DataError: if `spec` is none of these, naming how to get one.
   """
   if spec == "byte":
     return ByteTokenizer()

@@ -1,13 +1,13 @@
 """Trains a tokenizer on a prepared text dataset: SentencePiece, or a byte-level BPE
-saved as a Hugging Face ``tokenizer.json``.
+saved as a Hugging Face `tokenizer.json`.
 
 Usage::
 
   python -m iha_jax.data.train_tokenizer --name=tfds:lm1b --data_dir=DIR \
       --vocab_size=32000 --output=/path/lm1b_sp32k
 
-writes ``/path/lm1b_sp32k.model`` (and ``.vocab``); with ``--format=tokenizer.json``
-it writes ``/path/lm1b_sp32k.json``. Use either with ``data.tokenizer=PATH``. Special
+writes `/path/lm1b_sp32k.model` (and `.vocab`); with `--format=tokenizer.json`
+it writes `/path/lm1b_sp32k.json`. Use either with `data.tokenizer=PATH`. Special
 ids match the byte tokenizer: 0 PAD, 1 BOS, 2 EOS (SentencePiece: 3 UNK; the BPE
 needs none, every byte is a token).
 """
@@ -32,7 +32,7 @@ def iterate_texts(
     text_key: str = "text",
     max_documents: int | None = None,
 ) -> Iterator[str]:
-  """Yields the first ``max_documents`` texts of a prepared text dataset."""
+  """Yields the first `max_documents` texts of a prepared text dataset."""
   if not registry.is_text(name):
     raise ValueError(f"{name!r} is not a text dataset.")
   _, source = registry.open_split(name, split, data_dir)
@@ -49,7 +49,7 @@ def train(
     vocab_size: int,
     model_type: str = "bpe",
 ) -> str:
-  """Trains a model on ``texts``; returns the path of the ``.model`` file."""
+  """Trains a model on `texts`; returns the path of the `.model` file."""
   spm.SentencePieceTrainer.train(
       sentence_iterator=texts,
       model_prefix=os.fspath(output),
@@ -73,9 +73,9 @@ def train_bpe_json(
     *,
     vocab_size: int,
 ) -> str:
-  """Trains a byte-level BPE (GPT-2/Llama 3 style) on ``texts`` with the ``tokenizers``
-  package; writes ``<output>.json`` and returns its path. Ids 0, 1, 2 are
-  ``<|pad|>``, ``<|begin_of_text|>`` (BOS) and ``<|end_of_text|>`` (EOS)."""
+  """Trains a byte-level BPE (GPT-2/Llama 3 style) on `texts` with the `tokenizers`
+  package; writes `<output>.json` and returns its path. Ids 0, 1, 2 are
+  `<|pad|>`, `<|begin_of_text|>` (BOS) and `<|end_of_text|>` (EOS)."""
   # pylint: disable-next=import-outside-toplevel
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -1,12 +1,12 @@
 """Grain transformations from dataset records to fixed-shape LM batches.
 
-An *LM example* is a dict of ``inputs``, ``targets`` (int32 [n]) and
-``weights`` (float32 [n]); position ``t`` is trained to predict
-``targets[t]`` from ``inputs[:t + 1]`` with loss weight ``weights[t]``.
-Rows of a batch add ``segment_ids`` (int32 [L]; 0 = padding, documents
-``1..k``) and ``positions`` (int32 [L]; restarting at 0 in every document).
-Until the last pipeline stage every element also carries ``num_truncated``,
-how many source examples it holds that were cut to ``seq_len``.
+An *LM example* is a dict of `inputs`, `targets` (int32 [n]) and
+`weights` (float32 [n]); position `t` is trained to predict
+`targets[t]` from `inputs[:t + 1]` with loss weight `weights[t]`.
+Rows of a batch add `segment_ids` (int32 [L]; 0 = padding, documents
+`1..k`) and `positions` (int32 [L]; restarting at 0 in every document).
+Until the last pipeline stage every element also carries `num_truncated`,
+how many source examples it holds that were cut to `seq_len`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def empty_example() -> LMExample:
 
 
 class TaskToLM(grain.transforms.Map):
-  """Keeps the ``inputs``/``targets``/``weights`` of a synthetic-task record."""
+  """Keeps the `inputs`/`targets`/`weights` of a synthetic-task record."""
 
   def map(self, record: dict[str, Any]) -> LMExample:
     return {key: np.asarray(record[key], _DTYPES[key]) for key in FEATURES}
@@ -43,9 +43,9 @@ class TaskToLM(grain.transforms.Map):
 class TextToLM(grain.transforms.Map):
   """Tokenizes a text record into a next-token-prediction example.
 
-  The document ``[BOS] + encode(text) + [EOS]`` (ids below 0, i.e. special
+  The document `[BOS] + encode(text) + [EOS]` (ids below 0, i.e. special
   tokens a SentencePiece model lacks, are left out) is split into
-  ``inputs = doc[:-1]`` and ``targets = doc[1:]``, all weighted 1.
+  `inputs = doc[:-1]` and `targets = doc[1:]`, all weighted 1.
   """
 
   def __init__(self, tokenizer: tokenizers.Tokenizer, text_key: str):
@@ -65,7 +65,7 @@ class TextToLM(grain.transforms.Map):
 
 
 class Truncate(grain.transforms.Map):
-  """Cuts examples to ``seq_len`` and records whether it did."""
+  """Cuts examples to `seq_len` and records whether it did."""
 
   def __init__(self, seq_len: int):
     self._seq_len = seq_len
@@ -78,7 +78,7 @@ class Truncate(grain.transforms.Map):
 
 
 class PadToLength(grain.transforms.Map):
-  """Pads one example to ``seq_len`` as a single-document row."""
+  """Pads one example to `seq_len` as a single-document row."""
 
   def __init__(self, seq_len: int):
     self._seq_len = seq_len
@@ -110,16 +110,16 @@ def _finish_packed_row(row: dict[str, Any]) -> LMExample:
 def pack(
     ds: grain.IterDataset, *, seq_len: int, num_bins: int, seed: int
 ) -> grain.IterDataset:
-  """First-fit packs examples into rows of ``seq_len`` tokens.
+  """First-fit packs examples into rows of `seq_len` tokens.
 
   Args:
-    ds: LM examples no longer than ``seq_len`` (see ``Truncate``).
-    seq_len: row length ``L``.
+    ds: LM examples no longer than `seq_len` (see `Truncate`).
+    seq_len: row length `L`.
     num_bins: rows packed at a time (the per-process batch size).
-    seed: seed of the row order within each group of ``num_bins`` rows.
+    seed: seed of the row order within each group of `num_bins` rows.
 
   Returns:
-    Rows with ``segment_ids`` and ``positions``; documents never share a
+    Rows with `segment_ids` and `positions`; documents never share a
     segment id within a row and never straddle rows.
   """
   packed = grain.experimental.FirstFitPackIterDataset(
@@ -133,7 +133,7 @@ def pack(
 
 
 class PadBatch(grain.transforms.Map):
-  """Pads a short final batch with all-padding rows to ``batch_size``."""
+  """Pads a short final batch with all-padding rows to `batch_size`."""
 
   def __init__(self, batch_size: int):
     self._batch_size = batch_size
@@ -149,12 +149,12 @@ class PadBatch(grain.transforms.Map):
 
 
 class BatchIterator(grain.DatasetIterator):
-  """The iterator ``make_dataset`` returns.
+  """The iterator `make_dataset` returns.
 
-  Yields dicts of numpy arrays ``inputs``, ``targets``, ``weights``,
-  ``segment_ids`` and ``positions``, each [batch, seq_len].
-  It removes ``num_truncated`` from the batches, adds it up (exposed as
-  ``num_truncated``, kept in the checkpointable state) and logs the total
+  Yields dicts of numpy arrays `inputs`, `targets`, `weights`,
+  `segment_ids` and `positions`, each [batch, seq_len].
+  It removes `num_truncated` from the batches, adds it up (exposed as
+  `num_truncated`, kept in the checkpointable state) and logs the total
   when it grows, at most once a minute.
   """
 
@@ -167,7 +167,7 @@ class BatchIterator(grain.DatasetIterator):
 
   @property
   def num_truncated(self) -> int:
-    """Source examples cut to ``seq_len`` so far."""
+    """Source examples cut to `seq_len` so far."""
     return self._num_truncated
 
   def __next__(self) -> LMExample:
@@ -198,7 +198,7 @@ class BatchIterator(grain.DatasetIterator):
 
 
 class BatchDataset(grain.IterDataset):
-  """Final pipeline stage; its iterator is a ``BatchIterator``."""
+  """Final pipeline stage; its iterator is a `BatchIterator`."""
 
   def __init__(self, parent: grain.IterDataset, *, name: str, seq_len: int):
     super().__init__(parent)

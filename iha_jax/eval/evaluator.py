@@ -31,7 +31,7 @@ from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train import inputs
 from iha_jax.train.evaluate import Evaluator
-from iha_jax.train.model import LanguageModel, Params
+from iha_jax.models.language_model import LanguageModel, Params
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
 

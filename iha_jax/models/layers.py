@@ -6,12 +6,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen import with_logical_constraint
 
 from iha_jax.models.config import TransformerConfig
 from iha_jax.nn import (DifferentialAttention, InterleavedHeadAttention, MultiHeadAttention,
                         SimplicialAttention, TalkingHeadsAttention, logical_param)
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT
-from iha_jax.parallel.axes import EMBED, MLP
+from iha_jax.parallel.axes import EMBED, MLP, RESIDUAL_AXES
 
 
 class RMSNorm(nnx.Module):
@@ -119,4 +120,5 @@ class DecoderBlock(nnx.Module):
     (e.g. cached attention when decoding); returns `(block output, aux)`."""
     y, aux = attend(self.attn_norm(x))
     x = x + y
-    return x + self.mlp(self.mlp_norm(x)), aux
+    x = x + self.mlp(self.mlp_norm(x))
+    return with_logical_constraint(x, RESIDUAL_AXES), aux

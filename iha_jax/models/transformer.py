@@ -8,13 +8,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen import with_logical_constraint
 
 from iha_jax.models.config import TransformerConfig
 from iha_jax.models.layers import DecoderBlock, RMSNorm
 from iha_jax.nn import logical_param
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT
-from iha_jax.parallel.axes import EMBED, OUTPUTS, VOCAB
-
+from iha_jax.parallel.axes import EMBED, LOGITS_AXES, OUTPUTS, RESIDUAL_AXES, VOCAB
 
 
 class TransformerLM(nnx.Module):
@@ -25,6 +25,10 @@ class TransformerLM(nnx.Module):
   `lm_head: [D, V]` ("embed", "vocab"), or with `num_outputs`, a per-token
   `output_head: [D, num_outputs]` ("embed", "outputs") instead of vocabulary logits.
   With `config.causal=False` every layer is bidirectional (an encoder).
+
+  `iha_jax.models.LanguageModel` runs this same model as a function of a parameter
+  dict, with scan-over-layers and remat (how `train.py` trains it); both go through
+  `embed`, the `DecoderBlock`s and `logits`, so the two agree to float rounding.
   """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
@@ -66,7 +70,7 @@ class TransformerLM(nnx.Module):
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """`tokens: [B, N]` int -> `[B, N, D]` in `config.dtype` (the first block's input)."""
-    return jnp.take(self.embedding[...], tokens, axis=0).astype(self.config.dtype)
+    return embed_tokens(self.embedding[...], tokens, self.config.dtype)
 
   def logits(self, x: jax.Array) -> jax.Array:
     """Last block's output `x: [B, N, D]` -> float32 `[B, N, V or num_outputs]` (final
@@ -77,6 +81,17 @@ class TransformerLM(nnx.Module):
     heads = {name: getattr(self, name)[...] for name in ("embedding", "lm_head", "output_head")
              if hasattr(self, name)}
     return output_logits(self.final_norm(x), heads, self.config)
+
+
+def embed_tokens(embedding: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Array:
+  """Lookup of `tokens: [B, N]` in `embedding: [V, D]` -> `[B, N, D]` in `dtype`.
+
+  The lookup reads a replicated table (gathered like any FSDP weight): a gather from a
+  vocab/embed-sharded table would force a full rematerialisation of its output.
+  """
+  table = with_logical_constraint(embedding, (None, None))
+  x = jnp.take(table, tokens, axis=0).astype(dtype)
+  return with_logical_constraint(x, RESIDUAL_AXES)
 
 
 def check_tokens(tokens: jax.Array, name: str) -> None:
@@ -92,10 +107,12 @@ def check_tokens(tokens: jax.Array, name: str) -> None:
 def output_logits(x: jax.Array, params: dict[str, Any], config: TransformerConfig) -> jax.Array:
   """Normalised `x: [B, N, D]` -> float32 `[B, N, V]` logits (or `[B, N, num_outputs]`)
   from the model's top-level parameters `params` (`embedding`, `lm_head`, `output_head`)."""
-  if config.num_outputs is not None:
-    return jnp.einsum("bnD,DO->bnO", x, params["output_head"].astype(config.dtype),
-                      preferred_element_type=jnp.float32)
-  return vocab_logits(x, params["embedding"], params.get("lm_head"), config.dtype)
+  if config.num_outputs is not None:  # a few outputs per token: not vocab-sharded
+    logits = jnp.einsum("bnD,DO->bnO", x, params["output_head"].astype(config.dtype),
+                        preferred_element_type=jnp.float32)
+    return with_logical_constraint(logits, RESIDUAL_AXES[:2] + (None,))
+  logits = vocab_logits(x, params["embedding"], params.get("lm_head"), config.dtype)
+  return with_logical_constraint(logits, LOGITS_AXES)
 
 
 def vocab_logits(x: jax.Array, embedding: jax.Array, lm_head: jax.Array | None,

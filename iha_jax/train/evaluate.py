@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from iha_jax import parallel
-from iha_jax.train.model import LanguageModel
+from iha_jax.models import LanguageModel
 from iha_jax.train.step import make_eval_step
 
 

@@ -10,7 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from iha_jax.parallel import named_shardings, replicated
-from iha_jax.train.model import LanguageModel, Params
+from iha_jax.models.language_model import LanguageModel, Params
 
 
 @flax.struct.dataclass

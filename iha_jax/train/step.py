@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from iha_jax.train.model import LanguageModel, Params
+from iha_jax.models.language_model import LanguageModel, Params
 from iha_jax.train.state import TrainState
 
 Batch = Mapping[str, jax.Array]  # inputs, targets, segment_ids, positions, weights: [B, N]

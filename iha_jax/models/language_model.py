@@ -1,8 +1,11 @@
 """`TransformerLM` as pure functions of a parameter dict, with remat and scan-over-layers.
 
-The trainer keeps parameters as a plain nested dict (checkpoint-friendly, string keys)
-and rebuilds each `iha_jax.models` module from it with `nnx.merge`, so the layers'
-math is the models package's own. Layout:
+This is how the trainer, the evaluator and the export tools run `TransformerLM`: the
+parameters are a plain nested dict (checkpoint-friendly, string keys), and the forward
+pass is the model's own: `embed_tokens`, each layer's `DecoderBlock` (rebuilt from its
+parameters with `nnx.merge`), the final norm and `output_logits`. Only the walk over
+the layers differs: a `jax.lax.scan` over schedule periods, each block under
+`jax.checkpoint`. `module(params)` gives back the `TransformerLM` itself. Layout:
 
     {"embedding": [V, D], "final_norm": {"scale": [D]}, ("lm_head": [D, V]),
      "layers": {"0": block params, "1": ...},                  # unscanned layers
@@ -20,13 +23,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.linen import with_logical_constraint
 from jax.sharding import PartitionSpec
 
-from iha_jax.models import TransformerConfig, TransformerLM
-from iha_jax.models.transformer import output_logits
+from iha_jax.models.config import TransformerConfig
+from iha_jax.models.transformer import TransformerLM, embed_tokens, output_logits
 from iha_jax.nn.functional import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ
-from iha_jax.parallel.axes import LOGITS_AXES, RESIDUAL_AXES
 
 Params = dict[str, Any]
 
@@ -103,9 +104,8 @@ class LanguageModel:
     graphdef = self._block_defs[index]
 
     def apply(block_params, x, segment_ids, positions, layer=None):
-      y = nnx.merge(graphdef, block_params)(x, segment_ids=segment_ids, positions=positions,
-                                            layer=layer)
-      return with_logical_constraint(y, RESIDUAL_AXES)
+      return nnx.merge(graphdef, block_params)(x, segment_ids=segment_ids,
+                                               positions=positions, layer=layer)
 
     if self.remat == "none":
       return apply
@@ -115,12 +115,7 @@ class LanguageModel:
             positions: jax.Array | None = None) -> jax.Array:
     """`tokens: [B, N]` int32 -> float32 logits `[B, N, V]` (or `[B, N, num_outputs]`), as
     `TransformerLM.__call__`."""
-    dtype = self.config.dtype
-    # The lookup reads a replicated table (gathered like any FSDP weight): a gather from
-    # a vocab/embed-sharded table would force a full rematerialisation of its output.
-    table = with_logical_constraint(params["embedding"], (None, None))
-    x = jnp.take(table, tokens, axis=0).astype(dtype)
-    x = with_logical_constraint(x, RESIDUAL_AXES)
+    x = embed_tokens(params["embedding"], tokens, self.config.dtype)
     if self.repeats:
       blocks = [self._block(j) for j in range(self.period)]
 
@@ -135,8 +130,5 @@ class LanguageModel:
     for key, block_params in sorted(params["layers"].items(), key=lambda kv: int(kv[0])):
       x = self._block(int(key))(block_params, x, segment_ids, positions)
     x = nnx.merge(self._norm_def, params["final_norm"])(x)
-    logits = output_logits(x, params, self.config)
-    if self.config.num_outputs is not None:  # a few outputs per token: not vocab-sharded
-      return with_logical_constraint(logits, RESIDUAL_AXES[:2] + (None,))
-    return with_logical_constraint(logits, LOGITS_AXES)
+    return output_logits(x, params, self.config)
 
