@@ -14,7 +14,7 @@ import pytest
 from configs.default import get_config as default_config
 from iha_jax.eval import (attention_pictures, evaluate_workdir, length_sweep, parse_lengths,
                           parse_mesh, restore_run)
-from iha_jax.eval.evaluator import FALLBACK_MESH, chance_exact_match, choose_mesh
+from iha_jax.eval.runs import FALLBACK_MESH, chance_exact_match, choose_mesh
 from iha_jax.eval.sweep import sweep_title
 from iha_jax.models import LanguageModel
 from iha_jax.train import model_config, train

@@ -16,8 +16,7 @@ import numpy as np
 from flax import nnx
 
 from iha_jax.models import TransformerLM
-from iha_jax.models.kv_cache import rotated_pseudo_heads, virtual_per_token
-from iha_jax.nn import project_qkv, to_compute_dtype
+from iha_jax.nn import project_qkv, rotated_pseudo_heads, to_compute_dtype, virtual_per_token
 from iha_jax.ops import attention_probs, virtual_segment_ids
 
 

@@ -16,7 +16,7 @@ import jax
 import ml_collections
 
 from iha_jax import storage
-from iha_jax.eval.evaluator import EvalError, chance_exact_match, restore_run
+from iha_jax.eval.runs import EvalError, chance_exact_match, restore_run
 
 TASKS = ("multikey_retrieval", "mqar")  # tasks with a `length` option and exact match
 TASK_TITLES = {"multikey_retrieval": "Multi-key retrieval",

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from iha_jax.models.config import TransformerConfig
-from iha_jax.nn import AttentionConfig, project_qkv, to_compute_dtype
+from iha_jax.nn import (AttentionConfig, project_qkv, pseudo_heads, rotated_pseudo_heads,
+                        to_compute_dtype, virtual_per_token)
 from iha_jax.ops.validation import default_positions
-from iha_jax.ops import (apply_rope, attention_probs, collapse_heads, deinterleave, interleave,
-                         pseudo_mix, virtual_positions)
+from iha_jax.ops import attention_probs, collapse_heads, deinterleave, virtual_positions
 
 CACHE_MODES = ("source", "pseudo")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -66,11 +66,6 @@ def check_cache_mode(cache_mode: str) -> None:
     raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
 
 
-def virtual_per_token(cfg: AttentionConfig) -> int:
-  """Virtual tokens per token: P for an IHA layer, 1 for an MHA layer."""
-  return cfg.pseudo if cfg.interleaved else 1
-
-
 def _stores_source(cfg: AttentionConfig, mode: str) -> bool:
   return cfg.interleaved and mode == "source"
 
@@ -96,23 +91,7 @@ def slot_tokens(position: jax.Array, capacity: int) -> jax.Array:
   return position - jnp.mod(position - jnp.arange(capacity, dtype=jnp.int32), capacity)
 
 
-def pseudo_heads(x: jax.Array, alpha: jax.Array | None) -> jax.Array:
-  """Source heads `[B, N, H, d]` -> interleaved pseudo-heads `[B, N*P, H, d]` (None: MHA, x)."""
-  if alpha is None:
-    return x
-  return interleave(pseudo_mix(x, alpha, precision=_HIGHEST))
 
-
-def rotated_pseudo_heads(x: jax.Array, alpha: jax.Array | None, positions: jax.Array,
-                         cfg: AttentionConfig) -> jax.Array:
-  """Pseudo-heads of `x: [B, N, H, d]`, rotated at virtual positions `pos*P + p`.
-
-  `positions: [B, N]` token positions. Returns `[B, N*P, H, d]` (`[B, N, H, d]` for MHA).
-  """
-  xv = pseudo_heads(x, alpha)
-  if cfg.rope_theta is None:
-    return xv
-  return apply_rope(xv, virtual_positions(positions, virtual_per_token(cfg)), cfg.rope_theta)
 
 
 def init_layer_cache(cfg: AttentionConfig, batch: int, max_len: int, mode: str,

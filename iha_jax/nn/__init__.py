@@ -3,7 +3,8 @@ from iha_jax.nn.attention import (DifferentialAttention, InterleavedHeadAttentio
                                   MultiHeadAttention, SimplicialAttention,
                                   TalkingHeadsAttention)
 from iha_jax.nn.config import MIXING_PARAMS, AttentionConfig, ParamSpec, param_specs
-from iha_jax.nn.functional import attention_forward, project_qkv, to_compute_dtype
+from iha_jax.nn.functional import (attention_forward, project_qkv, pseudo_heads,
+                                   rotated_pseudo_heads, to_compute_dtype, virtual_per_token)
 from iha_jax.nn.initializers import (fold_fan_in, identity_collapse_init, identity_mixing_init,
                                      identity_talking_init)
 from iha_jax.nn.linen import (DifferentialAttentionLinen, InterleavedHeadAttentionLinen,
@@ -17,5 +18,6 @@ __all__ = [
     "MultiHeadAttention", "MultiHeadAttentionLinen", "ParamSpec", "SimplicialAttention",
     "SimplicialAttentionLinen", "TalkingHeadsAttention", "TalkingHeadsAttentionLinen",
     "attention_forward", "fold_fan_in", "identity_collapse_init", "identity_mixing_init",
-    "identity_talking_init", "logical_param", "param_specs", "project_qkv", "to_compute_dtype",
+    "identity_talking_init", "logical_param", "param_specs", "project_qkv", "pseudo_heads",
+    "rotated_pseudo_heads", "to_compute_dtype", "virtual_per_token",
 ]

@@ -21,8 +21,9 @@ from flax.linen import with_logical_constraint
 from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.nn.config import AttentionConfig
-from iha_jax.ops import (diff_attention, diff_lambda_init, iha_attention, mha_attention,
-                         registry, simplicial_attention, talking_heads_attention)
+from iha_jax.ops import (apply_rope, diff_attention, diff_lambda_init, iha_attention, interleave,
+                         mha_attention, pseudo_mix, registry, simplicial_attention,
+                         talking_heads_attention, virtual_positions)
 from iha_jax.ops.differential import diff_via_mha
 from iha_jax.parallel.axes import (ACTIVATION_BATCH, ACTIVATION_HEADS, HEADS_AXES,
                                    SOURCE_HEADS_AXES)
@@ -174,3 +175,27 @@ def _differential(p: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig
   y = y.astype(jnp.float32)
   y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + DIFF_NORM_EPS)
   return (y * f32("norm_scale") * (1.0 - lambda_init)).astype(x.dtype)
+
+
+def pseudo_heads(x: jax.Array, alpha: jax.Array | None) -> jax.Array:
+  """Source heads `[B, N, H, d]` -> interleaved pseudo-heads `[B, N*P, H, d]` (None: MHA, x)."""
+  if alpha is None:
+    return x
+  return interleave(pseudo_mix(x, alpha, precision=jax.lax.Precision.HIGHEST))
+
+
+def virtual_per_token(cfg: AttentionConfig) -> int:
+  """Virtual tokens per token: P for an IHA layer, 1 for an MHA layer."""
+  return cfg.pseudo if cfg.interleaved else 1
+
+
+def rotated_pseudo_heads(x: jax.Array, alpha: jax.Array | None, positions: jax.Array,
+                         cfg: AttentionConfig) -> jax.Array:
+  """Pseudo-heads of `x: [B, N, H, d]`, rotated at virtual positions `pos*P + p`.
+
+  `positions: [B, N]` token positions. Returns `[B, N*P, H, d]` (`[B, N, H, d]` for MHA).
+  """
+  xv = pseudo_heads(x, alpha)
+  if cfg.rope_theta is None:
+    return xv
+  return apply_rope(xv, virtual_positions(positions, virtual_per_token(cfg)), cfg.rope_theta)

@@ -7,7 +7,8 @@ NNX and Linen compute one function.
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -17,13 +18,17 @@ from iha_jax.nn.config import DEFAULT_KERNEL_INIT, AttentionConfig, param_specs
 from iha_jax.nn.functional import attention_forward
 
 Initializer = jax.nn.initializers.Initializer
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(AttentionConfig))
 
 
 class _AttentionLinen(nn.Module):
-  """Fields every kind shares; subclasses add theirs and define `config`.
+  """Fields every kind shares; subclasses set `kind` and add the fields of their kind
+  (named as `AttentionConfig`'s, which validates them all).
 
   `__call__(x: [B, N, D], *, segment_ids=None, positions=None) -> [B, N, D]`.
   """
+  kind: ClassVar[str]
+  fixed: ClassVar[dict[str, Any]] = {}  # AttentionConfig fields the kind pins
   model_dim: int
   num_heads: int
   head_dim: int
@@ -36,11 +41,10 @@ class _AttentionLinen(nn.Module):
 
   @property
   def config(self) -> AttentionConfig:
-    raise NotImplementedError
-
-  def _common(self) -> dict[str, Any]:
-    return dict(window=self.window, causal=self.causal, dtype=self.dtype,
-                implementation=self.implementation)
+    """The validated layer configuration: this module's `AttentionConfig` fields."""
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+              if f.name in _CONFIG_FIELDS}
+    return AttentionConfig(kind=self.kind, **fields, **self.fixed)
 
   @nn.compact
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
@@ -60,60 +64,36 @@ class _AttentionLinen(nn.Module):
 
 class InterleavedHeadAttentionLinen(_AttentionLinen):
   """Linen Interleaved Head Attention; fields and semantics as `InterleavedHeadAttention`."""
+  kind: ClassVar[str] = "iha"
   num_pseudo: int | None = None
   rope_theta: float | None = 10000.0
   collapse_mode: str = "full"
   mixing_noise_std: float = 0.0
 
-  @property
-  def config(self) -> AttentionConfig:
-    """The validated layer configuration."""
-    return AttentionConfig(self.model_dim, self.num_heads, self.head_dim, kind="iha",
-                           num_pseudo=self.num_pseudo, rope_theta=self.rope_theta,
-                           collapse_mode=self.collapse_mode, **self._common())
-
 
 class MultiHeadAttentionLinen(_AttentionLinen):
   """Linen multi-head attention; fields and semantics as `MultiHeadAttention`."""
+  kind: ClassVar[str] = "mha"
   rope_theta: float | None = 10000.0
-
-  @property
-  def config(self) -> AttentionConfig:
-    """The validated layer configuration."""
-    return AttentionConfig(self.model_dim, self.num_heads, self.head_dim, kind="mha",
-                           rope_theta=self.rope_theta, **self._common())
 
 
 class TalkingHeadsAttentionLinen(_AttentionLinen):
   """Linen Talking-Heads attention; fields and semantics as `TalkingHeadsAttention`."""
+  kind: ClassVar[str] = "talking_heads"
   rope_theta: float | None = 10000.0
   mixing_noise_std: float = 0.0
-
-  @property
-  def config(self) -> AttentionConfig:
-    """The validated layer configuration."""
-    return AttentionConfig(self.model_dim, self.num_heads, self.head_dim,
-                           kind="talking_heads", rope_theta=self.rope_theta, **self._common())
 
 
 class DifferentialAttentionLinen(_AttentionLinen):
   """Linen differential attention; fields and semantics as `DifferentialAttention`
   (`__call__` also takes `layer`, overriding the field)."""
+  kind: ClassVar[str] = "diff"
   layer: int = 1
   rope_theta: float | None = 10000.0
 
-  @property
-  def config(self) -> AttentionConfig:
-    """The validated layer configuration."""
-    return AttentionConfig(self.model_dim, self.num_heads, self.head_dim, kind="diff",
-                           layer=self.layer, rope_theta=self.rope_theta, **self._common())
-
 
 class SimplicialAttentionLinen(_AttentionLinen):
-  """Linen 2-simplicial attention; fields and semantics as `SimplicialAttention`."""
-
-  @property
-  def config(self) -> AttentionConfig:
-    """The validated layer configuration."""
-    return AttentionConfig(self.model_dim, self.num_heads, self.head_dim, kind="simplicial",
-                           rope_theta=None, **self._common())
+  """Linen 2-simplicial attention (no RoPE); fields and semantics as
+  `SimplicialAttention`."""
+  kind: ClassVar[str] = "simplicial"
+  fixed: ClassVar[dict[str, Any]] = {"rope_theta": None}

@@ -1,5 +1,5 @@
-"""eval.py's core: restore a run's checkpoint onto the current mesh, evaluate a split,
-draw attention pictures.
+"""Saved runs, as eval.py reads them: restore a checkpoint onto the current mesh, evaluate
+a split, draw attention pictures.
 
 A checkpoint restores onto any mesh (Orbax reshards to the target shardings), so the
 mesh is chosen for the devices present now: `--mesh` when given, else the mesh saved in
