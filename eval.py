@@ -46,8 +46,7 @@ def main(argv):
   parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                       auto=FLAGS.distributed)
   # pylint: disable-next=import-outside-toplevel
-  from iha_jax.eval import (attention_pictures, evaluate_workdir, length_sweep, parse_mesh,
-                            sweep_png)
+  from iha_jax.eval import attention_pictures, evaluate_workdir, length_sweep, parse_mesh, sweep_png
   mesh = None if FLAGS.mesh is None else parse_mesh(FLAGS.mesh)
   needs_out_dir = FLAGS.sweep_lengths is not None or FLAGS.attention_layer is not None
   if needs_out_dir and not FLAGS.out_dir:

@@ -18,11 +18,11 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+from timing import call_times
 
 from iha_jax import ops
 from iha_jax.nn import AttentionConfig
 from iha_jax.train.flops import core_flops_per_sequence, mixing_flops_per_token
-from timing import call_times
 
 
 def _fwd_bwd(fn):

@@ -15,10 +15,10 @@ import argparse
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from timing import call_times
 
 from iha_jax.models import TransformerConfig, TransformerLM
 from iha_jax.models.generate import generate, prefill
-from timing import call_times
 
 
 def main() -> None:

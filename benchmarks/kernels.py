@@ -28,11 +28,19 @@ import statistics
 
 import jax
 import jax.numpy as jnp
-
-from iha_jax.ops import (apply_rope, collapse_heads, deinterleave, iha_attention, interleave,
-                         mha_attention, pseudo_mix, virtual_positions)
-from iha_jax.train.flops import causal_pairs
 from timing import call_times
+
+from iha_jax.ops import (
+  apply_rope,
+  collapse_heads,
+  deinterleave,
+  iha_attention,
+  interleave,
+  mha_attention,
+  pseudo_mix,
+  virtual_positions,
+)
+from iha_jax.train.flops import causal_pairs
 
 IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "xla", "cudnn")
 

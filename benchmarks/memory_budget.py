@@ -34,9 +34,11 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=wrong-import-position
 
-from iha_jax.models import count_params  # pylint: disable=wrong-import-position
+from iha_jax.models import (
+  LanguageModel,  # pylint: disable=wrong-import-position
+  count_params,  # pylint: disable=wrong-import-position
+)
 from iha_jax.train import config as config_lib  # pylint: disable=wrong-import-position
-from iha_jax.models import LanguageModel  # pylint: disable=wrong-import-position
 
 GiB = 2**30
 POLICIES = ("none", "save_projections", "full")
@@ -112,8 +114,8 @@ def main() -> None:
             + f"  ({time.perf_counter() - start:.0f} s)")
 
   per_layer_params = (n_params - base.vocab_size * base.model_dim) / base.num_layers
-  header = (f"\n| target | devices | HBM GiB | remat | microbatch | params | grads | adam "
-            f"| gathered | activations | logits | total GiB | headroom |")
+  header = ("\n| target | devices | HBM GiB | remat | microbatch | params | grads | adam "
+            "| gathered | activations | logits | total GiB | headroom |")
   print(header)
   print("|" + "---|" * 13)
   for target in TARGETS:

@@ -36,6 +36,7 @@ def main() -> int:
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   # pylint: disable=import-outside-toplevel
   import jax
+
   from iha_jax import parallel
   from iha_jax.train import config as config_lib
   from iha_jax.train import export

@@ -1,6 +1,7 @@
 """Train-step throughput of configs/default.py (IHA) and its MHA twin, side by side.
 
-    python benchmarks/train_step.py [--steps 30] [--configs configs/default.py,configs/mha_default.py]
+    python benchmarks/train_step.py [--steps 30]
+        [--configs configs/default.py,configs/mha_default.py]
 
 Times the compiled, sharded train step (synthetic tokens, so no input pipeline) on the
 current backend and prints tokens/s, model TFLOP/s per device (docs/design.md §2 FLOPs),
@@ -22,9 +23,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from iha_jax import parallel  # noqa: E402
+from iha_jax.models import LanguageModel  # noqa: E402
 from iha_jax.train import config as config_lib  # noqa: E402
 from iha_jax.train import flops  # noqa: E402
-from iha_jax.models import LanguageModel  # noqa: E402
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer  # noqa: E402
 from iha_jax.train.state import create_state  # noqa: E402
 from iha_jax.train.step import make_train_step  # noqa: E402

@@ -8,12 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import matplotlib
+import numpy as np
+from matplotlib.figure import Figure  # the object API: files only, no pyplot state
 
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from experiments.protocol import Study  # noqa: E402
+from experiments.protocol import Study
 
 METRIC_NAMES = {"token_accuracy": "accuracy", "exact_match": "exact match", "loss": "loss"}
 
@@ -122,15 +120,16 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def plot(study: Study, data: dict[str, Any], path: str) -> None:
+def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
   """Bars (test metric, mean ± std, seeds as dots), validation learning curves at the
-  chosen rates, and one panel per sweep axis."""
+  chosen rates, and one panel per sweep axis; written to `path` and returned."""
   metric = study.metrics[0]
   variants = list(dict.fromkeys(r["variant"] for r in data["runs"].values()))
   labels = {r["variant"]: r["label"] for r in data["runs"].values()}
   sweeps = sorted({r["sweep"]["axis"] for r in data["runs"].values() if r["sweep"]})
-  fig, axes = plt.subplots(1, 2 + len(sweeps), figsize=(5.5 * (2 + len(sweeps)), 4.2))
-  colors = {v: plt.cm.tab10(i % 10) for i, v in enumerate(variants)}
+  fig = Figure(figsize=(5.5 * (2 + len(sweeps)), 4.2))
+  axes = fig.subplots(1, 2 + len(sweeps))
+  colors = {v: matplotlib.colormaps["tab10"](i % 10) for i, v in enumerate(variants)}
 
   bars = axes[0]
   for i, v in enumerate(variants):
@@ -179,7 +178,7 @@ def plot(study: Study, data: dict[str, Any], path: str) -> None:
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
+  return fig
 
 
 def write(study: Study, data: dict[str, Any], out: str) -> tuple[str, str]:

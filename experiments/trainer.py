@@ -26,12 +26,11 @@ import numpy as np
 import optax
 
 from iha_jax import parallel
+from iha_jax.models import LanguageModel, count_params
 from iha_jax.train import config as config_lib
 from iha_jax.train import flops as flops_lib
 from iha_jax.train import inputs
 from iha_jax.train.evaluate import Evaluator
-from iha_jax.models import count_params
-from iha_jax.models import LanguageModel
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import make_init_fn, state_shardings
 from iha_jax.train.step import make_train_step

@@ -11,7 +11,8 @@ import difflib
 import os
 import runpy
 import sys
-from typing import Any, Callable, NoReturn, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from absl import app, flags
 
@@ -95,7 +96,7 @@ def _override_error(argv: Sequence[str], error: Exception) -> str:
     known = config_keys(load_config_file(spec)) if spec else {}
   except Exception:  # pylint: disable=broad-except
     known = {}
-  for key, *value in overrides:
+  for key, *_ in overrides:
     if known and key not in known and not any(k.startswith(key + ".") for k in known):
       close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
       hint = f"did you mean {close[0]}? " if close else ""

@@ -7,11 +7,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from iha_jax.eval.attention_maps import (MIN_GRID_PIXELS, PANEL_PIXELS, attention_maps,
-                                         grid_step, layer_attention_probs,
-                                         plot_attention_maps)
+from iha_jax.eval.attention_maps import (
+  MIN_GRID_PIXELS,
+  PANEL_PIXELS,
+  attention_maps,
+  grid_step,
+  layer_attention_probs,
+  plot_attention_maps,
+)
 from iha_jax.models import TransformerConfig, TransformerLM
 from iha_jax.ops import collapse_heads, deinterleave, interleave, pseudo_mix
+from tests.utils import decode_png
 
 N, V, H, HEAD_DIM, P = 7, 37, 3, 8, 2
 
@@ -71,9 +77,14 @@ def test_maps_reproduce_the_layer_output(model):
 def test_plot_writes_png(model, tmp_path):
   probs = attention_maps(model, _tokens(), layer=0)
   path = tmp_path / "layer0.png"
-  plot_attention_maps(probs, P, path, title="layer 0 (L)")
-  data = path.read_bytes()
-  assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+  fig = plot_attention_maps(probs, P, path, title="layer 0 (L)")
+  decode_png(path, dpi=120, figure=fig)
+  panels = [ax for ax in fig.axes if ax.images]  # (the colour bar has none)
+  assert len(panels) == H
+  for head, ax in enumerate(panels):  # each panel shows its head's map, causal and banded
+    shown = np.asarray(ax.images[0].get_array())
+    np.testing.assert_array_equal(shown, probs[head])
+    assert np.all(np.triu(shown, 1) == 0.0) and np.all(np.diag(shown) > 0.0)
 
 
 def test_token_lines_never_crowd_out_the_band():

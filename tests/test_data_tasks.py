@@ -8,8 +8,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 import iha_jax.data as data
-from iha_jax.data import build
-from iha_jax.data import mqar
+from iha_jax.data import build, mqar
 from iha_jax.data import multikey_retrieval as mkr
 from iha_jax.data import relation_composition as rc
 

@@ -10,8 +10,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 import iha_jax.data as data
-from iha_jax.data import tokenizers
-from iha_jax.data import train_tokenizer
+from iha_jax.data import tokenizers, train_tokenizer
 
 tfds.disable_progress_bar()
 

@@ -18,7 +18,7 @@ B, N, V, D, H, HEAD_DIM, F, P = 2, 14, 37, 32, 2, 8, 48, 2
 IHA_WINDOW, MHA_WINDOW = 5, 3  # Ring buffers of 3 tokens each: N wraps them several times.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(schedule: str, **kw) -> TransformerLM:
   base = dict(vocab_size=V, num_layers=len(schedule), model_dim=D, num_heads=H,
               head_dim=HEAD_DIM, mlp_dim=F, num_pseudo=P, attention_schedule=schedule,

@@ -12,19 +12,25 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs.default import get_config as default_config
-from iha_jax.eval import (attention_pictures, evaluate_workdir, length_sweep, parse_lengths,
-                          parse_mesh, restore_run)
+from iha_jax.eval import (
+  attention_pictures,
+  evaluate_workdir,
+  length_sweep,
+  parse_lengths,
+  parse_mesh,
+  restore_run,
+)
 from iha_jax.eval.runs import FALLBACK_MESH, chance_exact_match, choose_mesh
-from iha_jax.eval.sweep import sweep_title
+from iha_jax.eval.sweep import plot_sweep, sweep_title
 from iha_jax.models import LanguageModel
-from iha_jax.train import model_config, train
 from iha_jax.train import checkpoint as ckpt
+from iha_jax.train import model_config, train
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
 from tests.test_train import make_config
+from tests.utils import decode_png
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LENGTHS = [32, 48, 96]  # The tiny task trains at 48.
 
 
@@ -40,11 +46,6 @@ def runs(tmp_path_factory) -> dict[str, str]:
     train(make_config(data_dir, train__total_steps=4, checkpoint__every=4, log_every=0,
                       **overrides), workdirs[name])
   return workdirs
-
-
-def is_png(path: str) -> bool:
-  with open(path, "rb") as f:
-    return f.read(8) == PNG_MAGIC and os.path.getsize(path) > 5000
 
 
 def test_eval_writes_metrics(runs):
@@ -155,12 +156,19 @@ def test_length_sweep_writes_json_and_plot(runs, tmp_path):
   plain = evaluate_workdir(runs["mha"])
   assert result["runs"]["mha"]["token_accuracy"]["48"] == plain["token_accuracy"]
   assert result["runs"]["mha"]["exact_match"]["48"] == plain["exact_match"]
-  assert is_png(os.path.join(out, "length_sweep.png"))
+  decode_png(os.path.join(out, "length_sweep.png"))
+  fig = plot_sweep(result, str(tmp_path / "again.png"))  # the plotted lines are the data
+  lines = [line for line in fig.axes[0].lines if line.get_marker() == "o"]
+  assert [line.get_label() for line in lines] == ["iha (IM, P=2)", "mha (MM)"]
+  for line, record in zip(lines, result["runs"].values()):
+    assert list(line.get_xdata()) == LENGTHS
+    assert list(line.get_ydata()) == [record["exact_match"][str(n)] for n in LENGTHS]
 
 
 def test_attention_pictures(runs, tmp_path):
   path = attention_pictures(runs["iha"], 0, str(tmp_path))
-  assert path == str(tmp_path / "iha_layer0.png") and is_png(path)
+  assert path == str(tmp_path / "iha_layer0.png")
+  decode_png(path)
 
 
 def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
@@ -171,7 +179,8 @@ def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
        f"--workdir={runs['mha']}", "--attention_layer=1", f"--out_dir={out}"],
       cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert is_png(str(out / "iha_layer1.png")) and is_png(str(out / "mha_layer1.png"))
+  decode_png(str(out / "iha_layer1.png"))
+  decode_png(str(out / "mha_layer1.png"))
 
 
 @pytest.mark.parametrize("call,message", [

@@ -7,13 +7,13 @@ import dataclasses
 import json
 import os
 
-import matplotlib.image
 import numpy as np
 import pytest
 
-from experiments import protocol, run
-from experiments.trainer import RunResult
+from experiments import protocol, report, run
 from experiments.studies import STUDIES
+from experiments.trainer import RunResult
+from tests.utils import decode_png
 
 SEEDS = 2
 
@@ -49,9 +49,15 @@ def _check_outputs(out: str, name: str, variants: list[str]) -> dict:
     assert row.count("±") == len(study.metrics)  # mean ± std per metric
     assert row.count(",") >= len(study.metrics) * (SEEDS - 1)  # per-seed values
   assert "The paper:" in md and "Regenerate:" in md
-  image = matplotlib.image.imread(os.path.join(out, f"{name}.png"))
-  assert image.shape[0] > 300 and image.shape[1] > 800
-  assert image[..., :3].std() > 0.05  # not a blank canvas
+  fig = report.plot(study, data, os.path.join(out, "again.png"))
+  decode_png(os.path.join(out, f"{name}.png"), dpi=110, figure=fig)
+  # The bars are the test metric's means over the seeds at each variant's chosen rate.
+  metric = study.metrics[0]
+  expected = [100 * np.mean([r["test"][metric] for r in data["runs"].values()
+                             if r["variant"] == v and r["sweep"] is None
+                             and r["learning_rate"] == data["chosen_learning_rates"][v]])
+              for v in dict.fromkeys(r["variant"] for r in data["runs"].values())]
+  np.testing.assert_allclose([bar.get_height() for bar in fig.axes[0].patches], expected)
   return data
 
 

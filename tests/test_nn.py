@@ -10,11 +10,20 @@ import pytest
 from flax import nnx
 
 from iha_jax.models import count_params
-from iha_jax.nn import (DifferentialAttention, DifferentialAttentionLinen,
-                        InterleavedHeadAttention, InterleavedHeadAttentionLinen,
-                        MultiHeadAttention, MultiHeadAttentionLinen, SimplicialAttention,
-                        SimplicialAttentionLinen, TalkingHeadsAttention,
-                        TalkingHeadsAttentionLinen, identity_collapse_init, identity_mixing_init)
+from iha_jax.nn import (
+  DifferentialAttention,
+  DifferentialAttentionLinen,
+  InterleavedHeadAttention,
+  InterleavedHeadAttentionLinen,
+  MultiHeadAttention,
+  MultiHeadAttentionLinen,
+  SimplicialAttention,
+  SimplicialAttentionLinen,
+  TalkingHeadsAttention,
+  TalkingHeadsAttentionLinen,
+  identity_collapse_init,
+  identity_mixing_init,
+)
 from iha_jax.ops import diff_attention, iha_attention
 from iha_jax.parallel.rules import logical_to_mesh_spec
 

@@ -13,9 +13,9 @@ import numpy as np
 from configs import tiny
 from iha_jax import data as data_lib
 from iha_jax import parallel
+from iha_jax.models import LanguageModel
 from iha_jax.train import config as config_lib
 from iha_jax.train.inputs import prepare
-from iha_jax.models import LanguageModel
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import make_train_step

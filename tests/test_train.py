@@ -17,12 +17,12 @@ import pytest
 from configs import tiny
 from iha_jax import parallel
 from iha_jax.eval import evaluate_workdir
+from iha_jax.models import LanguageModel
 from iha_jax.train import ConfigError, NonFiniteLossError, train
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train.loop import _Preemption
 from iha_jax.train.metrics import MetricsWriter
-from iha_jax.models import LanguageModel
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
 

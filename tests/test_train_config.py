@@ -11,15 +11,23 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import (default, diff_2p4b, global_2p4b, global_local_2p4b, global_local_default,
-                     iha_2p4b, mha_default, talking_heads_2p4b, tiny)
+from configs import (
+  default,
+  diff_2p4b,
+  global_2p4b,
+  global_local_2p4b,
+  global_local_default,
+  iha_2p4b,
+  mha_default,
+  talking_heads_2p4b,
+  tiny,
+)
 from iha_jax.data import DataError
 from iha_jax.models import LanguageModel, TransformerConfig, TransformerLM, count_params
 from iha_jax.models.layers import make_attention
 from iha_jax.nn import MIXING_PARAMS, param_specs
 from iha_jax.ops.masking import visible
-from iha_jax.train import ConfigError, model_config, validate
-from iha_jax.train import flops
+from iha_jax.train import ConfigError, flops, model_config, validate
 from iha_jax.train.config import config_differences
 from iha_jax.train.optimizer import decay_mask, make_optimizer
 
@@ -170,7 +178,13 @@ def test_peak_table():
   assert flops.peak_tflops_per_device(Fake())[0] == 989.0
   Fake.device_kind = "TPU v4"
   assert flops.peak_tflops_per_device(Fake())[0] == 275.0
-  assert flops.measured_matmul_tflops(size=128, repeats=2) > 0
+
+
+def test_measured_matmul_rate_is_flops_over_the_best_time(monkeypatch):
+  ticks = iter([0.0, 0.004, 1.0, 1.002, 2.0, 2.003])  # (start, end) per repeat: best 2 ms
+  monkeypatch.setattr(flops.time, "perf_counter", lambda: next(ticks))
+  assert flops.measured_matmul_tflops(size=128, repeats=3) == pytest.approx(
+      2 * 128 ** 3 / 0.002 / 1e12)
 
 
 def _replace(config: ml_collections.ConfigDict, key: str, value) -> None:

@@ -13,10 +13,9 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax import parallel
-from iha_jax.models import TransformerConfig
+from iha_jax.models import LanguageModel, TransformerConfig
 from iha_jax.nn import functional
 from iha_jax.train import export
-from iha_jax.models import LanguageModel
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import loss_terms, make_train_step

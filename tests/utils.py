@@ -68,3 +68,19 @@ def packed_positions(segment_ids: jnp.ndarray) -> jnp.ndarray:
     for i in range(1, seg.shape[1]):
       pos[b, i] = 0 if seg[b, i] != seg[b, i - 1] else pos[b, i - 1] + 1
   return jnp.asarray(pos, jnp.int32)
+
+
+def decode_png(path, *, dpi: int | None = None, figure=None) -> np.ndarray:
+  """Decodes the PNG at `path` (float RGB(A) `[rows, cols, channels]`) and checks it is a
+  picture, not a blank canvas; with `figure` and `dpi`, that it is that figure's size."""
+  import matplotlib.image  # pylint: disable=import-outside-toplevel
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n", f"{path}: not a PNG file"
+  image = matplotlib.image.imread(path)
+  assert image.ndim == 3 and image.shape[2] in (3, 4), image.shape
+  assert image[..., :3].std() > 0.05, f"{path}: a blank canvas"
+  if figure is not None:
+    width, height = figure.get_size_inches() * dpi
+    assert abs(image.shape[1] - width) <= 2 and abs(image.shape[0] - height) <= 2, (
+        image.shape, (height, width))
+  return image

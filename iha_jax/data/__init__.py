@@ -5,20 +5,16 @@ Importing this package registers the TFDS builders `relation_composition`,
 """
 
 from iha_jax.data.errors import DataError
-from iha_jax.data.pipeline import DataConfig
-from iha_jax.data.pipeline import default_config
-from iha_jax.data.pipeline import make_dataset
-from iha_jax.data.pipeline import vocab_size
-from iha_jax.data.registry import builder_config
-from iha_jax.data.registry import is_text
-from iha_jax.data.registry import list_datasets
-from iha_jax.data.registry import prepare
-from iha_jax.data.tokenizers import BUILTIN_TOKENIZERS
-from iha_jax.data.tokenizers import ByteTokenizer
-from iha_jax.data.tokenizers import HuggingFaceTokenizer
-from iha_jax.data.tokenizers import SentencePieceTokenizer
-from iha_jax.data.tokenizers import TiktokenTokenizer
-from iha_jax.data.tokenizers import load_tokenizer
+from iha_jax.data.pipeline import DataConfig, default_config, make_dataset, vocab_size
+from iha_jax.data.registry import builder_config, is_text, list_datasets, prepare
+from iha_jax.data.tokenizers import (
+    BUILTIN_TOKENIZERS,
+    ByteTokenizer,
+    HuggingFaceTokenizer,
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    load_tokenizer,
+)
 from iha_jax.data.transforms import BatchIterator
 
 __all__ = [

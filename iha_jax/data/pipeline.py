@@ -28,9 +28,7 @@ import ml_collections
 import tensorflow_datasets as tfds
 from absl import flags
 
-from iha_jax.data import registry
-from iha_jax.data import tokenizers
-from iha_jax.data import transforms
+from iha_jax.data import registry, tokenizers, transforms
 from iha_jax.data.errors import DataError
 
 

@@ -26,11 +26,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 from iha_jax import storage
-from iha_jax.data import builder_base
-from iha_jax.data import local_text
-from iha_jax.data import mqar
-from iha_jax.data import multikey_retrieval
-from iha_jax.data import relation_composition
+from iha_jax.data import builder_base, local_text, mqar, multikey_retrieval, relation_composition
 from iha_jax.data.errors import DataError
 
 TFDS_PREFIX = "tfds:"

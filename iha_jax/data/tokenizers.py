@@ -17,7 +17,6 @@ never scored.
 from __future__ import annotations
 
 import base64
-import json
 import os
 import re
 from typing import Any, Protocol

@@ -20,8 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import sentencepiece as spm
 
-from iha_jax.data import registry
-from iha_jax.data import tokenizers
+from iha_jax.data import registry, tokenizers
 
 
 def iterate_texts(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,9 @@ from flax import nnx
 from iha_jax.models import TransformerLM
 from iha_jax.nn import project_qkv, rotated_pseudo_heads, to_compute_dtype, virtual_per_token
 from iha_jax.ops import attention_probs, virtual_segment_ids
+
+if TYPE_CHECKING:
+  from matplotlib.figure import Figure
 
 
 def layer_attention_probs(attn: nnx.Module, x: jax.Array, *,
@@ -112,8 +116,9 @@ def grid_step(num_virtual: int, num_pseudo: int, *, panel_pixels: int = PANEL_PI
 
 
 def plot_attention_maps(probs: np.ndarray, num_pseudo: int, path: str | os.PathLike, *,
-                        title: str | None = None) -> None:
-  """Writes one heat-map panel per head to a PNG file (local path or URL).
+                        title: str | None = None) -> Figure:
+  """Writes one heat-map panel per head to a PNG file (local path or URL); returns the
+  figure (panel `h` shows `probs[h]`).
 
   Args:
     probs: `[H, T, T]` attention probabilities (rows: queries, columns: keys).
@@ -157,3 +162,4 @@ def plot_attention_maps(probs: np.ndarray, num_pseudo: int, path: str | os.PathL
   fig.suptitle(f"{title + chr(10) if title else ''}P = {num_pseudo}: {grid}", fontsize=9)
   with storage.as_path(path).open("wb") as f:
     fig.savefig(f, format="png", dpi=120)
+  return fig

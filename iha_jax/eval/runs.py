@@ -26,12 +26,12 @@ from iha_jax import parallel, storage
 from iha_jax.errors import UserError
 from iha_jax.eval.attention_maps import attention_maps, plot_attention_maps
 from iha_jax.models import TransformerConfig
+from iha_jax.models.language_model import LanguageModel, Params
 from iha_jax.parallel.rules import MESH_AXES
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train import inputs
 from iha_jax.train.evaluate import Evaluator
-from iha_jax.models.language_model import LanguageModel, Params
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
 
@@ -221,7 +221,7 @@ def attention_pictures(workdir: str, layer: int, out_dir: str, *, split: str = "
   # One unshuffled process-independent row: every process draws the same example.
   rows = data_lib.make_dataset(run.config.data, split, global_batch_size=1, shard_index=0,
                                shard_count=1, shuffle=False, num_epochs=1)
-  for index, batch in enumerate(rows):
+  for index, batch in enumerate(rows):  # noqa: B007 (the loop finds the row)
     if index == example:
       break
   else:

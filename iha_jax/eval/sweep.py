@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import ml_collections
 
 from iha_jax import storage
 from iha_jax.eval.runs import EvalError, chance_exact_match, restore_run
+
+if TYPE_CHECKING:
+  from matplotlib.figure import Figure
 
 TASKS = ("multikey_retrieval", "mqar")  # tasks with a `length` option and exact match
 TASK_TITLES = {"multikey_retrieval": "Multi-key retrieval",
@@ -116,9 +120,9 @@ def sweep_title(result: dict[str, Any]) -> str:
   return f"{' / '.join(tasks)} ({', '.join(datasets)}) against context length"
 
 
-def plot_sweep(result: dict[str, Any], path: str) -> None:
+def plot_sweep(result: dict[str, Any], path: str) -> Figure:
   """Exact match against context length (log2 axis), one line per run, the training
-  lengths dotted and chance dashed; written to `path` (local or remote)."""
+  lengths dotted and chance dashed; written to `path` (local or remote) and returned."""
   # The Figure API renders with Agg without touching pyplot's global backend.
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
@@ -143,4 +147,5 @@ def plot_sweep(result: dict[str, Any], path: str) -> None:
   ax.legend()
   with storage.as_path(path).open("wb") as f:
     fig.savefig(f, format="png", dpi=120)
+  return fig
 

@@ -29,8 +29,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax.kernels import common
 from iha_jax.kernels.common import Config
-from iha_jax.ops.options import round_up
 from iha_jax.ops.masking import MASK_VALUE
+from iha_jax.ops.options import round_up
 
 _LANES = 128
 

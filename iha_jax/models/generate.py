@@ -14,8 +14,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from iha_jax.models.kv_cache import (KVCache, check_cache_mode, check_decodable, decode_layer,
-                                     init_cache, prefill_layer)
+from iha_jax.models.kv_cache import (
+  KVCache,
+  check_cache_mode,
+  check_decodable,
+  decode_layer,
+  init_cache,
+  prefill_layer,
+)
 from iha_jax.models.transformer import TransformerLM, check_tokens
 from iha_jax.ops.validation import is_int
 

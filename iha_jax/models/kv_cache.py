@@ -18,17 +18,24 @@ virtual sequence, plus the window), so decoding computes the full forward's func
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from iha_jax.models.config import TransformerConfig
-from iha_jax.nn import (AttentionConfig, project_qkv, pseudo_heads, rotated_pseudo_heads,
-                        to_compute_dtype, virtual_per_token)
-from iha_jax.ops.validation import default_positions
+from iha_jax.nn import (
+  AttentionConfig,
+  project_qkv,
+  pseudo_heads,
+  rotated_pseudo_heads,
+  to_compute_dtype,
+  virtual_per_token,
+)
 from iha_jax.ops import attention_probs, collapse_heads, deinterleave, virtual_positions
+from iha_jax.ops.validation import default_positions
 
 CACHE_MODES = ("source", "pseudo")
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -18,7 +18,8 @@ of 5 periods plus one tail layer).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

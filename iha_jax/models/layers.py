@@ -1,7 +1,8 @@
 """Building blocks of `TransformerLM` (Flax NNX): RMSNorm, MLP (SwiGLU or GELU), the block."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +10,14 @@ from flax import nnx
 from flax.linen import with_logical_constraint
 
 from iha_jax.models.config import TransformerConfig
-from iha_jax.nn import (DifferentialAttention, InterleavedHeadAttention, MultiHeadAttention,
-                        SimplicialAttention, TalkingHeadsAttention, logical_param)
+from iha_jax.nn import (
+  DifferentialAttention,
+  InterleavedHeadAttention,
+  MultiHeadAttention,
+  SimplicialAttention,
+  TalkingHeadsAttention,
+  logical_param,
+)
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT
 from iha_jax.parallel.axes import EMBED, MLP, RESIDUAL_AXES
 

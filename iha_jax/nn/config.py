@@ -14,8 +14,12 @@ from typing import Any, NamedTuple
 
 import jax
 
-from iha_jax.nn.initializers import (fold_fan_in, identity_collapse_init, identity_mixing_init,
-                                     identity_talking_init)
+from iha_jax.nn.initializers import (
+  fold_fan_in,
+  identity_collapse_init,
+  identity_mixing_init,
+  identity_talking_init,
+)
 from iha_jax.ops import IMPLEMENTATIONS, KINDS, registry
 from iha_jax.ops.validation import is_int
 from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS, HEADS_DST, HEADS_SRC, PSEUDO, QK_PAIR

@@ -12,7 +12,7 @@ and head mesh axes come from the logical-axis rules (`activation_batch`,
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
@@ -21,12 +21,21 @@ from flax.linen import with_logical_constraint
 from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.nn.config import AttentionConfig
-from iha_jax.ops import (apply_rope, diff_attention, diff_lambda_init, iha_attention, interleave,
-                         mha_attention, pseudo_mix, registry, simplicial_attention,
-                         talking_heads_attention, virtual_positions)
+from iha_jax.ops import (
+  apply_rope,
+  diff_attention,
+  diff_lambda_init,
+  iha_attention,
+  interleave,
+  mha_attention,
+  pseudo_mix,
+  registry,
+  simplicial_attention,
+  talking_heads_attention,
+  virtual_positions,
+)
 from iha_jax.ops.differential import diff_via_mha
-from iha_jax.parallel.axes import (ACTIVATION_BATCH, ACTIVATION_HEADS, HEADS_AXES,
-                                   SOURCE_HEADS_AXES)
+from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_HEADS, HEADS_AXES, SOURCE_HEADS_AXES
 from iha_jax.parallel.rules import LOGICAL_AXIS_RULES
 
 # Names for remat policies (e.g. `jax.checkpoint_policies.save_only_these_names`):

@@ -5,7 +5,7 @@ All follow the standard `jax.nn.initializers` signature `(key, shape, dtype)`.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

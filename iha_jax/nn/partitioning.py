@@ -1,7 +1,8 @@
 """NNX parameters annotated with logical axis names."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from flax import nnx

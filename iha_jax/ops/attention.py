@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from iha_jax.ops import registry, validation
-from iha_jax.ops.interleave import (deinterleave, interleave, virtual_positions,
-                                    virtual_segment_ids)
+from iha_jax.ops.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
 from iha_jax.ops.mixing import collapse_from_virtual, collapse_heads, mix_to_virtual, pseudo_mix
 from iha_jax.ops.options import BlockSizes
 from iha_jax.ops.reference import dense_attention

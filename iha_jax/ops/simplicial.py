@@ -20,8 +20,13 @@ import jax.numpy as jnp
 from iha_jax.ops import registry, validation
 from iha_jax.ops.masking import MASK_VALUE
 from iha_jax.ops.options import BlockSizes
-from iha_jax.ops.query_blocks import (QueryBlocks, block_mask, map_query_blocks,
-                                     plan_query_blocks, zero_padding)
+from iha_jax.ops.query_blocks import (
+  QueryBlocks,
+  block_mask,
+  map_query_blocks,
+  plan_query_blocks,
+  zero_padding,
+)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Most float32 score elements alive at once (2**27 = 512 MiB): the reference holds

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 from iha_jax.ops import registry, validation
 from iha_jax.ops.masking import MASK_VALUE
 from iha_jax.ops.options import BlockSizes
-from iha_jax.ops.query_blocks import (block_mask, map_query_blocks, plan_query_blocks,
-                                     zero_padding)
+from iha_jax.ops.query_blocks import block_mask, map_query_blocks, plan_query_blocks, zero_padding
 from iha_jax.ops.rope import apply_rope
 
 _HIGHEST = jax.lax.Precision.HIGHEST

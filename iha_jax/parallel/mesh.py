@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh

@@ -20,10 +20,24 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from iha_jax.parallel.axes import (ACTIVATION_BATCH, ACTIVATION_EMBED, ACTIVATION_HEADS,
-                                   ACTIVATION_HEADS_SRC, ACTIVATION_LENGTH, ACTIVATION_VOCAB,
-                                   EMBED, HEAD_DIM, HEADS, HEADS_DST, HEADS_SRC, MLP, OUTPUTS,
-                                   PSEUDO, QK_PAIR, VOCAB)
+from iha_jax.parallel.axes import (
+  ACTIVATION_BATCH,
+  ACTIVATION_EMBED,
+  ACTIVATION_HEADS,
+  ACTIVATION_HEADS_SRC,
+  ACTIVATION_LENGTH,
+  ACTIVATION_VOCAB,
+  EMBED,
+  HEAD_DIM,
+  HEADS,
+  HEADS_DST,
+  HEADS_SRC,
+  MLP,
+  OUTPUTS,
+  PSEUDO,
+  QK_PAIR,
+  VOCAB,
+)
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 MESH_AXES = (DATA, FSDP, TENSOR)

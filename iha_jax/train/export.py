@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from iha_jax import parallel
-from iha_jax.models import TransformerConfig
-from iha_jax.models import LanguageModel
+from iha_jax.models import LanguageModel, TransformerConfig
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import abstract_state
 from iha_jax.train.step import make_train_step

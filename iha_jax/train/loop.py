@@ -28,13 +28,13 @@ from jax.experimental import multihost_utils
 
 from iha_jax import parallel, storage
 from iha_jax.errors import UserError
+from iha_jax.models import LanguageModel
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
-from iha_jax.train.evaluate import Evaluator
 from iha_jax.train import flops as flops_lib
 from iha_jax.train import inputs
+from iha_jax.train.evaluate import Evaluator
 from iha_jax.train.metrics import MetricsWriter
-from iha_jax.models import LanguageModel
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import TrainState, abstract_state, create_state
 from iha_jax.train.step import make_train_step

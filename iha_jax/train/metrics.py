@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from iha_jax.parallel import named_shardings, replicated
 from iha_jax.models.language_model import LanguageModel, Params
+from iha_jax.parallel import named_shardings, replicated
 
 
 @flax.struct.dataclass

@@ -1,7 +1,7 @@
 """Loss, the train step (with gradient accumulation and a non-finite guard), the eval step."""
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
