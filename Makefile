@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/default
 TWIN_WORKDIR ?= workdirs/global_local_default
 TEST_MINUTES ?= 17
 
-.PHONY: test train bench clean-venv
+.PHONY: test lint format train bench clean-venv
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,15 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 test: $(VENV)/.installed
 	@echo "make test: about $(TEST_MINUTES) min on a 2-core CPU (measured); progress in % below"
 	$(PY) -m pytest -n auto -q
+
+# Style (pyproject.toml): ruff's lint rules, and ruff format's 2-space, 100-column layout.
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(VENV)/.installed
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 # The default training demo: IHA ("LM") and its Global+Local twin ("SM"), each at its own
 # tuned learning rate, evaluated side by side; then the retrieval length sweep of both

@@ -15,6 +15,7 @@ on fsdp (checkpoints restore onto any mesh). Workdirs and --out_dir may be local
 The run's config is the one saved in its checkpoint (`python train.py --help` lists the
 keys). Errors a person can fix print one line (`--debug` or IHA_DEBUG=1: the traceback).
 """
+
 import json
 
 from absl import flags
@@ -43,25 +44,41 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
   del argv
   metrics.quiet_library_logs()
-  parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                      auto=FLAGS.distributed)
+  parallel.initialize(
+    FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, auto=FLAGS.distributed
+  )
   # pylint: disable-next=import-outside-toplevel
   from iha_jax.eval import attention_pictures, evaluate_workdir, length_sweep, parse_mesh, sweep_png
+
   mesh = None if FLAGS.mesh is None else parse_mesh(FLAGS.mesh)
   needs_out_dir = FLAGS.sweep_lengths is not None or FLAGS.attention_layer is not None
   if needs_out_dir and not FLAGS.out_dir:
     cli.fail("--out_dir is required with --sweep_lengths or --attention_layer")
   if FLAGS.sweep_lengths is not None:
-    result = length_sweep(FLAGS.workdir, FLAGS.sweep_lengths, FLAGS.out_dir,
-                          num_examples=FLAGS.sweep_examples, split=FLAGS.split,
-                          step=FLAGS.step, mesh=mesh)
+    result = length_sweep(
+      FLAGS.workdir,
+      FLAGS.sweep_lengths,
+      FLAGS.out_dir,
+      num_examples=FLAGS.sweep_examples,
+      split=FLAGS.split,
+      step=FLAGS.step,
+      mesh=mesh,
+    )
     print(json.dumps(result, indent=2))
     print(sweep_png(FLAGS.out_dir))
   if FLAGS.attention_layer is not None:
     for workdir in FLAGS.workdir:
-      print(attention_pictures(workdir, FLAGS.attention_layer, FLAGS.out_dir,
-                               split=FLAGS.split, example=FLAGS.attention_example,
-                               step=FLAGS.step, mesh=mesh))
+      print(
+        attention_pictures(
+          workdir,
+          FLAGS.attention_layer,
+          FLAGS.out_dir,
+          split=FLAGS.split,
+          example=FLAGS.attention_example,
+          step=FLAGS.step,
+          mesh=mesh,
+        )
+      )
   if not needs_out_dir:
     for workdir in FLAGS.workdir:
       print(json.dumps(evaluate_workdir(workdir, FLAGS.split, FLAGS.step, mesh), indent=2))

@@ -13,6 +13,7 @@ Multi-process: `--coordinator_address=HOST:PORT --num_processes=N --process_id=I
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables), or
 `--distributed` where JAX detects the cluster itself (TPU pod slices, SLURM, Open MPI).
 """
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -20,15 +21,21 @@ from iha_jax import cli, parallel
 from iha_jax.train import metrics
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).",
-                                lock_config=True)
-flags.DEFINE_string("workdir", None, "Run directory (local or gs://...): checkpoints, "
-                    "metrics, TensorBoard.")
+config_flags.DEFINE_config_file(
+  "config", None, "Training config file (configs/*.py).", lock_config=True
+)
+flags.DEFINE_string(
+  "workdir", None, "Run directory (local or gs://...): checkpoints, metrics, TensorBoard."
+)
 flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
-flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() with cluster "
-                  "auto-detection (TPU pod slices, SLURM, Open MPI, Kubernetes).")
+flags.DEFINE_bool(
+  "distributed",
+  False,
+  "Call jax.distributed.initialize() with cluster "
+  "auto-detection (TPU pod slices, SLURM, Open MPI, Kubernetes).",
+)
 cli.define_debug_flag()
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -37,9 +44,11 @@ def main(argv):
   del argv
   metrics.quiet_library_logs()
   # Before any JAX computation: joining a multi-process run must precede backend start.
-  parallel.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                      auto=FLAGS.distributed)
+  parallel.initialize(
+    FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, auto=FLAGS.distributed
+  )
   from iha_jax.train import train  # pylint: disable=import-outside-toplevel
+
   train(FLAGS.config, FLAGS.workdir)
 
 

@@ -12,6 +12,7 @@ head mixings, training = 3x forward) and the time ratio to causal global MHA.
   python benchmarks/attention.py                     # B=2 N=1024 H=4 d=64 P=4, xla
   python benchmarks/attention.py --seq_len 2048 --only iha_window,mha
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ from iha_jax.train.flops import core_flops_per_sequence, mixing_flops_per_token
 
 def _fwd_bwd(fn):
   """Loss of a random projection of the output, differentiated w.r.t. every float input."""
+
   def loss(args, cotangent):
     return jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
+
   return jax.jit(jax.value_and_grad(loss))
 
 
@@ -50,32 +53,53 @@ def _rows(a: argparse.Namespace) -> dict[str, tuple]:
   hd = max(1, h // 2)
   # A kind without the asked implementation (e.g. no kernel for talking_heads) runs xla.
   impl_of = lambda kind: a.impl if a.impl in ops.registry.implementations(kind) else "xla"
-  impl, th_impl, x_impl = ({"implementation": impl_of(kind)}
-                           for kind in ("mha", "talking_heads", "simplicial"))
+  impl, th_impl, x_impl = (
+    {"implementation": impl_of(kind)} for kind in ("mha", "talking_heads", "simplicial")
+  )
   cfg = lambda kind, heads=h, **kw: AttentionConfig(d * h, heads, d, kind=kind, **kw)
   return {
-      "iha_window": (cfg("iha", num_pseudo=p, window=iha_window),
-                     lambda *x: ops.iha_attention(*x, window=iha_window, **impl), iha_args),
-      "iha_global": (cfg("iha", num_pseudo=p),
-                     lambda *x: ops.iha_attention(*x, **impl), iha_args),
-      "mha": (cfg("mha"), lambda *x: ops.mha_attention(*x, **impl), mha_args),
-      "mha_window": (cfg("mha", window=mha_window),
-                     lambda *x: ops.mha_attention(*x, window=mha_window, **impl), mha_args),
-      "talking_heads": (cfg("talking_heads"),
-                        lambda *x: ops.talking_heads_attention(*x, **th_impl),
-                        (*mha_args, talk, talk.T)),
-      "diff": (cfg("diff", heads=hd),
-               lambda *x: ops.diff_attention(*x, **impl),
-               (normal(b, n, hd, 2, d), normal(b, n, hd, 2, d), normal(b, n, hd, 2 * d),
-                jnp.full((hd,), 0.5, dtype))),
-      "simplicial": (cfg("simplicial", window=x_window),
-                     lambda *x: ops.simplicial_attention(*x, window=x_window, **x_impl),
-                     tuple(normal(b, n, h, d, scale=0.5) for _ in range(5))),
-      "iha_window_bidirectional": (
-          cfg("iha", num_pseudo=p, window=iha_window, causal=False),
-          lambda *x: ops.iha_attention(*x, window=iha_window, causal=False, **impl), iha_args),
-      "mha_bidirectional": (cfg("mha", causal=False),
-                            lambda *x: ops.mha_attention(*x, causal=False, **impl), mha_args),
+    "iha_window": (
+      cfg("iha", num_pseudo=p, window=iha_window),
+      lambda *x: ops.iha_attention(*x, window=iha_window, **impl),
+      iha_args,
+    ),
+    "iha_global": (cfg("iha", num_pseudo=p), lambda *x: ops.iha_attention(*x, **impl), iha_args),
+    "mha": (cfg("mha"), lambda *x: ops.mha_attention(*x, **impl), mha_args),
+    "mha_window": (
+      cfg("mha", window=mha_window),
+      lambda *x: ops.mha_attention(*x, window=mha_window, **impl),
+      mha_args,
+    ),
+    "talking_heads": (
+      cfg("talking_heads"),
+      lambda *x: ops.talking_heads_attention(*x, **th_impl),
+      (*mha_args, talk, talk.T),
+    ),
+    "diff": (
+      cfg("diff", heads=hd),
+      lambda *x: ops.diff_attention(*x, **impl),
+      (
+        normal(b, n, hd, 2, d),
+        normal(b, n, hd, 2, d),
+        normal(b, n, hd, 2 * d),
+        jnp.full((hd,), 0.5, dtype),
+      ),
+    ),
+    "simplicial": (
+      cfg("simplicial", window=x_window),
+      lambda *x: ops.simplicial_attention(*x, window=x_window, **x_impl),
+      tuple(normal(b, n, h, d, scale=0.5) for _ in range(5)),
+    ),
+    "iha_window_bidirectional": (
+      cfg("iha", num_pseudo=p, window=iha_window, causal=False),
+      lambda *x: ops.iha_attention(*x, window=iha_window, causal=False, **impl),
+      iha_args,
+    ),
+    "mha_bidirectional": (
+      cfg("mha", causal=False),
+      lambda *x: ops.mha_attention(*x, causal=False, **impl),
+      mha_args,
+    ),
   }
 
 
@@ -116,14 +140,19 @@ def main() -> None:
     flops = 3 * args.batch * (core_flops_per_sequence(acfg, n) + n * mixing_flops_per_token(acfg))
     results[name] = (_label(name, acfg), seconds, temp, flops / seconds / 1e9)
 
-  print(f"backend={jax.default_backend()} impl={args.impl} dtype={args.dtype} "
-        f"B={args.batch} N={args.seq_len} H={args.heads} d={args.head_dim}")
-  print(f"{'attention':<36}{'fwd+bwd ms':>12}{'peak temp MiB':>15}{'GFLOP/s':>10}"
-        f"{'time / mha':>12}")
+  print(
+    f"backend={jax.default_backend()} impl={args.impl} dtype={args.dtype} "
+    f"B={args.batch} N={args.seq_len} H={args.heads} d={args.head_dim}"
+  )
+  print(
+    f"{'attention':<36}{'fwd+bwd ms':>12}{'peak temp MiB':>15}{'GFLOP/s':>10}{'time / mha':>12}"
+  )
   base = results["mha"][1]
   for label, seconds, temp, gflops in results.values():
-    print(f"{label:<36}{seconds * 1e3:>12.2f}{temp / 2**20:>15.1f}{gflops:>10.1f}"
-          f"{seconds / base:>12.2f}")
+    print(
+      f"{label:<36}{seconds * 1e3:>12.2f}{temp / 2**20:>15.1f}{gflops:>10.1f}"
+      f"{seconds / base:>12.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ throughput (prefill time subtracted), best of `--repeats`, in one process.
   python benchmarks/decode.py                           # B=4, prompt 64, 448 new tokens
   python benchmarks/decode.py --iha_schedule I --pseudo 2   # global IHA: source vs pseudo
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,34 +40,58 @@ def main() -> None:
 
   max_len = args.prompt_len + args.new_tokens
   iha_window = max(1, max_len // (2 * args.pseudo))
-  common = dict(vocab_size=args.vocab, num_layers=args.layers, model_dim=args.model_dim,
-                num_heads=args.heads, head_dim=args.head_dim, mlp_dim=4 * args.model_dim,
-                implementation=args.impl)
-  prompt = jax.random.randint(jax.random.key(0), (args.batch, args.prompt_len), 0, args.vocab,
-                              jnp.int32)
+  common = dict(
+    vocab_size=args.vocab,
+    num_layers=args.layers,
+    model_dim=args.model_dim,
+    num_heads=args.heads,
+    head_dim=args.head_dim,
+    mlp_dim=4 * args.model_dim,
+    implementation=args.impl,
+  )
+  prompt = jax.random.randint(
+    jax.random.key(0), (args.batch, args.prompt_len), 0, args.vocab, jnp.int32
+  )
   # S layers of a custom --iha_schedule get the same window, in tokens.
-  iha = dict(attention_schedule=args.iha_schedule, num_pseudo=args.pseudo,
-             iha_window=iha_window, mha_window=iha_window)
+  iha = dict(
+    attention_schedule=args.iha_schedule,
+    num_pseudo=args.pseudo,
+    iha_window=iha_window,
+    mha_window=iha_window,
+  )
   name = f"IHA {args.iha_schedule}"
-  runs = [(name, "source", iha), (name, "pseudo", iha),
-          ("MHA M", "-", dict(attention_schedule="M"))]
-  print(f"backend={jax.default_backend()} B={args.batch} prompt={args.prompt_len} "
-        f"new={args.new_tokens} layers={args.layers} D={args.model_dim} H={args.heads} "
-        f"d={args.head_dim} P={args.pseudo} iha_window={iha_window} virtual tokens")
-  print(f"{'model':<12} {'cache':<7} {'cache bytes':>12} {'prefill ms':>11} "
-        f"{'decode tok/s':>13}")
+  runs = [
+    (name, "source", iha),
+    (name, "pseudo", iha),
+    ("MHA M", "-", dict(attention_schedule="M")),
+  ]
+  print(
+    f"backend={jax.default_backend()} B={args.batch} prompt={args.prompt_len} "
+    f"new={args.new_tokens} layers={args.layers} D={args.model_dim} H={args.heads} "
+    f"d={args.head_dim} P={args.pseudo} iha_window={iha_window} virtual tokens"
+  )
+  print(f"{'model':<12} {'cache':<7} {'cache bytes':>12} {'prefill ms':>11} {'decode tok/s':>13}")
   for name, cache_mode, schedule in runs:
     model = TransformerLM(TransformerConfig(**common, **schedule), rngs=nnx.Rngs(0))
     mode = "source" if cache_mode == "-" else cache_mode  # MHA caches are the same either way.
     _, cache = prefill(model, prompt, max_len=max_len, cache_mode=mode)
-    t_prefill = min(call_times(
-        lambda: prefill(model, prompt, max_len=max_len, cache_mode=mode), args.repeats))
-    t_total = min(call_times(lambda: generate(model, prompt, max_new_tokens=args.new_tokens,
-                                              cache_mode=mode, max_len=max_len), args.repeats))
+    t_prefill = min(
+      call_times(lambda: prefill(model, prompt, max_len=max_len, cache_mode=mode), args.repeats)
+    )
+    t_total = min(
+      call_times(
+        lambda: generate(
+          model, prompt, max_new_tokens=args.new_tokens, cache_mode=mode, max_len=max_len
+        ),
+        args.repeats,
+      )
+    )
     # generate = prefill + (new_tokens - 1) cached decode steps.
     tokens_per_s = args.batch * (args.new_tokens - 1) / max(t_total - t_prefill, 1e-9)
-    print(f"{name:<12} {cache_mode:<7} {cache.nbytes:>12,d} {1e3 * t_prefill:>11.1f} "
-          f"{tokens_per_s:>13,.0f}")
+    print(
+      f"{name:<12} {cache_mode:<7} {cache.nbytes:>12,d} {1e3 * t_prefill:>11.1f} "
+      f"{tokens_per_s:>13,.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ tiny shape on any backend (Pallas rows in interpret mode off their platform).
 The first line is the device's measured dense matmul rate (a square matmul in the
 run's dtype); the "% mm" column is each row's TFLOP/s as a share of it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ from iha_jax.train.flops import causal_pairs
 IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "xla", "cudnn")
 
 
-def attention_flops(b: int, n: int, h: int, d: int, p: int, window: int | None,
-                    train: bool) -> float:
+def attention_flops(
+  b: int, n: int, h: int, d: int, p: int, window: int | None, train: bool
+) -> float:
   """docs/design.md §2: 4d FLOPs per visible pair, x3 for forward + backward."""
   return b * h * causal_pairs(n * p, window) * 4 * d * (3 if train else 1)
 
@@ -54,14 +56,18 @@ def attention_flops(b: int, n: int, h: int, d: int, p: int, window: int | None,
 def cudnn_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, rope_theta=10000.0):
   """Materialised pipeline: pseudo q/k/v `[B, N*P, H, d]` + cuDNN flash attention."""
   p = alpha_q.shape[-1]
-  qv, kv, vv = (interleave(pseudo_mix(x, a)) for x, a in ((q, alpha_q), (k, alpha_k),
-                                                          (v, alpha_v)))
+  qv, kv, vv = (interleave(pseudo_mix(x, a)) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
   b, n = q.shape[:2]
   vpos = virtual_positions(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)), p)
   qv, kv = apply_rope(qv, vpos, rope_theta), apply_rope(kv, vpos, rope_theta)
   out = jax.nn.dot_product_attention(
-      qv, kv, vv, is_causal=True, implementation="cudnn",
-      local_window_size=None if window is None else (window - 1, 0))
+    qv,
+    kv,
+    vv,
+    is_causal=True,
+    implementation="cudnn",
+    local_window_size=None if window is None else (window - 1, 0),
+  )
   return collapse_heads(deinterleave(out, p), collapse)
 
 
@@ -70,8 +76,12 @@ def layer_fn(kind: str, implementation: str, window: int | None):
   if implementation == "cudnn":
     if kind == "mha":
       return lambda q, k, v, *_: jax.nn.dot_product_attention(
-          apply_rope(q, _positions(q), 10000.0), apply_rope(k, _positions(q), 10000.0), v,
-          is_causal=True, implementation="cudnn")
+        apply_rope(q, _positions(q), 10000.0),
+        apply_rope(k, _positions(q), 10000.0),
+        v,
+        is_causal=True,
+        implementation="cudnn",
+      )
     return lambda *a: cudnn_iha(*a, window=window)
   if kind == "mha":
     return lambda q, k, v, *_: mha_attention(q, k, v, implementation=implementation)
@@ -97,8 +107,12 @@ def peak_bytes(compiled) -> int | None:
   stats = compiled.memory_analysis()
   if stats is None:
     return None
-  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
-          + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+  return (
+    stats.argument_size_in_bytes
+    + stats.output_size_in_bytes
+    + stats.temp_size_in_bytes
+    - stats.alias_size_in_bytes
+  )
 
 
 def bench(fn, args, iters: int) -> tuple[float, int | None]:
@@ -112,7 +126,7 @@ def matmul_tflops(dtype, size: int, iters: int) -> float:
   """Measured dense matmul rate of this device: a `[size, size] @ [size, size]` product."""
   a, b = (jax.random.normal(jax.random.key(i), (size, size), dtype) for i in range(2))
   ms, _ = bench(jnp.matmul, [a, b], iters)
-  return 2 * size ** 3 / (ms * 1e-3) / 1e12
+  return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
 def main() -> None:
@@ -122,8 +136,9 @@ def main() -> None:
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--pseudo", type=int, default=4, help="P (docs/design.md §4: 4 or H = 20)")
   cli = parser.parse_args()
-  b, n, h, d, p = (1, 64, 2, 32, min(cli.pseudo, 4)) if cli.small else (1, 8192, 20, 128,
-                                                                          cli.pseudo)
+  b, n, h, d, p = (
+    (1, 64, 2, 32, min(cli.pseudo, 4)) if cli.small else (1, 8192, 20, 128, cli.pseudo)
+  )
   iters = 2 if cli.small else cli.iters
   dtype = jnp.dtype(cli.dtype)
   keys = jax.random.split(jax.random.key(0), 7)
@@ -132,10 +147,13 @@ def main() -> None:
   # docs/design.md §2: window layers use N/(2P) virtual tokens.
   layers = {"window_iha": (p, n // (2 * p)), "global_iha": (p, None), "global_mha": (1, None)}
   peak = matmul_tflops(dtype, 512 if cli.small else 8192, iters)
-  print(f"backend={jax.default_backend()} B={b} N={n} H={h} d={d} P={p} dtype={dtype.name} "
-        f"matmul={peak:.2f} TFLOP/s")
-  print(f"{'layer':<11} {'impl':<11} {'pass':<9} {'ms':>9} {'TFLOP/s':>8} {'% mm':>5} "
-        f"{'peak MiB':>9}")
+  print(
+    f"backend={jax.default_backend()} B={b} N={n} H={h} d={d} P={p} dtype={dtype.name} "
+    f"matmul={peak:.2f} TFLOP/s"
+  )
+  print(
+    f"{'layer':<11} {'impl':<11} {'pass':<9} {'ms':>9} {'TFLOP/s':>8} {'% mm':>5} {'peak MiB':>9}"
+  )
   for layer, (pseudo, window) in layers.items():
     kind = "mha" if layer.endswith("mha") else "iha"
     args = qkv + ([m[..., :pseudo] for m in mixing] if kind == "iha" else [])
@@ -154,13 +172,17 @@ def main() -> None:
           ms, memory = bench(f, args, iters)
         except Exception as error:  # pylint: disable=broad-except
           # One row failing to compile or run (e.g. out of memory) must not hide the rest.
-          print(f"{layer:<11} {implementation:<11} {name:<9} failed: "
-                f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
+          print(
+            f"{layer:<11} {implementation:<11} {name:<9} failed: "
+            f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+          )
           continue
         tflops = attention_flops(b, n, h, d, pseudo, window, train) / (ms * 1e-3) / 1e12
         mib = "n/a" if memory is None else f"{memory / 2**20:.1f}"
-        print(f"{layer:<11} {implementation:<11} {name:<9} {ms:9.3f} {tflops:8.2f} "
-              f"{100 * tflops / peak:5.1f} {mib:>9}")
+        print(
+          f"{layer:<11} {implementation:<11} {name:<9} {ms:9.3f} {tflops:8.2f} "
+          f"{100 * tflops / peak:5.1f} {mib:>9}"
+        )
 
 
 if __name__ == "__main__":

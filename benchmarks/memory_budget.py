@@ -19,6 +19,7 @@ XLA's own temporaries (fusion buffers, the recomputation inside one layer's back
 come on top: read the "total" column as a lower bound and the headroom as what those
 may use. Nothing here was run on a TPU or an H100.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,33 +54,46 @@ class Target:
 
 
 # v5p-128 is 64 chips (128 TensorCores) of 95 GiB HBM; an H100 SXM has 80 GB (74.5 GiB).
-TARGETS = (Target("v5p-128", 64, 95.0, "pallas_tpu"),
-           Target("8 x H100", 8, 80e9 / GiB, "pallas_gpu"))
+TARGETS = (
+  Target("v5p-128", 64, 95.0, "pallas_tpu"),
+  Target("8 x H100", 8, 80e9 / GiB, "pallas_gpu"),
+)
 
 
-def layer_activation_bytes(model: LanguageModel, params: dict, index: int,
-                           seq_len: int) -> int:
+def layer_activation_bytes(model: LanguageModel, params: dict, index: int, seq_len: int) -> int:
   """Bytes one sequence leaves saved for backward in block `index` (parameters and the
   shared segment ids / positions excluded; the block input included)."""
   config = model.config
   x = jax.ShapeDtypeStruct((1, seq_len, config.model_dim), config.dtype)
   ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
   block = model._block(index)  # pylint: disable=protected-access
-  residuals = saved_residuals(lambda p, x, s, q: block(p, x, s, q),
-                              params["layers"][str(index)], x, ids, ids)
-  return sum(aval.size * aval.dtype.itemsize for aval, source in residuals
-             if not source.startswith(("from the argument p", "from the argument s",
-                                       "from the argument q")))
+  residuals = saved_residuals(
+    lambda p, x, s, q: block(p, x, s, q), params["layers"][str(index)], x, ids, ids
+  )
+  return sum(
+    aval.size * aval.dtype.itemsize
+    for aval, source in residuals
+    if not source.startswith(("from the argument p", "from the argument s", "from the argument q"))
+  )
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", default="configs/iha_2p4b.py")
   parser.add_argument("--seq_len", type=int, default=None, help="default: the config's")
-  parser.add_argument("--vocab_size", type=int, default=128256,
-                      help="when the config reads it from a tokenizer file (Llama 3's)")
-  parser.add_argument("--microbatch", type=int, nargs="+", default=[1, 2],
-                      help="sequences per device per forward/backward")
+  parser.add_argument(
+    "--vocab_size",
+    type=int,
+    default=128256,
+    help="when the config reads it from a tokenizer file (Llama 3's)",
+  )
+  parser.add_argument(
+    "--microbatch",
+    type=int,
+    nargs="+",
+    default=[1, 2],
+    help="sequences per device per forward/backward",
+  )
   args = parser.parse_args()
 
   config = runpy.run_path(args.config)["get_config"]()
@@ -91,31 +105,38 @@ def main() -> None:
   base = config_lib.model_config(config)
   n_params = count_params(base)
   schedule = base.attention_schedule
-  print(f"{args.config}: {n_params / 1e9:.3f} B parameters, {base.num_layers} layers "
-        f"'{schedule}', D={base.model_dim}, H={base.num_heads}, d={base.head_dim}, "
-        f"P={base.num_pseudo or base.num_heads}, V={base.vocab_size}, N={seq_len}, "
-        f"compute {jnp.dtype(base.dtype).name}, params float32\n")
+  print(
+    f"{args.config}: {n_params / 1e9:.3f} B parameters, {base.num_layers} layers "
+    f"'{schedule}', D={base.model_dim}, H={base.num_heads}, d={base.head_dim}, "
+    f"P={base.num_pseudo or base.num_heads}, V={base.vocab_size}, N={seq_len}, "
+    f"compute {jnp.dtype(base.dtype).name}, params float32\n"
+  )
 
   # Traced once per (implementation, policy): one block per letter of the schedule.
   layer_bytes: dict[tuple[str, str], int] = {}
   for implementation in sorted({t.implementation for t in TARGETS}):
-    cfg = dataclasses.replace(base, implementation=implementation,
-                              num_layers=len(schedule))
+    cfg = dataclasses.replace(base, implementation=implementation, num_layers=len(schedule))
     for policy in POLICIES:
       model = LanguageModel(cfg, remat=policy)
       params = jax.eval_shape(model.init, 0)
       start = time.perf_counter()
-      per_letter = {letter: layer_activation_bytes(model, params, schedule.index(letter),
-                                                   seq_len) for letter in set(schedule)}
-      counts = [per_letter[letter] for letter in (schedule * base.num_layers)[:base.num_layers]]
+      per_letter = {
+        letter: layer_activation_bytes(model, params, schedule.index(letter), seq_len)
+        for letter in set(schedule)
+      }
+      counts = [per_letter[letter] for letter in (schedule * base.num_layers)[: base.num_layers]]
       layer_bytes[implementation, policy] = sum(counts)
-      print(f"traced {implementation:10s} remat={policy:16s}: "
-            + ", ".join(f"{k} {v / 2**20:.0f} MiB/layer/seq" for k, v in sorted(per_letter.items()))
-            + f"  ({time.perf_counter() - start:.0f} s)")
+      print(
+        f"traced {implementation:10s} remat={policy:16s}: "
+        + ", ".join(f"{k} {v / 2**20:.0f} MiB/layer/seq" for k, v in sorted(per_letter.items()))
+        + f"  ({time.perf_counter() - start:.0f} s)"
+      )
 
   per_layer_params = (n_params - base.vocab_size * base.model_dim) / base.num_layers
-  header = ("\n| target | devices | HBM GiB | remat | microbatch | params | grads | adam "
-            "| gathered | activations | logits | total GiB | headroom |")
+  header = (
+    "\n| target | devices | HBM GiB | remat | microbatch | params | grads | adam "
+    "| gathered | activations | logits | total GiB | headroom |"
+  )
   print(header)
   print("|" + "---|" * 13)
   for target in TARGETS:
@@ -127,11 +148,15 @@ def main() -> None:
         logits = 2 * micro * seq_len * base.vocab_size * 4
         parts = [shard, shard, 2 * shard, gathered, activations, logits]
         total = sum(parts) / GiB
-        print(f"| {target.name} | {target.devices} | {target.hbm_gib:.1f} | {policy} | {micro} | "
-              + " | ".join(f"{p / GiB:.2f}" for p in parts)
-              + f" | {total:.1f} | {target.hbm_gib - total:+.1f} |")
-  print("\nGlobal batch 128 x 8192 tokens (the paper's): on v5p-128 that is 2 sequences per "
-        "chip per step; on 8 x H100, 16 per GPU, i.e. train.grad_accum_steps = 16 / microbatch.")
+        print(
+          f"| {target.name} | {target.devices} | {target.hbm_gib:.1f} | {policy} | {micro} | "
+          + " | ".join(f"{p / GiB:.2f}" for p in parts)
+          + f" | {total:.1f} | {target.hbm_gib - total:+.1f} |"
+        )
+  print(
+    "\nGlobal batch 128 x 8192 tokens (the paper's): on v5p-128 that is 2 sequences per "
+    "chip per step; on 8 x H100, 16 per GPU, i.e. train.grad_accum_steps = 16 / microbatch."
+  )
 
 
 if __name__ == "__main__":

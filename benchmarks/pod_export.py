@@ -11,6 +11,7 @@ regions that take the batch split: `iha_jax.train.export.kernel_placement`). Exi
 1 if any kernel call sits outside. Nothing runs on the target: what XLA's TPU compiler
 and the hardware make of it is not checked here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,17 @@ def main() -> int:
   parser.add_argument("--devices", type=int, default=64)
   parser.add_argument("--platform", choices=("tpu", "cuda"), default="tpu")
   parser.add_argument("--per_device_batch", type=int, default=1)
-  parser.add_argument("--vocab_size", type=int, default=128256,
-                      help="when the config reads it from a tokenizer file (Llama 3's)")
+  parser.add_argument(
+    "--vocab_size",
+    type=int,
+    default=128256,
+    help="when the config reads it from a tokenizer file (Llama 3's)",
+  )
   args = parser.parse_args()
   # Before JAX starts: the fake devices of the mesh.
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={args.devices}")
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+  )
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   # pylint: disable=import-outside-toplevel
   import jax
@@ -49,21 +55,34 @@ def main() -> int:
   mesh = parallel.create_mesh(dict(data=1, fsdp=args.devices, tensor=1))
   batch = args.per_device_batch * args.devices
   seq_len = config.data.seq_len
-  print(f"{args.config} for {args.platform} on {len(jax.devices())} fake devices, mesh "
-        f"{dict(mesh.shape)}, batch {batch} x {seq_len} tokens, remat "
-        f"{config.model.remat_policy}, scan_layers {config.model.scan_layers}")
+  print(
+    f"{args.config} for {args.platform} on {len(jax.devices())} fake devices, mesh "
+    f"{dict(mesh.shape)}, batch {batch} x {seq_len} tokens, remat "
+    f"{config.model.remat_policy}, scan_layers {config.model.scan_layers}"
+  )
   start = time.perf_counter()
   exported = export.export_train_step(
-      model_cfg, config.train, mesh, batch_size=batch, seq_len=seq_len,
-      platform=args.platform, remat=config.model.remat_policy,
-      scan_layers=config.model.scan_layers, accum_steps=config.train.grad_accum_steps)
+    model_cfg,
+    config.train,
+    mesh,
+    batch_size=batch,
+    seq_len=seq_len,
+    platform=args.platform,
+    remat=config.model.remat_policy,
+    scan_layers=config.model.scan_layers,
+    accum_steps=config.train.grad_accum_steps,
+  )
   text = exported.mlir_module()
   seconds = time.perf_counter() - start
   placement = export.kernel_placement(text)
-  print(f"exported in {seconds:.0f} s: {len(text) / 2**20:.1f} MiB of StableHLO, "
-        f"{exported.nr_devices} devices, platforms {exported.platforms}")
-  print(f"kernel calls inside shard_map regions: {placement.inside}, outside: "
-        f"{placement.outside}; regions holding kernels: {len(placement.regions)}")
+  print(
+    f"exported in {seconds:.0f} s: {len(text) / 2**20:.1f} MiB of StableHLO, "
+    f"{exported.nr_devices} devices, platforms {exported.platforms}"
+  )
+  print(
+    f"kernel calls inside shard_map regions: {placement.inside}, outside: "
+    f"{placement.outside}; regions holding kernels: {len(placement.regions)}"
+  )
   for shardings in sorted(set(placement.regions)):
     print(f"  in_shardings[:3] {shardings.split('>, ')[:3]}")
   return 0 if placement.inside and not placement.outside else 1

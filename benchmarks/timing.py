@@ -1,4 +1,5 @@
 """Wall-clock timing shared by the benchmark scripts."""
+
 from __future__ import annotations
 
 import time

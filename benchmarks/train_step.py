@@ -7,6 +7,7 @@ Times the compiled, sharded train step (synthetic tokens, so no input pipeline) 
 current backend and prints tokens/s, model TFLOP/s per device (docs/design.md §2 FLOPs),
 MFU and the IHA / MHA step-time ratio (target: at most 1.3).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,22 +43,31 @@ def benchmark(path: str, steps: int, peak: float) -> dict[str, float]:
   """Median step time of `steps` timed steps after 3 warm-up steps."""
   config = load_config(path)
   model_cfg = config_lib.validate(config, jax.device_count())
-  model = LanguageModel(model_cfg, remat=config.model.remat_policy,
-                        scan_layers=config.model.scan_layers)
+  model = LanguageModel(
+    model_cfg, remat=config.model.remat_policy, scan_layers=config.model.scan_layers
+  )
   tx = make_optimizer(config.train)
   mesh = parallel.create_mesh(dict(config.mesh))
   state, shardings = create_state(model, tx, mesh, seed=0)
   b, n = config.train.batch_size, config.data.seq_len
   tokens = jax.random.randint(jax.random.key(0), (b, n + 1), 1, model_cfg.vocab_size)
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-           "weights": jnp.ones((b, n), jnp.float32), "segment_ids": jnp.ones((b, n), jnp.int32),
-           "positions": jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))}
+  batch = {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "weights": jnp.ones((b, n), jnp.float32),
+    "segment_ids": jnp.ones((b, n), jnp.int32),
+    "positions": jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)),
+  }
   batch = jax.device_put(batch, parallel.batch_sharding(mesh))
   with parallel.activate(mesh):
-    step = jax.jit(make_train_step(model, tx, learning_rate_schedule(config.train),
-                                   config.train.grad_accum_steps),
-                   in_shardings=(shardings, parallel.batch_sharding(mesh)),
-                   out_shardings=(shardings, parallel.replicated(mesh)), donate_argnums=0)
+    step = jax.jit(
+      make_train_step(
+        model, tx, learning_rate_schedule(config.train), config.train.grad_accum_steps
+      ),
+      in_shardings=(shardings, parallel.batch_sharding(mesh)),
+      out_shardings=(shardings, parallel.replicated(mesh)),
+      donate_argnums=0,
+    )
     times = []
     for i in range(steps + 3):
       start = time.perf_counter()
@@ -67,10 +77,15 @@ def benchmark(path: str, steps: int, peak: float) -> dict[str, float]:
         times.append(time.perf_counter() - start)
   step_time = float(np.median(times))
   tflops = flops.train_flops_per_step(model_cfg, b, n) / step_time / mesh.size / 1e12
-  return {"config": path, "schedule": model_cfg.attention_schedule,
-          "step_time_ms": 1e3 * step_time, "tokens_per_sec": b * n / step_time,
-          "tflops_per_sec_per_device": tflops, "mfu": tflops / peak,
-          "gflop_per_step": flops.train_flops_per_step(model_cfg, b, n) / 1e9}
+  return {
+    "config": path,
+    "schedule": model_cfg.attention_schedule,
+    "step_time_ms": 1e3 * step_time,
+    "tokens_per_sec": b * n / step_time,
+    "tflops_per_sec_per_device": tflops,
+    "mfu": tflops / peak,
+    "gflop_per_step": flops.train_flops_per_step(model_cfg, b, n) / 1e9,
+  }
 
 
 def main() -> None:
@@ -79,19 +94,28 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=30)
   args = parser.parse_args()
   peak, source = flops.peak_tflops_per_device()
-  print(f"backend {jax.default_backend()}, {jax.device_count()} device(s), "
-        f"peak {peak:.4g} TFLOP/s per device ({source})")
+  print(
+    f"backend {jax.default_backend()}, {jax.device_count()} device(s), "
+    f"peak {peak:.4g} TFLOP/s per device ({source})"
+  )
   rows = [benchmark(path, args.steps, peak) for path in args.configs.split(",")]
-  keys = ("schedule", "step_time_ms", "tokens_per_sec", "tflops_per_sec_per_device", "mfu",
-          "gflop_per_step")
+  keys = (
+    "schedule",
+    "step_time_ms",
+    "tokens_per_sec",
+    "tflops_per_sec_per_device",
+    "mfu",
+    "gflop_per_step",
+  )
   print(f"{'config':28s}" + "".join(f"{k:>28s}" for k in keys))
   for row in rows:
-    print(f"{row['config']:28s}" + "".join(
-        f"{row[k]:>28.4g}" if isinstance(row[k], float) else f"{row[k]:>28s}" for k in keys))
+    print(
+      f"{row['config']:28s}"
+      + "".join(f"{row[k]:>28.4g}" if isinstance(row[k], float) else f"{row[k]:>28s}" for k in keys)
+    )
   if len(rows) == 2:
     ratio = rows[0]["step_time_ms"] / rows[1]["step_time_ms"]
-    print(f"step-time ratio {rows[0]['config']} / {rows[1]['config']}: {ratio:.3f} "
-          f"(target <= 1.3)")
+    print(f"step-time ratio {rows[0]['config']} / {rows[1]['config']}: {ratio:.3f} (target <= 1.3)")
   print(json.dumps(rows))
 
 

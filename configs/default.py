@@ -6,6 +6,7 @@ The paper's recipe in miniature: a sliding-window IHA layer with the FLOP-matche
 `python train.py --config configs/default.py --workdir workdirs/default`
 Every key of every config lives here; the other configs start from this one.
 """
+
 import ml_collections
 from ml_collections.config_dict import FieldReference, placeholder
 
@@ -17,14 +18,15 @@ def get_config() -> ml_collections.ConfigDict:
   # cannot override a plain None.
   config = ml_collections.ConfigDict()
 
-  config.model = ml_collections.ConfigDict(dict(
-      vocab_size=-1,                # -1: the dataset's vocabulary
+  config.model = ml_collections.ConfigDict(
+    dict(
+      vocab_size=-1,  # -1: the dataset's vocabulary
       num_layers=2,
       model_dim=64,
       num_heads=4,
       head_dim=16,
       mlp_dim=256,
-      mlp_type="swiglu",            # swiglu | gelu (2-matrix)
+      mlp_type="swiglu",  # swiglu | gelu (2-matrix)
       num_pseudo=FieldReference(2, field_type=int),  # P; None = H (the paper's default)
       # I/L = global/window IHA, M/S = global/window MHA, T = Talking-Heads,
       # D = differential (H/2 heads of value width 2d), X = 2-simplicial (no RoPE).
@@ -35,15 +37,16 @@ def get_config() -> ml_collections.ConfigDict:
       rope_theta=10000.0,
       collapse_mode="full",
       tie_embeddings=True,
-      dtype="float32",              # compute; "bfloat16" on accelerators
+      dtype="float32",  # compute; "bfloat16" on accelerators
       param_dtype="float32",
-      remat_policy="none",          # none | full | save_projections
-      scan_layers=False,            # scan over repeats of the schedule period
-      implementation="auto",        # attention core: auto | xla | reference | pallas_*
-      causal=True,                  # False: encoder, every layer bidirectional
+      remat_policy="none",  # none | full | save_projections
+      scan_layers=False,  # scan over repeats of the schedule period
+      implementation="auto",  # attention core: auto | xla | reference | pallas_*
+      causal=True,  # False: encoder, every layer bidirectional
       num_outputs=placeholder(int),  # None: vocabulary logits; an int: per-token head
-      mixing_noise_std=0.0,         # noise on the identity init of alpha/collapse/talk_*
-  ))
+      mixing_noise_std=0.0,  # noise on the identity init of alpha/collapse/talk_*
+    )
+  )
 
   config.data = data.default_config()
   # MQAR (Zoology): 64-token examples, 8 key-value pairs (64 keys, 64 values) then every
@@ -56,7 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.seq_len = 64
   config.data.options = {"num_train": 32768}
 
-  config.train = ml_collections.ConfigDict(dict(
+  config.train = ml_collections.ConfigDict(
+    dict(
       batch_size=32,
       total_steps=3000,
       # IHA's own tuned rate on this task (`python -m experiments.run mqar --scale demo`:
@@ -79,7 +83,8 @@ def get_config() -> ml_collections.ConfigDict:
       # cross_entropy (softmax over the outputs) | binary_cross_entropy (needs
       # model.num_outputs=1: one sigmoid logit per position, 0/1 targets).
       loss="cross_entropy",
-  ))
+    )
+  )
 
   config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
   config.checkpoint = ml_collections.ConfigDict({"every": 1000, "keep": 2, "async": True})

@@ -7,6 +7,7 @@ Parameters: the global MHA baseline (configs/global_2p4b.py) plus, per layer, th
 lambda vectors `[d]` and the head output norm `[2d]`: 4 * 128 + 256 = 768 per layer,
 26 x 768 = 19,968 in all (checked by tests/test_train_config.py).
 """
+
 import ml_collections
 
 from configs import iha_2p4b

@@ -3,6 +3,7 @@
 Same recipe as configs/iha_2p4b.py; it lacks only IHA's mixing/collapse parameters
 (4 H^2 P = 32000 per IHA layer, 0.03% of the model).
 """
+
 import ml_collections
 
 from configs import iha_2p4b

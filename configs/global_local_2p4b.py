@@ -2,6 +2,7 @@
 
 Same recipe as configs/iha_2p4b.py.
 """
+
 import ml_collections
 
 from configs import iha_2p4b

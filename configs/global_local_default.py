@@ -7,6 +7,7 @@ learning rate, tuned by `python -m experiments.run mqar --scale demo --seeds 3` 
 rates and the result are in docs/results.md). `make train` trains both and evaluates
 them side by side.
 """
+
 import ml_collections
 
 from configs import default

@@ -14,6 +14,7 @@ tokenizer, Llama 3's (128,256 ids): a file the user supplies (the README's pod s
 how to get it), `TOKENIZER` by default or `--config.data.tokenizer=PATH_OR_URL`. The
 vocabulary is read from that file (model.vocab_size = -1).
 """
+
 import ml_collections
 
 from configs import default
@@ -26,20 +27,43 @@ TOKENIZER = "tokenizers/llama3/tokenizer.json"
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.model.update(
-      vocab_size=-1, num_layers=26, model_dim=2560, num_heads=20, head_dim=128,
-      mlp_dim=10240, mlp_type="gelu", attention_schedule="LLLLM", window="auto",
-      rope_theta=500000.0, collapse_mode="full", tie_embeddings=True,
-      dtype="bfloat16", param_dtype="float32", remat_policy="save_projections",
-      scan_layers=True, implementation="auto")
+    vocab_size=-1,
+    num_layers=26,
+    model_dim=2560,
+    num_heads=20,
+    head_dim=128,
+    mlp_dim=10240,
+    mlp_type="gelu",
+    attention_schedule="LLLLM",
+    window="auto",
+    rope_theta=500000.0,
+    collapse_mode="full",
+    tie_embeddings=True,
+    dtype="bfloat16",
+    param_dtype="float32",
+    remat_policy="save_projections",
+    scan_layers=True,
+    implementation="auto",
+  )
   config.model.num_pseudo = None  # P = H
   config.data.name = "tfds:c4/en"
   config.data.seq_len = 8192
   config.data.tokenizer = TOKENIZER  # 128,256 ids: the vocabulary
   config.data.options = {}
   config.train.update(
-      batch_size=128, total_steps=240_000, learning_rate=8e-4, final_learning_rate=8e-6,
-      warmup_steps=1000, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0,
-      grad_accum_steps=1, seed=0)
+    batch_size=128,
+    total_steps=240_000,
+    learning_rate=8e-4,
+    final_learning_rate=8e-6,
+    warmup_steps=1000,
+    weight_decay=0.1,
+    b1=0.9,
+    b2=0.95,
+    eps=1e-8,
+    grad_clip=1.0,
+    grad_accum_steps=1,
+    seed=0,
+  )
   config.mesh.update(data=1, fsdp=-1, tensor=1)
   config.checkpoint.update({"every": 1000, "keep": 3, "async": True})
   config.log_every = 100

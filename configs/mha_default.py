@@ -12,6 +12,7 @@ w = N / (2P)); so "LM" and "MM" do about the same attention work. What is left:
 `tests/test_train_config.py` checks parameters within 1% and FLOPs within 5%; `train.py`
 prints both budgets at start.
 """
+
 import ml_collections
 
 from configs import default

@@ -7,6 +7,7 @@ then, at each variant's chosen rate and for every seed, the study's sweep points
 more key-value pairs, another width). Every finished run is written to `DIR/STUDY.json`
 at once, so a rerun skips it (resumable); the report is rewritten at the end.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +32,7 @@ class Variant:
   `base(scale_name)`, when given, replaces the scale's base config (e.g. another
   rendering of the task); `edit` applies after it.
   """
+
   name: str
   label: str
   edit: ConfigEdit
@@ -41,20 +43,22 @@ class Variant:
 class Sweep:
   """Extra points of one axis, run at each variant's chosen rate for every seed; the
   base runs are the point `base` of the axis."""
-  axis: str                                   # e.g. "num_pairs"
-  base: Any                                   # the axis value of the base config
-  values: tuple[Any, ...]                     # the other points
+
+  axis: str  # e.g. "num_pairs"
+  base: Any  # the axis value of the base config
+  values: tuple[Any, ...]  # the other points
   edit: Callable[[ml_collections.ConfigDict, Any], None]
 
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
   """Budget of a study at one scale."""
+
   config: Callable[[], ml_collections.ConfigDict]  # the base config (every key)
-  learning_rates: tuple[float, ...]               # every variant's grid
+  learning_rates: tuple[float, ...]  # every variant's grid
   total_steps: int
   eval_every: int
-  patience: int                                   # validation passes without improvement
+  patience: int  # validation passes without improvement
   sweeps: tuple[Sweep, ...] = ()
   # A variant whose best grid rate is the grid's largest (smallest) gets the next rate up
   # (down) of the 1-3-10 series, up to this many times, so no variant is judged at the
@@ -65,32 +69,37 @@ class Scale:
 @dataclasses.dataclass(frozen=True)
 class Study:
   """A comparison: variants, scales, the selection metric and the paper's numbers."""
+
   name: str
   title: str
   description: str
   variants: tuple[Variant, ...]
   scales: dict[str, Scale]
-  select: str                       # validation metric that picks the rate (higher wins)
-  metrics: tuple[str, ...]          # test metrics reported, the first one plotted
-  paper: str                        # what the paper reports, verbatim, for the page
+  select: str  # validation metric that picks the rate (higher wins)
+  metrics: tuple[str, ...]  # test metrics reported, the first one plotted
+  paper: str  # what the paper reports, verbatim, for the page
 
 
 def half_decade_step(rate: float, up: bool) -> float:
   """The next rate of the 1-3-10 series above (or below) `rate`: 1e-2 -> 3e-2 -> 1e-1."""
-  series = sorted(m * 10.0 ** e for e in range(-8, 3) for m in (1, 3))
+  series = sorted(m * 10.0**e for e in range(-8, 3) for m in (1, 3))
   if up:
     return float(f"{next(r for r in series if r > rate * 1.01):.3g}")
   return float(f"{next(r for r in reversed(series) if r < rate / 1.01):.3g}")
 
 
-def run_key(variant: str, learning_rate: float, seed: int, sweep: tuple[str, Any] | None
-            ) -> str:
+def run_key(variant: str, learning_rate: float, seed: int, sweep: tuple[str, Any] | None) -> str:
   key = f"{variant}/lr={learning_rate:g}/seed={seed}"
   return key if sweep is None else f"{key}/{sweep[0]}={sweep[1]}"
 
 
-def variant_config(study: Study, scale_name: str, variant: Variant, data_dir: str,
-                   sweep: tuple[Sweep, Any] | None = None) -> ml_collections.ConfigDict:
+def variant_config(
+  study: Study,
+  scale_name: str,
+  variant: Variant,
+  data_dir: str,
+  sweep: tuple[Sweep, Any] | None = None,
+) -> ml_collections.ConfigDict:
   """The full training config of `variant` (and a sweep point) at `scale_name`."""
   scale = study.scales[scale_name]
   config = scale.config() if variant.base is None else variant.base(scale_name)
@@ -119,8 +128,9 @@ class Store:
         saved = json.load(f)
       if {k: saved.get(k) for k in header} != header:
         found = {k: saved.get(k) for k in header}
-        raise ValueError(f"{path} holds another study or scale ({found}); use another "
-                         f"--out or delete it")
+        raise ValueError(
+          f"{path} holds another study or scale ({found}); use another --out or delete it"
+        )
       self.data = saved
 
   def __contains__(self, key: str) -> bool:
@@ -144,8 +154,15 @@ def planned_runs(scale: Scale, seeds: int, num_variants: int) -> int:
   return per_variant * num_variants
 
 
-def run_study(study: Study, scale_name: str, seeds: int, out: str, data_dir: str,
-              progress: bool = True, variants: Sequence[str] | None = None) -> dict[str, Any]:
+def run_study(
+  study: Study,
+  scale_name: str,
+  seeds: int,
+  out: str,
+  data_dir: str,
+  progress: bool = True,
+  variants: Sequence[str] | None = None,
+) -> dict[str, Any]:
   """Runs (or resumes) `study` at `scale_name`; returns the store's data.
 
   `variants` (names) restricts the run to some variants (default: all).
@@ -159,20 +176,33 @@ def run_study(study: Study, scale_name: str, seeds: int, out: str, data_dir: str
   chosen_variants = [v for v in study.variants if variants is None or v.name in variants]
   scale = study.scales[scale_name]
   os.makedirs(out, exist_ok=True)
-  store = Store(os.path.join(out, f"{study.name}.json"),
-                {"study": study.name, "scale": scale_name, "select": study.select})
+  store = Store(
+    os.path.join(out, f"{study.name}.json"),
+    {"study": study.name, "scale": scale_name, "select": study.select},
+  )
   store.data["seeds"] = seeds
   store.data["sweep_bases"] = {s.axis: s.base for s in scale.sweeps}
-  runs_bar = tqdm.tqdm(total=planned_runs(scale, seeds, len(chosen_variants)),
-                       desc=f"{study.name} runs", position=0, disable=not progress)
-  runs_bar.update(sum(r["variant"] in {v.name for v in chosen_variants}
-                      for r in store.data["runs"].values()))
+  runs_bar = tqdm.tqdm(
+    total=planned_runs(scale, seeds, len(chosen_variants)),
+    desc=f"{study.name} runs",
+    position=0,
+    disable=not progress,
+  )
+  runs_bar.update(
+    sum(r["variant"] in {v.name for v in chosen_variants} for r in store.data["runs"].values())
+  )
   prepared: set[str] = set()
   for variant in chosen_variants:
     compiled: dict[Any, CompiledVariant] = {}
 
-    def run(learning_rate: float, seed: int, phase: str,
-            sweep: tuple[Sweep, Any] | None = None, variant=variant, compiled=compiled):
+    def run(
+      learning_rate: float,
+      seed: int,
+      phase: str,
+      sweep: tuple[Sweep, Any] | None = None,
+      variant=variant,
+      compiled=compiled,
+    ):
       point = None if sweep is None else (sweep[0].axis, sweep[1])
       key = run_key(variant.name, learning_rate, seed, point)
       if key in store:
@@ -184,20 +214,32 @@ def run_study(study: Study, scale_name: str, seeds: int, out: str, data_dir: str
           prepared.add(config.data.name + repr(dict(config.data.options)))
         compiled[point] = CompiledVariant(config)
       target = compiled[point]
-      steps_bar = tqdm.tqdm(total=scale.total_steps, desc=key, position=1, leave=False,
-                            disable=not progress)
-      result = target.run(learning_rate, seed, total_steps=scale.total_steps,
-                          eval_every=scale.eval_every, patience=scale.patience,
-                          select=study.select, on_step=lambda _: steps_bar.update(1))
+      steps_bar = tqdm.tqdm(
+        total=scale.total_steps, desc=key, position=1, leave=False, disable=not progress
+      )
+      result = target.run(
+        learning_rate,
+        seed,
+        total_steps=scale.total_steps,
+        eval_every=scale.eval_every,
+        patience=scale.patience,
+        select=study.select,
+        on_step=lambda _: steps_bar.update(1),
+      )
       steps_bar.close()
-      record = {"variant": variant.name, "label": variant.label, "phase": phase,
-                "learning_rate": learning_rate, "seed": seed,
-                "sweep": None if point is None else {"axis": point[0], "value": point[1]},
-                "params": target.params,
-                "attention_flops_per_token": target.attention_flops_per_token,
-                "batch_size": target.config.train.batch_size,
-                "seq_len": target.config.data.seq_len,
-                **dataclasses.asdict(result)}
+      record = {
+        "variant": variant.name,
+        "label": variant.label,
+        "phase": phase,
+        "learning_rate": learning_rate,
+        "seed": seed,
+        "sweep": None if point is None else {"axis": point[0], "value": point[1]},
+        "params": target.params,
+        "attention_flops_per_token": target.attention_flops_per_token,
+        "batch_size": target.config.train.batch_size,
+        "seq_len": target.config.data.seq_len,
+        **dataclasses.asdict(result),
+      }
       store.add(key, record)
       runs_bar.update(1)
       return record

@@ -1,6 +1,7 @@
 """A study's results as `STUDY.md` (tables: mean +- std with per-seed values, budgets,
 the learning-rate grid, the paper's numbers) and `STUDY.png` (bars with error bars,
 learning curves, sweeps), written from `STUDY.json` alone."""
+
 from __future__ import annotations
 
 import os
@@ -16,16 +17,22 @@ from experiments.protocol import Study
 METRIC_NAMES = {"token_accuracy": "accuracy", "exact_match": "exact match", "loss": "loss"}
 
 
-def _chosen_runs(data: dict[str, Any], variant: str, sweep: dict | None = None
-                 ) -> list[dict[str, Any]]:
+def _chosen_runs(
+  data: dict[str, Any], variant: str, sweep: dict | None = None
+) -> list[dict[str, Any]]:
   """Runs of `variant` at its chosen rate (all seeds), at a sweep point or the base (a
   sweep point at the axis's base value is the base)."""
   rate = data["chosen_learning_rates"].get(variant)
   if sweep is not None and data.get("sweep_bases", {}).get(sweep["axis"]) == sweep["value"]:
     sweep = None
-  return sorted((r for r in data["runs"].values()
-                 if r["variant"] == variant and r["learning_rate"] == rate
-                 and r["sweep"] == sweep), key=lambda r: r["seed"])
+  return sorted(
+    (
+      r
+      for r in data["runs"].values()
+      if r["variant"] == variant and r["learning_rate"] == rate and r["sweep"] == sweep
+    ),
+    key=lambda r: r["seed"],
+  )
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -55,13 +62,19 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
   """The study's page section: results, grid, budgets, sweeps, the paper's numbers."""
   metrics = study.metrics
   head = ["variant", *(f"test {METRIC_NAMES[m]} %" for m in metrics)]
-  lines = [f"## {study.title} (`{study.name}`, scale `{data['scale']}`)", "",
-           study.description, "",
-           f"Regenerate: `python -m experiments.run {study.name} --scale {data['scale']} "
-           f"--seeds {data['seeds']}`. Test metrics are mean ± std over "
-           f"{data['seeds']} seeds (per-seed values in brackets) at each variant's own "
-           f"learning rate, chosen on validation {METRIC_NAMES[study.select]}.", "",
-           "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+  lines = [
+    f"## {study.title} (`{study.name}`, scale `{data['scale']}`)",
+    "",
+    study.description,
+    "",
+    f"Regenerate: `python -m experiments.run {study.name} --scale {data['scale']} "
+    f"--seeds {data['seeds']}`. Test metrics are mean ± std over "
+    f"{data['seeds']} seeds (per-seed values in brackets) at each variant's own "
+    f"learning rate, chosen on validation {METRIC_NAMES[study.select]}.",
+    "",
+    "| " + " | ".join(head) + " |",
+    "|" + " --- |" * len(head),
+  ]
   variants = list(dict.fromkeys(r["variant"] for r in data["runs"].values()))
   labels = {r["variant"]: r["label"] for r in data["runs"].values()}
   for v in variants:
@@ -69,24 +82,37 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
     lines.append("| " + " | ".join([labels[v], *(_cell(runs, m) for m in metrics)]) + " |")
 
   rates = sorted({r["learning_rate"] for r in data["runs"].values() if r["phase"] == "grid"})
-  lines += ["", f"Learning-rate grid (validation {METRIC_NAMES[study.select]} %, seed 0; "
-            "**bold** = chosen):", "",
-            "| variant | " + " | ".join(f"{lr:g}" for lr in rates) + " |",
-            "|" + " --- |" * (len(rates) + 1)]
+  lines += [
+    "",
+    f"Learning-rate grid (validation {METRIC_NAMES[study.select]} %, seed 0; **bold** = chosen):",
+    "",
+    "| variant | " + " | ".join(f"{lr:g}" for lr in rates) + " |",
+    "|" + " --- |" * (len(rates) + 1),
+  ]
   for v in variants:
     row = []
     for lr in rates:
-      run = next((r for r in data["runs"].values() if r["variant"] == v
-                  and r["phase"] == "grid" and r["learning_rate"] == lr), None)
+      run = next(
+        (
+          r
+          for r in data["runs"].values()
+          if r["variant"] == v and r["phase"] == "grid" and r["learning_rate"] == lr
+        ),
+        None,
+      )
       text = "-" if run is None else f"{100 * run['validation'][study.select]:.1f}"
       chosen = data["chosen_learning_rates"].get(v) == lr
       row.append(f"**{text}**" if chosen and run is not None else text)
     lines.append(f"| {labels[v]} | " + " | ".join(row) + " |")
 
-  lines += ["", "Budgets (per run at the chosen rate): parameters, forward attention FLOPs "
-            "per token (all layers), steps taken (early stopping) and training tokens:", "",
-            "| variant | parameters | attention FLOPs/token | steps (best step) | "
-            "train tokens | wall s |", "| --- | --- | --- | --- | --- | --- |"]
+  lines += [
+    "",
+    "Budgets (per run at the chosen rate): parameters, forward attention FLOPs "
+    "per token (all layers), steps taken (early stopping) and training tokens:",
+    "",
+    "| variant | parameters | attention FLOPs/token | steps (best step) | train tokens | wall s |",
+    "| --- | --- | --- | --- | --- | --- |",
+  ]
   for v in variants:
     runs = _chosen_runs(data, v)
     if not runs:
@@ -95,25 +121,31 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
     steps = ", ".join(f"{r['steps']} ({r['best_step']})" for r in runs)
     tokens = np.mean([r["steps"] * r["batch_size"] * r["seq_len"] for r in runs])
     wall = np.mean([r["wall_s"] for r in runs])
-    lines.append(f"| {labels[v]} | {r0['params']:,} | {_si(r0['attention_flops_per_token'])} | "
-                 f"{steps} | {_si(tokens)} | {wall:.0f} |")
+    lines.append(
+      f"| {labels[v]} | {r0['params']:,} | {_si(r0['attention_flops_per_token'])} | "
+      f"{steps} | {_si(tokens)} | {wall:.0f} |"
+    )
 
   sweeps = {}
   for r in data["runs"].values():
     if r["sweep"] is not None:
       sweeps.setdefault(r["sweep"]["axis"], {data["sweep_bases"][r["sweep"]["axis"]]}).add(
-          r["sweep"]["value"])
+        r["sweep"]["value"]
+      )
   for axis, values in sweeps.items():
     values = sorted(values)
     metric = metrics[0]
-    lines += ["", f"Sweep over `{axis}` (test {METRIC_NAMES[metric]} %, each variant at its "
-              f"chosen rate, same seeds; {data['sweep_bases'][axis]} is the base point "
-              "above):", "",
-              "| variant | " + " | ".join(str(v) for v in values) + " |",
-              "|" + " --- |" * (len(values) + 1)]
+    lines += [
+      "",
+      f"Sweep over `{axis}` (test {METRIC_NAMES[metric]} %, each variant at its "
+      f"chosen rate, same seeds; {data['sweep_bases'][axis]} is the base point "
+      "above):",
+      "",
+      "| variant | " + " | ".join(str(v) for v in values) + " |",
+      "|" + " --- |" * (len(values) + 1),
+    ]
     for v in variants:
-      cells = [_cell(_chosen_runs(data, v, {"axis": axis, "value": x}), metric)
-               for x in values]
+      cells = [_cell(_chosen_runs(data, v, {"axis": axis, "value": x}), metric) for x in values]
       lines.append(f"| {labels[v]} | " + " | ".join(cells) + " |")
 
   lines += ["", f"The paper: {study.paper}", ""]
@@ -139,8 +171,9 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
     mean, std = _mean_std(values)
     bars.bar(i, mean, yerr=std, color=colors[v], capsize=4, alpha=0.8)
     bars.scatter([i] * len(values), values, color="black", s=10, zorder=3)
-  bars.set_xticks(range(len(variants)), [labels[v] for v in variants], rotation=20,
-                  ha="right", fontsize=8)
+  bars.set_xticks(
+    range(len(variants)), [labels[v] for v in variants], rotation=20, ha="right", fontsize=8
+  )
   bars.set_ylabel(f"test {METRIC_NAMES[metric]} (%)")
   bars.set_title(f"{study.name}: mean ± std over seeds")
 
@@ -149,29 +182,35 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
     for j, run in enumerate(_chosen_runs(data, v)):
       steps = [c["step"] for c in run["curve"]]
       values = [100 * c[study.select] for c in run["curve"]]
-      curves.plot(steps, values, color=colors[v], alpha=0.8, lw=1.2,
-                  label=labels[v] if j == 0 else None)
+      curves.plot(
+        steps, values, color=colors[v], alpha=0.8, lw=1.2, label=labels[v] if j == 0 else None
+      )
   curves.set_xlabel("training step")
   curves.set_ylabel(f"validation {METRIC_NAMES[study.select]} (%)")
   curves.set_title("learning curves (every seed, chosen rate)")
   curves.legend(fontsize=7)
 
   for ax, axis in zip(axes[2:], sweeps):
-    points = sorted({data["sweep_bases"][axis]} | {
-        r["sweep"]["value"] for r in data["runs"].values()
-        if r["sweep"] and r["sweep"]["axis"] == axis})
+    points = sorted(
+      {data["sweep_bases"][axis]}
+      | {
+        r["sweep"]["value"]
+        for r in data["runs"].values()
+        if r["sweep"] and r["sweep"]["axis"] == axis
+      }
+    )
     for v in variants:
       xs, means, stds = [], [], []
       for x in points:
-        values = [100 * r["test"][metric]
-                  for r in _chosen_runs(data, v, {"axis": axis, "value": x})]
+        values = [
+          100 * r["test"][metric] for r in _chosen_runs(data, v, {"axis": axis, "value": x})
+        ]
         if values:
           xs.append(x)
           mean, std = _mean_std(values)
           means.append(mean)
           stds.append(std)
-      ax.errorbar(xs, means, yerr=stds, color=colors[v], marker="o", capsize=3,
-                  label=labels[v])
+      ax.errorbar(xs, means, yerr=stds, color=colors[v], marker="o", capsize=3, label=labels[v])
     ax.set_xlabel(axis)
     ax.set_ylabel(f"test {METRIC_NAMES[metric]} (%)")
     ax.set_title(f"sweep: {axis}")

@@ -7,6 +7,7 @@ attention FLOPs per token, validation and test metrics, learning curve, wall tim
 `DIR/STUDY.md` and `DIR/STUDY.png`. Finished runs are skipped when rerun.
 Studies: relcomp_binary, relcomp_ternary, mqar.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,15 +22,24 @@ from experiments.studies import STUDIES
 def main(argv: list[str] | None = None) -> tuple[str, str]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("study", choices=sorted(STUDIES))
-  parser.add_argument("--scale", default="small",
-                      help="tiny | small | paper; mqar also has demo (`make train`'s setting)")
-  parser.add_argument("--seeds", type=int, default=3, help="seeds at the chosen rate (>= 3 "
-                      "for a published comparison)")
+  parser.add_argument(
+    "--scale",
+    default="small",
+    help="tiny | small | paper; mqar also has demo (`make train`'s setting)",
+  )
+  parser.add_argument(
+    "--seeds",
+    type=int,
+    default=3,
+    help="seeds at the chosen rate (>= 3 for a published comparison)",
+  )
   parser.add_argument("--out", default="runs/studies", help="output directory")
-  parser.add_argument("--data_dir", default=None,
-                      help="dataset directory (default: $IHA_DATA_DIR, else OUT/data)")
-  parser.add_argument("--variants", default="",
-                      help="comma-separated variant names to run (default: all)")
+  parser.add_argument(
+    "--data_dir", default=None, help="dataset directory (default: $IHA_DATA_DIR, else OUT/data)"
+  )
+  parser.add_argument(
+    "--variants", default="", help="comma-separated variant names to run (default: all)"
+  )
   parser.add_argument("--quiet", action="store_true", help="no progress bars")
   args = parser.parse_args(argv)
   study = STUDIES[args.study]
@@ -38,8 +48,15 @@ def main(argv: list[str] | None = None) -> tuple[str, str]:
   absl_logging.set_verbosity(absl_logging.ERROR)  # TFDS notes on every dataset access
   data_dir = args.data_dir or os.environ.get("IHA_DATA_DIR") or os.path.join(args.out, "data")
   variants = [v for v in args.variants.split(",") if v] or None
-  data = protocol.run_study(study, args.scale, args.seeds, args.out, os.path.abspath(data_dir),
-                            progress=not args.quiet, variants=variants)
+  data = protocol.run_study(
+    study,
+    args.scale,
+    args.seeds,
+    args.out,
+    os.path.abspath(data_dir),
+    progress=not args.quiet,
+    variants=variants,
+  )
   md, png = report.write(study, data, args.out)
   print(f"wrote {os.path.join(args.out, study.name + '.json')}, {md}, {png}")
   return md, png

@@ -12,6 +12,7 @@ A run evaluates on the validation split every `eval_every` steps, stops early af
 `patience` evaluations without improvement of the selection metric, and evaluates the
 best parameters on the test split. Runs use one device.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,9 @@ from iha_jax.train.step import make_train_step
 @dataclasses.dataclass
 class RunResult:
   """What a run reports (JSON-ready)."""
-  steps: int                 # optimizer steps taken (early stopping may end a run early)
-  best_step: int             # the step whose parameters were evaluated on test
+
+  steps: int  # optimizer steps taken (early stopping may end a run early)
+  best_step: int  # the step whose parameters were evaluated on test
   validation: dict[str, float]
   test: dict[str, float]
   curve: list[dict[str, float]]  # {"step", "loss" (train), and validation metrics}
@@ -71,8 +73,9 @@ class CompiledVariant:
     self.loss = config.train.get("loss", "cross_entropy")
     unit = _unit_peak(config.train)
     # AdamW at peak rate 1, then a runtime scale: the run's peak learning rate.
-    self.tx = optax.chain(make_optimizer(unit),
-                          optax.inject_hyperparams(optax.scale)(step_size=1.0))
+    self.tx = optax.chain(
+      make_optimizer(unit), optax.inject_hyperparams(optax.scale)(step_size=1.0)
+    )
     init = make_init_fn(self.model, self.tx)
     abstract = jax.eval_shape(init, jnp.uint32(0))
     self.shardings = state_shardings(self.model, abstract, self.mesh)
@@ -82,9 +85,12 @@ class CompiledVariant:
       # Fixed in/out shardings: the init's state and a step's state share one signature,
       # so the step compiles once per variant.
       batch = parallel.batch_sharding(self.mesh)
-      self._step = jax.jit(step, in_shardings=(self.shardings, batch),
-                           out_shardings=(self.shardings, parallel.replicated(self.mesh)),
-                           donate_argnums=0)
+      self._step = jax.jit(
+        step,
+        in_shardings=(self.shardings, batch),
+        out_shardings=(self.shardings, parallel.replicated(self.mesh)),
+        donate_argnums=0,
+      )
     self.evaluator = Evaluator(self.model, self.mesh, self.shardings.params, self.loss)
 
   @property
@@ -97,9 +103,17 @@ class CompiledVariant:
     budgets = flops_lib.layer_budgets(self.model_config, self.config.data.seq_len)
     return float(sum(b.count * b.attention_flops_per_token for b in budgets))
 
-  def run(self, learning_rate: float, seed: int, *, total_steps: int, eval_every: int,
-          patience: int, select: str,
-          on_step: Callable[[int], None] | None = None) -> RunResult:
+  def run(
+    self,
+    learning_rate: float,
+    seed: int,
+    *,
+    total_steps: int,
+    eval_every: int,
+    patience: int,
+    select: str,
+    on_step: Callable[[int], None] | None = None,
+  ) -> RunResult:
     """Trains from `seed` at peak `learning_rate`; see the module docstring.
 
     Args:
@@ -147,9 +161,14 @@ class CompiledVariant:
       validation = self.evaluate(state.params, "validation")
       best = ((validation[select], -validation["loss"]), step, state.params, validation)
     _, best_step, params, validation = best
-    return RunResult(steps=step, best_step=best_step, validation=validation,
-                     test=self.evaluate(params, "test"), curve=curve,
-                     wall_s=time.perf_counter() - tic)
+    return RunResult(
+      steps=step,
+      best_step=best_step,
+      validation=validation,
+      test=self.evaluate(params, "test"),
+      curve=curve,
+      wall_s=time.perf_counter() - tic,
+    )
 
   def evaluate(self, params: Any, split: str) -> dict[str, float]:
     """Loss, token accuracy and exact match over one pass of `split`."""

@@ -5,6 +5,7 @@ that is not prepared) end the command with one line naming the fix, never a trac
 every `iha_jax.errors.UserError`, flag errors, and Ctrl-C outside the training loop.
 `--debug` or `IHA_DEBUG=1` shows the traceback. Other exceptions are bugs and keep theirs.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -32,7 +33,8 @@ def define_debug_flag() -> None:
 def debug_requested(argv: Sequence[str]) -> bool:
   """`--debug` on the command line (flags may not be parsed yet) or `IHA_DEBUG` set."""
   return any(arg in ("--debug", "--debug=true", "--debug=1") for arg in argv) or (
-      os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "False"))
+    os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "False")
+  )
 
 
 def fail(message: str, *, code: int = 2) -> NoReturn:
@@ -82,16 +84,19 @@ def config_keys_help(argv: Sequence[str]) -> str:
     return f"\nconfig keys: cannot load {spec!r} ({type(e).__name__}: {e})\n"
   width = max(map(len, keys))
   lines = [f"  --config.{key:<{width}} = {value!r}" for key, value in keys.items()]
-  return (f"\nconfig keys of {spec} (override any with --config.KEY=VALUE; "
-          f"--config=FILE --help lists another config's):\n" + "\n".join(lines) + "\n")
+  return (
+    f"\nconfig keys of {spec} (override any with --config.KEY=VALUE; "
+    f"--config=FILE --help lists another config's):\n" + "\n".join(lines) + "\n"
+  )
 
 
 def _override_error(argv: Sequence[str], error: Exception) -> str:
   """One line for a failed `--config.KEY=VALUE`: the unknown key and the closest known
   one, or the value that does not parse."""
   spec = _flag_value(argv, "config")
-  overrides = [arg[len(CONFIG_PREFIX):].split("=", 1) for arg in argv
-               if arg.startswith(CONFIG_PREFIX)]
+  overrides = [
+    arg[len(CONFIG_PREFIX) :].split("=", 1) for arg in argv if arg.startswith(CONFIG_PREFIX)
+  ]
   try:
     known = config_keys(load_config_file(spec)) if spec else {}
   except Exception:  # pylint: disable=broad-except
@@ -100,20 +105,29 @@ def _override_error(argv: Sequence[str], error: Exception) -> str:
     if known and key not in known and not any(k.startswith(key + ".") for k in known):
       close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
       hint = f"did you mean {close[0]}? " if close else ""
-      return (f"--config.{key}: no such config key; {hint}"
-              f"(`{os.path.basename(sys.argv[0])} --help` lists every key)")
+      return (
+        f"--config.{key}: no such config key; {hint}"
+        f"(`{os.path.basename(sys.argv[0])} --help` lists every key)"
+      )
   detail = str(error).strip().replace("\\n", " ").replace("\n", " ")
   return f"a --config override does not apply: {type(error).__name__}: {detail}"
 
 
-def parse_flags(argv: list[str], *, help_extra: Callable[[Sequence[str]], str] | None = None
-                ) -> list[str]:
+def parse_flags(
+  argv: list[str], *, help_extra: Callable[[Sequence[str]], str] | None = None
+) -> list[str]:
   """absl flag parsing with `--help` that exits 0 (and lists the config keys when
   `help_extra` gives them) and one-line errors."""
   if any(arg in HELP_ARGS for arg in argv[1:]):
     doc = sys.modules["__main__"].__doc__ or ""
-    print(doc.rstrip() + "\n\nflags:\n" + FLAGS.main_module_help() + "\n"
-          + FLAGS.module_help(__name__) + (help_extra(argv) if help_extra else ""))
+    print(
+      doc.rstrip()
+      + "\n\nflags:\n"
+      + FLAGS.main_module_help()
+      + "\n"
+      + FLAGS.module_help(__name__)
+      + (help_extra(argv) if help_extra else "")
+    )
     sys.exit(0)
   try:
     return FLAGS(argv)
@@ -128,8 +142,9 @@ def parse_flags(argv: list[str], *, help_extra: Callable[[Sequence[str]], str] |
     fail(_override_error(argv, e))
 
 
-def run(main: Callable[[list[str]], Any], *,
-        help_extra: Callable[[Sequence[str]], str] | None = None) -> None:
+def run(
+  main: Callable[[list[str]], Any], *, help_extra: Callable[[Sequence[str]], str] | None = None
+) -> None:
   """`absl.app.run(main)` with one-line user errors (see the module docstring)."""
 
   def guarded(argv: list[str]) -> Any:

@@ -9,6 +9,7 @@ Remote object stores cannot append to an object, so `TextLog` (metrics.jsonl) an
 TensorBoard event files on remote storage are kept in memory and rewritten whole on each
 flush (they stay small: a few KB per thousand logged steps).
 """
+
 from __future__ import annotations
 
 import io
@@ -45,12 +46,14 @@ def resolve(path: PathLike, *, name: str = "path") -> str:
   text = os.fspath(path)
   kind = scheme(text)
   if kind == "file":
-    text, kind = text[len("file://"):], None
+    text, kind = text[len("file://") :], None
   if kind is None:
     return os.path.abspath(os.path.expanduser(text))
   if kind not in REMOTE_SCHEMES:
-    raise ValueError(f"{name} {text!r}: unsupported URL scheme {kind}://; use a local path "
-                     f"or one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}")
+    raise ValueError(
+      f"{name} {text!r}: unsupported URL scheme {kind}://; use a local path "
+      f"or one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}"
+    )
   return str(epath.Path(text))
 
 
@@ -129,8 +132,9 @@ class TextLog:
     target.parent.mkdir(parents=True, exist_ok=True)
     self._file: IO[str]
     if is_remote(target):
-      self._file = io.TextIOWrapper(WholeObjectWriter(target, append=True), encoding="utf-8",
-                                    write_through=True)
+      self._file = io.TextIOWrapper(
+        WholeObjectWriter(target, append=True), encoding="utf-8", write_through=True
+      )
     else:
       self._file = open(target, "a", encoding="utf-8")  # pylint: disable=consider-using-with
 
@@ -160,5 +164,6 @@ class _TensorBoardFactory:
 def register_tensorboard_factories() -> None:
   """Routes tensorboardX's remote event files through epath (idempotent)."""
   from tensorboardX import record_writer  # pylint: disable=import-outside-toplevel
+
   for kind in REMOTE_SCHEMES:
     record_writer.register_writer_factory(kind, _TensorBoardFactory())

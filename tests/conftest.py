@@ -1,4 +1,5 @@
 """Shared pytest setup: float32 oracles at highest matmul precision on CPU."""
+
 import os
 
 # Fake CPU devices must be requested before the backend starts; sharding tests use 8.

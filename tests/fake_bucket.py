@@ -10,6 +10,7 @@
 - Orbax asks the GCS API whether a bucket has a hierarchical namespace: it has not.
 ArrayRecord's reader and writer talk to GCS themselves, so data dirs stay local in tests.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,11 @@ def mount(monkeypatch: Any, root: str) -> dict[str, list[str]]:
   monkeypatch.setattr(FakeGcs, "root", root)
   fake, backend = FakeGcs(), epath_backend.fsspec_backend
   real_fs = type(backend).fs
-  monkeypatch.setattr(backend, "fs", lambda path: (
-      fake if os.fspath(path).startswith("gs://") else real_fs(backend, path)))
+  monkeypatch.setattr(
+    backend,
+    "fs",
+    lambda path: fake if os.fspath(path).startswith("gs://") else real_fs(backend, path),
+  )
   seen: dict[str, list[str]] = {"tensorstore": []}
 
   def kvstore(ckpt_path: str) -> dict[str, Any]:

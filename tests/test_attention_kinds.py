@@ -8,6 +8,7 @@ tests/test_kernels.py (they need a platform context); differential attention thr
 the kernels is checked here because it runs both maps as one MHA call. The references
 themselves are checked against float64 loops in tests/test_ops_reference.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,47 +32,62 @@ B, N, H, D = 2, 7, 2, 8  # N = 7 divides none of the blocks below
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """How to build random inputs for one kind and call its entry point."""
+
   make: Callable[[jax.Array], tuple[jax.Array, ...]]  # key -> differentiable float32 args
-  call: Callable[..., jax.Array]                      # (*args, **options) -> output
-  blocks: ops.BlockSizes                              # several tiles even at N = 7
+  call: Callable[..., jax.Array]  # (*args, **options) -> output
+  blocks: ops.BlockSizes  # several tiles even at N = 7
   rope: bool = True
 
 
 def _normal(key, *shapes):
-  return tuple(jax.random.normal(k, s) for k, s in zip(jax.random.split(key, len(shapes)),
-                                                      shapes))
+  return tuple(jax.random.normal(k, s) for k, s in zip(jax.random.split(key, len(shapes)), shapes))
 
 
 KINDS = {
-    "iha": Kind(lambda key: random_iha_inputs(key, B, N, H, D, 2), ops.iha_attention,
-                ops.BlockSizes(4, 4)),
-    # Other head counts, P and the block-diagonal collapse (fewer masks: same code paths).
-    "iha_p3_h4_per_head": Kind(
-        lambda key: random_iha_inputs(key, B, N, 4, D, 3, per_head=True), ops.iha_attention,
-        ops.BlockSizes(6, 3)),
-    "iha_p1_h1": Kind(lambda key: random_iha_inputs(key, B, N, 1, D, 1), ops.iha_attention,
-                      ops.BlockSizes(4, 4)),
-    # v twice as wide as q and k (as differential attention uses MHA).
-    "mha": Kind(lambda key: _normal(key, (B, N, H, D), (B, N, H, D), (B, N, H, 2 * D)),
-                ops.mha_attention, ops.BlockSizes(4, 4)),
-    "talking_heads": Kind(
-        lambda key: _normal(key, (B, N, H, D), (B, N, H, D), (B, N, H, D), (H, H), (H, H)),
-        ops.talking_heads_attention, ops.BlockSizes(3)),
-    "diff": Kind(
-        lambda key: _normal(key, (B, N, H, 2, D), (B, N, H, 2, D), (B, N, H, 2 * D), (H,)),
-        ops.diff_attention, ops.BlockSizes(4, 4)),
-    "simplicial": Kind(lambda key: tuple(x * 0.7 for x in _normal(key, *[(B, N, H, D)] * 5)),
-                       ops.simplicial_attention, ops.BlockSizes(3), rope=False),
+  "iha": Kind(
+    lambda key: random_iha_inputs(key, B, N, H, D, 2), ops.iha_attention, ops.BlockSizes(4, 4)
+  ),
+  # Other head counts, P and the block-diagonal collapse (fewer masks: same code paths).
+  "iha_p3_h4_per_head": Kind(
+    lambda key: random_iha_inputs(key, B, N, 4, D, 3, per_head=True),
+    ops.iha_attention,
+    ops.BlockSizes(6, 3),
+  ),
+  "iha_p1_h1": Kind(
+    lambda key: random_iha_inputs(key, B, N, 1, D, 1), ops.iha_attention, ops.BlockSizes(4, 4)
+  ),
+  # v twice as wide as q and k (as differential attention uses MHA).
+  "mha": Kind(
+    lambda key: _normal(key, (B, N, H, D), (B, N, H, D), (B, N, H, 2 * D)),
+    ops.mha_attention,
+    ops.BlockSizes(4, 4),
+  ),
+  "talking_heads": Kind(
+    lambda key: _normal(key, (B, N, H, D), (B, N, H, D), (B, N, H, D), (H, H), (H, H)),
+    ops.talking_heads_attention,
+    ops.BlockSizes(3),
+  ),
+  "diff": Kind(
+    lambda key: _normal(key, (B, N, H, 2, D), (B, N, H, 2, D), (B, N, H, 2 * D), (H,)),
+    ops.diff_attention,
+    ops.BlockSizes(4, 4),
+  ),
+  "simplicial": Kind(
+    lambda key: tuple(x * 0.7 for x in _normal(key, *[(B, N, H, D)] * 5)),
+    ops.simplicial_attention,
+    ops.BlockSizes(3),
+    rope=False,
+  ),
 }
 
 MASKS = {
-    "causal": dict(causal=True, window=None),
-    "causal_window_packed": dict(causal=True, window=3, packed=True),
-    "bidirectional": dict(causal=False, window=None),
-    "bidirectional_window_packed": dict(causal=False, window=3, packed=True),
-    # A window at least T long must take the global path; RoPE at arbitrary positions.
-    "window_longer_than_sequence": dict(causal=True, window=1000),
-    "random_positions": dict(causal=False, window=None, random_positions=True),
+  "causal": dict(causal=True, window=None),
+  "causal_window_packed": dict(causal=True, window=3, packed=True),
+  "bidirectional": dict(causal=False, window=None),
+  "bidirectional_window_packed": dict(causal=False, window=3, packed=True),
+  # A window at least T long must take the global path; RoPE at arbitrary positions.
+  "window_longer_than_sequence": dict(causal=True, window=1000),
+  "random_positions": dict(causal=False, window=None, random_positions=True),
 }
 
 
@@ -83,8 +99,9 @@ def _options(kind: Kind, mask: str) -> dict:
     if kind.rope:
       options["positions"] = packed_positions(options["segment_ids"])
   if spec.get("random_positions"):
-    options["positions"] = jnp.asarray(np.random.default_rng(0).integers(0, 4 * N, (B, N)),
-                                       jnp.int32)
+    options["positions"] = jnp.asarray(
+      np.random.default_rng(0).integers(0, 4 * N, (B, N)), jnp.int32
+    )
   return options
 
 
@@ -94,20 +111,28 @@ def _value_and_grads(fn, args, cotangent):
 
 
 BASIC_MASKS = ("causal", "causal_window_packed", "bidirectional", "bidirectional_window_packed")
-CASES = [(k, m, jnp.float32) for k in ("iha", "mha", "talking_heads", "diff", "simplicial")
-         for m in BASIC_MASKS]
-CASES += [("iha", "window_longer_than_sequence", jnp.float32),
-          ("iha_p3_h4_per_head", "random_positions", jnp.float32),
-          ("iha_p3_h4_per_head", "causal_window_packed", jnp.float32),
-          ("iha_p1_h1", "causal_window_packed", jnp.float32),
-          ("iha_p1_h1", "bidirectional", jnp.float32)]
-CASES += [(k, "bidirectional_window_packed", jnp.bfloat16)
-          for k in ("iha", "iha_p3_h4_per_head", "mha", "talking_heads", "diff", "simplicial")]
+CASES = [
+  (k, m, jnp.float32)
+  for k in ("iha", "mha", "talking_heads", "diff", "simplicial")
+  for m in BASIC_MASKS
+]
+CASES += [
+  ("iha", "window_longer_than_sequence", jnp.float32),
+  ("iha_p3_h4_per_head", "random_positions", jnp.float32),
+  ("iha_p3_h4_per_head", "causal_window_packed", jnp.float32),
+  ("iha_p1_h1", "causal_window_packed", jnp.float32),
+  ("iha_p1_h1", "bidirectional", jnp.float32),
+]
+CASES += [
+  (k, "bidirectional_window_packed", jnp.bfloat16)
+  for k in ("iha", "iha_p3_h4_per_head", "mha", "talking_heads", "diff", "simplicial")
+]
 CASES += [("iha", "causal_window_packed", jnp.bfloat16)]
 
 
-@pytest.mark.parametrize("name, mask, dtype", CASES,
-                         ids=[f"{k}-{m}-{jnp.dtype(t).name}" for k, m, t in CASES])
+@pytest.mark.parametrize(
+  "name, mask, dtype", CASES, ids=[f"{k}-{m}-{jnp.dtype(t).name}" for k, m, t in CASES]
+)
 def test_xla_matches_reference(name, mask, dtype):
   kind = KINDS[name]
   seed = list(KINDS).index(name) * 10 + list(MASKS).index(mask)
@@ -116,8 +141,7 @@ def test_xla_matches_reference(name, mask, dtype):
   exact = tuple(x.astype(jnp.float32) for x in low)  # the oracle sees the rounded values
   options = _options(kind, mask)
   ref = jax.jit(lambda *a: kind.call(*a, implementation="reference", **options))
-  xla = jax.jit(lambda *a: kind.call(*a, implementation="xla", block_sizes=kind.blocks,
-                                     **options))
+  xla = jax.jit(lambda *a: kind.call(*a, implementation="xla", block_sizes=kind.blocks, **options))
   cotangent = jax.random.normal(ct_key, jax.eval_shape(ref, *exact).shape)
   want = _value_and_grads(ref, exact, cotangent)
   got = _value_and_grads(xla, low, cotangent)
@@ -126,23 +150,36 @@ def test_xla_matches_reference(name, mask, dtype):
   assert_close(got[1], want[1], dtype, "grads")
 
 
-@pytest.mark.parametrize("blocks, window", [(ops.BlockSizes(8, 4), None),
-                                           (ops.BlockSizes(4, 16), 4), (None, 4)],
-                         ids=["bq8_bk4", "bq4_bk16", "default"])
+@pytest.mark.parametrize(
+  "blocks, window",
+  [(ops.BlockSizes(8, 4), None), (ops.BlockSizes(4, 16), 4), (None, 4)],
+  ids=["bq8_bk4", "bq4_bk16", "default"],
+)
 def test_xla_block_shapes_agree(blocks, window):
   """Unequal, default and larger-than-T tiles all give the reference answer."""
   args = random_iha_inputs(jax.random.key(1), B, 11, 2, D, 3)
   cotangent = jax.random.normal(jax.random.key(2), (B, 11, 2, D))
   run = lambda implementation, block_sizes=None: _value_and_grads(
-      jax.jit(lambda *a: ops.iha_attention(*a, window=window, implementation=implementation,
-                                           block_sizes=block_sizes)), args, cotangent)
+    jax.jit(
+      lambda *a: ops.iha_attention(
+        *a, window=window, implementation=implementation, block_sizes=block_sizes
+      )
+    ),
+    args,
+    cotangent,
+  )
   assert_close(run("xla", blocks), run("reference"), jnp.float32)
 
 
 def test_jit_and_eager_agree():
   args = random_iha_inputs(jax.random.key(9), B, N, 2, D, 2)
-  fn = lambda *a: ops.iha_attention(*a, window=4, segment_ids=packed_segments(B, N),
-                                    implementation="xla", block_sizes=ops.BlockSizes(4, 4))
+  fn = lambda *a: ops.iha_attention(
+    *a,
+    window=4,
+    segment_ids=packed_segments(B, N),
+    implementation="xla",
+    block_sizes=ops.BlockSizes(4, 4),
+  )
   assert_close(fn(*args), jax.jit(fn)(*args), jnp.float32)
 
 
@@ -153,11 +190,16 @@ def test_diff_through_mha_kernels():
   args = kind.make(jax.random.key(5))
   options = _options(kind, "bidirectional_window_packed")
   cotangent = jax.random.normal(jax.random.key(6), (B, N, H, 2 * D))
-  got = _value_and_grads(lambda *a: ops.diff_attention(
-      *a, implementation="pallas_gpu", block_sizes=ops.BlockSizes(8, 8), **options), args,
-                         cotangent)
-  want = _value_and_grads(lambda *a: ops.diff_attention(*a, implementation="reference",
-                                                        **options), args, cotangent)
+  got = _value_and_grads(
+    lambda *a: ops.diff_attention(
+      *a, implementation="pallas_gpu", block_sizes=ops.BlockSizes(8, 8), **options
+    ),
+    args,
+    cotangent,
+  )
+  want = _value_and_grads(
+    lambda *a: ops.diff_attention(*a, implementation="reference", **options), args, cotangent
+  )
   assert_close(got, want, jnp.float32)
 
 
@@ -167,12 +209,16 @@ def test_memory_efficient_paths_hold_no_dense_score_map(name):
   reference does (so the check can fail)."""
   n = 24  # no other axis is 24 long
   kind = KINDS[name]
-  args = tuple(jax.ShapeDtypeStruct((B, n, *x.shape[2:]) if x.ndim >= 4 else x.shape, x.dtype)
-               for x in kind.make(jax.random.key(0)))
+  args = tuple(
+    jax.ShapeDtypeStruct((B, n, *x.shape[2:]) if x.ndim >= 4 else x.shape, x.dtype)
+    for x in kind.make(jax.random.key(0))
+  )
 
   def program(implementation):
-    loss = lambda *a: jnp.sum(kind.call(*a, implementation=implementation, causal=False,
-                                        block_sizes=ops.BlockSizes(8, 8)) ** 2)
+    loss = lambda *a: jnp.sum(
+      kind.call(*a, implementation=implementation, causal=False, block_sizes=ops.BlockSizes(8, 8))
+      ** 2
+    )
     grad = jax.grad(loss, argnums=tuple(range(len(args))))
     return jax.jit(grad).lower(*args).as_text()
 
@@ -208,8 +254,7 @@ def test_identity_mixings_reduce_to_mha(causal):
   """P = 1 IHA with identity mixing, identity Talking-Heads and lam = 0 differential
   attention (its first map) all equal plain MHA, causal or bidirectional."""
   q, k, v = _normal(jax.random.key(7), *[(B, N, H, D)] * 3)
-  options = dict(causal=causal, window=3, segment_ids=packed_segments(B, N),
-                 implementation="xla")
+  options = dict(causal=causal, window=3, segment_ids=packed_segments(B, N), implementation="xla")
   mha = ops.mha_attention(q, k, v, **options)
   eye = jnp.eye(H)
   iha = ops.iha_attention(q, k, v, *([eye[:, :, None]] * 4), **options)
@@ -278,8 +323,7 @@ def test_bad_arguments_name_the_argument():
 def test_simplicial_refuses_oversized_scores():
   big = jax.ShapeDtypeStruct((1, 600, 2, 8), jnp.float32)
   with pytest.raises(ValueError, match="MAX_SCORES"):
-    jax.eval_shape(lambda *a: ops.simplicial_attention(*a, implementation="reference"),
-                   *[big] * 5)
+    jax.eval_shape(lambda *a: ops.simplicial_attention(*a, implementation="reference"), *[big] * 5)
   # The XLA path holds one block of queries: the same shape fits.
   out = jax.eval_shape(lambda *a: ops.simplicial_attention(*a, implementation="xla"), *[big] * 5)
   assert out.shape == big.shape

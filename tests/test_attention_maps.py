@@ -1,4 +1,5 @@
 """Attention pictures: maps are the layer's real probabilities; PNG heat-maps are written."""
+
 from __future__ import annotations
 
 import jax
@@ -24,10 +25,18 @@ N, V, H, HEAD_DIM, P = 7, 37, 3, 8, 2
 
 @pytest.fixture(scope="module")
 def model() -> TransformerLM:
-  config = TransformerConfig(vocab_size=V, num_layers=3, model_dim=24, num_heads=H,
-                             head_dim=HEAD_DIM, mlp_dim=32, num_pseudo=P,
-                             attention_schedule="LIM", iha_window=5,
-                             implementation="reference")
+  config = TransformerConfig(
+    vocab_size=V,
+    num_layers=3,
+    model_dim=24,
+    num_heads=H,
+    head_dim=HEAD_DIM,
+    mlp_dim=32,
+    num_pseudo=P,
+    attention_schedule="LIM",
+    iha_window=5,
+    implementation="reference",
+  )
   return TransformerLM(config, rngs=nnx.Rngs(0))
 
 
@@ -49,8 +58,7 @@ def test_maps_are_causal_windowed_distributions(model, layer, t, window):
 def test_padding_rows_are_zero_and_segments_do_not_mix(model):
   segment_ids = jnp.asarray([1, 1, 1, 2, 2, 0, 0], jnp.int32)
   positions = jnp.asarray([0, 1, 2, 0, 1, 0, 0], jnp.int32)
-  probs = attention_maps(model, _tokens(), layer=1, segment_ids=segment_ids,
-                         positions=positions)
+  probs = attention_maps(model, _tokens(), layer=1, segment_ids=segment_ids, positions=positions)
   virtual_segments = np.repeat(np.asarray(segment_ids), P)
   rows = probs.sum(-1)
   np.testing.assert_allclose(rows[:, virtual_segments != 0], 1.0, rtol=1e-5)
@@ -70,8 +78,12 @@ def test_maps_reproduce_the_layer_output(model):
   values = interleave(pseudo_mix(v, attn.alpha_v[...]))
   out = jnp.einsum("bhts,bshd->bthd", probs, values)
   out = collapse_heads(deinterleave(out, P), attn.collapse[...])
-  np.testing.assert_allclose(np.asarray(jnp.einsum("bnhd,hdD->bnD", out, attn.wo[...])),
-                             np.asarray(attn(x)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(jnp.einsum("bnhd,hdD->bnD", out, attn.wo[...])),
+    np.asarray(attn(x)),
+    rtol=1e-5,
+    atol=1e-5,
+  )
 
 
 def test_plot_writes_png(model, tmp_path):

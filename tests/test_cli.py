@@ -1,4 +1,5 @@
 """train.py / eval.py as a person meets them: --help exits 0, mistakes print one line."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(*args: str, **env: str) -> subprocess.CompletedProcess:
   environ = {k: v for k, v in os.environ.items() if k != "IHA_DEBUG"}
   environ.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", **env)
-  return subprocess.run([sys.executable, *args], cwd=REPO, env=environ, capture_output=True,
-                        text=True, timeout=300, check=False)
+  return subprocess.run(
+    [sys.executable, *args],
+    cwd=REPO,
+    env=environ,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
 
 
 def test_train_help_lists_the_config_keys_and_exits_0():
@@ -32,15 +40,22 @@ def test_eval_help_exits_0_and_points_to_the_keys():
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_mistyped_config_key_names_the_fix_in_one_line(tmp_path, debug):
-  proc = run("train.py", "--config", "configs/tiny.py", f"--workdir={tmp_path}",
-             "--config.train.totl_steps=5", **({"IHA_DEBUG": "1"} if debug else {}))
+  proc = run(
+    "train.py",
+    "--config",
+    "configs/tiny.py",
+    f"--workdir={tmp_path}",
+    "--config.train.totl_steps=5",
+    **({"IHA_DEBUG": "1"} if debug else {}),
+  )
   assert proc.returncode != 0
   if debug:  # the traceback is there for whoever asks
     assert "Traceback" in proc.stderr
     return
   assert proc.stderr.strip() == (
-      "train.py: error: --config.train.totl_steps: no such config key; did you mean "
-      "train.total_steps? (`train.py --help` lists every key)")
+    "train.py: error: --config.train.totl_steps: no such config key; did you mean "
+    "train.total_steps? (`train.py --help` lists every key)"
+  )
   assert not os.listdir(tmp_path)
 
 
@@ -48,6 +63,7 @@ def test_eval_without_checkpoints_is_one_line(tmp_path):
   proc = run("eval.py", f"--workdir={tmp_path}")
   assert proc.returncode == 1
   last = proc.stderr.strip().splitlines()[-1]
-  assert last.startswith(f"eval.py: error: RunNotFoundError: --workdir '{tmp_path}': no "
-                         "checkpoint in"), proc.stderr[-2000:]
+  assert last.startswith(
+    f"eval.py: error: RunNotFoundError: --workdir '{tmp_path}': no checkpoint in"
+  ), proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr

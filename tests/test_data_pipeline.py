@@ -19,9 +19,9 @@ TINY = {"num_train": 25, "num_validation": 4, "num_test": 4, "num_keys": 32}
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   data_dir = str(tmp_path_factory.mktemp("tfds"))
-  build.main([f"--name={NAME}", f"--data_dir={data_dir}"] + [
-      f"--option={k}={v}" for k, v in TINY.items()
-  ])
+  build.main(
+    [f"--name={NAME}", f"--data_dir={data_dir}"] + [f"--option={k}={v}" for k, v in TINY.items()]
+  )
   return data_dir
 
 
@@ -51,10 +51,10 @@ def _assert_same(first, second):
 def _examples(batches):
   """Multiset of the real (non-padding) rows, as bytes of their inputs."""
   return sorted(
-      row.tobytes()
-      for batch in batches
-      for row, seg in zip(batch["inputs"], batch["segment_ids"])
-      if seg.any()
+    row.tobytes()
+    for batch in batches
+    for row, seg in zip(batch["inputs"], batch["segment_ids"])
+    if seg.any()
   )
 
 
@@ -71,7 +71,7 @@ def test_same_seed_same_batches_other_seed_other_order(data_dir):
 def test_rows_are_single_padded_examples(data_dir):
   batch = _take(_make(_config(data_dir, seq_len=80)), 1)[0]
   assert {k: v.shape for k, v in batch.items()} == {
-      k: (4, 80) for k in ("inputs", "targets", "weights", "segment_ids", "positions")
+    k: (4, 80) for k in ("inputs", "targets", "weights", "segment_ids", "positions")
   }
   real = np.broadcast_to(np.arange(80) < 64, (4, 80))
   np.testing.assert_array_equal(batch["segment_ids"], real)
@@ -82,22 +82,22 @@ def test_rows_are_single_padded_examples(data_dir):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_two_shards_cover_every_example_exactly_once(data_dir, shuffle):
   source = tfds.data_source(
-      f"mqar/{data.builder_config(NAME, TINY).name}", split="train", data_dir=data_dir
+    f"mqar/{data.builder_config(NAME, TINY).name}", split="train", data_dir=data_dir
   )
   expected = sorted(source[i]["inputs"].tobytes() for i in range(len(source)))
   shards = [
-      list(
-          data.make_dataset(
-              _config(data_dir),
-              "train",
-              global_batch_size=8,
-              shard_index=index,
-              shard_count=2,
-              shuffle=shuffle,
-              num_epochs=1,
-          )
+    list(
+      data.make_dataset(
+        _config(data_dir),
+        "train",
+        global_batch_size=8,
+        shard_index=index,
+        shard_count=2,
+        shuffle=shuffle,
+        num_epochs=1,
       )
-      for index in range(2)
+    )
+    for index in range(2)
   ]
   # 25 examples -> 13 + 12 (+1 padding row) -> 4 batches of 4 on each shard.
   assert [len(batches) for batches in shards] == [4, 4]

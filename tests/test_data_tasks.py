@@ -43,12 +43,8 @@ def _compose_by_loops(relation, hops):
 
 
 @pytest.mark.parametrize("config_name", ["binary", "ternary"])
-def test_relation_composition_labels_match_the_matrix_in_the_inputs(
-    config_name, data_dir
-):
-  config, examples = _examples(
-      f"relation_composition/{config_name}", data_dir, TINY
-  )
+def test_relation_composition_labels_match_the_matrix_in_the_inputs(config_name, data_dir):
+  config, examples = _examples(f"relation_composition/{config_name}", data_dir, TINY)
   big_m = config.max_size
   sizes, entries = [], []
   for ex in examples:
@@ -96,9 +92,7 @@ def test_mqar_targets_are_the_values_of_the_queried_keys(data_dir):
     slots = region[inputs[region] != mqar.BLANK]
     assert len(slots) == config.queries
     assert len(set(inputs[slots].tolist())) == config.queries
-    np.testing.assert_array_equal(
-        targets[slots], [value_of[k] for k in inputs[slots].tolist()]
-    )
+    np.testing.assert_array_equal(targets[slots], [value_of[k] for k in inputs[slots].tolist()])
     np.testing.assert_array_equal(np.flatnonzero(weights), slots)
     assert not np.any(np.delete(targets, slots))
     assert not np.isin(inputs[region], values).any()
@@ -159,15 +153,13 @@ def test_generation_is_a_function_of_the_config_seed(tmp_path):
 
 def test_tfds_api_prepares_array_record_without_tensorflow(tmp_path):
   config = data.builder_config("relation_composition/ternary", TINY)
-  builder = tfds.builder(
-      "relation_composition", config=config, data_dir=str(tmp_path)
-  )
+  builder = tfds.builder("relation_composition", config=config, data_dir=str(tmp_path))
   builder.download_and_prepare()
   assert builder.info.file_format == tfds.core.FileFormat.ARRAY_RECORD
   assert builder.info.metadata["vocab_size"] == config.vocab_size == 197
   assert list(tmp_path.rglob("*.array_record*"))
   source = tfds.data_source(
-      f"relation_composition/{config.name}", split="test", data_dir=str(tmp_path)
+    f"relation_composition/{config.name}", split="test", data_dir=str(tmp_path)
   )
   assert len(source) == TINY["num_test"]
   assert set(source[0]) == {"inputs", "targets", "weights", "labels"}

@@ -24,8 +24,7 @@ class IhaTestCorpus(tfds.core.GeneratorBasedBuilder):
 
   def _info(self):
     return tfds.core.DatasetInfo(
-        builder=self,
-        features=tfds.features.FeaturesDict({"sentence": tfds.features.Text()}),
+      builder=self, features=tfds.features.FeaturesDict({"sentence": tfds.features.Text()})
     )
 
   def _split_generators(self, dl_manager):
@@ -38,10 +37,7 @@ class IhaTestCorpus(tfds.core.GeneratorBasedBuilder):
 
 
 def _corpus(rng, count):
-  return [
-      " ".join(rng.choice(WORDS, rng.integers(1, 12)).tolist())
-      for _ in range(count)
-  ]
+  return [" ".join(rng.choice(WORDS, rng.integers(1, 12)).tolist()) for _ in range(count)]
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +49,13 @@ def corpus(tmp_path_factory):
   validation = _corpus(rng, 8)
   (manual_dir / "train.txt").write_text("\n\n".join(train_txt) + "\n")
   (manual_dir / "train_more.jsonl").write_text(
-      "\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(train_jsonl))
+    "\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(train_jsonl))
   )
   (manual_dir / "validation.txt").write_text("\n".join(validation))
   (manual_dir / "notes.md").write_text("ignored")
   data_dir = str(tmp_path_factory.mktemp("tfds"))
   data.prepare("local_text/lines", data_dir, manual_dir=manual_dir)
-  return {
-      "data_dir": data_dir,
-      "train": train_txt + train_jsonl,
-      "validation": validation,
-  }
+  return {"data_dir": data_dir, "train": train_txt + train_jsonl, "validation": validation}
 
 
 def _text_config(corpus, **kwargs):
@@ -78,9 +70,7 @@ def _batches(iterator, count):
 
 def test_local_text_holds_every_document_of_each_split(corpus):
   for split in ("train", "validation"):
-    source = tfds.data_source(
-        "local_text/lines", split=split, data_dir=corpus["data_dir"]
-    )
+    source = tfds.data_source("local_text/lines", split=split, data_dir=corpus["data_dir"])
     texts = sorted(source[i]["text"].decode() for i in range(len(source)))
     assert texts == sorted(corpus[split])
 
@@ -89,12 +79,8 @@ def test_local_text_files_config_keeps_whole_files(tmp_path):
   (tmp_path / "manual").mkdir()
   (tmp_path / "manual" / "train_a.txt").write_text("one\ntwo\n")
   (tmp_path / "manual" / "train_b.txt").write_text("three")
-  data.prepare(
-      "local_text/files", str(tmp_path / "d"), manual_dir=tmp_path / "manual"
-  )
-  source = tfds.data_source(
-      "local_text/files", split="train", data_dir=str(tmp_path / "d")
-  )
+  data.prepare("local_text/files", str(tmp_path / "d"), manual_dir=tmp_path / "manual")
+  source = tfds.data_source("local_text/files", split="train", data_dir=str(tmp_path / "d"))
   texts = sorted(source[i]["text"].decode() for i in range(len(source)))
   assert texts == ["one\ntwo\n", "three"]
 
@@ -111,12 +97,14 @@ def test_byte_tokenizer_id_layout_and_round_trip():
 
 def test_sentencepiece_trained_by_the_cli_round_trips(corpus, tmp_path):
   prefix = tmp_path / "sp"
-  train_tokenizer.main([
+  train_tokenizer.main(
+    [
       "--name=local_text/lines",
       f"--data_dir={corpus['data_dir']}",
       f"--output={prefix}",
       "--vocab_size=300",
-  ])
+    ]
+  )
   model = f"{prefix}.model"
   tok = pickle.loads(pickle.dumps(data.load_tokenizer(model)))
   config = _text_config(corpus, seq_len=32, tokenizer=model)
@@ -126,13 +114,7 @@ def test_sentencepiece_trained_by_the_cli_round_trips(corpus, tmp_path):
     ids = tok.encode(text)
     assert ids.dtype == np.int32 and ids.min() > tokenizers.EOS_ID
     assert tok.decode(ids) == text
-  it = data.make_dataset(
-      config,
-      "train",
-      global_batch_size=2,
-      shard_count=1,
-      shard_index=0,
-  )
+  it = data.make_dataset(config, "train", global_batch_size=2, shard_count=1, shard_index=0)
   batch = _batches(it, 1)[0]
   assert batch["inputs"].max() < tok.vocab_size
 
@@ -145,15 +127,16 @@ def test_unknown_tokenizer_says_how_to_train_one():
 def test_packed_rows_hold_whole_documents_with_restarting_positions(corpus):
   seq_len = 128
   it = data.make_dataset(
-      _text_config(corpus, seq_len=seq_len),
-      "train",
-      global_batch_size=4,
-      shard_index=0,
-      shard_count=1,
-      num_epochs=1,
+    _text_config(corpus, seq_len=seq_len),
+    "train",
+    global_batch_size=4,
+    shard_index=0,
+    shard_count=1,
+    num_epochs=1,
   )
   documents = {
-      (b"\x01" + t.encode()): t for t in corpus["train"]  # BOS + bytes
+    (b"\x01" + t.encode()): t
+    for t in corpus["train"]  # BOS + bytes
   }
   seen, num_rows = [], 0
   for batch in it:
@@ -190,12 +173,12 @@ def test_long_documents_are_truncated_counted_and_logged(corpus, caplog):
   expected = sum(len(t.encode()) + 1 > seq_len for t in corpus["train"])
   assert 0 < expected < len(corpus["train"])
   it = data.make_dataset(
-      _text_config(corpus, seq_len=seq_len, packing=False),
-      "train",
-      global_batch_size=4,
-      shard_index=0,
-      shard_count=1,
-      num_epochs=1,
+    _text_config(corpus, seq_len=seq_len, packing=False),
+    "train",
+    global_batch_size=4,
+    shard_index=0,
+    shard_count=1,
+    num_epochs=1,
   )
   with caplog.at_level(logging.WARNING):
     rows = np.concatenate([b["segment_ids"] for b in it])
@@ -208,23 +191,21 @@ def test_long_documents_are_truncated_counted_and_logged(corpus, caplog):
 def test_any_tfds_text_dataset_is_read_by_name(tmp_path):
   config = dict(name="tfds:iha_test_corpus", seq_len=32, data_dir=str(tmp_path))
   with pytest.raises(ValueError, match="--name=tfds:iha_test_corpus"):
-    data.make_dataset(
-        config, "train", global_batch_size=2, shard_index=0, shard_count=1
-    )
+    data.make_dataset(config, "train", global_batch_size=2, shard_index=0, shard_count=1)
   data.prepare("tfds:iha_test_corpus", str(tmp_path))
   it = data.make_dataset(
-      dict(config, text_key="sentence", packing=False),
-      "train",
-      global_batch_size=2,
-      shard_index=0,
-      shard_count=1,
-      num_epochs=1,
+    dict(config, text_key="sentence", packing=False),
+    "train",
+    global_batch_size=2,
+    shard_index=0,
+    shard_count=1,
+    num_epochs=1,
   )
   tok = tokenizers.ByteTokenizer()
   texts = sorted(
-      tok.decode(row[seg > 0])
-      for batch in it
-      for row, seg in zip(batch["inputs"], batch["segment_ids"])
+    tok.decode(row[seg > 0])
+    for batch in it
+    for row, seg in zip(batch["inputs"], batch["segment_ids"])
   )
   it.close()
   assert texts == sorted(f"sentence number {i}" for i in range(10))
@@ -233,29 +214,30 @@ def test_any_tfds_text_dataset_is_read_by_name(tmp_path):
 def test_missing_text_key_lists_the_features(corpus):
   with pytest.raises(ValueError, match=r"no feature 'content'.*\['text'\]"):
     data.make_dataset(
-        _text_config(corpus, seq_len=8, text_key="content"),
-        "train",
-        global_batch_size=1,
-        shard_index=0,
-        shard_count=1,
+      _text_config(corpus, seq_len=8, text_key="content"),
+      "train",
+      global_batch_size=1,
+      shard_index=0,
+      shard_count=1,
     )
 
 
 def test_bpe_tokenizer_json_trained_by_the_cli_round_trips(corpus, tmp_path):
   """A byte-level BPE saved as a Hugging Face tokenizer.json, built locally."""
-  train_tokenizer.main([
+  train_tokenizer.main(
+    [
       "--name=local_text/lines",
       f"--data_dir={corpus['data_dir']}",
       f"--output={tmp_path / 'bpe'}",
       "--vocab_size=300",
       "--format=tokenizer.json",
-  ])
+    ]
+  )
   path = str(tmp_path / "bpe.json")
   assert tokenizers.tokenizer_format(open(path, "rb").read()) == "tokenizer.json"
   tok = pickle.loads(pickle.dumps(data.load_tokenizer(path)))
   assert isinstance(tok, data.HuggingFaceTokenizer)
-  assert tok.vocab_size == 300 == data.vocab_size(_text_config(corpus, seq_len=32,
-                                                               tokenizer=path))
+  assert tok.vocab_size == 300 == data.vocab_size(_text_config(corpus, seq_len=32, tokenizer=path))
   assert (tok.bos_id, tok.eos_id) == (tokenizers.BOS_ID, tokenizers.EOS_ID)
   for text in corpus["validation"]:
     ids = tok.encode(text)
@@ -291,8 +273,9 @@ def test_training_on_a_local_bpe_tokenizer(corpus, tmp_path):
   texts = corpus["train"]
   path = train_tokenizer.train_bpe_json(iter(texts), tmp_path / "bpe", vocab_size=280)
   config = tiny.get_config()
-  config.data.update(name="local_text/lines", data_dir=corpus["data_dir"], tokenizer=path,
-                     seq_len=32)
+  config.data.update(
+    name="local_text/lines", data_dir=corpus["data_dir"], tokenizer=path, seq_len=32
+  )
   config.data.options = {}
   config.train.update(total_steps=3, warmup_steps=1)
   config.mesh.fsdp, config.eval_every = 1, 0

@@ -1,4 +1,5 @@
 """KV-cache decoding of `TransformerLM`: cached logits equal the full forward's, sampling."""
+
 from __future__ import annotations
 
 import functools
@@ -20,9 +21,19 @@ IHA_WINDOW, MHA_WINDOW = 5, 3  # Ring buffers of 3 tokens each: N wraps them sev
 
 @functools.cache
 def _model(schedule: str, **kw) -> TransformerLM:
-  base = dict(vocab_size=V, num_layers=len(schedule), model_dim=D, num_heads=H,
-              head_dim=HEAD_DIM, mlp_dim=F, num_pseudo=P, attention_schedule=schedule,
-              iha_window=IHA_WINDOW, mha_window=MHA_WINDOW, implementation="reference")
+  base = dict(
+    vocab_size=V,
+    num_layers=len(schedule),
+    model_dim=D,
+    num_heads=H,
+    head_dim=HEAD_DIM,
+    mlp_dim=F,
+    num_pseudo=P,
+    attention_schedule=schedule,
+    iha_window=IHA_WINDOW,
+    mha_window=MHA_WINDOW,
+    implementation="reference",
+  )
   config = TransformerConfig(**{**base, **kw})
   return TransformerLM(config, rngs=nnx.Rngs(len(schedule)))
 
@@ -32,15 +43,16 @@ def _tokens(seed: int, length: int = N) -> jax.Array:
 
 
 def _assert_logits_close(actual, expected, what: str) -> None:
-  np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-5, atol=1e-5,
-                             err_msg=what)
+  np.testing.assert_allclose(
+    np.asarray(actual), np.asarray(expected), rtol=1e-5, atol=1e-5, err_msg=what
+  )
 
 
-def _teacher_forced(model: TransformerLM, tokens: jax.Array, prefix: int,
-                    cache_mode: str) -> jax.Array:
+def _teacher_forced(
+  model: TransformerLM, tokens: jax.Array, prefix: int, cache_mode: str
+) -> jax.Array:
   """Prefill `prefix` tokens, then feed the rest one at a time: logits `[B, N, V]`."""
-  logits, cache = prefill(model, tokens[:, :prefix], max_len=tokens.shape[1],
-                          cache_mode=cache_mode)
+  logits, cache = prefill(model, tokens[:, :prefix], max_len=tokens.shape[1], cache_mode=cache_mode)
   steps = [logits]
   for n in range(prefix, tokens.shape[1]):
     step_logits, cache = decode_step(model, tokens[:, n], cache)
@@ -50,11 +62,18 @@ def _teacher_forced(model: TransformerLM, tokens: jax.Array, prefix: int,
 
 
 CASES = [
-    ("I", {}), ("L", {}), ("M", {}), ("S", {}),
-    ("LMSI", dict(implementation="xla")),
-    # P=3 with H=2, per-head collapse, no RoPE, untied head, a window of 4 virtual tokens.
-    ("LI", dict(num_pseudo=3, collapse_mode="per_head", rope_theta=None, tie_embeddings=False,
-                iha_window=4)),
+  ("I", {}),
+  ("L", {}),
+  ("M", {}),
+  ("S", {}),
+  ("LMSI", dict(implementation="xla")),
+  # P=3 with H=2, per-head collapse, no RoPE, untied head, a window of 4 virtual tokens.
+  (
+    "LI",
+    dict(
+      num_pseudo=3, collapse_mode="per_head", rope_theta=None, tie_embeddings=False, iha_window=4
+    ),
+  ),
 ]
 
 
@@ -64,8 +83,9 @@ def test_cached_logits_equal_full_forward(schedule, kw, cache_mode):
   model = _model(schedule, **kw)
   tokens = _tokens(1)
   expected = model(tokens)
-  _assert_logits_close(_teacher_forced(model, tokens, 4, cache_mode), expected,
-                       f"{schedule} {cache_mode}, prefill 4")
+  _assert_logits_close(
+    _teacher_forced(model, tokens, 4, cache_mode), expected, f"{schedule} {cache_mode}, prefill 4"
+  )
 
 
 def test_prefill_longer_than_window_then_decode():
@@ -74,8 +94,9 @@ def test_prefill_longer_than_window_then_decode():
   tokens = _tokens(2)
   expected = model(tokens)
   for cache_mode in ("source", "pseudo"):
-    _assert_logits_close(_teacher_forced(model, tokens, 9, cache_mode), expected,
-                         f"{cache_mode}, prefill 9")
+    _assert_logits_close(
+      _teacher_forced(model, tokens, 9, cache_mode), expected, f"{cache_mode}, prefill 9"
+    )
 
 
 def test_cache_layouts_and_sizes():
@@ -92,10 +113,20 @@ def test_cache_layouts_and_sizes():
   assert pseudo.nbytes - pseudo_iha == source.nbytes - source_iha  # MHA layers: same cache.
 
 
-@pytest.mark.parametrize("window,kind,num_pseudo,expected", [
-    (5, "iha", 2, 3), (4, "iha", 2, 3), (3, "iha", 2, 2), (2, "iha", 2, 2), (1, "iha", 2, 1),
-    (7, "iha", 3, 3), (3, "mha", None, 3), (None, "iha", 2, 40), (500, "iha", 2, 40),
-])
+@pytest.mark.parametrize(
+  "window,kind,num_pseudo,expected",
+  [
+    (5, "iha", 2, 3),
+    (4, "iha", 2, 3),
+    (3, "iha", 2, 2),
+    (2, "iha", 2, 2),
+    (1, "iha", 2, 1),
+    (7, "iha", 3, 3),
+    (3, "mha", None, 3),
+    (None, "iha", 2, 40),
+    (500, "iha", 2, 40),
+  ],
+)
 def test_window_tokens(window, kind, num_pseudo, expected):
   cfg = AttentionConfig(8, 2, 4, kind=kind, num_pseudo=num_pseudo, window=window)
   assert window_tokens(cfg, 40) == expected
@@ -128,7 +159,9 @@ def test_sampling_is_deterministic_per_key_and_respects_top_k():
   np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(cache_mode="rotated"), "cache_mode"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_len=3), "prompt_tokens.*longer than the cache"),
@@ -136,7 +169,8 @@ def test_sampling_is_deterministic_per_key_and_respects_top_k():
     (dict(temperature=0.5), "rng"),
     (dict(top_k=V + 1), "top_k"),
     (dict(temperature=-1.0), "temperature"),
-])
+  ],
+)
 def test_generate_rejects_bad_arguments(kwargs, match):
   args = {**dict(max_new_tokens=4), **kwargs}
   with pytest.raises(ValueError, match=match):
@@ -156,11 +190,14 @@ def test_prefill_rejects_bad_arguments():
     decode_step(model, _tokens(0, 1), cache)
 
 
-@pytest.mark.parametrize("change,match", [
+@pytest.mark.parametrize(
+  "change,match",
+  [
     (dict(causal=False), "needs a causal model"),
     (dict(num_outputs=3), "per-token head"),
     (dict(attention_schedule="LT"), r"supports schedule letters 'ILMS'.*\['T'\]"),
-])
+  ],
+)
 def test_decoding_refuses_encoders_and_uncached_kinds(change, match):
   """Encoders (every position sees later tokens), per-token heads and the baselines
   without a cache are refused up front with a message naming the reason."""

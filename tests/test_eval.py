@@ -1,4 +1,5 @@
 """eval.py on 8 fake CPU devices: metrics, mesh choice, length sweep, attention pictures."""
+
 from __future__ import annotations
 
 import json
@@ -40,11 +41,15 @@ def runs(tmp_path_factory) -> dict[str, str]:
   root = tmp_path_factory.mktemp("runs")
   data_dir = str(root / "data")
   workdirs = {}
-  for name, overrides in (("iha", {}), ("mha", dict(model__attention_schedule="MM",
-                                                    model__num_pseudo=None))):
+  for name, overrides in (
+    ("iha", {}),
+    ("mha", dict(model__attention_schedule="MM", model__num_pseudo=None)),
+  ):
     workdirs[name] = str(root / name)
-    train(make_config(data_dir, train__total_steps=4, checkpoint__every=4, log_every=0,
-                      **overrides), workdirs[name])
+    train(
+      make_config(data_dir, train__total_steps=4, checkpoint__every=4, log_every=0, **overrides),
+      workdirs[name],
+    )
   return workdirs
 
 
@@ -67,7 +72,9 @@ def test_restore_onto_another_mesh(runs):
   wq = moved.params["layers"]["0"]["attn"]["wq"]
   assert dict(moved.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
   assert "tensor" in str(wq.sharding.spec)
-  np.testing.assert_array_equal(np.asarray(wq), np.asarray(saved.params["layers"]["0"]["attn"]["wq"]))
+  np.testing.assert_array_equal(
+    np.asarray(wq), np.asarray(saved.params["layers"]["0"]["attn"]["wq"])
+  )
   expected = saved.evaluate(saved.config, "test")
   actual = moved.evaluate(moved.config, "test")
   assert actual["examples"] == expected["examples"]
@@ -85,22 +92,25 @@ def test_eval_restores_parameters_without_optimizer_state(runs):
     partial = ckpt.restore_params(manager, run.step, target)
   finally:
     manager.close()
-  assert all(leaf is ocp.PLACEHOLDER for leaf in jax.tree.leaves(
-      partial.opt_state, is_leaf=lambda x: x is ocp.PLACEHOLDER))
+  assert all(
+    leaf is ocp.PLACEHOLDER
+    for leaf in jax.tree.leaves(partial.opt_state, is_leaf=lambda x: x is ocp.PLACEHOLDER)
+  )
   assert any(np.any(np.asarray(m) != 0) for m in jax.tree.leaves(full.opt_state))
   assert int(partial.step) == int(full.step) == run.step == 4
-  for got, want, from_eval in zip(jax.tree.leaves(partial.params), jax.tree.leaves(full.params),
-                                  jax.tree.leaves(run.params)):
+  for got, want, from_eval in zip(
+    jax.tree.leaves(partial.params), jax.tree.leaves(full.params), jax.tree.leaves(run.params)
+  ):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(from_eval), np.asarray(want))
 
 
 def test_chance_exact_match_per_task():
   config = default_config()
-  assert chance_exact_match(config) == 64.0 ** -8  # mqar/cpu_demo: 8 queries, 64 values
+  assert chance_exact_match(config) == 64.0**-8  # mqar/cpu_demo: 8 queries, 64 values
   config.data.name = "multikey_retrieval/cpu_demo"
   config.data.options = {"length": 64, "key_len": 1, "value_len": 2, "num_queries": 2}
-  assert chance_exact_match(config) == 32.0 ** -4  # 32 value tokens, 2 x 2 answer tokens
+  assert chance_exact_match(config) == 32.0**-4  # 32 value tokens, 2 x 2 answer tokens
   config.data.name = "local_text/lines"
   assert chance_exact_match(config) is None
 
@@ -127,14 +137,17 @@ def test_module_holds_the_parameters(scan_layers, remat):
   model = LanguageModel(model_config(config), remat=remat, scan_layers=scan_layers)
   params = model.init(3)
   tokens = np.arange(10, dtype=np.int32)[None] % 7
-  np.testing.assert_allclose(np.asarray(model.module(params)(tokens)),
-                             np.asarray(model.apply(params, tokens)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(model.module(params)(tokens)),
+    np.asarray(model.apply(params, tokens)),
+    rtol=1e-5,
+    atol=1e-5,
+  )
 
 
 def test_length_sweep_writes_json_and_plot(runs, tmp_path):
   out = str(tmp_path / "sweep")
-  result = length_sweep([runs["iha"], runs["mha"]], [str(n) for n in LENGTHS], out,
-                        num_examples=32)
+  result = length_sweep([runs["iha"], runs["mha"]], [str(n) for n in LENGTHS], out, num_examples=32)
   with open(os.path.join(out, "length_sweep.json"), encoding="utf-8") as f:
     assert json.load(f) == result
   assert result["lengths"] == LENGTHS and result["examples"] == 32
@@ -143,9 +156,11 @@ def test_length_sweep_writes_json_and_plot(runs, tmp_path):
   assert result["runs"]["mha"]["label"] == "mha (MM)"
   assert {r["dataset"] for r in result["runs"].values()} == {"multikey_retrieval/cpu_demo"}
   assert sweep_title(result) == (
-      "Multi-key retrieval (multikey_retrieval/cpu_demo) against context length")
+    "Multi-key retrieval (multikey_retrieval/cpu_demo) against context length"
+  )
   assert sweep_title({"runs": {"a": {"dataset": "mqar/cpu_demo"}}}).startswith(
-      "Multi-query associative recall (mqar/cpu_demo)")
+    "Multi-query associative recall (mqar/cpu_demo)"
+  )
   for record in result["runs"].values():
     assert record["step"] == 4 and record["train_length"] == 48
     assert sorted(record["exact_match"]) == sorted(str(n) for n in LENGTHS)
@@ -175,28 +190,50 @@ def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
   """The real CLI, once: pictures of an IHA layer and of an MHA layer."""
   out = tmp_path / "pictures"
   proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, "eval.py"), f"--workdir={runs['iha']}",
-       f"--workdir={runs['mha']}", "--attention_layer=1", f"--out_dir={out}"],
-      cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    [
+      sys.executable,
+      os.path.join(REPO, "eval.py"),
+      f"--workdir={runs['iha']}",
+      f"--workdir={runs['mha']}",
+      "--attention_layer=1",
+      f"--out_dir={out}",
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   decode_png(str(out / "iha_layer1.png"))
   decode_png(str(out / "mha_layer1.png"))
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda runs, out: evaluate_workdir(os.path.join(out, "missing")),
-     r"--workdir '.*missing' is not a directory"),
+@pytest.mark.parametrize(
+  "call,message",
+  [
+    (
+      lambda runs, out: evaluate_workdir(os.path.join(out, "missing")),
+      r"--workdir '.*missing' is not a directory",
+    ),
     (lambda runs, out: evaluate_workdir(out), r"--workdir '.*': no checkpoint"),
     (lambda runs, out: evaluate_workdir(runs["iha"], step=3), r"--step=3: .* steps \[4\]"),
-    (lambda runs, out: length_sweep([runs["iha"]], [], out),
-     r"--sweep_lengths must list at least one"),
+    (
+      lambda runs, out: length_sweep([runs["iha"]], [], out),
+      r"--sweep_lengths must list at least one",
+    ),
     (lambda runs, out: parse_lengths(["128", "x"]), r"--sweep_lengths must be integers"),
     (lambda runs, out: parse_lengths(["0"]), r"--sweep_lengths must be positive"),
-    (lambda runs, out: length_sweep([runs["iha"]], [48], out, num_examples=0),
-     r"--sweep_examples must be a positive integer"),
-    (lambda runs, out: attention_pictures(runs["iha"], 2, out),
-     r"--attention_layer=2 is out of range: .* has 2 layers \(0..1\)"),
-])
+    (
+      lambda runs, out: length_sweep([runs["iha"]], [48], out, num_examples=0),
+      r"--sweep_examples must be a positive integer",
+    ),
+    (
+      lambda runs, out: attention_pictures(runs["iha"], 2, out),
+      r"--attention_layer=2 is out of range: .* has 2 layers \(0..1\)",
+    ),
+  ],
+)
 def test_bad_arguments_name_the_flag(runs, tmp_path, call, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
     call(runs, str(tmp_path))

@@ -1,6 +1,7 @@
 """The study runner end to end at `--scale tiny`: every variant trained over its grid and
 seeds, the JSON / Markdown / PNG written from them, resumption, and controls that must
 learn (2 x 2 relation composition, MQAR with one pair), so a broken pipeline fails here."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,11 @@ def _check_outputs(out: str, name: str, variants: list[str]) -> dict:
     assert chosen in study.scales["tiny"].learning_rates
     grid = [r for r in data["runs"].values() if r["variant"] == variant and r["phase"] == "grid"]
     assert sorted(r["learning_rate"] for r in grid) == sorted(study.scales["tiny"].learning_rates)
-    at_rate = [r for r in data["runs"].values() if r["variant"] == variant
-               and r["learning_rate"] == chosen and r["sweep"] is None]
+    at_rate = [
+      r
+      for r in data["runs"].values()
+      if r["variant"] == variant and r["learning_rate"] == chosen and r["sweep"] is None
+    ]
     assert sorted(r["seed"] for r in at_rate) == list(range(SEEDS))
     for r in at_rate:  # budgets and both splits are recorded
       assert r["params"] > 0 and r["attention_flops_per_token"] > 0 and r["steps"] > 0
@@ -53,18 +57,39 @@ def _check_outputs(out: str, name: str, variants: list[str]) -> dict:
   decode_png(os.path.join(out, f"{name}.png"), dpi=110, figure=fig)
   # The bars are the test metric's means over the seeds at each variant's chosen rate.
   metric = study.metrics[0]
-  expected = [100 * np.mean([r["test"][metric] for r in data["runs"].values()
-                             if r["variant"] == v and r["sweep"] is None
-                             and r["learning_rate"] == data["chosen_learning_rates"][v]])
-              for v in dict.fromkeys(r["variant"] for r in data["runs"].values())]
+  expected = [
+    100
+    * np.mean(
+      [
+        r["test"][metric]
+        for r in data["runs"].values()
+        if r["variant"] == v
+        and r["sweep"] is None
+        and r["learning_rate"] == data["chosen_learning_rates"][v]
+      ]
+    )
+    for v in dict.fromkeys(r["variant"] for r in data["runs"].values())
+  ]
   np.testing.assert_allclose([bar.get_height() for bar in fig.axes[0].patches], expected)
   return data
 
 
 def test_relcomp_binary_tiny_every_variant(tmp_path, data_dir):
   out = str(tmp_path)
-  run.main(["relcomp_binary", "--scale", "tiny", "--seeds", str(SEEDS), "--out", out,
-            "--data_dir", data_dir, "--quiet"])
+  run.main(
+    [
+      "relcomp_binary",
+      "--scale",
+      "tiny",
+      "--seeds",
+      str(SEEDS),
+      "--out",
+      out,
+      "--data_dir",
+      data_dir,
+      "--quiet",
+    ]
+  )
   _check_outputs(out, "relcomp_binary", [v.name for v in STUDIES["relcomp_binary"].variants])
 
 
@@ -75,8 +100,20 @@ MQAR_VARIANTS = ["iha", "global_local"]
 
 def test_mqar_tiny_with_sweep_and_resume(tmp_path, data_dir, monkeypatch):
   out = str(tmp_path)
-  args = ["mqar", "--scale", "tiny", "--seeds", str(SEEDS), "--out", out, "--data_dir",
-          data_dir, "--quiet", "--variants", ",".join(MQAR_VARIANTS)]
+  args = [
+    "mqar",
+    "--scale",
+    "tiny",
+    "--seeds",
+    str(SEEDS),
+    "--out",
+    out,
+    "--data_dir",
+    data_dir,
+    "--quiet",
+    "--variants",
+    ",".join(MQAR_VARIANTS),
+  ]
   run.main(args)
   data = _check_outputs(out, "mqar", MQAR_VARIANTS)
   sweep = [r for r in data["runs"].values() if r["sweep"]]
@@ -85,23 +122,40 @@ def test_mqar_tiny_with_sweep_and_resume(tmp_path, data_dir, monkeypatch):
   with open(os.path.join(out, "mqar.md")) as f:
     assert "Sweep over `num_pairs`" in f.read()
   # A rerun trains nothing: every run is found in the JSON.
-  monkeypatch.setattr(protocol, "CompiledVariant",
-                      lambda *a, **k: pytest.fail("a finished run was trained again"))
+  monkeypatch.setattr(
+    protocol, "CompiledVariant", lambda *a, **k: pytest.fail("a finished run was trained again")
+  )
   run.main(args)
 
 
 def test_relcomp_ternary_tiny_subset(tmp_path, data_dir):
   out = str(tmp_path)
-  run.main(["relcomp_ternary", "--scale", "tiny", "--seeds", str(SEEDS), "--out", out,
-            "--data_dir", data_dir, "--quiet", "--variants", "iha"])
+  run.main(
+    [
+      "relcomp_ternary",
+      "--scale",
+      "tiny",
+      "--seeds",
+      str(SEEDS),
+      "--out",
+      out,
+      "--data_dir",
+      data_dir,
+      "--quiet",
+      "--variants",
+      "iha",
+    ]
+  )
   _check_outputs(out, "relcomp_ternary", ["iha"])
   with pytest.raises(ValueError, match="no variant"):
     run.main(["relcomp_ternary", "--scale", "tiny", "--out", out, "--variants", "gpt"])
 
 
 def test_choose_rate_prefers_the_metric_then_the_lower_loss():
-  runs = [{"learning_rate": lr, "validation": {"token_accuracy": acc, "loss": loss}}
-          for lr, acc, loss in ((1e-3, 0.5, 1.0), (3e-3, 0.9, 0.4), (1e-2, 0.9, 0.3))]
+  runs = [
+    {"learning_rate": lr, "validation": {"token_accuracy": acc, "loss": loss}}
+    for lr, acc, loss in ((1e-3, 0.5, 1.0), (3e-3, 0.9, 0.4), (1e-2, 0.9, 0.3))
+  ]
   assert protocol.choose_rate(runs, "token_accuracy") == 1e-2
   assert np.isclose(protocol.choose_rate(runs[:2], "token_accuracy"), 3e-3)
 
@@ -118,8 +172,7 @@ def test_grid_extends_past_an_edge(monkeypatch, tmp_path):
       calls.append((learning_rate, seed))
       score = -abs(learning_rate - 0.03)  # best at 3e-2: above the grid's top 1e-2
       metrics = {"token_accuracy": score, "exact_match": 0.0, "loss": 1.0}
-      return RunResult(steps=1, best_step=1, validation=metrics, test=metrics, curve=[],
-                       wall_s=0.0)
+      return RunResult(steps=1, best_step=1, validation=metrics, test=metrics, curve=[], wall_s=0.0)
 
   monkeypatch.setattr(protocol, "CompiledVariant", Fake)
   monkeypatch.setattr(protocol.inputs, "prepare", lambda config: None)

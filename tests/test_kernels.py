@@ -8,6 +8,7 @@ alpha_*, collapse) with a random cotangent, with packed segments, padding
 tokens and a sequence that does not divide the tiles; causal and bidirectional
 (`causal=False`) cases, and MHA with a value wider than q/k.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,17 +31,38 @@ def _mode(platform: str):
   return pltpu.force_tpu_interpret_mode() if platform == "tpu" else contextlib.nullcontext()
 
 
-def _check_iha(platform, *, b, n, h, d, p, window, dtype=jnp.float32, blocks=None,
-               per_head=False, rope_theta=10000.0, causal=True, seed=0):
+def _check_iha(
+  platform,
+  *,
+  b,
+  n,
+  h,
+  d,
+  p,
+  window,
+  dtype=jnp.float32,
+  blocks=None,
+  per_head=False,
+  rope_theta=10000.0,
+  causal=True,
+  seed=0,
+):
   args = random_iha_inputs(jax.random.key(seed), b, n, h, d, p, per_head=per_head, dtype=dtype)
   seg = packed_segments(b, n)
   pos = packed_positions(seg)
   cotangent = jax.random.normal(jax.random.key(seed + 1), (b, n, h, d), dtype)
 
   def run(implementation, block_sizes=None):
-    f = lambda *a: iha_attention(*a, window=window, segment_ids=seg, positions=pos,
-                                 rope_theta=rope_theta, causal=causal,
-                                 implementation=implementation, block_sizes=block_sizes)
+    f = lambda *a: iha_attention(
+      *a,
+      window=window,
+      segment_ids=seg,
+      positions=pos,
+      rope_theta=rope_theta,
+      causal=causal,
+      implementation=implementation,
+      block_sizes=block_sizes,
+    )
     out, vjp = jax.vjp(f, *args)
     return out, vjp(cotangent)
 
@@ -56,22 +78,31 @@ def _check_iha(platform, *, b, n, h, d, p, window, dtype=jnp.float32, blocks=Non
 # and bfloat16 cases below (P = 2 and 4 each run global and windowed).
 @pytest.mark.parametrize("p, window", [(1, 13), (2, None), (4, 13)])
 def test_gpu_iha_float32(p, window):
-  _check_iha("gpu", b=2, n=20, h=2, d=16, p=p, window=window,
-             blocks=BlockSizes(8 * p, 8 * p))
+  _check_iha("gpu", b=2, n=20, h=2, d=16, p=p, window=window, blocks=BlockSizes(8 * p, 8 * p))
 
 
 # Bidirectional: with a 5-row window on 16-row virtual tiles, a tile sees its neighbours on
 # both sides only (the symmetric band); globally every tile sees every tile.
 @pytest.mark.parametrize("window", [None, 5])
 def test_gpu_iha_bidirectional(window):
-  _check_iha("gpu", b=2, n=20, h=2, d=16, p=2, window=window, causal=False,
-             blocks=BlockSizes(16, 16))
+  _check_iha(
+    "gpu", b=2, n=20, h=2, d=16, p=2, window=window, causal=False, blocks=BlockSizes(16, 16)
+  )
 
 
 @pytest.mark.parametrize("p, window", [(2, 13), (4, None)])
 def test_gpu_iha_bfloat16(p, window):
-  _check_iha("gpu", b=2, n=20, h=2, d=16, p=p, window=window, dtype=jnp.bfloat16,
-             blocks=BlockSizes(8 * p, 8 * p))
+  _check_iha(
+    "gpu",
+    b=2,
+    n=20,
+    h=2,
+    d=16,
+    p=p,
+    window=window,
+    dtype=jnp.bfloat16,
+    blocks=BlockSizes(8 * p, 8 * p),
+  )
 
 
 def test_gpu_iha_per_head_no_rope_odd_dim_default_blocks():
@@ -82,8 +113,7 @@ def test_gpu_iha_per_head_no_rope_odd_dim_default_blocks():
 def test_gpu_iha_paper_default_p_equals_h_20():
   # P = H = 20 (the paper's default): 400 piece pairs per tile, unrolled in the kernels.
   # Two 16-token tiles of 320 virtual rows, with padding, segments and a window.
-  _check_iha("gpu", b=1, n=20, h=20, d=16, p=20, window=150,
-             blocks=BlockSizes(16 * 20, 16 * 20))
+  _check_iha("gpu", b=1, n=20, h=20, d=16, p=20, window=150, blocks=BlockSizes(16 * 20, 16 * 20))
 
 
 # Mosaic interpret: key tiles are multiples of 128 tokens, so N = 136 gives two key
@@ -93,8 +123,9 @@ def test_gpu_iha_paper_default_p_equals_h_20():
 # second key tile is padding). P = 1 runs through the TPU kernels in the MHA test.
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_tpu_iha_multi_tile_float32(causal):
-  _check_iha("tpu", b=2, n=136, h=2, d=16, p=2, window=100, causal=causal,
-             blocks=BlockSizes(64, 256))
+  _check_iha(
+    "tpu", b=2, n=136, h=2, d=16, p=2, window=100, causal=causal, blocks=BlockSizes(64, 256)
+  )
 
 
 @pytest.mark.parametrize("p, window, dtype", [(4, 9, jnp.float32), (2, None, jnp.bfloat16)])
@@ -114,8 +145,14 @@ def test_mha_through_kernels(platform, causal):
   blocks = BlockSizes(8, 8) if platform == "gpu" else None
 
   def run(implementation):
-    f = lambda *a: mha_attention(*a, window=5, segment_ids=seg, causal=causal,
-                                 implementation=implementation, block_sizes=blocks)
+    f = lambda *a: mha_attention(
+      *a,
+      window=5,
+      segment_ids=seg,
+      causal=causal,
+      implementation=implementation,
+      block_sizes=blocks,
+    )
     out, vjp = jax.vjp(f, q, k, v)
     return out, vjp(cotangent)
 
@@ -146,6 +183,7 @@ def _grad_fn(implementation):
   def loss(*args):
     out = iha_attention(*args, window=13, implementation=implementation)
     return jnp.sum(out.astype(jnp.float32) ** 2)
+
   return jax.grad(loss, argnums=tuple(range(7)))
 
 
@@ -162,8 +200,10 @@ def _residual_shapes(implementation, capsys):
   capsys.readouterr()
   jax.ad_checkpoint.print_saved_residuals(f, *args)
   text = capsys.readouterr().out
-  return [tuple(int(x) for x in dims.split(",") if x)
-          for dims in re.findall(r"\b(?:f32|bf16|i32)\[([\d,]*)\]", text)]
+  return [
+    tuple(int(x) for x in dims.split(",") if x)
+    for dims in re.findall(r"\b(?:f32|bf16|i32)\[([\d,]*)\]", text)
+  ]
 
 
 def test_saved_residuals_hold_nothing_p_sized(capsys):
@@ -180,14 +220,18 @@ def test_saved_residuals_hold_nothing_p_sized(capsys):
 
 def _lowered_shapes(implementation, platform):
   args = random_iha_inputs(jax.random.key(0), B, N, H, D, P)
-  text = jax.jit(_grad_fn(implementation)).trace(*args).lower(
-      lowering_platforms=(platform,)).as_text()
-  return [tuple(int(x) for x in dims.split("x")[:-1])
-          for dims in re.findall(r"tensor<([\dx]+x(?:f32|bf16|i32))>", text)]
+  text = (
+    jax.jit(_grad_fn(implementation)).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  )
+  return [
+    tuple(int(x) for x in dims.split("x")[:-1])
+    for dims in re.findall(r"tensor<([\dx]+x(?:f32|bf16|i32))>", text)
+  ]
 
 
-@pytest.mark.parametrize("implementation, platform",
-                         [("pallas_gpu", "cuda"), ("pallas_tpu", "tpu"), ("pallas_gpu", "cpu")])
+@pytest.mark.parametrize(
+  "implementation, platform", [("pallas_gpu", "cuda"), ("pallas_tpu", "tpu"), ("pallas_gpu", "cpu")]
+)
 def test_lowered_gradient_program_has_no_pseudo_qkv(implementation, platform):
   assert not _virtual_axis_shapes(_lowered_shapes(implementation, platform))
 
@@ -197,11 +241,13 @@ def test_lowered_scan_flags_materialised_path():
 
 
 # --- shard_map over 8 fake CPU devices. ------------------------------------------------------
-@pytest.mark.parametrize("per_head, axis_type, causal",
-                         [(False, "explicit", True), (True, "auto", False)])
+@pytest.mark.parametrize(
+  "per_head, axis_type, causal", [(False, "explicit", True), (True, "auto", False)]
+)
 def test_sharded_kernels_match_reference(per_head, axis_type, causal):
-  axis_types = (jax.sharding.AxisType.Explicit if axis_type == "explicit"
-                else jax.sharding.AxisType.Auto,) * 2
+  axis_types = (
+    jax.sharding.AxisType.Explicit if axis_type == "explicit" else jax.sharding.AxisType.Auto,
+  ) * 2
   mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=axis_types)
   b, n, h, d, p = 4, 16, 4, 16, 2
   args = random_iha_inputs(jax.random.key(5), b, n, h, d, p, per_head=per_head)
@@ -223,8 +269,15 @@ def test_pseudo_outputs_layout():
   args = random_iha_inputs(jax.random.key(7), 1, 20, 2, 16, 2)
   seg = jnp.ones((1, 20), jnp.int32)
   pos = jnp.arange(20, dtype=jnp.int32)[None]
-  o, restore = fused.pseudo_outputs(*args[:3], args[3:6], window=None, segment_ids=seg,
-                                    positions=pos, rope_theta=10000.0, platform="gpu",
-                                    block_sizes=None)
+  o, restore = fused.pseudo_outputs(
+    *args[:3],
+    args[3:6],
+    window=None,
+    segment_ids=seg,
+    positions=pos,
+    rope_theta=10000.0,
+    platform="gpu",
+    block_sizes=None,
+  )
   assert o.shape == (1, 2, 2, 32, 32)  # [B, H, P, Np, W]
   assert restore(jnp.zeros((1, 32, 5, 32))).shape == (1, 20, 5, 16)

@@ -9,6 +9,7 @@ the lowering itself is complete. Mosaic's final compile (layouts, VMEM limits)
 happens in the TPU compiler and Triton's PTX generation in XLA:GPU, neither of
 which runs here.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,8 +20,7 @@ import pytest
 
 from iha_jax.ops import iha_attention, mha_attention
 
-TARGETS = {"tpu": ("pallas_tpu", "tpu_custom_call"),
-           "cuda": ("pallas_gpu", "__gpu$xla.gpu.triton")}
+TARGETS = {"tpu": ("pallas_tpu", "tpu_custom_call"), "cuda": ("pallas_gpu", "__gpu$xla.gpu.triton")}
 # (B, N, H, d, P, window, causal): the paper's shape (docs/design.md §4: N = 8192, H = 20,
 # d = 128, P = 4, window N/(2P) = 1024 virtual tokens), and a small bidirectional one.
 SHAPES = {"paper": (1, 8192, 20, 128, 4, 1024, True), "small": (2, 200, 4, 64, 2, 96, False)}
@@ -43,12 +43,14 @@ def test_iha_exports(shape, platform, grad):
   implementation, target = TARGETS[platform]
   x = jax.ShapeDtypeStruct((b, n, h, d), jnp.bfloat16)
   a = jax.ShapeDtypeStruct((h, h, p), jnp.bfloat16)
-  attend = lambda *args: iha_attention(*args, window=window, causal=causal,
-                                       implementation=implementation)
+  attend = lambda *args: iha_attention(
+    *args, window=window, causal=causal, implementation=implementation
+  )
   f = attend
   if grad:
-    f = jax.grad(lambda *args: jnp.sum(attend(*args).astype(jnp.float32) ** 2),
-                 argnums=tuple(range(7)))
+    f = jax.grad(
+      lambda *args: jnp.sum(attend(*args).astype(jnp.float32) ** 2), argnums=tuple(range(7))
+    )
   exported = _export(f, platform, x, x, x, a, a, a, a)
   assert target in _custom_calls(exported)
   # No P-sized array with a virtual-sequence axis (materialised pseudo q/k/v) anywhere.
@@ -62,8 +64,12 @@ def test_mha_gradient_exports(platform):
   implementation, target = TARGETS[platform]
   x = jax.ShapeDtypeStruct((1, 8192, 20, 128), jnp.bfloat16)
   v = jax.ShapeDtypeStruct((1, 8192, 20, 256), jnp.bfloat16)
-  f = jax.grad(lambda *args: jnp.sum(mha_attention(
-      *args, implementation=implementation).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+  f = jax.grad(
+    lambda *args: jnp.sum(
+      mha_attention(*args, implementation=implementation).astype(jnp.float32) ** 2
+    ),
+    argnums=(0, 1, 2),
+  )
   assert target in _custom_calls(_export(f, platform, x, x, v))
 
 

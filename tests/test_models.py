@@ -1,4 +1,5 @@
 """`TransformerLM`: schedule, config errors, parameter trees, causality, packing, gradients."""
+
 from __future__ import annotations
 
 import chex
@@ -16,8 +17,17 @@ B, N, V, D, H, HEAD_DIM, F = 2, 6, 32, 16, 2, 4, 24
 
 
 def _config(**kw) -> TransformerConfig:
-  base = dict(vocab_size=V, num_layers=2, model_dim=D, num_heads=H, head_dim=HEAD_DIM,
-              mlp_dim=F, iha_window=3, mha_window=2, implementation="reference")
+  base = dict(
+    vocab_size=V,
+    num_layers=2,
+    model_dim=D,
+    num_heads=H,
+    head_dim=HEAD_DIM,
+    mlp_dim=F,
+    iha_window=3,
+    mha_window=2,
+    implementation="reference",
+  )
   return TransformerConfig(**{**base, **kw})
 
 
@@ -28,25 +38,31 @@ def _tokens(seed: int = 0, shape=(B, N)) -> jax.Array:
 # --- schedule and config -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule,num_layers,expected", [
-    ("LLLLM", 10, "LLLLMLLLLM"), ("LLLLM", 3, "LLL"), ("M", 4, "MMMM"), ("ILMS", 6, "ILMSIL"),
-])
+@pytest.mark.parametrize(
+  "schedule,num_layers,expected",
+  [("LLLLM", 10, "LLLLMLLLLM"), ("LLLLM", 3, "LLL"), ("M", 4, "MMMM"), ("ILMS", 6, "ILMSIL")],
+)
 def test_expand_schedule(schedule, num_layers, expected):
   assert expand_schedule(schedule, num_layers) == expected
 
 
-@pytest.mark.parametrize("schedule,num_layers,match", [
+@pytest.mark.parametrize(
+  "schedule,num_layers,match",
+  [
     ("", 2, "non-empty"),
     ("LQM", 2, r"unknown letter 'Q'.*allowed letters: I .*L .*M .*S .*T .*D .*X "),
     ("l", 2, "unknown letter 'l'"),
     ("M", 0, "num_layers"),
-])
+  ],
+)
 def test_expand_schedule_errors(schedule, num_layers, match):
   with pytest.raises(ValueError, match=match):
     expand_schedule(schedule, num_layers)
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(attention_schedule="LLQ"), "attention_schedule.*'Q'"),
     (dict(attention_schedule=""), "attention_schedule"),
     (dict(attention_schedule="LM", iha_window=None), "iha_window"),
@@ -65,7 +81,8 @@ def test_expand_schedule_errors(schedule, num_layers, match):
     (dict(mixing_noise_std=-0.5), "mixing_noise_std"),
     (dict(causal="yes"), "causal must be a bool"),
     (dict(attention_schedule="T", implementation="pallas_gpu"), "no 'pallas_gpu'"),
-])
+  ],
+)
 def test_config_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
     _config(**kwargs)
@@ -76,19 +93,25 @@ def test_windows_not_needed_without_window_layers():
 
 
 def test_layers_follow_schedule():
-  model = TransformerLM(_config(attention_schedule="ILMS", num_layers=5, num_pseudo=3),
-                        rngs=nnx.Rngs(0))
+  model = TransformerLM(
+    _config(attention_schedule="ILMS", num_layers=5, num_pseudo=3), rngs=nnx.Rngs(0)
+  )
   kinds = [(type(b.attn), b.attn.config.window) for b in model.layers]
-  assert kinds == [(InterleavedHeadAttention, None), (InterleavedHeadAttention, 3),
-                   (MultiHeadAttention, None), (MultiHeadAttention, 2),
-                   (InterleavedHeadAttention, None)]
+  assert kinds == [
+    (InterleavedHeadAttention, None),
+    (InterleavedHeadAttention, 3),
+    (MultiHeadAttention, None),
+    (MultiHeadAttention, 2),
+    (InterleavedHeadAttention, None),
+  ]
   assert model.layers[0].attn.config.pseudo == 3
   assert [b.letter for b in model.layers] == list("ILMSI")
-  model = TransformerLM(_config(attention_schedule="TDX", num_layers=3, causal=False),
-                        rngs=nnx.Rngs(0))
-  assert [(b.attn.config.kind, b.attn.config.num_heads, b.attn.config.causal)
-          for b in model.layers] == [("talking_heads", H, False), ("diff", H // 2, False),
-                                     ("simplicial", H, False)]
+  model = TransformerLM(
+    _config(attention_schedule="TDX", num_layers=3, causal=False), rngs=nnx.Rngs(0)
+  )
+  assert [
+    (b.attn.config.kind, b.attn.config.num_heads, b.attn.config.causal) for b in model.layers
+  ] == [("talking_heads", H, False), ("diff", H // 2, False), ("simplicial", H, False)]
   assert model.layers[1].attn.config.layer == 2  # differential lambda_init depth
   assert model.layers[2].attn.config.rope_theta is None  # 2-simplicial: no RoPE
 
@@ -102,18 +125,29 @@ def test_param_tree_and_count(tie_embeddings):
   model = TransformerLM(cfg, rngs=nnx.Rngs(0))
   params = nnx.state(model, nnx.Param)
   shapes = jax.tree.map(jnp.shape, nnx.to_pure_dict(params))
-  axes = {k: v.get_metadata()["out_sharding"] for k, v in params.items()
-          if isinstance(v, nnx.Param)}
+  axes = {
+    k: v.get_metadata()["out_sharding"] for k, v in params.items() if isinstance(v, nnx.Param)
+  }
   assert shapes["embedding"] == (V, D) and axes["embedding"] == ("vocab", "embed")
   assert set(shapes["layers"][0]) == {"attn_norm", "attn", "mlp_norm", "mlp"}
   assert set(shapes["layers"][0]["attn"]) == {
-      "wq", "wk", "wv", "wo", "alpha_q", "alpha_k", "alpha_v", "collapse"}
+    "wq",
+    "wk",
+    "wv",
+    "wo",
+    "alpha_q",
+    "alpha_k",
+    "alpha_v",
+    "collapse",
+  }
   assert set(shapes["layers"][1]["attn"]) == {"wq", "wk", "wv", "wo"}
   assert shapes["layers"][1]["mlp"] == {"w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
-  mlp_axes = {k: v.get_metadata()["out_sharding"]
-              for k, v in params["layers"][1]["mlp"].items()}
-  assert mlp_axes == {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"),
-                      "w_down": ("mlp", "embed")}
+  mlp_axes = {k: v.get_metadata()["out_sharding"] for k, v in params["layers"][1]["mlp"].items()}
+  assert mlp_axes == {
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+  }
   assert params["final_norm"]["scale"].get_metadata()["out_sharding"] == ("embed",)
   if tie_embeddings:
     assert "lm_head" not in shapes
@@ -129,11 +163,9 @@ def test_param_tree_and_count(tie_embeddings):
 
 
 class ForwardTest(chex.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_logits_shape_and_dtype(self):
-    model = TransformerLM(_config(attention_schedule="LS", dtype=jnp.bfloat16),
-                          rngs=nnx.Rngs(0))
+    model = TransformerLM(_config(attention_schedule="LS", dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     logits = self.variant(lambda s, t: nnx.merge(graphdef, s)(t))(state, _tokens())
     chex.assert_shape(logits, (B, N, V))
@@ -144,8 +176,9 @@ class ForwardTest(chex.TestCase):
 @pytest.mark.parametrize("schedule", ["I", "L", "M", "S", "LLLLM", "TDX"])
 def test_causality(schedule):
   """Changing token n leaves logits at positions < n unchanged."""
-  model = TransformerLM(_config(attention_schedule=schedule, num_layers=len(schedule) + 1),
-                        rngs=nnx.Rngs(1))
+  model = TransformerLM(
+    _config(attention_schedule=schedule, num_layers=len(schedule) + 1), rngs=nnx.Rngs(1)
+  )
   forward = jax.jit(lambda t: model(t))
   tokens = _tokens(1)
   base = forward(tokens)
@@ -157,8 +190,9 @@ def test_causality(schedule):
 
 def test_encoder_sees_later_tokens_and_has_a_per_token_head():
   """causal=False: changing the last token changes every position's outputs."""
-  model = TransformerLM(_config(attention_schedule="LMT", num_layers=3, causal=False,
-                                num_outputs=5), rngs=nnx.Rngs(1))
+  model = TransformerLM(
+    _config(attention_schedule="LMT", num_layers=3, causal=False, num_outputs=5), rngs=nnx.Rngs(1)
+  )
   tokens = _tokens(1)
   base = model(tokens)
   chex.assert_shape(base, (B, N, 5))
@@ -188,8 +222,15 @@ def test_rejects_bad_tokens():
 
 @pytest.mark.parametrize("collapse_mode", ["full", "per_head"])
 def test_jit_grad_step(collapse_mode):
-  model = TransformerLM(_config(attention_schedule="LM", collapse_mode=collapse_mode,
-                                tie_embeddings=False, implementation="xla"), rngs=nnx.Rngs(3))
+  model = TransformerLM(
+    _config(
+      attention_schedule="LM",
+      collapse_mode=collapse_mode,
+      tie_embeddings=False,
+      implementation="xla",
+    ),
+    rngs=nnx.Rngs(3),
+  )
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tokens = _tokens(3)
 
@@ -198,6 +239,7 @@ def test_jit_grad_step(collapse_mode):
     def loss_fn(params):
       logits = nnx.merge(graphdef, params, rest)(tokens[:, :-1])
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
     return jax.value_and_grad(loss_fn)(params)
 
   loss, grads = loss_and_grad(params)

@@ -1,4 +1,5 @@
 """Flax layers (`iha_jax.nn`): parameter tree, init, MHA special case, Linen <-> NNX."""
+
 from __future__ import annotations
 
 import chex
@@ -64,31 +65,49 @@ def test_iha_param_tree(collapse_mode, num_pseudo):
   p = H if num_pseudo is None else num_pseudo
   shapes = jax.tree.map(jnp.shape, _params(m))
   collapse_shape = (H, H, p) if collapse_mode == "full" else (H, p)
-  assert shapes == {"wq": (D, H, HEAD_DIM), "wk": (D, H, HEAD_DIM), "wv": (D, H, HEAD_DIM),
-                    "wo": (H, HEAD_DIM, D), "alpha_q": (H, H, p), "alpha_k": (H, H, p),
-                    "alpha_v": (H, H, p), "collapse": collapse_shape}
+  assert shapes == {
+    "wq": (D, H, HEAD_DIM),
+    "wk": (D, H, HEAD_DIM),
+    "wv": (D, H, HEAD_DIM),
+    "wo": (H, HEAD_DIM, D),
+    "alpha_q": (H, H, p),
+    "alpha_k": (H, H, p),
+    "alpha_v": (H, H, p),
+    "collapse": collapse_shape,
+  }
   in_proj, mixing = ("embed", "heads", "head_dim"), ("heads_src", "heads", "pseudo")
-  collapse_axes = (("heads_dst", "heads", "pseudo") if collapse_mode == "full"
-                   else ("heads", "pseudo"))
-  assert _axes(m) == {"wq": in_proj, "wk": in_proj, "wv": in_proj,
-                      "wo": ("heads", "head_dim", "embed"), "alpha_q": mixing,
-                      "alpha_k": mixing, "alpha_v": mixing, "collapse": collapse_axes}
+  collapse_axes = (
+    ("heads_dst", "heads", "pseudo") if collapse_mode == "full" else ("heads", "pseudo")
+  )
+  assert _axes(m) == {
+    "wq": in_proj,
+    "wk": in_proj,
+    "wv": in_proj,
+    "wo": ("heads", "head_dim", "embed"),
+    "alpha_q": mixing,
+    "alpha_k": mixing,
+    "alpha_v": mixing,
+    "collapse": collapse_axes,
+  }
   assert all(v.dtype == jnp.float32 for v in _params(m).values())
 
 
 def test_mha_param_tree():
   m = _mha(param_dtype=jnp.bfloat16)
   assert jax.tree.map(jnp.shape, _params(m)) == {
-      "wq": (D, H, HEAD_DIM), "wk": (D, H, HEAD_DIM), "wv": (D, H, HEAD_DIM),
-      "wo": (H, HEAD_DIM, D)}
+    "wq": (D, H, HEAD_DIM),
+    "wk": (D, H, HEAD_DIM),
+    "wv": (D, H, HEAD_DIM),
+    "wo": (H, HEAD_DIM, D),
+  }
   assert _axes(m)["wo"] == ("heads", "head_dim", "embed")
   assert all(v.dtype == jnp.bfloat16 for v in _params(m).values())
 
 
 BASELINES = {  # kind -> (NNX class, Linen class, extra constructor arguments)
-    "talking_heads": (TalkingHeadsAttention, TalkingHeadsAttentionLinen, {}),
-    "diff": (DifferentialAttention, DifferentialAttentionLinen, {"layer": 3}),
-    "simplicial": (SimplicialAttention, SimplicialAttentionLinen, {}),
+  "talking_heads": (TalkingHeadsAttention, TalkingHeadsAttentionLinen, {}),
+  "diff": (DifferentialAttention, DifferentialAttentionLinen, {"layer": 3}),
+  "simplicial": (SimplicialAttention, SimplicialAttentionLinen, {}),
 }
 
 
@@ -96,18 +115,26 @@ def test_baseline_param_trees():
   """Names, shapes and logical axes of the baselines; every axis has a sharding rule."""
   in_proj, out_proj = ("embed", "heads", "head_dim"), ("heads", "head_dim", "embed")
   expected = {
-      "talking_heads": {"wq": ((D, H, HEAD_DIM), in_proj), "wk": ((D, H, HEAD_DIM), in_proj),
-                        "wv": ((D, H, HEAD_DIM), in_proj), "wo": ((H, HEAD_DIM, D), out_proj),
-                        "talk_logits": ((H, H), ("heads_src", "heads")),
-                        "talk_weights": ((H, H), ("heads_src", "heads"))},
-      "diff": {"wq": ((D, H, 2, HEAD_DIM), ("embed", "heads", "qk_pair", "head_dim")),
-               "wk": ((D, H, 2, HEAD_DIM), ("embed", "heads", "qk_pair", "head_dim")),
-               "wv": ((D, H, 2 * HEAD_DIM), in_proj), "wo": ((H, 2 * HEAD_DIM, D), out_proj),
-               **{f"lambda_{n}": ((HEAD_DIM,), ("head_dim",)) for n in ("q1", "k1", "q2", "k2")},
-               "norm_scale": ((2 * HEAD_DIM,), ("head_dim",))},
-      "simplicial": {**{w: ((D, H, HEAD_DIM), in_proj) for w in ("wq", "wk1", "wk2", "wv1",
-                                                                 "wv2")},
-                     "wo": ((H, HEAD_DIM, D), out_proj)},
+    "talking_heads": {
+      "wq": ((D, H, HEAD_DIM), in_proj),
+      "wk": ((D, H, HEAD_DIM), in_proj),
+      "wv": ((D, H, HEAD_DIM), in_proj),
+      "wo": ((H, HEAD_DIM, D), out_proj),
+      "talk_logits": ((H, H), ("heads_src", "heads")),
+      "talk_weights": ((H, H), ("heads_src", "heads")),
+    },
+    "diff": {
+      "wq": ((D, H, 2, HEAD_DIM), ("embed", "heads", "qk_pair", "head_dim")),
+      "wk": ((D, H, 2, HEAD_DIM), ("embed", "heads", "qk_pair", "head_dim")),
+      "wv": ((D, H, 2 * HEAD_DIM), in_proj),
+      "wo": ((H, 2 * HEAD_DIM, D), out_proj),
+      **{f"lambda_{n}": ((HEAD_DIM,), ("head_dim",)) for n in ("q1", "k1", "q2", "k2")},
+      "norm_scale": ((2 * HEAD_DIM,), ("head_dim",)),
+    },
+    "simplicial": {
+      **{w: ((D, H, HEAD_DIM), in_proj) for w in ("wq", "wk1", "wk2", "wv1", "wv2")},
+      "wo": ((H, HEAD_DIM, D), out_proj),
+    },
   }
   for kind, (cls, _, extra) in BASELINES.items():
     m = cls(D, H, HEAD_DIM, rngs=nnx.Rngs(0), **extra)
@@ -125,8 +152,13 @@ def test_baseline_param_trees():
 
 
 def test_logical_axes_map_to_mesh_axes_with_rules():
-  rules = (("embed", "fsdp"), ("heads", "tensor"), ("head_dim", None), ("heads_src", None),
-           ("pseudo", None))
+  rules = (
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("head_dim", None),
+    ("heads_src", None),
+    ("pseudo", None),
+  )
   with nn.logical_axis_rules(rules):
     specs = nnx.get_partition_spec(nnx.state(_iha(), nnx.Param))
   assert specs["wq"].get_value() == jax.sharding.PartitionSpec("fsdp", "tensor", None)
@@ -172,8 +204,9 @@ def test_initializers_reject_bad_shapes():
     identity_mixing_init()(key, (2, 3, 4))
   with pytest.raises(ValueError, match="shape"):
     identity_collapse_init()(key, (2,))
-  chex.assert_trees_all_equal(identity_collapse_init()(key, (2, 4), jnp.bfloat16),
-                              jnp.full((2, 4), 0.25, jnp.bfloat16))
+  chex.assert_trees_all_equal(
+    identity_collapse_init()(key, (2, 4), jnp.bfloat16), jnp.full((2, 4), 0.25, jnp.bfloat16)
+  )
 
 
 def test_projection_init_uses_true_fan_in():
@@ -187,14 +220,14 @@ def test_projection_init_uses_true_fan_in():
 
 
 class ForwardTest(chex.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_functional_forward(self):
     graphdef, state = nnx.split(_iha(num_pseudo=2, window=5))
     seg = jnp.array([[1, 1, 1, 2, 2, 0]] * B, jnp.int32)
     pos = jnp.array([[0, 1, 2, 0, 1, 0]] * B, jnp.int32)
-    apply = self.variant(lambda s, x, seg, pos: nnx.merge(graphdef, s)(
-        x, segment_ids=seg, positions=pos))
+    apply = self.variant(
+      lambda s, x, seg, pos: nnx.merge(graphdef, s)(x, segment_ids=seg, positions=pos)
+    )
     y = apply(state, _x(), seg, pos)
     chex.assert_shape(y, (B, N, D))
     chex.assert_tree_all_finite(y)
@@ -225,10 +258,20 @@ def test_matches_from_scratch_computation():
   m = _iha(num_pseudo=2, window=5, mixing_noise_std=0.1)
   p, x = _params(m), _x(3)
   # Projections as flat matmuls, independent of the module's einsum specs.
-  q, k, v = ((x @ p[w].reshape(D, H * HEAD_DIM)).reshape(B, N, H, HEAD_DIM)
-             for w in ("wq", "wk", "wv"))
-  y = iha_attention(q, k, v, p["alpha_q"], p["alpha_k"], p["alpha_v"], p["collapse"],
-                    window=5, implementation="reference")
+  q, k, v = (
+    (x @ p[w].reshape(D, H * HEAD_DIM)).reshape(B, N, H, HEAD_DIM) for w in ("wq", "wk", "wv")
+  )
+  y = iha_attention(
+    q,
+    k,
+    v,
+    p["alpha_q"],
+    p["alpha_k"],
+    p["alpha_v"],
+    p["collapse"],
+    window=5,
+    implementation="reference",
+  )
   expected = y.reshape(B, N, H * HEAD_DIM) @ p["wo"].reshape(H * HEAD_DIM, D)
   chex.assert_trees_all_close(m(x), expected, atol=1e-5, rtol=1e-5)
 
@@ -236,16 +279,20 @@ def test_matches_from_scratch_computation():
 def test_differential_layer_from_scratch():
   """lam from the lambdas and lambda_init(layer), per-head RMSNorm, scale 1 - lambda_init."""
   layer = 4
-  m = DifferentialAttention(D, H, HEAD_DIM, layer=layer, implementation="reference",
-                            rngs=nnx.Rngs(2))
+  m = DifferentialAttention(
+    D, H, HEAD_DIM, layer=layer, implementation="reference", rngs=nnx.Rngs(2)
+  )
   p, x = _params(m), _x(5)
   q, k = (jnp.einsum("bnD,Dhcd->bnhcd", x, p[w]) for w in ("wq", "wk"))
   v = jnp.einsum("bnD,Dhe->bnhe", x, p["wv"])
   lambda_init = 0.8 - 0.6 * np.exp(-0.3 * (layer - 1))
-  lam = (jnp.exp(p["lambda_q1"] @ p["lambda_k1"]) - jnp.exp(p["lambda_q2"] @ p["lambda_k2"])
-         + lambda_init)
+  lam = (
+    jnp.exp(p["lambda_q1"] @ p["lambda_k1"])
+    - jnp.exp(p["lambda_q2"] @ p["lambda_k2"])
+    + lambda_init
+  )
   y = diff_attention(q, k, v, lam, implementation="reference")
-  y = y / jnp.sqrt(jnp.mean(y ** 2, axis=-1, keepdims=True) + 1e-5) * p["norm_scale"]
+  y = y / jnp.sqrt(jnp.mean(y**2, axis=-1, keepdims=True) + 1e-5) * p["norm_scale"]
   expected = jnp.einsum("bnhe,heD->bnD", y * (1 - lambda_init), p["wo"])
   chex.assert_trees_all_close(m(x), expected, atol=1e-5, rtol=1e-5)
   # A traced depth (scan over layers) gives the same layer.
@@ -261,19 +308,24 @@ def test_projection_outputs_are_named_for_remat():
 # --- Linen <-> NNX -----------------------------------------------------------------------
 
 
-LINEN_PAIRS = {"iha": (InterleavedHeadAttention, InterleavedHeadAttentionLinen),
-               "mha": (MultiHeadAttention, MultiHeadAttentionLinen),
-               **{kind: classes[:2] for kind, classes in BASELINES.items()}}
+LINEN_PAIRS = {
+  "iha": (InterleavedHeadAttention, InterleavedHeadAttentionLinen),
+  "mha": (MultiHeadAttention, MultiHeadAttentionLinen),
+  **{kind: classes[:2] for kind, classes in BASELINES.items()},
+}
 
 
-@pytest.mark.parametrize("kind,kwargs", [
+@pytest.mark.parametrize(
+  "kind,kwargs",
+  [
     ("iha", dict(num_pseudo=2, window=4)),
     ("iha", dict(collapse_mode="per_head", rope_theta=None, causal=False)),
     ("mha", dict(window=3)),
     ("talking_heads", dict(window=3, causal=False)),
     ("diff", dict(layer=3)),
     ("simplicial", dict(causal=False)),
-])
+  ],
+)
 def test_linen_nnx_transplant(kind, kwargs):
   kwargs = dict(kwargs, implementation="reference")
   nnx_cls, linen_cls = LINEN_PAIRS[kind]
@@ -285,7 +337,8 @@ def test_linen_nnx_transplant(kind, kwargs):
   boxed = linen_model.init(jax.random.key(1), x)["params"]
   # Same names, shapes and logical axes in both trees.
   assert {k: (v.value.shape, v.names) for k, v in boxed.items()} == {
-      k: (v.shape, _axes(nnx_model)[k]) for k, v in _params(nnx_model).items()}
+    k: (v.shape, _axes(nnx_model)[k]) for k, v in _params(nnx_model).items()
+  }
 
   # NNX -> Linen.
   y_linen = linen_model.apply({"params": _params(nnx_model)}, x)
@@ -299,7 +352,9 @@ def test_linen_nnx_transplant(kind, kwargs):
 # --- validation --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(num_pseudo=0), "num_pseudo"),
     (dict(window=0), "window"),
     (dict(window=2.5), "window"),
@@ -307,7 +362,8 @@ def test_linen_nnx_transplant(kind, kwargs):
     (dict(implementation="cuda"), "implementation"),
     (dict(rope_theta=-1.0), "rope_theta"),
     (dict(mixing_noise_std=-0.1), "mixing_noise_std"),
-])
+  ],
+)
 def test_iha_rejects_bad_options(kwargs, match):
   with pytest.raises(ValueError, match=match):
     _iha(**kwargs)
@@ -316,12 +372,15 @@ def test_iha_rejects_bad_options(kwargs, match):
       _mha(**kwargs)
 
 
-@pytest.mark.parametrize("dims,match", [
+@pytest.mark.parametrize(
+  "dims,match",
+  [
     ((0, H, HEAD_DIM), "model_dim"),
     ((D, 0, HEAD_DIM), "num_heads"),
     ((D, H, 0), "head_dim"),
     ((D, H, 5), "head_dim"),  # odd d with RoPE on
-])
+  ],
+)
 def test_rejects_bad_dims(dims, match):
   for cls in (InterleavedHeadAttention, MultiHeadAttention):
     with pytest.raises(ValueError, match=match):
@@ -331,8 +390,9 @@ def test_rejects_bad_dims(dims, match):
 
 
 def test_odd_head_dim_allowed_without_rope():
-  m = InterleavedHeadAttention(D, H, 5, rope_theta=None, implementation="reference",
-                               rngs=nnx.Rngs(0))
+  m = InterleavedHeadAttention(
+    D, H, 5, rope_theta=None, implementation="reference", rngs=nnx.Rngs(0)
+  )
   chex.assert_shape(m(_x()), (B, N, D))
 
 

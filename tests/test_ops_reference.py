@@ -1,4 +1,5 @@
 """The "reference" implementation against an independent naive loop, and spec facts."""
+
 from __future__ import annotations
 
 import chex
@@ -29,11 +30,25 @@ def _sees(t: int, s: int, window: int | None, causal: bool) -> bool:
   return window is None or abs(t - s) < window
 
 
-def naive_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, segment_ids, positions,
-              rope_theta, causal=True):
+def naive_iha(
+  q,
+  k,
+  v,
+  alpha_q,
+  alpha_k,
+  alpha_v,
+  collapse,
+  *,
+  window,
+  segment_ids,
+  positions,
+  rope_theta,
+  causal=True,
+):
   """The IHA math as loops over virtual tokens t = n*P + p, in float64."""
   q, k, v, alpha_q, alpha_k, alpha_v, collapse = (
-      np.asarray(x, np.float64) for x in (q, k, v, alpha_q, alpha_k, alpha_v, collapse))
+    np.asarray(x, np.float64) for x in (q, k, v, alpha_q, alpha_k, alpha_v, collapse)
+  )
   seg, pos = np.asarray(segment_ids), np.asarray(positions)
   b_size, n_size, h_size, d = q.shape
   p_size = alpha_q.shape[2]
@@ -41,12 +56,14 @@ def naive_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, segment_i
   o = np.zeros((b_size, n_size, h_size, p_size, d))
   for b in range(b_size):
     for h in range(h_size):
+
       def pseudo(x, alpha, t, rotate):
         n, p = divmod(t, p_size)
         vec = sum(alpha[m, h, p] * x[b, n, m] for m in range(h_size))
         if rotate and rope_theta is not None:
           vec = _naive_rope(vec, pos[b, n] * p_size + p, rope_theta)
         return vec
+
       keys = [pseudo(k, alpha_k, s, True) for s in range(t_size)]
       values = [pseudo(v, alpha_v, s, False) for s in range(t_size)]
       for t in range(t_size):
@@ -54,8 +71,11 @@ def naive_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, segment_i
         if seg[b, n_t] == 0:
           continue  # padding query: output stays zero
         query = pseudo(q, alpha_q, t, True)
-        seen = [s for s in range(t_size)
-                if _sees(t, s, window, causal) and seg[b, s // p_size] == seg[b, n_t]]
+        seen = [
+          s
+          for s in range(t_size)
+          if _sees(t, s, window, causal) and seg[b, s // p_size] == seg[b, n_t]
+        ]
         logits = np.array([query @ keys[s] / np.sqrt(d) for s in seen])
         weights = np.exp(logits - logits.max())
         weights /= weights.sum()
@@ -66,8 +86,9 @@ def naive_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, segment_i
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])
-@pytest.mark.parametrize("case", ["global", "window", "packed", "per_head", "no_rope",
-                                  "bidirectional_packed_window"])
+@pytest.mark.parametrize(
+  "case", ["global", "window", "packed", "per_head", "no_rope", "bidirectional_packed_window"]
+)
 def test_reference_matches_naive_loop(p, case):
   b, n, h, d = 2, 5, 2, 4
   args = random_iha_inputs(jax.random.PRNGKey(p), b, n, h, d, p, per_head=case == "per_head")
@@ -75,13 +96,29 @@ def test_reference_matches_naive_loop(p, case):
   packed = "packed" in case
   causal = not case.startswith("bidirectional")
   segment_ids = packed_segments(b, n) if packed else jnp.ones((b, n), jnp.int32)
-  positions = (packed_positions(segment_ids) if packed
-               else jnp.asarray(np.random.default_rng(p).integers(0, 50, (b, n)), jnp.int32))
+  positions = (
+    packed_positions(segment_ids)
+    if packed
+    else jnp.asarray(np.random.default_rng(p).integers(0, 50, (b, n)), jnp.int32)
+  )
   rope_theta = None if case == "no_rope" else 100.0
-  got = ops.iha_attention(*args, window=window, segment_ids=segment_ids, positions=positions,
-                          rope_theta=rope_theta, causal=causal, implementation="reference")
-  want = naive_iha(*args, window=window, segment_ids=segment_ids, positions=positions,
-                   rope_theta=rope_theta, causal=causal)
+  got = ops.iha_attention(
+    *args,
+    window=window,
+    segment_ids=segment_ids,
+    positions=positions,
+    rope_theta=rope_theta,
+    causal=causal,
+    implementation="reference",
+  )
+  want = naive_iha(
+    *args,
+    window=window,
+    segment_ids=segment_ids,
+    positions=positions,
+    rope_theta=rope_theta,
+    causal=causal,
+  )
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
@@ -92,8 +129,13 @@ def _naive_rows(q, segment_ids, window, causal):
   rows = {}
   for b in range(q.shape[0]):
     for i in range(q.shape[1]):
-      rows[b, i] = None if seg[b, i] == 0 else [
-          j for j in range(q.shape[1]) if seg[b, j] == seg[b, i] and _sees(i, j, window, causal)]
+      rows[b, i] = (
+        None
+        if seg[b, i] == 0
+        else [
+          j for j in range(q.shape[1]) if seg[b, j] == seg[b, i] and _sees(i, j, window, causal)
+        ]
+      )
   return rows
 
 
@@ -102,8 +144,9 @@ def _softmax(logits):
   return w / w.sum()
 
 
-def naive_talking_heads(q, k, v, talk_logits, talk_weights, *, window, segment_ids, positions,
-                        rope_theta, causal):
+def naive_talking_heads(
+  q, k, v, talk_logits, talk_weights, *, window, segment_ids, positions, rope_theta, causal
+):
   """Talking-Heads (Shazeer et al.) as loops over queries, in float64."""
   q, k, v, tl, tw = (np.asarray(x, np.float64) for x in (q, k, v, talk_logits, talk_weights))
   pos = np.asarray(positions)
@@ -113,11 +156,12 @@ def naive_talking_heads(q, k, v, talk_logits, talk_weights, *, window, segment_i
   for (b, i), seen in _naive_rows(q, segment_ids, window, causal).items():
     if seen is None:
       continue
-    scores = np.array([[rot(q[b, i, m], b, i) @ rot(k[b, j, m], b, j) / np.sqrt(d)
-                        for j in seen] for m in range(h)])        # J [h, keys]
-    weights = np.array([_softmax(tl[:, g] @ scores) for g in range(h)])   # W [h', keys]
+    scores = np.array(
+      [[rot(q[b, i, m], b, i) @ rot(k[b, j, m], b, j) / np.sqrt(d) for j in seen] for m in range(h)]
+    )  # J [h, keys]
+    weights = np.array([_softmax(tl[:, g] @ scores) for g in range(h)])  # W [h', keys]
     for g in range(h):
-      mixed = tw[:, g] @ weights                                  # U [keys]
+      mixed = tw[:, g] @ weights  # U [keys]
       out[b, i, g] = sum(u * v[b, j, g] for u, j in zip(mixed, seen))
   return out
 
@@ -136,8 +180,10 @@ def naive_diff(q, k, v, lam, *, window, segment_ids, positions, rope_theta, caus
       maps = []
       for c in range(2):
         qi = _naive_rope(q[b, i, h, c], pos[b, i], rope_theta)
-        w = _softmax(np.array([qi @ _naive_rope(k[b, j, h, c], pos[b, j], rope_theta)
-                               for j in seen]) / np.sqrt(d))
+        w = _softmax(
+          np.array([qi @ _naive_rope(k[b, j, h, c], pos[b, j], rope_theta) for j in seen])
+          / np.sqrt(d)
+        )
         maps.append(sum(wj * v[b, j, h] for wj, j in zip(w, seen)))
       out[b, i, h] = maps[0] - lam[h] * maps[1]
   return out
@@ -153,8 +199,9 @@ def naive_simplicial(q, k1, k2, v1, v2, *, window, segment_ids, causal):
       continue
     for h in range(q.shape[2]):
       pairs = [(j, l) for j in seen for l in seen]
-      w = _softmax(np.array([np.sum(q[b, i, h] * k1[b, j, h] * k2[b, l, h]) for j, l in pairs])
-                   / np.sqrt(d))
+      w = _softmax(
+        np.array([np.sum(q[b, i, h] * k1[b, j, h] * k2[b, l, h]) for j, l in pairs]) / np.sqrt(d)
+      )
       out[b, i, h] = sum(wp * v1[b, j, h] * v2[b, l, h] for wp, (j, l) in zip(w, pairs))
   return out
 
@@ -197,10 +244,12 @@ def test_interleave_order_and_roundtrip():
 
 def test_virtual_positions_and_segments():
   positions = jnp.array([[0, 1, 0, 1]], jnp.int32)
-  np.testing.assert_array_equal(ops.virtual_positions(positions, 3),
-                                [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
-  np.testing.assert_array_equal(ops.virtual_segment_ids(jnp.array([[1, 2, 0]]), 2),
-                                [[1, 1, 2, 2, 0, 0]])
+  np.testing.assert_array_equal(
+    ops.virtual_positions(positions, 3), [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]]
+  )
+  np.testing.assert_array_equal(
+    ops.virtual_segment_ids(jnp.array([[1, 2, 0]]), 2), [[1, 1, 2, 2, 0, 0]]
+  )
 
 
 @pytest.mark.parametrize("implementation", ["reference", "xla"])
@@ -211,8 +260,9 @@ def test_p1_identity_mixing_is_exactly_mha(implementation, window):
   eye = jnp.eye(h)[:, :, None]  # alpha[m, h, 0] = [m == h], collapse[h, h', 0] = [h == h']
   segment_ids = packed_segments(b, n)
   positions = packed_positions(segment_ids)
-  kwargs = dict(window=window, segment_ids=segment_ids, positions=positions,
-                implementation=implementation)
+  kwargs = dict(
+    window=window, segment_ids=segment_ids, positions=positions, implementation=implementation
+  )
   iha = ops.iha_attention(q, k, v, eye, eye, eye, eye, **kwargs)
   mha = ops.mha_attention(q, k, v, **kwargs)
   np.testing.assert_array_equal(np.asarray(iha), np.asarray(mha))
@@ -241,8 +291,7 @@ def test_causality(implementation, window):
     for i in range(3):  # perturb token n_changed in q, k and v
       changed[i] = args[i].at[:, n_changed].add(1.0 + args[i][:, n_changed] ** 2)
     out = fn(*changed)
-    np.testing.assert_array_equal(np.asarray(out[:, :n_changed]),
-                                  np.asarray(base[:, :n_changed]))
+    np.testing.assert_array_equal(np.asarray(out[:, :n_changed]), np.asarray(base[:, :n_changed]))
     assert float(jnp.abs(out[:, n_changed] - base[:, n_changed]).max()) > 1e-4
 
 
@@ -261,8 +310,10 @@ def test_padding_queries_output_zero_and_padding_keys_unseen():
 def test_rope_relative_invariance():
   """RoPE scores depend only on the offset of the virtual positions."""
   x = jax.random.normal(jax.random.PRNGKey(0), (1, 2, 1, 8))
+
   def score(shift):
     pos = jnp.array([[3 + shift, 10 + shift]], jnp.int32)
     r = ops.apply_rope(x, pos, 10000.0)
     return jnp.vdot(r[0, 0, 0], r[0, 1, 0])
+
   assert_close(score(17), score(0), jnp.float32)

@@ -1,4 +1,5 @@
 """Bad input to the functional API raises ValueError naming the argument, before tracing."""
+
 from __future__ import annotations
 
 import jax
@@ -22,22 +23,27 @@ def _replace(index, value):
 
 
 BAD_ARGS = {
-    "q_rank": (_replace(0, jnp.ones((B, N, H * D))), {}, r"q must have rank 4"),
-    "k_shape": (_replace(1, jnp.ones((B, N + 1, H, D))), {}, r"q, k and v must have the same"),
-    "v_dtype_int": (_replace(2, jnp.ones((B, N, H, D), jnp.int32)), {}, r"v must be a floating"),
-    "alpha_heads": (_replace(3, jnp.ones((H + 1, H + 1, P))), {}, r"alpha_q must have shape"),
-    "alpha_k_pseudo": (_replace(4, jnp.ones((H, H, P + 1))), {}, r"alpha_k has P = 4"),
-    "num_pseudo_zero": ([*_args()[:3], *(jnp.ones((H, H, 0)),) * 3, jnp.ones((H, H, 0))], {},
-                        r"num_pseudo P\) must be >= 1"),
-    "collapse_shape": (_replace(6, jnp.ones((H, P, H))), {}, r"collapse must have shape"),
-    "window_zero": (_args(), {"window": 0}, r"window must be None .* >= 1"),
-    "window_float": (_args(), {"window": 2.5}, r"window must be None"),
-    "segment_shape": (_args(), {"segment_ids": jnp.ones((B, N + 2), jnp.int32)},
-                      r"segment_ids must have shape \[B, N\]"),
-    "positions_float": (_args(), {"positions": jnp.ones((B, N))},
-                        r"positions must be an integer"),
-    "rope_theta": (_args(), {"rope_theta": -1.0}, r"rope_theta must be > 0"),
-    "implementation": (_args(), {"implementation": "cuda"}, r"implementation must be one of"),
+  "q_rank": (_replace(0, jnp.ones((B, N, H * D))), {}, r"q must have rank 4"),
+  "k_shape": (_replace(1, jnp.ones((B, N + 1, H, D))), {}, r"q, k and v must have the same"),
+  "v_dtype_int": (_replace(2, jnp.ones((B, N, H, D), jnp.int32)), {}, r"v must be a floating"),
+  "alpha_heads": (_replace(3, jnp.ones((H + 1, H + 1, P))), {}, r"alpha_q must have shape"),
+  "alpha_k_pseudo": (_replace(4, jnp.ones((H, H, P + 1))), {}, r"alpha_k has P = 4"),
+  "num_pseudo_zero": (
+    [*_args()[:3], *(jnp.ones((H, H, 0)),) * 3, jnp.ones((H, H, 0))],
+    {},
+    r"num_pseudo P\) must be >= 1",
+  ),
+  "collapse_shape": (_replace(6, jnp.ones((H, P, H))), {}, r"collapse must have shape"),
+  "window_zero": (_args(), {"window": 0}, r"window must be None .* >= 1"),
+  "window_float": (_args(), {"window": 2.5}, r"window must be None"),
+  "segment_shape": (
+    _args(),
+    {"segment_ids": jnp.ones((B, N + 2), jnp.int32)},
+    r"segment_ids must have shape \[B, N\]",
+  ),
+  "positions_float": (_args(), {"positions": jnp.ones((B, N))}, r"positions must be an integer"),
+  "rope_theta": (_args(), {"rope_theta": -1.0}, r"rope_theta must be > 0"),
+  "implementation": (_args(), {"implementation": "cuda"}, r"implementation must be one of"),
 }
 
 
@@ -55,11 +61,14 @@ def test_odd_head_dim_needs_rope_off():
   assert ops.mha_attention(q, q, q, rope_theta=None, implementation="reference").shape == q.shape
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     ({"window": -3}, r"window"),
     ({"implementation": "flash"}, r"implementation"),
     ({"positions": jnp.zeros((N,), jnp.int32)}, r"positions"),
-])
+  ],
+)
 def test_mha_attention_rejects(kwargs, message):
   q, k, v, *_ = _args()
   with pytest.raises(ValueError, match=message):

@@ -1,4 +1,5 @@
 """Mesh construction, logical-axis rules, and IHA's tensor-parallel communication pattern."""
+
 from __future__ import annotations
 
 import re
@@ -23,22 +24,28 @@ def test_rules_map_logical_names_to_mesh_axes():
     parallel.logical_to_mesh_spec(P("bogus"))
 
 
-@pytest.mark.parametrize("sizes, devices, expected", [
+@pytest.mark.parametrize(
+  "sizes, devices, expected",
+  [
     (dict(data=1, fsdp=-1, tensor=1), 8, (1, 8, 1)),
     (dict(data=2, fsdp=-1, tensor=2), 8, (2, 2, 2)),
     (dict(data=-1, fsdp=1, tensor=4), 8, (2, 1, 4)),
     (dict(data=1, fsdp=2, tensor=1), 8, (1, 2, 1)),
-])
+  ],
+)
 def test_resolve_mesh_shape(sizes, devices, expected):
   assert parallel.resolve_mesh_shape(sizes, devices) == expected
 
 
-@pytest.mark.parametrize("sizes, message", [
+@pytest.mark.parametrize(
+  "sizes, message",
+  [
     (dict(data=4, fsdp=4, tensor=1), "needs 16 devices, only 8"),
     (dict(data=-1, fsdp=-1, tensor=1), "at most one mesh axis may be -1"),
     (dict(data=1, fsdp=-1, tensor=3), "mesh.fsdp=-1: 8 devices are not divisible"),
     (dict(data=0, fsdp=1, tensor=1), "mesh.data must be"),
-])
+  ],
+)
 def test_resolve_mesh_shape_errors(sizes, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     parallel.resolve_mesh_shape(sizes, 8)
@@ -54,8 +61,11 @@ def _collective_sizes(hlo: str) -> list[int]:
   """Element counts of the results of every collective in optimized HLO text."""
   sizes = []
   for line in hlo.splitlines():
-    match = re.search(r"= (\w+)\[([\d,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|"
-                      r"all-to-all|collective-permute)(-start)?\(", line)
+    match = re.search(
+      r"= (\w+)\[([\d,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|"
+      r"all-to-all|collective-permute)(-start)?\(",
+      line,
+    )
     if match:
       dims = [int(x) for x in match.group(2).split(",") if x]
       sizes.append(int(np.prod(dims)) if dims else 1)
@@ -67,8 +77,9 @@ def test_iha_tensor_parallel_communicates_source_heads_not_pseudo_heads():
   P-times larger pseudo-heads [B, N, H, P, d] never cross devices, and the output matches
   the unsharded layer."""
   b, n, d_model, h, d, p = 2, 16, 32, 4, 8, 4
-  layer = InterleavedHeadAttention(d_model, h, d, num_pseudo=p, implementation="xla",
-                                   mixing_noise_std=0.1, rngs=nnx.Rngs(0))
+  layer = InterleavedHeadAttention(
+    d_model, h, d, num_pseudo=p, implementation="xla", mixing_noise_std=0.1, rngs=nnx.Rngs(0)
+  )
   params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
   specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layer, nnx.Param)))
   graphdef = nnx.split(layer)[0]
@@ -80,8 +91,7 @@ def test_iha_tensor_parallel_communicates_source_heads_not_pseudo_heads():
     sharded = jax.jit(forward, in_shardings=(shardings, None))
     hlo = sharded.lower(params, x).compile().as_text()
     out = sharded(params, x)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(forward(params, x)),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(forward(params, x)), rtol=1e-5, atol=1e-5)
   sizes = _collective_sizes(hlo)
   assert sizes, "expected q/k/v all-gathers over the tensor axis"
   # Gathered q/k/v are [B, N, H, d]; the only larger tensor is the output all-reduce

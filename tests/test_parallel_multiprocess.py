@@ -1,4 +1,5 @@
 """2 processes x 2 CPU devices (gloo, 127.0.0.1) train exactly like 1 process x 4 devices."""
+
 from __future__ import annotations
 
 import json
@@ -36,14 +37,25 @@ def _reference_losses(config) -> list[float]:
   tx = make_optimizer(config.train)
   mesh = parallel.create_mesh(dict(data=1, fsdp=4, tensor=1), jax.devices()[:4])
   state, shardings = create_state(model, tx, mesh, config.train.seed)
-  shards = [data_lib.make_dataset(config.data, "train", global_batch_size=config.train.batch_size,
-                                  seed=config.train.seed, shard_index=i, shard_count=2)
-            for i in range(2)]
+  shards = [
+    data_lib.make_dataset(
+      config.data,
+      "train",
+      global_batch_size=config.train.batch_size,
+      seed=config.train.seed,
+      shard_index=i,
+      shard_count=2,
+    )
+    for i in range(2)
+  ]
   batch_sharding = parallel.batch_sharding(mesh)
   losses = []
   with parallel.activate(mesh):
-    step = jax.jit(make_train_step(model, tx, learning_rate_schedule(config.train), 1),
-                   in_shardings=(shardings, batch_sharding), donate_argnums=0)
+    step = jax.jit(
+      make_train_step(model, tx, learning_rate_schedule(config.train), 1),
+      in_shardings=(shardings, batch_sharding),
+      donate_argnums=0,
+    )
     for _ in range(STEPS):
       parts = [next(it) for it in shards]
       batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -62,16 +74,37 @@ def test_two_processes_match_one_process(tmp_path):
   prepare(config)  # once, before the processes start
 
   port = _free_port()
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-         "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
-  args = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
-          os.path.join(ROOT, "configs", "tiny.py"), "--workdir", workdir,
-          f"--config.data.data_dir={data_dir}", f"--config.train.total_steps={STEPS}",
-          "--config.mesh.fsdp=4", f"--config.checkpoint.every={STEPS}",
-          f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
-  procs = [subprocess.Popen(args + [f"--process_id={i}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  env = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    "JAX_PLATFORMS": "cpu",
+    "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+  }
+  args = [
+    sys.executable,
+    os.path.join(ROOT, "train.py"),
+    "--config",
+    os.path.join(ROOT, "configs", "tiny.py"),
+    "--workdir",
+    workdir,
+    f"--config.data.data_dir={data_dir}",
+    f"--config.train.total_steps={STEPS}",
+    "--config.mesh.fsdp=4",
+    f"--config.checkpoint.every={STEPS}",
+    f"--coordinator_address=127.0.0.1:{port}",
+    "--num_processes=2",
+  ]
+  procs = [
+    subprocess.Popen(
+      args + [f"--process_id={i}"],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   outputs = [p.communicate(timeout=300)[0] for p in procs]
   for p, out in zip(procs, outputs):
     assert p.returncode == 0, out[-3000:]

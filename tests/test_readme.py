@@ -5,6 +5,7 @@ without PYTHONPATH, so `import iha_jax` must find the installed package (`pip in
 done by the Makefile), and each block gets a fresh namespace, so a block that leans on
 another block's imports or inputs fails.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,10 @@ for index, (line, code) in enumerate(blocks):
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
   """`(first line number, code)` of every ```python block."""
-  return [(text[:m.start()].count("\n") + 2, m.group(1))
-          for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+  return [
+    (text[: m.start()].count("\n") + 2, m.group(1))
+    for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)
+  ]
 
 
 def test_readme_python_blocks_run_outside_the_repository(tmp_path):
@@ -42,10 +45,18 @@ def test_readme_python_blocks_run_outside_the_repository(tmp_path):
   (tmp_path / "run_blocks.py").write_text(RUNNER)
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-  proc = subprocess.run([sys.executable, "run_blocks.py", "blocks.json"], cwd=tmp_path,
-                        env=env, capture_output=True, text=True, timeout=600, check=False)
+  proc = subprocess.run(
+    [sys.executable, "run_blocks.py", "blocks.json"],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert "No module named 'iha_jax'" not in proc.stderr, (
-      "iha_jax is not installed in this Python: `make test` installs it (pip install -e .)")
+    "iha_jax is not installed in this Python: `make test` installs it (pip install -e .)"
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   installed = proc.stdout.splitlines()[0]
   assert installed.startswith("iha_jax from " + os.path.join(REPO, "iha_jax")), installed

@@ -1,5 +1,6 @@
 """Remote workdirs: `gs://` URLs reach Orbax, TFDS and the writers unchanged, no local `gs:`
 directory is ever made, and a whole run works on a bucket mounted from a local directory."""
+
 from __future__ import annotations
 
 import json
@@ -83,7 +84,8 @@ def test_a_run_on_a_mounted_bucket(bucket, tmp_path):
   run = bucket["root"] / "bkt" / "run"
   assert sorted(os.listdir(run / "checkpoints")) == ["2", "4"]
   assert bucket["tensorstore"] and all(
-      url.startswith("gs://bkt/run/checkpoints/") for url in bucket["tensorstore"])
+    url.startswith("gs://bkt/run/checkpoints/") for url in bucket["tensorstore"]
+  )
   record = evaluate_workdir("gs://bkt/run")
   assert record["step"] == 4 and json.loads((run / "eval.json").read_text()) == record
   path = attention_pictures("gs://bkt/run", 0, "gs://bkt/run/pictures")

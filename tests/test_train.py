@@ -1,4 +1,5 @@
 """Training loop on 8 fake CPU devices: learning, sharding invariance, resume, restore, NaN."""
+
 from __future__ import annotations
 
 import json
@@ -59,18 +60,18 @@ def losses(workdir: str) -> dict[int, float]:
 def reference_run(data_dir, tmp_path_factory):
   """An uninterrupted 8-step run on one device, checkpoints every 4 steps."""
   workdir = str(tmp_path_factory.mktemp("reference"))
-  config = make_config(data_dir, train__total_steps=8, checkpoint__every=4,
-                       mesh__fsdp=1)
+  config = make_config(data_dir, train__total_steps=8, checkpoint__every=4, mesh__fsdp=1)
   train(config, workdir)
   return config, workdir
 
 
 def test_loss_falls(data_dir, tmp_path):
-  config = make_config(data_dir, train__total_steps=40, train__learning_rate=1e-2,
-                       checkpoint__every=40)
+  config = make_config(
+    data_dir, train__total_steps=40, train__learning_rate=1e-2, checkpoint__every=40
+  )
+
   def embedding_norm(step, state):  # a user's metric, added without editing the loop
-    return {"embedding_norm": float(jnp.linalg.norm(state.params["embedding"])),
-            "hook_step": step}
+    return {"embedding_norm": float(jnp.linalg.norm(state.params["embedding"])), "hook_step": step}
 
   final = train(config, str(tmp_path), hooks=[embedding_norm])
   curve = losses(str(tmp_path))
@@ -79,16 +80,22 @@ def test_loss_falls(data_dir, tmp_path):
   assert last < first - 0.5, (first, last)
   with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
     records = [json.loads(line) for line in f]
-  for key in ("loss", "grad_norm", "learning_rate", "tokens_per_sec",
-              "tflops_per_sec_per_device", "mfu", "embedding_norm"):
+  for key in (
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "tokens_per_sec",
+    "tflops_per_sec_per_device",
+    "mfu",
+    "embedding_norm",
+  ):
     assert np.isfinite(records[0][key]) and records[0][key] >= 0, key
   assert all(r["hook_step"] == r["step"] for r in records)
   assert final["embedding_norm"] != records[0]["embedding_norm"]  # the state it saw moved
   assert os.listdir(tmp_path / "tensorboard")
 
 
-@pytest.mark.parametrize("mesh", [dict(data=1, fsdp=8, tensor=1),
-                                  dict(data=2, fsdp=2, tensor=2)])
+@pytest.mark.parametrize("mesh", [dict(data=1, fsdp=8, tensor=1), dict(data=2, fsdp=2, tensor=2)])
 def test_sharded_losses_match_one_device(reference_run, tmp_path, mesh):
   config, workdir = reference_run
   config = make_config(config.data.data_dir, train__total_steps=8, checkpoint__every=8)
@@ -96,15 +103,17 @@ def test_sharded_losses_match_one_device(reference_run, tmp_path, mesh):
   train(config, str(tmp_path))
   expected, actual = losses(workdir), losses(str(tmp_path))
   assert sorted(actual) == list(range(1, 9))
-  np.testing.assert_allclose([actual[s] for s in sorted(actual)],
-                             [expected[s] for s in sorted(actual)], rtol=2e-5)
+  np.testing.assert_allclose(
+    [actual[s] for s in sorted(actual)], [expected[s] for s in sorted(actual)], rtol=2e-5
+  )
 
 
 def test_resume_reproduces_uninterrupted_run(reference_run, tmp_path):
   config, workdir = reference_run
   # The "interrupted" run: only the step-4 checkpoint survives.
-  shutil.copytree(os.path.join(workdir, "checkpoints", "4"),
-                  os.path.join(tmp_path, "checkpoints", "4"))
+  shutil.copytree(
+    os.path.join(workdir, "checkpoints", "4"), os.path.join(tmp_path, "checkpoints", "4")
+  )
   train(config, str(tmp_path))
   expected, resumed = losses(workdir), losses(str(tmp_path))
   assert sorted(resumed) == [5, 6, 7, 8]
@@ -117,15 +126,19 @@ def test_restore_onto_another_mesh(data_dir, tmp_path):
   first = str(tmp_path / "fsdp8")
   train(config, first)
   other = str(tmp_path / "dp2_tp4")
-  shutil.copytree(os.path.join(first, "checkpoints", "3"),
-                  os.path.join(other, "checkpoints", "3"))
+  shutil.copytree(os.path.join(first, "checkpoints", "3"), os.path.join(other, "checkpoints", "3"))
   config.mesh.update(data=2, fsdp=1, tensor=4)
   model = LanguageModel(config_lib.validate(config, 8))
   mesh = parallel.create_mesh(dict(config.mesh))
   target, shardings = abstract_state(model, make_optimizer(config.train), mesh)
   manager = ckpt.make_manager(first)
-  saved = ckpt.restore(manager, 6, abstract_state(
-      model, make_optimizer(config.train), parallel.create_mesh(dict(data=1, fsdp=8, tensor=1)))[0])
+  saved = ckpt.restore(
+    manager,
+    6,
+    abstract_state(
+      model, make_optimizer(config.train), parallel.create_mesh(dict(data=1, fsdp=8, tensor=1))
+    )[0],
+  )
   moved = ckpt.restore(manager, 6, target)
   manager.close()
   wq = moved.params["layers"]["0"]["attn"]["wq"]
@@ -135,23 +148,35 @@ def test_restore_onto_another_mesh(data_dir, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   train(config, other)
   expected, actual = losses(first), losses(other)
-  np.testing.assert_allclose([actual[s] for s in (4, 5, 6)], [expected[s] for s in (4, 5, 6)],
-                             rtol=2e-5)
+  np.testing.assert_allclose(
+    [actual[s] for s in (4, 5, 6)], [expected[s] for s in (4, 5, 6)], rtol=2e-5
+  )
 
 
 def test_restore_with_incompatible_model_fails(reference_run, tmp_path):
   config, workdir = reference_run
   shutil.copytree(os.path.join(workdir, "checkpoints"), os.path.join(tmp_path, "checkpoints"))
-  config = make_config(config.data.data_dir, train__total_steps=8, mesh__fsdp=1,
-                       model__mlp_dim=128, model__num_pseudo=4)
+  config = make_config(
+    config.data.data_dir,
+    train__total_steps=8,
+    mesh__fsdp=1,
+    model__mlp_dim=128,
+    model__num_pseudo=4,
+  )
   with pytest.raises(ConfigError, match=r"model\.mlp_dim: 64 \(checkpoint\) vs 128") as e:
     train(config, str(tmp_path))
   assert "model.num_pseudo" in str(e.value)
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
-  config = make_config(data_dir, train__total_steps=20, train__learning_rate=1e38,
-                       train__warmup_steps=0, train__grad_clip=0.0, checkpoint__every=1)
+  config = make_config(
+    data_dir,
+    train__total_steps=20,
+    train__learning_rate=1e38,
+    train__warmup_steps=0,
+    train__grad_clip=0.0,
+    checkpoint__every=1,
+  )
   with pytest.raises(NonFiniteLossError, match="non-finite loss") as e:
     train(config, str(tmp_path))
   manager = ckpt.make_manager(str(tmp_path))
@@ -159,8 +184,9 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
   assert f"last good checkpoint: step {last_good}" in str(e.value)
   assert f"step {last_good + 1}:" in str(e.value)
   model = LanguageModel(config_lib.validate(config, 8))
-  target, _ = abstract_state(model, make_optimizer(config.train),
-                             parallel.create_mesh(dict(config.mesh)))
+  target, _ = abstract_state(
+    model, make_optimizer(config.train), parallel.create_mesh(dict(config.mesh))
+  )
   state = ckpt.restore(manager, last_good, target)
   manager.close()
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
@@ -180,7 +206,8 @@ def test_eval_workdir_writes_metrics(reference_run):
 
 
 def test_unreadable_latest_checkpoint_falls_back_to_the_newest_intact_step(
-    reference_run, tmp_path, caplog):
+  reference_run, tmp_path, caplog
+):
   """Step 8's arrays truncated (a half-copied checkpoint): eval and training warn, name
   step 8 and use step 4; training moves step 8 aside and makes it again, loss for loss."""
   config, workdir = reference_run
@@ -235,10 +262,24 @@ def test_ctrl_c_saves_current_step_and_exits_cleanly(data_dir, tmp_path):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=repo, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   proc = subprocess.Popen(
-      [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", workdir,
-       f"--config.data.data_dir={data_dir}", "--config.train.total_steps=100000",
-       "--config.checkpoint.every=100000", "--config.eval_every=0"],
-      cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    [
+      sys.executable,
+      "train.py",
+      "--config",
+      "configs/tiny.py",
+      "--workdir",
+      workdir,
+      f"--config.data.data_dir={data_dir}",
+      "--config.train.total_steps=100000",
+      "--config.checkpoint.every=100000",
+      "--config.eval_every=0",
+    ],
+    cwd=repo,
+    env=env,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     metrics = os.path.join(workdir, "metrics.jsonl")
     deadline = time.time() + 240

@@ -1,4 +1,5 @@
 """Config validation, the shipped configs, and the IHA-aware FLOP count."""
+
 from __future__ import annotations
 
 import base64
@@ -32,7 +33,9 @@ from iha_jax.train.config import config_differences
 from iha_jax.train.optimizer import decay_mask, make_optimizer
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
     ({"mesh.fsdp": 1, "mesh.tensor": 3}, "model.num_heads=4 is not divisible by mesh.tensor=3"),
     ({"mesh.fsdp": 16}, "needs 16 devices, only 8"),
     ({"mesh.fsdp": 8, "train.batch_size": 12}, "not divisible by mesh.data * mesh.fsdp = 8"),
@@ -46,7 +49,8 @@ from iha_jax.train.optimizer import decay_mask, make_optimizer
     ({"train.warmup_steps": 50}, "train.warmup_steps=50 exceeds train.total_steps=20"),
     ({"train.total_steps": 0}, "train.total_steps must be an integer >= 1"),
     ({"checkpoint.keep": 0}, "checkpoint.keep must be an integer >= 1"),
-])
+  ],
+)
 def test_validation_names_the_key(overrides, message):
   config = tiny.get_config()
   for key, value in overrides.items():
@@ -76,7 +80,8 @@ def llama3_sized_tokenizer(tmp_path_factory) -> str:
   special tokens the vocabulary the paper configs read from their tokenizer file."""
   tokens = [bytes([b]) for b in range(256)]
   tokens += [bytes([a, b, c]) for a in range(256) for b in range(256) for c in (0, 1)][
-      :128000 - 256]
+    : 128000 - 256
+  ]
   path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.model"
   path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(tokens)))
   return str(path)
@@ -91,8 +96,11 @@ def paper_config(module, tokenizer: str) -> ml_collections.ConfigDict:
 
 
 def test_paper_configs_name_the_users_tokenizer_file():
-  with pytest.raises(DataError, match=r"data.tokenizer: 'tokenizers/llama3/tokenizer.json' "
-                                      r"is neither 'byte' nor an existing tokenizer file"):
+  with pytest.raises(
+    DataError,
+    match=r"data.tokenizer: 'tokenizers/llama3/tokenizer.json' "
+    r"is neither 'byte' nor an existing tokenizer file",
+  ):
     validate(iha_2p4b.get_config(), 128)
 
 
@@ -107,15 +115,19 @@ def test_window_auto_is_flop_matched(llama3_sized_tokenizer):
 GLOBAL_2P4B_PARAMS = 128256 * 2560 + 2560 + 26 * (4 * 2560 * 2560 + 2 * 2560 * 10240 + 2 * 2560)
 
 
-@pytest.mark.parametrize("module, schedule, extra", [
+@pytest.mark.parametrize(
+  "module, schedule, extra",
+  [
     (iha_2p4b, "LLLLM", 21 * 4 * 20 * 20 * 20),  # 21 'L': alpha_q/k/v, collapse [H, H, P]
     (global_2p4b, "M", 0),
     (global_local_2p4b, "SSSSM", 0),
     (talking_heads_2p4b, "T", 26 * 2 * 20 * 20),  # talk_logits, talk_weights [H, H]
-    (diff_2p4b, "D", 26 * (4 * 128 + 256)),       # lambda_q1/k1/q2/k2 [d], norm_scale [2d]
-])
-def test_paper_configs_build_at_2p4b_without_allocating(module, schedule, extra,
-                                                       llama3_sized_tokenizer):
+    (diff_2p4b, "D", 26 * (4 * 128 + 256)),  # lambda_q1/k1/q2/k2 [d], norm_scale [2d]
+  ],
+)
+def test_paper_configs_build_at_2p4b_without_allocating(
+  module, schedule, extra, llama3_sized_tokenizer
+):
   config = paper_config(module, llama3_sized_tokenizer)
   model_cfg = validate(config, 128)
   assert model_cfg.attention_schedule == schedule and model_cfg.num_layers == 26
@@ -152,27 +164,29 @@ def test_global_local_twin_has_the_iha_window_in_tokens():
 
 def test_flop_count_by_hand():
   d_model, h, d, f, v, n, p = 16, 2, 8, 32, 10, 6, 3
-  common = dict(vocab_size=v, num_layers=1, model_dim=d_model, num_heads=h, head_dim=d,
-                mlp_dim=f)
+  common = dict(vocab_size=v, num_layers=1, model_dim=d_model, num_heads=h, head_dim=d, mlp_dim=f)
   dense = 2 * 4 * d_model * h * d + 6 * d_model * f + 2 * d_model * v  # per token
   mha = TransformerConfig(**common, attention_schedule="M")
   assert flops.forward_flops_per_sequence(mha, n) == n * dense + h * 4 * d * n * (n + 1) // 2
   iha = TransformerConfig(**common, attention_schedule="I", num_pseudo=p)
   t = n * p
   mixing = 2 * 3 * h * h * p * d + 2 * h * h * p * d
-  assert (flops.forward_flops_per_sequence(iha, n)
-          == n * (dense + mixing) + h * 4 * d * t * (t + 1) // 2)
+  assert (
+    flops.forward_flops_per_sequence(iha, n) == n * (dense + mixing) + h * 4 * d * t * (t + 1) // 2
+  )
   window = TransformerConfig(**common, attention_schedule="L", num_pseudo=p, iha_window=4)
   pairs = sum(min(i + 1, 4) for i in range(t))
   assert flops.causal_pairs(t, 4) == pairs
   assert flops.forward_flops_per_sequence(window, n) == n * (dense + mixing) + h * 4 * d * pairs
-  assert (flops.train_flops_per_step(window, 5, n)
-          == 15 * flops.forward_flops_per_sequence(window, n))
+  assert flops.train_flops_per_step(window, 5, n) == 15 * flops.forward_flops_per_sequence(
+    window, n
+  )
 
 
 def test_peak_table():
   class Fake:
     device_kind, platform = "TPU v5 lite", "tpu"
+
   assert flops.peak_tflops_per_device(Fake())[0] == 197.0
   Fake.device_kind = "NVIDIA H100 80GB HBM3"
   assert flops.peak_tflops_per_device(Fake())[0] == 989.0
@@ -184,7 +198,8 @@ def test_measured_matmul_rate_is_flops_over_the_best_time(monkeypatch):
   ticks = iter([0.0, 0.004, 1.0, 1.002, 2.0, 2.003])  # (start, end) per repeat: best 2 ms
   monkeypatch.setattr(flops.time, "perf_counter", lambda: next(ticks))
   assert flops.measured_matmul_tflops(size=128, repeats=3) == pytest.approx(
-      2 * 128 ** 3 / 0.002 / 1e12)
+    2 * 128**3 / 0.002 / 1e12
+  )
 
 
 def _replace(config: ml_collections.ConfigDict, key: str, value) -> None:
@@ -193,7 +208,9 @@ def _replace(config: ml_collections.ConfigDict, key: str, value) -> None:
   config[section] = ml_collections.ConfigDict({**config[section].to_dict(), name: value})
 
 
-@pytest.mark.parametrize("key, value, message", [
+@pytest.mark.parametrize(
+  "key, value, message",
+  [
     ("model.causal", "no", "model.causal must be a bool"),
     ("model.num_outputs", 0, "model.num_outputs must be None (vocabulary logits) or an integer"),
     ("model.num_outputs", True, "model.num_outputs must be None"),
@@ -203,7 +220,8 @@ def _replace(config: ml_collections.ConfigDict, key: str, value) -> None:
     ("train.decay_mixing", None, "train.decay_mixing must be a bool"),
     ("train.loss", "mse", "train.loss must be one of"),
     ("train.loss", "binary_cross_entropy", "needs model.num_outputs=1"),
-])
+  ],
+)
 def test_new_keys_reject_bad_values(key, value, message):
   config = tiny.get_config()
   _replace(config, key, value)
@@ -221,16 +239,22 @@ def test_new_model_keys_reach_the_model_config():
   assert (model.causal, model.num_outputs, model.mixing_noise_std) == (False, 3, 0.25)
   # A config saved before the keys existed still builds (eval of old checkpoints).
   old = tiny.get_config()
-  old.model = ml_collections.ConfigDict({k: v for k, v in old.model.to_dict().items()
-                                         if k not in ("causal", "num_outputs", "mixing_noise_std")})
+  old.model = ml_collections.ConfigDict(
+    {
+      k: v
+      for k, v in old.model.to_dict().items()
+      if k not in ("causal", "num_outputs", "mixing_noise_std")
+    }
+  )
   assert model_config(old).causal is True
   # ... and resumes when the config keeps the keys' defaults (checkpoint.check_compatible).
   saved, current = old.model.to_dict(), config.model.to_dict()
   assert config_differences(saved, tiny.get_config().model.to_dict(), "model.") == []
   assert config_differences(saved, current, "model.") == [
-      "model.causal: True (checkpoint) vs False (config)",
-      "model.mixing_noise_std: 0.0 (checkpoint) vs 0.25 (config)",
-      "model.num_outputs: None (checkpoint) vs 3 (config)"]
+    "model.causal: True (checkpoint) vs False (config)",
+    "model.mixing_noise_std: 0.0 (checkpoint) vs 0.25 (config)",
+    "model.num_outputs: None (checkpoint) vs 3 (config)",
+  ]
 
 
 def test_mixing_noise_reaches_the_init():
@@ -246,23 +270,39 @@ def test_mixing_noise_reaches_the_init():
 
 def test_visible_counts_match_the_mask():
   """The pair/triple counts are the mask's (iha_jax.ops.masking.visible), and by hand."""
-  for length, window, causal in [(7, None, True), (7, 3, True), (7, None, False),
-                                 (7, 3, False), (5, 9, False), (1, 1, False)]:
+  for length, window, causal in [
+    (7, None, True),
+    (7, 3, True),
+    (7, None, False),
+    (7, 3, False),
+    (5, 9, False),
+    (1, 1, False),
+  ]:
     t = np.arange(length)
     mask = np.asarray(visible(t[:, None], t[None, :], None, None, window, causal))
     keys = mask.sum(1)
     assert flops.visible_pairs(length, window, causal) == keys.sum()
-    assert flops.visible_triples(length, window, causal) == (keys ** 2).sum()
-  assert [flops.visible_keys(5, 2, c).tolist() for c in (True, False)] == [[1, 2, 2, 2, 2],
-                                                                          [2, 3, 3, 3, 2]]
+    assert flops.visible_triples(length, window, causal) == (keys**2).sum()
+  assert [flops.visible_keys(5, 2, c).tolist() for c in (True, False)] == [
+    [1, 2, 2, 2, 2],
+    [2, 3, 3, 3, 2],
+  ]
   assert flops.visible_pairs(5, None, False) == 25 and flops.visible_triples(5, None) == 55
   assert flops.causal_pairs(18, 4) == sum(min(i + 1, 4) for i in range(18))
 
 
 def _tiny(schedule: str, **kwargs) -> TransformerConfig:
   kwargs.setdefault("num_layers", len(schedule))
-  return TransformerConfig(vocab_size=10, model_dim=16, num_heads=2, head_dim=8, mlp_dim=32,
-                           num_pseudo=3, attention_schedule=schedule, **kwargs)
+  return TransformerConfig(
+    vocab_size=10,
+    model_dim=16,
+    num_heads=2,
+    head_dim=8,
+    mlp_dim=32,
+    num_pseudo=3,
+    attention_schedule=schedule,
+    **kwargs,
+  )
 
 
 # D = 16, H = 2, d = 8, P = 3, N = 6 (T = 18 virtual tokens), per layer by hand:
@@ -270,21 +310,21 @@ def _tiny(schedule: str, **kwargs) -> TransformerConfig:
 _MHA_PARAMS, _MHA_PROJ = 4 * 16 * 2 * 8, 2 * 4 * 16 * 2 * 8
 _IHA_MIX = 2 * 3 * 2 * 2 * 3 * 8 + 2 * 2 * 2 * 3 * 8  # mixing + full collapse
 _BY_HAND = {
-    # Causal N = 6: 21 pairs, sum k^2 = 91 triples; T = 18: 171 pairs.
-    ("M", True): (_MHA_PARAMS, _MHA_PROJ, 0, 2 * 4 * 8 * 21),
-    ("T", True): (_MHA_PARAMS + 2 * 4, _MHA_PROJ, 0, 2 * 4 * 8 * 21 + 21 * 4 * 2 * 2),
-    # One diff head: wq, wk [16, 1, 2, 8], wv [16, 1, 16], wo [1, 16, 16]; 12 d per pair.
-    ("D", True): (_MHA_PARAMS + 4 * 8 + 16, _MHA_PROJ, 0, 1 * 12 * 8 * 21),
-    ("X", True): (6 * 16 * 2 * 8, 2 * 6 * 16 * 2 * 8, 0, 2 * (4 * 8 * 91 + 3 * 8 * 21)),
-    ("I", True): (_MHA_PARAMS + 4 * 2 * 2 * 3, _MHA_PROJ, _IHA_MIX, 2 * 4 * 8 * 171),
-    # Causal window 4 over T = 18: 10 + 14 * 4 = 66 pairs.
-    ("L", True): (_MHA_PARAMS + 4 * 2 * 2 * 3, _MHA_PROJ, _IHA_MIX, 2 * 4 * 8 * 66),
-    # Bidirectional: global N = 6: 36 pairs, 216 triples; window 4 over T = 18:
-    # 4+5+6 + 12*7 + 6+5+4 = 114 pairs; window 3 over N = 6: 3+4+5+5+4+3 = 24 pairs.
-    ("M", False): (_MHA_PARAMS, _MHA_PROJ, 0, 2 * 4 * 8 * 36),
-    ("X", False): (6 * 16 * 2 * 8, 2 * 6 * 16 * 2 * 8, 0, 2 * (4 * 8 * 216 + 3 * 8 * 36)),
-    ("L", False): (_MHA_PARAMS + 4 * 2 * 2 * 3, _MHA_PROJ, _IHA_MIX, 2 * 4 * 8 * 114),
-    ("S", False): (_MHA_PARAMS, _MHA_PROJ, 0, 2 * 4 * 8 * 24),
+  # Causal N = 6: 21 pairs, sum k^2 = 91 triples; T = 18: 171 pairs.
+  ("M", True): (_MHA_PARAMS, _MHA_PROJ, 0, 2 * 4 * 8 * 21),
+  ("T", True): (_MHA_PARAMS + 2 * 4, _MHA_PROJ, 0, 2 * 4 * 8 * 21 + 21 * 4 * 2 * 2),
+  # One diff head: wq, wk [16, 1, 2, 8], wv [16, 1, 16], wo [1, 16, 16]; 12 d per pair.
+  ("D", True): (_MHA_PARAMS + 4 * 8 + 16, _MHA_PROJ, 0, 1 * 12 * 8 * 21),
+  ("X", True): (6 * 16 * 2 * 8, 2 * 6 * 16 * 2 * 8, 0, 2 * (4 * 8 * 91 + 3 * 8 * 21)),
+  ("I", True): (_MHA_PARAMS + 4 * 2 * 2 * 3, _MHA_PROJ, _IHA_MIX, 2 * 4 * 8 * 171),
+  # Causal window 4 over T = 18: 10 + 14 * 4 = 66 pairs.
+  ("L", True): (_MHA_PARAMS + 4 * 2 * 2 * 3, _MHA_PROJ, _IHA_MIX, 2 * 4 * 8 * 66),
+  # Bidirectional: global N = 6: 36 pairs, 216 triples; window 4 over T = 18:
+  # 4+5+6 + 12*7 + 6+5+4 = 114 pairs; window 3 over N = 6: 3+4+5+5+4+3 = 24 pairs.
+  ("M", False): (_MHA_PARAMS, _MHA_PROJ, 0, 2 * 4 * 8 * 36),
+  ("X", False): (6 * 16 * 2 * 8, 2 * 6 * 16 * 2 * 8, 0, 2 * (4 * 8 * 216 + 3 * 8 * 36)),
+  ("L", False): (_MHA_PARAMS + 4 * 2 * 2 * 3, _MHA_PROJ, _IHA_MIX, 2 * 4 * 8 * 114),
+  ("S", False): (_MHA_PARAMS, _MHA_PROJ, 0, 2 * 4 * 8 * 24),
 }
 
 
@@ -294,7 +334,11 @@ def test_layer_budget_by_hand(letter, causal):
   (budget,) = flops.layer_budgets(config, 6)
   params, projection, mixing, core = _BY_HAND[letter, causal]
   assert (budget.params, budget.projection_flops, budget.mixing_flops, budget.core_flops) == (
-      params, projection, mixing, core)
+    params,
+    projection,
+    mixing,
+    core,
+  )
   assert budget.attention_flops_per_token == core / 6 + mixing
   mlp = 3 * 2 * 16 * 32  # SwiGLU
   assert budget.block_params == params + mlp // 2 + 2 * 16
@@ -317,11 +361,13 @@ def test_budget_table_rows_and_totals():
   budgets = flops.layer_budgets(config, 6)
   assert [b.letter for b in budgets] == list("ILMSTDX")
   assert sum(b.params for b in budgets) + 7 * (3 * 16 * 32 + 2 * 16) + 10 * 16 + 16 == (
-      count_params(config))
+    count_params(config)
+  )
   table = flops.budget_table(config, 6, batch_size=4)
   lines = table.splitlines()
-  for letter, kind in zip("ILMSTDX", ("iha", "iha", "mha", "mha", "talking_heads", "diff",
-                                       "simplicial")):
+  for letter, kind in zip(
+    "ILMSTDX", ("iha", "iha", "mha", "mha", "talking_heads", "diff", "simplicial")
+  ):
     assert any(line.split()[:2] == [letter, kind] for line in lines), table
   assert "4 virtual" in table and "3 tokens" in table and "bidir" in table
   assert f"parameters: {count_params(config):,}" in table
@@ -343,16 +389,20 @@ def test_paper_diff_baseline_matches_mha_projections(llama3_sized_tokenizer):
 
 def _mask_leaves(params, decay_mixing: bool) -> dict[str, bool]:
   mask = decay_mask(params, decay_mixing=decay_mixing)
-  return {"/".join(str(k.key) for k in path): leaf
-          for path, leaf in jax.tree_util.tree_leaves_with_path(mask)}
+  return {
+    "/".join(str(k.key) for k in path): leaf
+    for path, leaf in jax.tree_util.tree_leaves_with_path(mask)
+  }
 
 
 def test_decay_mask_mixing_switch_and_scanned_shapes():
   # "ITD" x 1 scanned period + a tail "I" layer: mixing params both stacked and not.
   config = _tiny("ITD", num_layers=4)
   params = jax.eval_shape(LanguageModel(config, scan_layers=True).init, 0)
-  shapes = {"/".join(str(k.key) for k in path): x.shape
-            for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  shapes = {
+    "/".join(str(k.key) for k in path): x.shape
+    for path, x in jax.tree_util.tree_leaves_with_path(params)
+  }
   assert shapes["scanned/1/attn/talk_logits"] == (1, 2, 2)  # 3-D once stacked
   assert shapes["layers/3/attn/alpha_q"] == (2, 2, 3)
   off, on = _mask_leaves(params, False), _mask_leaves(params, True)
@@ -375,15 +425,25 @@ def test_decay_mask_mixing_switch_and_scanned_shapes():
 def test_optimizer_decays_by_the_mask(decay_mixing):
   train = tiny.get_config().train
   train.update(warmup_steps=0, weight_decay=0.5, decay_mixing=decay_mixing)
-  params = {"scanned": {"0": {"attn": {"collapse": jnp.ones((2, 3, 3, 2)),
-                                       "wq": jnp.ones((2, 4, 3, 2))},
-                              "mlp_norm": {"scale": jnp.ones((2, 4))}}},
-            "layers": {"1": {"attn": {"talk_weights": jnp.ones((3, 3))}}}}
+  params = {
+    "scanned": {
+      "0": {
+        "attn": {"collapse": jnp.ones((2, 3, 3, 2)), "wq": jnp.ones((2, 4, 3, 2))},
+        "mlp_norm": {"scale": jnp.ones((2, 4))},
+      }
+    },
+    "layers": {"1": {"attn": {"talk_weights": jnp.ones((3, 3))}}},
+  }
   tx = make_optimizer(train)
   # Zero gradients: only the decay moves a parameter. Jitted: one compile, not one per op.
-  updates, _ = jax.jit(lambda p: tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p))(
-      params)
-  moved = {"/".join(str(k.key) for k in path): bool(jnp.any(u != 0))
-           for path, u in jax.tree_util.tree_leaves_with_path(updates)}
-  assert moved == {"scanned/0/attn/collapse": decay_mixing, "scanned/0/attn/wq": True,
-                   "scanned/0/mlp_norm/scale": False, "layers/1/attn/talk_weights": decay_mixing}
+  updates, _ = jax.jit(lambda p: tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p))(params)
+  moved = {
+    "/".join(str(k.key) for k in path): bool(jnp.any(u != 0))
+    for path, u in jax.tree_util.tree_leaves_with_path(updates)
+  }
+  assert moved == {
+    "scanned/0/attn/collapse": decay_mixing,
+    "scanned/0/attn/wq": True,
+    "scanned/0/mlp_norm/scale": False,
+    "layers/1/attn/talk_weights": decay_mixing,
+  }

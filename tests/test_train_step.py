@@ -1,5 +1,6 @@
 """The train step: gradient accumulation, remat policies and scan-over-layers change
 nothing but memory; sharded steps equal the single-device step."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,12 +21,31 @@ from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import loss_terms, make_train_step
 
-MODEL = TransformerConfig(vocab_size=40, num_layers=4, model_dim=32, num_heads=4, head_dim=8,
-                          mlp_dim=64, num_pseudo=2, attention_schedule="LIM", iha_window=12,
-                          implementation="xla")
-TRAIN = ml_collections.ConfigDict(dict(
-    learning_rate=1e-2, final_learning_rate=1e-4, warmup_steps=1, total_steps=10,
-    weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
+MODEL = TransformerConfig(
+  vocab_size=40,
+  num_layers=4,
+  model_dim=32,
+  num_heads=4,
+  head_dim=8,
+  mlp_dim=64,
+  num_pseudo=2,
+  attention_schedule="LIM",
+  iha_window=12,
+  implementation="xla",
+)
+TRAIN = ml_collections.ConfigDict(
+  dict(
+    learning_rate=1e-2,
+    final_learning_rate=1e-4,
+    warmup_steps=1,
+    total_steps=10,
+    weight_decay=0.1,
+    b1=0.9,
+    b2=0.95,
+    eps=1e-8,
+    grad_clip=1.0,
+  )
+)
 
 
 def _batch(b: int = 8, n: int = 16) -> dict[str, jax.Array]:
@@ -33,13 +53,18 @@ def _batch(b: int = 8, n: int = 16) -> dict[str, jax.Array]:
   tokens = jax.random.randint(keys[0], (b, n + 1), 1, MODEL.vocab_size)
   weights = (jax.random.uniform(keys[1], (b, n)) < 0.7).astype(jnp.float32)
   segment_ids = jnp.where(jnp.arange(n) < n - 2 * (jnp.arange(b)[:, None] % 2), 1, 0)
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights * segment_ids,
-          "segment_ids": segment_ids.astype(jnp.int32),
-          "positions": jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))}
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "weights": weights * segment_ids,
+    "segment_ids": segment_ids.astype(jnp.int32),
+    "positions": jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)),
+  }
 
 
-def _run(mesh_sizes=None, *, accum: int = 1, remat: str = "none", scan: bool = False,
-         steps: int = 2) -> list[float]:
+def _run(
+  mesh_sizes=None, *, accum: int = 1, remat: str = "none", scan: bool = False, steps: int = 2
+) -> list[float]:
   """Losses of `steps` train steps on the same batch, starting from seed 0."""
   mesh = parallel.create_mesh(mesh_sizes or dict(data=1, fsdp=1, tensor=1))
   model = LanguageModel(MODEL, remat=remat, scan_layers=scan)
@@ -47,8 +72,11 @@ def _run(mesh_sizes=None, *, accum: int = 1, remat: str = "none", scan: bool = F
   state, shardings = create_state(model, tx, mesh, seed=0)
   batch_sharding = parallel.batch_sharding(mesh)
   with parallel.activate(mesh):
-    step = jax.jit(make_train_step(model, tx, learning_rate_schedule(TRAIN), accum),
-                   in_shardings=(shardings, batch_sharding), donate_argnums=0)
+    step = jax.jit(
+      make_train_step(model, tx, learning_rate_schedule(TRAIN), accum),
+      in_shardings=(shardings, batch_sharding),
+      donate_argnums=0,
+    )
     batch = jax.device_put(_batch(), batch_sharding)
     out = []
     for _ in range(steps):
@@ -62,11 +90,16 @@ def baseline() -> list[float]:
   return _run()
 
 
-@pytest.mark.parametrize("options", [
-    dict(accum=4), dict(remat="full"), dict(scan=True, remat="save_projections"),
+@pytest.mark.parametrize(
+  "options",
+  [
+    dict(accum=4),
+    dict(remat="full"),
+    dict(scan=True, remat="save_projections"),
     dict(mesh_sizes=dict(data=2, fsdp=2, tensor=2), accum=2),
     dict(mesh_sizes=dict(data=1, fsdp=2, tensor=4), scan=True),
-])
+  ],
+)
 def test_step_matches_baseline(baseline, options):
   np.testing.assert_allclose(_run(**options), baseline, rtol=2e-5)
 
@@ -83,12 +116,23 @@ def test_scan_layout_stacks_schedule_periods():
 # --- every attention kind through the real trainer -----------------------------------------
 
 ALL_LETTERS = TransformerConfig(
-    vocab_size=40, num_layers=7, model_dim=32, num_heads=4, head_dim=8, mlp_dim=64, num_pseudo=2,
-    attention_schedule="ILMSTDX", iha_window=12, mha_window=5, implementation="xla")
+  vocab_size=40,
+  num_layers=7,
+  model_dim=32,
+  num_heads=4,
+  head_dim=8,
+  mlp_dim=64,
+  num_pseudo=2,
+  attention_schedule="ILMSTDX",
+  iha_window=12,
+  mha_window=5,
+  implementation="xla",
+)
 
 
-def _train(config: TransformerConfig, mesh_sizes=None, *, scan: bool = False, steps: int = 2,
-           batch=None) -> tuple[list[float], dict, dict]:
+def _train(
+  config: TransformerConfig, mesh_sizes=None, *, scan: bool = False, steps: int = 2, batch=None
+) -> tuple[list[float], dict, dict]:
   """(losses, initial params, final params) of `steps` real train steps."""
   mesh = parallel.create_mesh(mesh_sizes or dict(data=1, fsdp=1, tensor=1))
   model = LanguageModel(config, scan_layers=scan)
@@ -97,8 +141,11 @@ def _train(config: TransformerConfig, mesh_sizes=None, *, scan: bool = False, st
   initial = jax.tree.map(np.asarray, state.params)
   batch_sharding = parallel.batch_sharding(mesh)
   with parallel.activate(mesh):
-    step = jax.jit(make_train_step(model, tx, learning_rate_schedule(TRAIN), 1),
-                   in_shardings=(shardings, batch_sharding), donate_argnums=0)
+    step = jax.jit(
+      make_train_step(model, tx, learning_rate_schedule(TRAIN), 1),
+      in_shardings=(shardings, batch_sharding),
+      donate_argnums=0,
+    )
     batch = jax.device_put(batch or _batch(), batch_sharding)
     losses = []
     for _ in range(steps):
@@ -120,8 +167,9 @@ def test_baselines_shard_like_one_device():
   """T and D layers under a 2 x 2 x 2 (data, fsdp, tensor) mesh: the same losses as one
   device (T gathers its source heads like IHA; D's H/2 heads split over tensor)."""
   config = dataclasses.replace(ALL_LETTERS, num_layers=2, attention_schedule="TD")
-  np.testing.assert_allclose(_train(config, dict(data=2, fsdp=2, tensor=2))[0],
-                             _train(config)[0], rtol=2e-5)
+  np.testing.assert_allclose(
+    _train(config, dict(data=2, fsdp=2, tensor=2))[0], _train(config)[0], rtol=2e-5
+  )
 
 
 def test_scanned_differential_layers_keep_their_depth():
@@ -129,15 +177,18 @@ def test_scanned_differential_layers_keep_their_depth():
   lambda_init still follows each layer's own depth (passed traced into the scan)."""
   config = dataclasses.replace(ALL_LETTERS, num_layers=4, attention_schedule="DM")
   tokens = _batch()["inputs"]
-  logits = [jax.jit(model.apply)(model.init(0), tokens)
-            for model in (LanguageModel(config, scan_layers=True), LanguageModel(config))]
+  logits = [
+    jax.jit(model.apply)(model.init(0), tokens)
+    for model in (LanguageModel(config, scan_layers=True), LanguageModel(config))
+  ]
   np.testing.assert_allclose(logits[0], logits[1], atol=2e-5)
 
 
 def test_encoder_with_per_token_head_trains():
   """causal=False and a 3-way per-token head: targets are the positions' own labels."""
-  config = dataclasses.replace(ALL_LETTERS, num_layers=2, attention_schedule="LT",
-                               causal=False, num_outputs=3)
+  config = dataclasses.replace(
+    ALL_LETTERS, num_layers=2, attention_schedule="LT", causal=False, num_outputs=3
+  )
   batch = _batch()
   batch["targets"] = batch["inputs"] % 3
   losses, _, final = _train(config, batch=batch, steps=3)
@@ -147,8 +198,9 @@ def test_encoder_with_per_token_head_trains():
 
 # --- the Pallas kernels inside the sharded step ---------------------------------------------
 
-KERNEL_MODEL = dataclasses.replace(ALL_LETTERS, num_layers=2, attention_schedule="LD",
-                                   mha_window=None)
+KERNEL_MODEL = dataclasses.replace(
+  ALL_LETTERS, num_layers=2, attention_schedule="LD", mha_window=None
+)
 
 
 def _loss_and_grads(config: TransformerConfig, mesh_sizes=None) -> tuple[float, dict]:
@@ -158,8 +210,10 @@ def _loss_and_grads(config: TransformerConfig, mesh_sizes=None) -> tuple[float, 
   state, shardings = create_state(model, make_optimizer(TRAIN), mesh, seed=0)
   batch_sharding = parallel.batch_sharding(mesh)
   with parallel.activate(mesh):
-    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_terms(model, p, b)[0]),
-                      in_shardings=(shardings.params, batch_sharding))
+    grad_fn = jax.jit(
+      jax.value_and_grad(lambda p, b: loss_terms(model, p, b)[0]),
+      in_shardings=(shardings.params, batch_sharding),
+    )
     loss, grads = grad_fn(state.params, jax.device_put(_batch(), batch_sharding))
   return float(loss), jax.tree.map(np.asarray, grads)
 
@@ -172,10 +226,16 @@ def xla_one_device():
 # data=8 and fsdp=8 split the kernels' batch alike (both are batch axes; fsdp also splits
 # the parameters): one platform each; tensor parallelism, where IHA gathers source heads
 # and psums its collapse, on both.
-@pytest.mark.parametrize("platform,mesh_sizes", [
-    ("gpu", dict(data=8, fsdp=1, tensor=1)), ("tpu", dict(data=1, fsdp=8, tensor=1)),
-    ("gpu", dict(data=2, fsdp=2, tensor=2)), ("tpu", dict(data=2, fsdp=2, tensor=2)),
-], ids=["gpu-data8", "tpu-fsdp8", "gpu-2x2x2", "tpu-2x2x2"])
+@pytest.mark.parametrize(
+  "platform,mesh_sizes",
+  [
+    ("gpu", dict(data=8, fsdp=1, tensor=1)),
+    ("tpu", dict(data=1, fsdp=8, tensor=1)),
+    ("gpu", dict(data=2, fsdp=2, tensor=2)),
+    ("tpu", dict(data=2, fsdp=2, tensor=2)),
+  ],
+  ids=["gpu-data8", "tpu-fsdp8", "gpu-2x2x2", "tpu-2x2x2"],
+)
 def test_kernels_in_sharded_step_match_one_device_xla(xla_one_device, platform, mesh_sizes):
   """IHA (L) and differential (D, through the MHA kernel) layers on the Pallas kernels
   (interpret mode), run by the layers inside shard_map under the mesh: the train step's
@@ -186,12 +246,14 @@ def test_kernels_in_sharded_step_match_one_device_xla(xla_one_device, platform, 
     loss, grads = _loss_and_grads(config, mesh_sizes)
   want_loss, want_grads = xla_one_device
   np.testing.assert_allclose(loss, want_loss, rtol=2e-6)
-  for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads),
-                               jax.tree.leaves(want_grads)):
+  for (path, got), want in zip(
+    jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)
+  ):
     scale = np.abs(want).max()
     assert scale > 0, jax.tree_util.keystr(path)  # every parameter gets a gradient
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale,
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path)
+    )
 
 
 def test_exported_step_runs_every_kernel_inside_shard_map(monkeypatch):
@@ -204,8 +266,9 @@ def test_exported_step_runs_every_kernel_inside_shard_map(monkeypatch):
 
   def placement(platform):
     config = dataclasses.replace(KERNEL_MODEL, implementation=f"pallas_{platform}")
-    exported = export.export_train_step(config, TRAIN, mesh, batch_size=8, seq_len=16,
-                                        platform="cuda" if platform == "gpu" else "tpu")
+    exported = export.export_train_step(
+      config, TRAIN, mesh, batch_size=8, seq_len=16, platform="cuda" if platform == "gpu" else "tpu"
+    )
     return export.kernel_placement(exported.mlir_module())
 
   for platform in ("tpu", "gpu"):

@@ -1,4 +1,5 @@
 """Test helpers: random inputs and dtype-scaled comparisons (docs/design.md §5)."""
+
 from __future__ import annotations
 
 import jax
@@ -28,12 +29,13 @@ def assert_close(actual, expected, dtype, what: str = "") -> None:
     name = f"{what}{jax.tree_util.keystr(path)}"
     assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g}"
     rms_err = float(np.sqrt(np.mean((a - e) ** 2)))
-    rms_tol = RMS_TOLERANCE[jnp.dtype(dtype)] * max(1.0, float(np.sqrt(np.mean(e ** 2))))
+    rms_tol = RMS_TOLERANCE[jnp.dtype(dtype)] * max(1.0, float(np.sqrt(np.mean(e**2))))
     assert rms_err <= rms_tol, f"{name}: RMS error {rms_err:.3g} > {rms_tol:.3g}"
 
 
-def random_iha_inputs(key, b: int, n: int, h: int, d: int, p: int, *, per_head: bool = False,
-                      dtype=jnp.float32):
+def random_iha_inputs(
+  key, b: int, n: int, h: int, d: int, p: int, *, per_head: bool = False, dtype=jnp.float32
+):
   """Fresh random q, k, v `[B, N, H, d]`, alpha_* `[H, H, P]` and collapse (never zeros).
 
   Mixing and collapse weights are variance-preserving (std 1/sqrt(fan-in)), so
@@ -41,9 +43,9 @@ def random_iha_inputs(key, b: int, n: int, h: int, d: int, p: int, *, per_head: 
   """
   keys = jax.random.split(key, 7)
   q, k, v = (jax.random.normal(keys[i], (b, n, h, d), jnp.float32) for i in range(3))
-  alphas = tuple(jax.random.normal(keys[3 + i], (h, h, p)) * h ** -0.5 for i in range(3))
+  alphas = tuple(jax.random.normal(keys[3 + i], (h, h, p)) * h**-0.5 for i in range(3))
   fan_in = p if per_head else h * p
-  collapse = jax.random.normal(keys[6], (h, p) if per_head else (h, h, p)) * fan_in ** -0.5
+  collapse = jax.random.normal(keys[6], (h, p) if per_head else (h, h, p)) * fan_in**-0.5
   return tuple(x.astype(dtype) for x in (q, k, v) + alphas + (collapse,))
 
 
@@ -74,6 +76,7 @@ def decode_png(path, *, dpi: int | None = None, figure=None) -> np.ndarray:
   """Decodes the PNG at `path` (float RGB(A) `[rows, cols, channels]`) and checks it is a
   picture, not a blank canvas; with `figure` and `dpi`, that it is that figure's size."""
   import matplotlib.image  # pylint: disable=import-outside-toplevel
+
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n", f"{path}: not a PNG file"
   image = matplotlib.image.imread(path)
@@ -82,5 +85,7 @@ def decode_png(path, *, dpi: int | None = None, figure=None) -> np.ndarray:
   if figure is not None:
     width, height = figure.get_size_inches() * dpi
     assert abs(image.shape[1] - width) <= 2 and abs(image.shape[0] - height) <= 2, (
-        image.shape, (height, width))
+      image.shape,
+      (height, width),
+    )
   return image

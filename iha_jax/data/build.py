@@ -38,11 +38,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--data_dir", help="TFDS data directory")
   parser.add_argument("--manual_dir", help="source files (local_text)")
   parser.add_argument(
-      "--option",
-      type=parse_option,
-      action="append",
-      default=[],
-      help="builder-config override KEY=VALUE (repeatable)",
+    "--option",
+    type=parse_option,
+    action="append",
+    default=[],
+    help="builder-config override KEY=VALUE (repeatable)",
   )
   parser.add_argument("--list", action="store_true", help="list dataset names")
   args = parser.parse_args(argv)
@@ -52,10 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   if not args.name or not args.data_dir:
     parser.error("--name and --data_dir are required")
   builder = registry.prepare(
-      args.name,
-      args.data_dir,
-      options=dict(args.option),
-      manual_dir=args.manual_dir,
+    args.name, args.data_dir, options=dict(args.option), manual_dir=args.manual_dir
   )
   print(f"Prepared {args.name} in {builder.data_path}: {builder.info.splits}")
 

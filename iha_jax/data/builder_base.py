@@ -31,9 +31,7 @@ class ArrayRecordBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True
   """
 
   def __init__(self, *, file_format: str | None = None, **kwargs: Any):
-    super().__init__(
-        file_format=file_format or tfds.core.FileFormat.ARRAY_RECORD, **kwargs
-    )
+    super().__init__(file_format=file_format or tfds.core.FileFormat.ARRAY_RECORD, **kwargs)
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -57,11 +55,7 @@ class SyntheticConfig(tfds.core.BuilderConfig):
   num_test: int = 5_000
 
   def split_sizes(self) -> dict[str, int]:
-    return {
-        "train": self.num_train,
-        "validation": self.num_validation,
-        "test": self.num_test,
-    }
+    return {"train": self.num_train, "validation": self.num_validation, "test": self.num_test}
 
   def validate(self) -> None:
     """Raises `ValueError` if the fields are inconsistent.
@@ -99,28 +93,28 @@ class SyntheticBuilder(ArrayRecordBuilder, skip_registration=True):
 
   def _info(self) -> tfds.core.DatasetInfo:
     features = {
-        "inputs": tfds.features.Tensor(shape=(None,), dtype=np.int32),
-        "targets": tfds.features.Tensor(shape=(None,), dtype=np.int32),
-        "weights": tfds.features.Tensor(shape=(None,), dtype=np.float32),
-        **self.extra_features(),
+      "inputs": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+      "targets": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+      "weights": tfds.features.Tensor(shape=(None,), dtype=np.float32),
+      **self.extra_features(),
     }
     return tfds.core.DatasetInfo(
-        builder=self,
-        description=type(self).__doc__,
-        features=tfds.features.FeaturesDict(features),
-        metadata=tfds.core.MetadataDict(vocab_size=self.config.vocab_size),
+      builder=self,
+      description=type(self).__doc__,
+      features=tfds.features.FeaturesDict(features),
+      metadata=tfds.core.MetadataDict(vocab_size=self.config.vocab_size),
     )
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager):
     del dl_manager  # Nothing is downloaded.
     self.config.validate()
     return {
-        split: self._generate_examples(split_index=index, num_examples=size)
-        for index, (split, size) in enumerate(self.config.split_sizes().items())
+      split: self._generate_examples(split_index=index, num_examples=size)
+      for index, (split, size) in enumerate(self.config.split_sizes().items())
     }
 
   def _generate_examples(
-      self, split_index: int, num_examples: int
+    self, split_index: int, num_examples: int
   ) -> Iterator[tuple[int, Example]]:
     for index in range(num_examples):
       rng = np.random.default_rng([self.config.seed, split_index, index])

@@ -1,4 +1,5 @@
 """The data package's actionable error."""
+
 from iha_jax.errors import UserError
 
 

@@ -38,9 +38,7 @@ def split_files(root: epath.Path) -> dict[str, list[epath.Path]]:
   """Maps each split to its files `<split>*.txt` / `<split>*.jsonl`."""
   files = {}
   for split in builder_base.SPLITS:
-    matches = sorted(
-        path for path in root.glob(f"{split}*") if path.suffix in SUFFIXES
-    )
+    matches = sorted(path for path in root.glob(f"{split}*") if path.suffix in SUFFIXES)
     if matches:
       files[split] = matches
   return files
@@ -65,33 +63,25 @@ class LocalText(builder_base.ArrayRecordBuilder):
   --name=local_text/lines --data_dir=DATA_DIR --manual_dir=DIR`.
   """
   BUILDER_CONFIGS = [
-      LocalTextConfig(name="lines", description="One document per line."),
-      LocalTextConfig(
-          name="files", description="One document per file.", document="file"
-      ),
+    LocalTextConfig(name="lines", description="One document per line."),
+    LocalTextConfig(name="files", description="One document per file.", document="file"),
   ]
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-        builder=self,
-        description=type(self).__doc__,
-        features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+      builder=self,
+      description=type(self).__doc__,
+      features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
     )
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager):
     self.builder_config.validate()
     files = split_files(dl_manager.manual_dir)
     if "train" not in files:
-      raise ValueError(
-          f"No train*.txt or train*.jsonl file in {dl_manager.manual_dir}."
-      )
-    return {
-        split: self._generate_examples(paths) for split, paths in files.items()
-    }
+      raise ValueError(f"No train*.txt or train*.jsonl file in {dl_manager.manual_dir}.")
+    return {split: self._generate_examples(paths) for split, paths in files.items()}
 
-  def _generate_examples(
-      self, paths: Sequence[epath.Path]
-  ) -> Iterator[tuple[str, dict[str, str]]]:
+  def _generate_examples(self, paths: Sequence[epath.Path]) -> Iterator[tuple[str, dict[str, str]]]:
     for path in paths:
       for key, text in self._documents(path):
         yield f"{path.name}:{key}", {"text": text}

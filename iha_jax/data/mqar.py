@@ -53,28 +53,20 @@ class MqarConfig(builder_base.SyntheticConfig):
   def validate(self) -> None:
     super().validate()
     if not 1 <= self.num_pairs <= self.num_keys:
-      raise ValueError(
-          f"Need 1 <= num_pairs <= num_keys, got {self.num_pairs},"
-          f" {self.num_keys}."
-      )
+      raise ValueError(f"Need 1 <= num_pairs <= num_keys, got {self.num_pairs}, {self.num_keys}.")
     if not 1 <= self.queries <= self.num_pairs:
-      raise ValueError(
-          f"Need 1 <= num_queries <= num_pairs, got {self.queries},"
-          f" {self.num_pairs}."
-      )
+      raise ValueError(f"Need 1 <= num_queries <= num_pairs, got {self.queries}, {self.num_pairs}.")
     if self.num_values < 1:
       raise ValueError(f"num_values must be >= 1, got {self.num_values}.")
     query_region = self.length - 1 - 2 * self.num_pairs
     if query_region < self.queries:
       raise ValueError(
-          f"length={self.length} leaves {query_region} query positions after"
-          f" BOS and {self.num_pairs} pairs; need >= {self.queries}."
+        f"length={self.length} leaves {query_region} query positions after"
+        f" BOS and {self.num_pairs} pairs; need >= {self.queries}."
       )
 
 
-def generate_example(
-    rng: np.random.Generator, config: MqarConfig
-) -> builder_base.Example:
+def generate_example(rng: np.random.Generator, config: MqarConfig) -> builder_base.Example:
   """Draws one MQAR example.
 
   Args:
@@ -85,9 +77,7 @@ def generate_example(
     `inputs`, `targets` (int32 [L]) and `weights` (float32 [L]).
   """
   keys = KEY_OFFSET + rng.choice(config.num_keys, config.num_pairs, replace=False)
-  values = config.value_offset + rng.integers(
-      0, config.num_values, config.num_pairs
-  )
+  values = config.value_offset + rng.integers(0, config.num_values, config.num_pairs)
   context = np.stack([keys, values], axis=1).reshape(-1)
   query_start = 1 + context.size
   region = config.length - query_start
@@ -107,11 +97,11 @@ def generate_example(
 
 def _config(name: str, length: int, num_pairs: int, **kwargs) -> MqarConfig:
   return MqarConfig(
-      name=name,
-      description=f"{num_pairs} pairs, length {length}.",
-      length=length,
-      num_pairs=num_pairs,
-      **kwargs,
+    name=name,
+    description=f"{num_pairs} pairs, length {length}.",
+    length=length,
+    num_pairs=num_pairs,
+    **kwargs,
   )
 
 
@@ -136,22 +126,22 @@ class Mqar(builder_base.SyntheticBuilder):
   """
 
   BUILDER_CONFIGS = [
-      _config("kv4_len64", 64, 4),
-      _config("kv8_len128", 128, 8),
-      _config("kv16_len256", 256, 16),
-      _config("kv32_len256", 256, 32),
-      _config("kv64_len256", 256, 64),
-      _config("kv128_len512", 512, 128),
-      _config(
-          "cpu_demo",
-          64,
-          8,
-          num_keys=64,
-          num_values=64,
-          num_train=4096,
-          num_validation=256,
-          num_test=256,
-      ),
+    _config("kv4_len64", 64, 4),
+    _config("kv8_len128", 128, 8),
+    _config("kv16_len256", 256, 16),
+    _config("kv32_len256", 256, 32),
+    _config("kv64_len256", 256, 64),
+    _config("kv128_len512", 512, 128),
+    _config(
+      "cpu_demo",
+      64,
+      8,
+      num_keys=64,
+      num_values=64,
+      num_train=4096,
+      num_validation=256,
+      num_test=256,
+    ),
   ]
 
   def generate_example(self, rng: np.random.Generator) -> builder_base.Example:

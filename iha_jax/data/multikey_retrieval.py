@@ -84,33 +84,28 @@ class MultikeyRetrievalConfig(builder_base.SyntheticConfig):
       raise ValueError("key_len, value_len and num_filler must be >= 1.")
     if not 1 <= self.num_queries <= self.num_needles:
       raise ValueError(
-          f"Need 1 <= num_queries <= num_needles, got {self.num_queries},"
-          f" {self.num_needles}."
+        f"Need 1 <= num_queries <= num_needles, got {self.num_queries}, {self.num_needles}."
       )
     if self.num_key_tokens**self.key_len < self.num_needles:
       raise ValueError(
-          f"{self.num_key_tokens}**{self.key_len} keys cannot give"
-          f" {self.num_needles} distinct needles."
+        f"{self.num_key_tokens}**{self.key_len} keys cannot give"
+        f" {self.num_needles} distinct needles."
       )
     if self.num_value_tokens < 1:
       raise ValueError("num_value_tokens must be >= 1.")
     if self.haystack_len < self.num_needles * self.needle_len:
       raise ValueError(
-          f"length={self.length} is too short for {self.num_needles} needles"
-          f" of {self.needle_len} tokens and {self.num_queries} queries of"
-          f" {self.query_len} tokens."
+        f"length={self.length} is too short for {self.num_needles} needles"
+        f" of {self.needle_len} tokens and {self.num_queries} queries of"
+        f" {self.query_len} tokens."
       )
 
 
-def _distinct_keys(
-    rng: np.random.Generator, config: MultikeyRetrievalConfig
-) -> np.ndarray:
+def _distinct_keys(rng: np.random.Generator, config: MultikeyRetrievalConfig) -> np.ndarray:
   """Returns int [num_needles, key_len] key-token indices, rows distinct."""
   keys = np.empty((0, config.key_len), np.int64)
   while len(keys) < config.num_needles:
-    draws = rng.integers(
-        0, config.num_key_tokens, (config.num_needles, config.key_len)
-    )
+    draws = rng.integers(0, config.num_key_tokens, (config.num_needles, config.key_len))
     keys = np.concatenate([keys, draws])
     _, first = np.unique(keys, axis=0, return_index=True)
     keys = keys[np.sort(first)]
@@ -118,7 +113,7 @@ def _distinct_keys(
 
 
 def generate_example(
-    rng: np.random.Generator, config: MultikeyRetrievalConfig
+  rng: np.random.Generator, config: MultikeyRetrievalConfig
 ) -> builder_base.Example:
   """Draws one haystack with its queries.
 
@@ -131,16 +126,11 @@ def generate_example(
   """
   keys = config.key_offset + _distinct_keys(rng, config)
   values = config.value_offset + rng.integers(
-      0, config.num_value_tokens, (config.num_needles, config.value_len)
+    0, config.num_value_tokens, (config.num_needles, config.value_len)
   )
   needles = np.concatenate(
-      [
-          np.full((config.num_needles, 1), NEEDLE),
-          keys,
-          np.full((config.num_needles, 1), IS),
-          values,
-      ],
-      axis=1,
+    [np.full((config.num_needles, 1), NEEDLE), keys, np.full((config.num_needles, 1), IS), values],
+    axis=1,
   )
   num_filler = config.haystack_len - needles.size
   filler = config.filler_offset + rng.integers(0, config.num_filler, num_filler)
@@ -153,9 +143,7 @@ def generate_example(
 
   answer_slots = ANSWER_OFFSET + np.arange(config.value_len)
   queried = rng.choice(config.num_needles, config.num_queries, replace=False)
-  query_blocks = [
-      np.concatenate([[QUERY], keys[n], answer_slots]) for n in queried
-  ]
+  query_blocks = [np.concatenate([[QUERY], keys[n], answer_slots]) for n in queried]
   inputs = np.concatenate([[BOS], *haystack, *query_blocks]).astype(np.int32)
 
   targets = np.full(config.length, PAD, np.int32)
@@ -170,7 +158,7 @@ def generate_example(
 
 def _config(name: str, length: int, **kwargs) -> MultikeyRetrievalConfig:
   return MultikeyRetrievalConfig(
-      name=name, description=f"Context length {length}.", length=length, **kwargs
+    name=name, description=f"Context length {length}.", length=length, **kwargs
   )
 
 
@@ -202,22 +190,22 @@ class MultikeyRetrieval(builder_base.SyntheticBuilder):
   """
 
   BUILDER_CONFIGS = [
-      _config("len_512", 512),
-      _config("len_1k", 1024),
-      _config("len_2k", 2048),
-      _config("len_4k", 4096),
-      _config("len_8k", 8192),
-      _config("len_16k", 16384),
-      _config(
-          "cpu_demo",
-          128,
-          num_filler=16,
-          num_key_tokens=32,
-          num_value_tokens=32,
-          num_train=4096,
-          num_validation=256,
-          num_test=256,
-      ),
+    _config("len_512", 512),
+    _config("len_1k", 1024),
+    _config("len_2k", 2048),
+    _config("len_4k", 4096),
+    _config("len_8k", 8192),
+    _config("len_16k", 16384),
+    _config(
+      "cpu_demo",
+      128,
+      num_filler=16,
+      num_key_tokens=32,
+      num_value_tokens=32,
+      num_train=4096,
+      num_validation=256,
+      num_test=256,
+    ),
   ]
 
   def generate_example(self, rng: np.random.Generator) -> builder_base.Example:

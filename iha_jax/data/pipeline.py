@@ -66,7 +66,7 @@ class DataConfig:
 
   @classmethod
   def from_config(
-      cls, config: DataConfig | ml_collections.ConfigDict | Mapping[str, Any]
+    cls, config: DataConfig | ml_collections.ConfigDict | Mapping[str, Any]
   ) -> DataConfig:
     """Builds a `DataConfig` from a ConfigDict or a mapping of its fields."""
     if isinstance(config, DataConfig):
@@ -76,17 +76,14 @@ class DataConfig:
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(config) - fields)
     if unknown:
-      raise DataError(
-          f"Unknown data config field(s) {unknown}; valid: {sorted(fields)}."
-      )
+      raise DataError(f"Unknown data config field(s) {unknown}; valid: {sorted(fields)}.")
     return cls(**{**config, "options": dict(config.get("options") or {})})
 
 
 def default_config() -> ml_collections.ConfigDict:
   """The `data` section of a training config, with every field."""
   return ml_collections.ConfigDict(
-      dataclasses.asdict(DataConfig(name="mqar/cpu_demo", seq_len=64)),
-      type_safe=False,
+    dataclasses.asdict(DataConfig(name="mqar/cpu_demo", seq_len=64)), type_safe=False
   )
 
 
@@ -99,30 +96,28 @@ def vocab_size(config: DataConfig | ml_collections.ConfigDict) -> int:
 
 
 def _record_transform(
-    config: DataConfig, builder: tfds.core.DatasetBuilder
+  config: DataConfig, builder: tfds.core.DatasetBuilder
 ) -> grain.transforms.Map:
   if not registry.is_text(config.name):
     return transforms.TaskToLM()
   if config.text_key not in builder.info.features:
     raise DataError(
-        f"Dataset {config.name!r} has no feature {config.text_key!r}; set"
-        f" text_key to one of {sorted(builder.info.features)}."
+      f"Dataset {config.name!r} has no feature {config.text_key!r}; set"
+      f" text_key to one of {sorted(builder.info.features)}."
     )
-  return transforms.TextToLM(
-      tokenizers.load_tokenizer(config.tokenizer), config.text_key
-  )
+  return transforms.TextToLM(tokenizers.load_tokenizer(config.tokenizer), config.text_key)
 
 
 def make_dataset(
-    config: DataConfig | ml_collections.ConfigDict | Mapping[str, Any],
-    split: str,
-    *,
-    global_batch_size: int,
-    seed: int = 0,
-    shard_index: int | None = None,
-    shard_count: int | None = None,
-    shuffle: bool = True,
-    num_epochs: int | None = None,
+  config: DataConfig | ml_collections.ConfigDict | Mapping[str, Any],
+  split: str,
+  *,
+  global_batch_size: int,
+  seed: int = 0,
+  shard_index: int | None = None,
+  shard_count: int | None = None,
+  shuffle: bool = True,
+  num_epochs: int | None = None,
 ) -> transforms.BatchIterator:
   """Returns this process's iterator of LM batches.
 
@@ -153,24 +148,18 @@ def make_dataset(
   shard_index = jax.process_index() if shard_index is None else shard_index
   shard_count = jax.process_count() if shard_count is None else shard_count
   if not 0 <= shard_index < shard_count:
-    raise DataError(
-        f"Need 0 <= shard_index < shard_count, got {shard_index}, {shard_count}."
-    )
+    raise DataError(f"Need 0 <= shard_index < shard_count, got {shard_index}, {shard_count}.")
   if global_batch_size < 1 or global_batch_size % shard_count:
     raise DataError(
-        f"global_batch_size={global_batch_size} must be a positive multiple of"
-        f" shard_count={shard_count}."
+      f"global_batch_size={global_batch_size} must be a positive multiple of"
+      f" shard_count={shard_count}."
     )
   if config.seq_len < 1:
     raise DataError(f"seq_len must be >= 1, got {config.seq_len}.")
   if num_epochs is not None and num_epochs < 1:
     raise DataError(f"num_epochs must be None or >= 1, got {num_epochs}.")
-  packing = (
-      registry.is_text(config.name) if config.packing is None else config.packing
-  )
-  builder, source = registry.open_split(
-      config.name, split, config.data_dir, config.options
-  )
+  packing = registry.is_text(config.name) if config.packing is None else config.packing
+  builder, source = registry.open_split(config.name, split, config.data_dir, config.options)
 
   examples = grain.MapDataset.source(source).map(_record_transform(config, builder))
   examples = examples[shard_index::shard_count]
@@ -183,31 +172,19 @@ def make_dataset(
     examples = examples.shuffle(seed)
   examples = examples.repeat(num_epochs).map(transforms.Truncate(config.seq_len))
   batches = _batch(
-      examples,
-      config,
-      batch_size=global_batch_size // shard_count,
-      packing=packing,
-      seed=seed,
+    examples, config, batch_size=global_batch_size // shard_count, packing=packing, seed=seed
   )
-  return iter(
-      transforms.BatchDataset(batches, name=config.name, seq_len=config.seq_len)
-  )
+  return iter(transforms.BatchDataset(batches, name=config.name, seq_len=config.seq_len))
 
 
 def _batch(
-    examples: grain.MapDataset,
-    config: DataConfig,
-    *,
-    batch_size: int,
-    packing: bool,
-    seed: int,
+  examples: grain.MapDataset, config: DataConfig, *, batch_size: int, packing: bool, seed: int
 ) -> grain.IterDataset:
   """Packs or pads, batches and prefetches truncated LM examples."""
   ds = examples.to_iter_dataset(
-      grain.ReadOptions(
-          num_threads=config.read_threads,
-          prefetch_buffer_size=batch_size * config.prefetch_batches,
-      )
+    grain.ReadOptions(
+      num_threads=config.read_threads, prefetch_buffer_size=batch_size * config.prefetch_batches
+    )
   )
   if packing:
     ds = transforms.pack(ds, seq_len=config.seq_len, num_bins=batch_size, seed=seed)
@@ -216,14 +193,13 @@ def _batch(
   ds = ds.batch(batch_size).map(transforms.PadBatch(batch_size))
   if not config.num_workers:
     return grain.experimental.ThreadPrefetchIterDataset(
-        ds, prefetch_buffer_size=config.prefetch_batches
+      ds, prefetch_buffer_size=config.prefetch_batches
     )
   if not flags.FLAGS.is_parsed():
     # Grain's workers read absl flags; outside absl.app none were parsed.
     flags.FLAGS.mark_as_parsed()
   return ds.mp_prefetch(
-      grain.MultiprocessingOptions(
-          num_workers=config.num_workers,
-          per_worker_buffer_size=config.prefetch_batches,
-      )
+    grain.MultiprocessingOptions(
+      num_workers=config.num_workers, per_worker_buffer_size=config.prefetch_batches
+    )
   )

@@ -32,26 +32,22 @@ from iha_jax.data.errors import DataError
 TFDS_PREFIX = "tfds:"
 
 TASK_BUILDERS: dict[str, type[builder_base.SyntheticBuilder]] = {
-    "relation_composition": relation_composition.RelationComposition,
-    "multikey_retrieval": multikey_retrieval.MultikeyRetrieval,
-    "mqar": mqar.Mqar,
+  "relation_composition": relation_composition.RelationComposition,
+  "multikey_retrieval": multikey_retrieval.MultikeyRetrieval,
+  "mqar": mqar.Mqar,
 }
 TEXT_BUILDERS: dict[str, type[builder_base.ArrayRecordBuilder]] = {
-    "local_text": local_text.LocalText,
+  "local_text": local_text.LocalText
 }
 _BUILDERS = {**TASK_BUILDERS, **TEXT_BUILDERS}
 # BuilderConfig fields that describe rather than define the data.
-_DESCRIPTIVE_FIELDS = frozenset(
-    f.name for f in dataclasses.fields(tfds.core.BuilderConfig)
-)
+_DESCRIPTIVE_FIELDS = frozenset(f.name for f in dataclasses.fields(tfds.core.BuilderConfig))
 
 
 def list_datasets() -> list[str]:
   """Returns the `builder/config` names of the project's datasets."""
   return sorted(
-      f"{name}/{config.name}"
-      for name, cls in _BUILDERS.items()
-      for config in cls.BUILDER_CONFIGS
+    f"{name}/{config.name}" for name, cls in _BUILDERS.items() for config in cls.BUILDER_CONFIGS
   )
 
 
@@ -61,9 +57,7 @@ def is_text(name: str) -> bool:
 
 
 def build_command(
-    name: str,
-    data_dir: str | os.PathLike[str] | None,
-    options: Mapping[str, Any] | None = None,
+  name: str, data_dir: str | os.PathLike[str] | None, options: Mapping[str, Any] | None = None
 ) -> str:
   """The shell command that prepares `name` into `data_dir`."""
   parts = ["python", "-m", "iha_jax.data.build", f"--name={name}"]
@@ -76,9 +70,9 @@ def build_command(
 
 def _unknown_name_error(name: str) -> DataError:
   return DataError(
-      f"Unknown dataset {name!r}. Available: {', '.join(list_datasets())};"
-      f" or '{TFDS_PREFIX}<name>[/config]' for a TFDS text dataset prepared as"
-      " array_record."
+    f"Unknown dataset {name!r}. Available: {', '.join(list_datasets())};"
+    f" or '{TFDS_PREFIX}<name>[/config]' for a TFDS text dataset prepared as"
+    " array_record."
   )
 
 
@@ -90,9 +84,7 @@ def _builder_class(name: str) -> type[builder_base.ArrayRecordBuilder]:
   return cls
 
 
-def builder_config(
-    name: str, options: Mapping[str, Any] | None = None
-) -> tfds.core.BuilderConfig:
+def builder_config(name: str, options: Mapping[str, Any] | None = None) -> tfds.core.BuilderConfig:
   """The config of project dataset `name` with `options` applied.
 
   Raises:
@@ -102,14 +94,11 @@ def builder_config(
   config_name = name.partition("/")[2]
   base = cls.builder_configs[config_name] if config_name else cls.BUILDER_CONFIGS[0]
   options = dict(options or {})
-  allowed = sorted(
-      f.name for f in dataclasses.fields(base) if f.name not in _DESCRIPTIVE_FIELDS
-  )
+  allowed = sorted(f.name for f in dataclasses.fields(base) if f.name not in _DESCRIPTIVE_FIELDS)
   unknown = sorted(set(options) - set(allowed))
   if unknown:
     raise DataError(
-        f"Unknown option(s) {unknown} for {cls.name}/{base.name}; valid"
-        f" options: {allowed}."
+      f"Unknown option(s) {unknown} for {cls.name}/{base.name}; valid options: {allowed}."
     )
   changed = {k: v for k, v in sorted(options.items()) if getattr(base, k) != v}
   if not changed:
@@ -117,8 +106,9 @@ def builder_config(
   else:
     digest = hashlib.sha256(repr(changed).encode()).hexdigest()[:10]
     overrides = ", ".join(f"{k}={v!r}" for k, v in changed.items())
-    config = dataclasses.replace(base, name=f"{base.name}-{digest}",
-                                 description=f"{base.name} with {overrides}.", **changed)
+    config = dataclasses.replace(
+      base, name=f"{base.name}-{digest}", description=f"{base.name} with {overrides}.", **changed
+    )
   try:
     config.validate()
   except ValueError as e:
@@ -127,9 +117,7 @@ def builder_config(
 
 
 def get_builder(
-    name: str,
-    data_dir: str | os.PathLike[str] | None,
-    options: Mapping[str, Any] | None = None,
+  name: str, data_dir: str | os.PathLike[str] | None, options: Mapping[str, Any] | None = None
 ) -> tfds.core.DatasetBuilder:
   """Returns the TFDS builder of `name` in `data_dir` (not prepared).
 
@@ -139,8 +127,8 @@ def get_builder(
   options = dict(options or {})
   if not data_dir:
     raise DataError(
-        f"No data_dir given for dataset {name!r}. Prepare it with:\n  "
-        f"{build_command(name, None, options)}\nand pass that --data_dir."
+      f"No data_dir given for dataset {name!r}. Prepare it with:\n  "
+      f"{build_command(name, None, options)}\nand pass that --data_dir."
     )
   if name.startswith(TFDS_PREFIX):
     if options:
@@ -154,11 +142,11 @@ def get_builder(
 
 
 def prepare(
-    name: str,
-    data_dir: str | os.PathLike[str],
-    *,
-    options: Mapping[str, Any] | None = None,
-    manual_dir: str | os.PathLike[str] | None = None,
+  name: str,
+  data_dir: str | os.PathLike[str],
+  *,
+  options: Mapping[str, Any] | None = None,
+  manual_dir: str | os.PathLike[str] | None = None,
 ) -> tfds.core.DatasetBuilder:
   """Prepares `name` into `data_dir` as array_record unless already there.
 
@@ -176,18 +164,17 @@ def prepare(
   builder = get_builder(name, data_dir, options)
   download_config = tfds.download.DownloadConfig(manual_dir=manual_dir)
   builder.download_and_prepare(
-      download_config=download_config,
-      file_format=tfds.core.FileFormat.ARRAY_RECORD,
+    download_config=download_config, file_format=tfds.core.FileFormat.ARRAY_RECORD
   )
   return builder
 
 
 def _prepare_remote(
-    name: str,
-    data_dir: str | os.PathLike[str],
-    *,
-    options: Mapping[str, Any] | None,
-    manual_dir: str | os.PathLike[str] | None,
+  name: str,
+  data_dir: str | os.PathLike[str],
+  *,
+  options: Mapping[str, Any] | None,
+  manual_dir: str | os.PathLike[str] | None,
 ) -> tfds.core.DatasetBuilder:
   """Prepares into a local temporary directory, then copies the dataset up.
 
@@ -210,10 +197,10 @@ def _prepare_remote(
 
 
 def open_split(
-    name: str,
-    split: str,
-    data_dir: str | os.PathLike[str] | None,
-    options: Mapping[str, Any] | None = None,
+  name: str,
+  split: str,
+  data_dir: str | os.PathLike[str] | None,
+  options: Mapping[str, Any] | None = None,
 ) -> tuple[tfds.core.DatasetBuilder, Sequence[dict[str, Any]]]:
   """Returns the builder and a random-access source of one prepared split.
 
@@ -225,21 +212,20 @@ def open_split(
   builder = get_builder(name, data_dir, options)
   if not builder.is_prepared():
     raise DataError(
-        f"Dataset {name!r} is not prepared in data_dir {os.fspath(data_dir)!r}"
-        f" (looked for {os.fspath(builder.data_path)}). Prepare it with:\n  "
-        f"{build_command(name, data_dir, options)}"
+      f"Dataset {name!r} is not prepared in data_dir {os.fspath(data_dir)!r}"
+      f" (looked for {os.fspath(builder.data_path)}). Prepare it with:\n  "
+      f"{build_command(name, data_dir, options)}"
     )
   if split not in builder.info.splits:
     raise DataError(
-        f"Dataset {name!r} has no split {split!r}; available:"
-        f" {sorted(builder.info.splits)}."
+      f"Dataset {name!r} has no split {split!r}; available: {sorted(builder.info.splits)}."
     )
   try:
     source = builder.as_data_source(split=split)
   except NotImplementedError as e:
     raise DataError(
-        f"Dataset {name!r} in {os.fspath(data_dir)!r} is stored as"
-        f" {builder.info.file_format}, not array_record. Prepare it into"
-        f" another data_dir with:\n  {build_command(name, 'NEW_DATA_DIR', options)}"
+      f"Dataset {name!r} in {os.fspath(data_dir)!r} is stored as"
+      f" {builder.info.file_format}, not array_record. Prepare it into"
+      f" another data_dir with:\n  {build_command(name, 'NEW_DATA_DIR', options)}"
     ) from e
   return builder, source

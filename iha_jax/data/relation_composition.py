@@ -65,10 +65,7 @@ class RelationCompositionConfig(builder_base.SyntheticConfig):
     if self.hops < 1:
       raise ValueError(f"hops must be >= 1, got {self.hops}.")
     if not 1 <= self.min_size <= self.max_size:
-      raise ValueError(
-          f"Need 1 <= min_size <= max_size, got {self.min_size},"
-          f" {self.max_size}."
-      )
+      raise ValueError(f"Need 1 <= min_size <= max_size, got {self.min_size}, {self.max_size}.")
     if not 0.0 <= self.density <= 1.0:
       raise ValueError(f"density must be in [0, 1], got {self.density}.")
 
@@ -91,7 +88,7 @@ def compose(relation: np.ndarray, hops: int) -> np.ndarray:
 
 
 def generate_example(
-    rng: np.random.Generator, config: RelationCompositionConfig
+  rng: np.random.Generator, config: RelationCompositionConfig
 ) -> builder_base.Example:
   """Draws one relation and renders it for a decoder-only LM or an encoder.
 
@@ -114,10 +111,10 @@ def generate_example(
   cells = CELL_OFFSET + 2 * cell_ids + relation.reshape(-1)
   if config.encoder:
     return {
-        "inputs": cells.astype(np.int32),
-        "targets": labels,
-        "weights": np.ones(m * m, np.float32),
-        "labels": labels,
+      "inputs": cells.astype(np.int32),
+      "targets": labels,
+      "weights": np.ones(m * m, np.float32),
+      "labels": labels,
     }
   queries = config.query_offset + cell_ids
   inputs = np.concatenate([[BOS], cells, [SEP], queries]).astype(np.int32)
@@ -126,12 +123,7 @@ def generate_example(
   targets[answer_start:] = FALSE + labels
   weights = np.zeros(inputs.shape, np.float32)
   weights[answer_start:] = 1.0
-  return {
-      "inputs": inputs,
-      "targets": targets,
-      "weights": weights,
-      "labels": labels,
-  }
+  return {"inputs": inputs, "targets": targets, "weights": weights, "labels": labels}
 
 
 class RelationComposition(builder_base.SyntheticBuilder):
@@ -169,32 +161,32 @@ class RelationComposition(builder_base.SyntheticBuilder):
   """
 
   BUILDER_CONFIGS = [
-      RelationCompositionConfig(
-          name="binary",
-          description="R o R, m in 6..10, Bernoulli(0.325).",
-          hops=2,
-          min_size=6,
-          max_size=10,
-          density=0.325,
-      ),
-      RelationCompositionConfig(
-          name="ternary",
-          description="R o R o R, m in 5..8, Bernoulli(0.264).",
-          hops=3,
-          min_size=5,
-          max_size=8,
-          density=0.264,
-      ),
+    RelationCompositionConfig(
+      name="binary",
+      description="R o R, m in 6..10, Bernoulli(0.325).",
+      hops=2,
+      min_size=6,
+      max_size=10,
+      density=0.325,
+    ),
+    RelationCompositionConfig(
+      name="ternary",
+      description="R o R o R, m in 5..8, Bernoulli(0.264).",
+      hops=3,
+      min_size=5,
+      max_size=8,
+      density=0.264,
+    ),
   ]
   # The same tasks in the encoder rendering: "binary_encoder", "ternary_encoder".
   BUILDER_CONFIGS += [
-      dataclasses.replace(
-          config,
-          name=f"{config.name}_encoder",
-          description=config.description.removesuffix(".") + "; encoder rendering.",
-          encoder=True,
-      )
-      for config in BUILDER_CONFIGS
+    dataclasses.replace(
+      config,
+      name=f"{config.name}_encoder",
+      description=config.description.removesuffix(".") + "; encoder rendering.",
+      encoder=True,
+    )
+    for config in BUILDER_CONFIGS
   ]
 
   def generate_example(self, rng: np.random.Generator) -> builder_base.Example:

@@ -36,8 +36,10 @@ BUILTIN_TOKENIZERS = ("byte",)
 BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "[BOS]", "<|startoftext|>")
 EOS_TOKENS = ("<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|endoftext|>")
 # Llama 3's pre-tokenizer split and its 256 special tokens after the BPE ranks.
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 LLAMA3_NUM_SPECIAL = 256
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/=]+ [0-9]+$")
 
@@ -46,16 +48,13 @@ class Tokenizer(Protocol):
   """What the text pipeline needs from a tokenizer."""
 
   @property
-  def vocab_size(self) -> int:
-    ...
+  def vocab_size(self) -> int: ...
 
   @property
-  def bos_id(self) -> int:
-    ...
+  def bos_id(self) -> int: ...
 
   @property
-  def eos_id(self) -> int:
-    ...
+  def eos_id(self) -> int: ...
 
   def encode(self, text: str | bytes) -> np.ndarray:
     """Returns int32 [n] token ids, without BOS/EOS."""
@@ -150,6 +149,7 @@ class HuggingFaceTokenizer(_FileTokenizer):
 
   def _load(self, blob: bytes) -> None:
     import tokenizers as hf_tokenizers  # pylint: disable=import-outside-toplevel
+
     self._blob = blob
     self._tokenizer = hf_tokenizers.Tokenizer.from_str(blob.decode("utf-8"))
     vocab = self._tokenizer.get_vocab(with_added_tokens=True)
@@ -182,9 +182,9 @@ def _special_id(vocab: dict[str, int], names: tuple[str, ...], role: str) -> int
     if name in vocab:
       return vocab[name]
   raise DataError(
-      f"data.tokenizer: the tokenizer.json has no {role} token (looked for"
-      f" {', '.join(names)}); add one as a special token, e.g."
-      f" tokenizer.add_special_tokens([{names[0]!r}]) with the tokenizers package."
+    f"data.tokenizer: the tokenizer.json has no {role} token (looked for"
+    f" {', '.join(names)}); add one as a special token, e.g."
+    f" tokenizer.add_special_tokens([{names[0]!r}]) with the tokenizers package."
   )
 
 
@@ -198,6 +198,7 @@ class TiktokenTokenizer(_FileTokenizer):
 
   def _load(self, blob: bytes) -> None:
     import tiktoken  # pylint: disable=import-outside-toplevel
+
     self._blob = blob
     ranks = {}
     for line in blob.splitlines():
@@ -206,10 +207,14 @@ class TiktokenTokenizer(_FileTokenizer):
         ranks[base64.b64decode(token)] = int(rank)
     self._num_ranks = len(ranks)
     names = ["<|begin_of_text|>", "<|end_of_text|>"] + [
-        f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_NUM_SPECIAL - 2)]
+      f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_NUM_SPECIAL - 2)
+    ]
     self._encoding = tiktoken.Encoding(
-        name="iha_jax_tiktoken", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
-        special_tokens={name: self._num_ranks + i for i, name in enumerate(names)})
+      name="iha_jax_tiktoken",
+      pat_str=LLAMA3_PATTERN,
+      mergeable_ranks=ranks,
+      special_tokens={name: self._num_ranks + i for i, name in enumerate(names)},
+    )
 
   @property
   def vocab_size(self) -> int:
@@ -242,8 +247,11 @@ def tokenizer_format(blob: bytes) -> str:
   return "sentencepiece"
 
 
-_CLASSES = {"tokenizer.json": HuggingFaceTokenizer, "tiktoken": TiktokenTokenizer,
-            "sentencepiece": SentencePieceTokenizer}
+_CLASSES = {
+  "tokenizer.json": HuggingFaceTokenizer,
+  "tiktoken": TiktokenTokenizer,
+  "sentencepiece": SentencePieceTokenizer,
+}
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -266,11 +274,11 @@ def load_tokenizer(spec: str) -> Tokenizer:
     blob = None
   if blob is None:
     raise DataError(
-        f"data.tokenizer: {spec!r} is neither 'byte' nor an existing tokenizer file"
-        " (a tokenizer.json, a tiktoken BPE file, or a SentencePiece .model). Pass"
-        " --config.data.tokenizer=PATH; the README's pod section shows how to get"
-        " Llama 3's, and python -m iha_jax.data.train_tokenizer --name=DATASET"
-        " --data_dir=DATA_DIR --output=PREFIX trains one."
+      f"data.tokenizer: {spec!r} is neither 'byte' nor an existing tokenizer file"
+      " (a tokenizer.json, a tiktoken BPE file, or a SentencePiece .model). Pass"
+      " --config.data.tokenizer=PATH; the README's pod section shows how to get"
+      " Llama 3's, and python -m iha_jax.data.train_tokenizer --name=DATASET"
+      " --data_dir=DATA_DIR --output=PREFIX trains one."
     )
   kind = tokenizer_format(blob)
   try:
@@ -279,7 +287,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     raise
   except Exception as e:  # pylint: disable=broad-except
     raise DataError(
-        f"data.tokenizer: {spec!r} looks like a {kind} file but does not load"
-        f" ({type(e).__name__}: {e}); pass a tokenizer.json, a tiktoken BPE file"
-        " or a SentencePiece .model."
+      f"data.tokenizer: {spec!r} looks like a {kind} file but does not load"
+      f" ({type(e).__name__}: {e}); pass a tokenizer.json, a tiktoken BPE file"
+      " or a SentencePiece .model."
     ) from e

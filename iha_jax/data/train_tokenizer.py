@@ -24,12 +24,12 @@ from iha_jax.data import registry, tokenizers
 
 
 def iterate_texts(
-    name: str,
-    data_dir: str | os.PathLike[str],
-    *,
-    split: str = "train",
-    text_key: str = "text",
-    max_documents: int | None = None,
+  name: str,
+  data_dir: str | os.PathLike[str],
+  *,
+  split: str = "train",
+  text_key: str = "text",
+  max_documents: int | None = None,
 ) -> Iterator[str]:
   """Yields the first `max_documents` texts of a prepared text dataset."""
   if not registry.is_text(name):
@@ -42,36 +42,27 @@ def iterate_texts(
 
 
 def train(
-    texts: Iterator[str],
-    output: str | os.PathLike[str],
-    *,
-    vocab_size: int,
-    model_type: str = "bpe",
+  texts: Iterator[str], output: str | os.PathLike[str], *, vocab_size: int, model_type: str = "bpe"
 ) -> str:
   """Trains a model on `texts`; returns the path of the `.model` file."""
   spm.SentencePieceTrainer.train(
-      sentence_iterator=texts,
-      model_prefix=os.fspath(output),
-      vocab_size=vocab_size,
-      model_type=model_type,
-      pad_id=tokenizers.PAD_ID,
-      bos_id=tokenizers.BOS_ID,
-      eos_id=tokenizers.EOS_ID,
-      unk_id=tokenizers.UNK_ID,
-      byte_fallback=True,
-      character_coverage=0.9995,
-      max_sentence_length=1 << 16,
-      minloglevel=2,
+    sentence_iterator=texts,
+    model_prefix=os.fspath(output),
+    vocab_size=vocab_size,
+    model_type=model_type,
+    pad_id=tokenizers.PAD_ID,
+    bos_id=tokenizers.BOS_ID,
+    eos_id=tokenizers.EOS_ID,
+    unk_id=tokenizers.UNK_ID,
+    byte_fallback=True,
+    character_coverage=0.9995,
+    max_sentence_length=1 << 16,
+    minloglevel=2,
   )
   return f"{os.fspath(output)}.model"
 
 
-def train_bpe_json(
-    texts: Iterator[str],
-    output: str | os.PathLike[str],
-    *,
-    vocab_size: int,
-) -> str:
+def train_bpe_json(texts: Iterator[str], output: str | os.PathLike[str], *, vocab_size: int) -> str:
   """Trains a byte-level BPE (GPT-2/Llama 3 style) on `texts` with the `tokenizers`
   package; writes `<output>.json` and returns its path. Ids 0, 1, 2 are
   `<|pad|>`, `<|begin_of_text|>` (BOS) and `<|end_of_text|>` (EOS)."""
@@ -82,10 +73,10 @@ def train_bpe_json(
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
-      vocab_size=vocab_size,
-      special_tokens=["<|pad|>", tokenizers.BOS_TOKENS[0], tokenizers.EOS_TOKENS[0]],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-      show_progress=False,
+    vocab_size=vocab_size,
+    special_tokens=["<|pad|>", tokenizers.BOS_TOKENS[0], tokenizers.EOS_TOKENS[0]],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
   )
   tokenizer.train_from_iterator(texts, trainer)
   path = f"{os.fspath(output)}.json"
@@ -99,28 +90,30 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--data_dir", required=True, help="TFDS data directory")
   parser.add_argument("--output", required=True, help="model path prefix")
   parser.add_argument("--vocab_size", type=int, default=32000)
-  parser.add_argument("--model_type", default="bpe", choices=["bpe", "unigram"],
-                      help="SentencePiece model type")
-  parser.add_argument("--format", default="sentencepiece",
-                      choices=["sentencepiece", "tokenizer.json"],
-                      help="tokenizer.json: a byte-level BPE for the tokenizers package")
+  parser.add_argument(
+    "--model_type", default="bpe", choices=["bpe", "unigram"], help="SentencePiece model type"
+  )
+  parser.add_argument(
+    "--format",
+    default="sentencepiece",
+    choices=["sentencepiece", "tokenizer.json"],
+    help="tokenizer.json: a byte-level BPE for the tokenizers package",
+  )
   parser.add_argument("--split", default="train")
   parser.add_argument("--text_key", default="text")
   parser.add_argument("--max_documents", type=int, default=1_000_000)
   args = parser.parse_args(argv)
   texts = iterate_texts(
-      args.name,
-      args.data_dir,
-      split=args.split,
-      text_key=args.text_key,
-      max_documents=args.max_documents,
+    args.name,
+    args.data_dir,
+    split=args.split,
+    text_key=args.text_key,
+    max_documents=args.max_documents,
   )
   if args.format == "tokenizer.json":
     path = train_bpe_json(texts, args.output, vocab_size=args.vocab_size)
   else:
-    path = train(
-        texts, args.output, vocab_size=args.vocab_size, model_type=args.model_type
-    )
+    path = train(texts, args.output, vocab_size=args.vocab_size, model_type=args.model_type)
   print(f"Wrote {path}")
 
 

@@ -58,9 +58,9 @@ class TextToLM(grain.transforms.Map):
     tokens = self._tokenizer.encode(record[self._text_key])
     document = np.concatenate([bos, tokens, eos]).astype(np.int32)
     return {
-        "inputs": document[:-1],
-        "targets": document[1:],
-        "weights": np.ones_like(document[1:], np.float32),
+      "inputs": document[:-1],
+      "targets": document[1:],
+      "weights": np.ones_like(document[1:], np.float32),
     }
 
 
@@ -85,15 +85,10 @@ class PadToLength(grain.transforms.Map):
 
   def map(self, example: LMExample) -> LMExample:
     length = len(example["inputs"])
-    out = {
-        key: np.pad(example[key], (0, self._seq_len - length))
-        for key in FEATURES
-    }
+    out = {key: np.pad(example[key], (0, self._seq_len - length)) for key in FEATURES}
     real = np.arange(self._seq_len) < length
     out["segment_ids"] = real.astype(np.int32)
-    out["positions"] = np.where(real, np.arange(self._seq_len), 0).astype(
-        np.int32
-    )
+    out["positions"] = np.where(real, np.arange(self._seq_len), 0).astype(np.int32)
     out[NUM_TRUNCATED] = example[NUM_TRUNCATED]
     return out
 
@@ -107,9 +102,7 @@ def _finish_packed_row(row: dict[str, Any]) -> LMExample:
   return out
 
 
-def pack(
-    ds: grain.IterDataset, *, seq_len: int, num_bins: int, seed: int
-) -> grain.IterDataset:
+def pack(ds: grain.IterDataset, *, seq_len: int, num_bins: int, seed: int) -> grain.IterDataset:
   """First-fit packs examples into rows of `seq_len` tokens.
 
   Args:
@@ -123,11 +116,11 @@ def pack(
     segment id within a row and never straddle rows.
   """
   packed = grain.experimental.FirstFitPackIterDataset(
-      ds,
-      length_struct={key: seq_len for key in FEATURES},
-      num_packing_bins=num_bins,
-      seed=seed,
-      meta_features=(NUM_TRUNCATED,),
+    ds,
+    length_struct={key: seq_len for key in FEATURES},
+    num_packing_bins=num_bins,
+    seed=seed,
+    meta_features=(NUM_TRUNCATED,),
   )
   return packed.map(_finish_packed_row)
 
@@ -143,8 +136,8 @@ class PadBatch(grain.transforms.Map):
     if not missing:
       return batch
     return {
-        key: np.pad(value, [(0, missing)] + [(0, 0)] * (value.ndim - 1))
-        for key, value in batch.items()
+      key: np.pad(value, [(0, missing)] + [(0, 0)] * (value.ndim - 1))
+      for key, value in batch.items()
     }
 
 
@@ -179,18 +172,15 @@ class BatchIterator(grain.DatasetIterator):
       if now - self._last_log_time >= _LOG_INTERVAL_S:
         self._last_log_time = now
         logging.warning(
-            "%s: %d examples longer than seq_len=%d were truncated so far.",
-            self._name,
-            self._num_truncated,
-            self._seq_len,
+          "%s: %d examples longer than seq_len=%d were truncated so far.",
+          self._name,
+          self._num_truncated,
+          self._seq_len,
         )
     return batch
 
   def get_state(self) -> dict[str, Any]:
-    return {
-        "parent": self._parent.get_state(),
-        "num_truncated": self._num_truncated,
-    }
+    return {"parent": self._parent.get_state(), "num_truncated": self._num_truncated}
 
   def set_state(self, state: dict[str, Any]) -> None:
     self._parent.set_state(state["parent"])
@@ -206,6 +196,4 @@ class BatchDataset(grain.IterDataset):
     self._seq_len = seq_len
 
   def __iter__(self) -> BatchIterator:
-    return BatchIterator(
-        self._parent.__iter__(), name=self._name, seq_len=self._seq_len
-    )
+    return BatchIterator(self._parent.__iter__(), name=self._name, seq_len=self._seq_len)

@@ -5,6 +5,7 @@ head's map is `[T, T]` and shows P x P blocks: pseudo-query p of token n against
 pseudo-keys of token m. The maps are a dense recomputation from the layer's parameters
 and its input (O(T^2) memory: for small N); MHA layers give `[N, N]` maps (P = 1).
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,9 +25,13 @@ if TYPE_CHECKING:
   from matplotlib.figure import Figure
 
 
-def layer_attention_probs(attn: nnx.Module, x: jax.Array, *,
-                          segment_ids: jax.Array | None = None,
-                          positions: jax.Array | None = None) -> jax.Array:
+def layer_attention_probs(
+  attn: nnx.Module,
+  x: jax.Array,
+  *,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+) -> jax.Array:
   """Attention probabilities of one attention module, float32 `[B, H, T, T]`.
 
   Args:
@@ -50,8 +55,9 @@ def layer_attention_probs(attn: nnx.Module, x: jax.Array, *,
   if segment_ids is None:
     return attention_probs(queries, keys, index, index, window=cfg.window)
   segments = virtual_segment_ids(segment_ids, virtual_per_token(cfg))
-  probs = attention_probs(queries, keys, index, index, window=cfg.window, q_segment=segments,
-                          k_segment=segments)
+  probs = attention_probs(
+    queries, keys, index, index, window=cfg.window, q_segment=segments, k_segment=segments
+  )
   return jnp.where((segments != 0)[:, None, :, None], probs, 0.0)
 
 
@@ -62,13 +68,19 @@ def _maps_jit(state, tokens, segment_ids, positions, *, graphdef, layer):
   for block in model.layers[:layer]:
     x = block(x, segment_ids=segment_ids, positions=positions)
   block = model.layers[layer]
-  return layer_attention_probs(block.attn, block.attn_norm(x), segment_ids=segment_ids,
-                               positions=positions)
+  return layer_attention_probs(
+    block.attn, block.attn_norm(x), segment_ids=segment_ids, positions=positions
+  )
 
 
-def attention_maps(model: TransformerLM, tokens: jax.Array, *, layer: int,
-                   segment_ids: jax.Array | None = None,
-                   positions: jax.Array | None = None) -> np.ndarray:
+def attention_maps(
+  model: TransformerLM,
+  tokens: jax.Array,
+  *,
+  layer: int,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+) -> np.ndarray:
   """Every head's attention probabilities in layer `layer` for one sequence.
 
   Args:
@@ -90,13 +102,20 @@ def attention_maps(model: TransformerLM, tokens: jax.Array, *, layer: int,
     value = jnp.asarray(value)
     value = value[None] if value.ndim == 1 else value
     if value.ndim != 2 or value.shape[0] != 1:
-      raise ValueError(f"{name} must be one sequence [N] or [1, N], got shape "
-                       f"{tuple(jnp.shape(value))}")
+      raise ValueError(
+        f"{name} must be one sequence [N] or [1, N], got shape {tuple(jnp.shape(value))}"
+      )
     return value.astype(jnp.int32)
 
   graphdef, state = nnx.split(model)
-  probs = _maps_jit(state, as_row("tokens", tokens), as_row("segment_ids", segment_ids),
-                    as_row("positions", positions), graphdef=graphdef, layer=layer)
+  probs = _maps_jit(
+    state,
+    as_row("tokens", tokens),
+    as_row("segment_ids", segment_ids),
+    as_row("positions", positions),
+    graphdef=graphdef,
+    layer=layer,
+  )
   return np.asarray(probs[0])
 
 
@@ -104,8 +123,13 @@ PANEL_PIXELS = 300  # approximate width of one head's heat-map in the PNG (3.2 i
 MIN_GRID_PIXELS = 12  # token-block lines closer than this would hide the attention band
 
 
-def grid_step(num_virtual: int, num_pseudo: int, *, panel_pixels: int = PANEL_PIXELS,
-              min_pixels: int = MIN_GRID_PIXELS) -> int | None:
+def grid_step(
+  num_virtual: int,
+  num_pseudo: int,
+  *,
+  panel_pixels: int = PANEL_PIXELS,
+  min_pixels: int = MIN_GRID_PIXELS,
+) -> int | None:
   """Virtual tokens between two token-block lines: P when a P x P block spans at least
   `min_pixels` pixels, else the smallest multiple of P that does (lines every k tokens);
   None when even one line would be too dense (fewer than 2 blocks)."""
@@ -115,8 +139,9 @@ def grid_step(num_virtual: int, num_pseudo: int, *, panel_pixels: int = PANEL_PI
   return step if step < num_virtual else None
 
 
-def plot_attention_maps(probs: np.ndarray, num_pseudo: int, path: str | os.PathLike, *,
-                        title: str | None = None) -> Figure:
+def plot_attention_maps(
+  probs: np.ndarray, num_pseudo: int, path: str | os.PathLike, *, title: str | None = None
+) -> Figure:
   """Writes one heat-map panel per head to a PNG file (local path or URL); returns the
   figure (panel `h` shows `probs[h]`).
 
@@ -137,10 +162,15 @@ def plot_attention_maps(probs: np.ndarray, num_pseudo: int, path: str | os.PathL
   probs = np.asarray(probs)
   if probs.ndim != 3 or probs.shape[1] != probs.shape[2]:
     raise ValueError(f"probs must have shape [H, T, T], got {probs.shape}")
-  if isinstance(num_pseudo, bool) or not isinstance(num_pseudo, int) or num_pseudo < 1 \
-      or probs.shape[1] % num_pseudo:
-    raise ValueError(f"num_pseudo must be a positive integer dividing T={probs.shape[1]}, "
-                     f"got {num_pseudo!r}")
+  if (
+    isinstance(num_pseudo, bool)
+    or not isinstance(num_pseudo, int)
+    or num_pseudo < 1
+    or probs.shape[1] % num_pseudo
+  ):
+    raise ValueError(
+      f"num_pseudo must be a positive integer dividing T={probs.shape[1]}, got {num_pseudo!r}"
+    )
   heads, t = probs.shape[:2]
   step = grid_step(t, num_pseudo)
   fig = Figure(figsize=(3.2 * heads + 1.0, 3.6), layout="constrained")
@@ -149,7 +179,7 @@ def plot_attention_maps(probs: np.ndarray, num_pseudo: int, path: str | os.PathL
   norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
   for head, ax in enumerate(axes):
     image = ax.imshow(probs[head], cmap="viridis", norm=norm, interpolation="nearest")
-    for edge in (np.arange(step, t, step) - 0.5 if step else ()):  # Token boundaries.
+    for edge in np.arange(step, t, step) - 0.5 if step else ():  # Token boundaries.
       ax.axhline(edge, color="white", linewidth=0.3, alpha=0.35)
       ax.axvline(edge, color="white", linewidth=0.3, alpha=0.35)
     ax.set_title(f"head {head}")
@@ -157,8 +187,11 @@ def plot_attention_maps(probs: np.ndarray, num_pseudo: int, path: str | os.PathL
     if head == 0:
       ax.set_ylabel("query (virtual token)")
   fig.colorbar(image, ax=list(axes), shrink=0.8, label="probability (sqrt scale)")
-  grid = ("no token lines (blocks too small)" if step is None else
-          f"lines every {step // num_pseudo} token(s) = {step} virtual")
+  grid = (
+    "no token lines (blocks too small)"
+    if step is None
+    else f"lines every {step // num_pseudo} token(s) = {step} virtual"
+  )
   fig.suptitle(f"{title + chr(10) if title else ''}P = {num_pseudo}: {grid}", fontsize=9)
   with storage.as_path(path).open("wb") as f:
     fig.savefig(f, format="png", dpi=120)

@@ -7,6 +7,7 @@ the run's config when it fits, else every device on the fsdp axis. Workdirs and 
 directories may be local or remote (`gs://...`, through `iha_jax.storage`). The latest
 checkpoint that cannot be read is skipped with a warning naming its step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,7 @@ def parse_mesh(text: str) -> dict[str, int]:
   return sizes
 
 
-def _mesh_problem(sizes: dict[str, int], model: TransformerConfig, num_devices: int
-                  ) -> str | None:
+def _mesh_problem(sizes: dict[str, int], model: TransformerConfig, num_devices: int) -> str | None:
   """Why `sizes` cannot serve `model` on `num_devices` devices (None: it can)."""
   try:
     data, fsdp, tensor = parallel.resolve_mesh_shape(sizes, num_devices)
@@ -74,8 +74,12 @@ def _mesh_problem(sizes: dict[str, int], model: TransformerConfig, num_devices: 
   return None
 
 
-def choose_mesh(saved: dict[str, int], model: TransformerConfig, num_devices: int,
-                override: dict[str, int] | None = None) -> dict[str, int]:
+def choose_mesh(
+  saved: dict[str, int],
+  model: TransformerConfig,
+  num_devices: int,
+  override: dict[str, int] | None = None,
+) -> dict[str, int]:
   """`override` (must fit), else `saved` if it fits, else `FALLBACK_MESH`."""
   if override is not None:
     problem = _mesh_problem(override, model, num_devices)
@@ -85,14 +89,20 @@ def choose_mesh(saved: dict[str, int], model: TransformerConfig, num_devices: in
   problem = _mesh_problem(saved, model, num_devices)
   if problem is None:
     return saved
-  logging.warning("the saved mesh %s does not fit %d devices (%s); using %s", saved,
-                  num_devices, problem, FALLBACK_MESH)
+  logging.warning(
+    "the saved mesh %s does not fit %d devices (%s); using %s",
+    saved,
+    num_devices,
+    problem,
+    FALLBACK_MESH,
+  )
   return dict(FALLBACK_MESH)
 
 
 @dataclasses.dataclass(frozen=True)
 class RestoredRun:
   """A run's checkpoint restored onto the current devices (parameters only kept)."""
+
   workdir: str
   step: int
   config: ml_collections.ConfigDict
@@ -115,28 +125,34 @@ class RestoredRun:
   def evaluator(self) -> Evaluator:
     # One jit: each new sequence length (sweep) retraces it, with the same shardings.
     # Checkpoints saved before `train.loss` existed trained with cross-entropy.
-    return Evaluator(self.model, self.mesh, self.param_shardings,
-                     self.config.train.get("loss", "cross_entropy"))
+    return Evaluator(
+      self.model, self.mesh, self.param_shardings, self.config.train.get("loss", "cross_entropy")
+    )
 
   def evaluate(self, config: ml_collections.ConfigDict, split: str) -> dict[str, float]:
     """Metrics of one pass over `split` of `config.data` (prepared first if needed)."""
     inputs.prepare(config)
-    return self.evaluator.evaluate(self.params,
-                                   inputs.eval_iterator(config, split, self.eval_batch_size))
+    return self.evaluator.evaluate(
+      self.params, inputs.eval_iterator(config, split, self.eval_batch_size)
+    )
 
 
-def restore_run(workdir: str, step: int | None = None, mesh: dict[str, int] | None = None
-                ) -> RestoredRun:
+def restore_run(
+  workdir: str, step: int | None = None, mesh: dict[str, int] | None = None
+) -> RestoredRun:
   """Restores `workdir`'s checkpoint `step` (default: the newest one that can be read) with
   the config saved in it, onto `mesh` or the mesh `choose_mesh` picks for the current
   devices. `workdir` may be a local path or a URL (`gs://BUCKET/run`)."""
   workdir = storage.resolve(workdir, name="--workdir")
   if not storage.as_path(workdir).is_dir():
-    raise RunNotFoundError(f"--workdir {workdir!r} is not a directory; train a run into it "
-                           f"with python train.py --config CONFIG --workdir {workdir}")
+    raise RunNotFoundError(
+      f"--workdir {workdir!r} is not a directory; train a run into it "
+      f"with python train.py --config CONFIG --workdir {workdir}"
+    )
   no_checkpoint = RunNotFoundError(
-      f"--workdir {workdir!r}: no checkpoint in {ckpt.checkpoint_dir(workdir)}; train.py "
-      f"saves one every checkpoint.every steps and at the end of the run")
+    f"--workdir {workdir!r}: no checkpoint in {ckpt.checkpoint_dir(workdir)}; train.py "
+    f"saves one every checkpoint.every steps and at the end of the run"
+  )
   if not storage.as_path(ckpt.checkpoint_dir(workdir)).is_dir():
     raise no_checkpoint
   manager = ckpt.make_manager(workdir)
@@ -159,31 +175,46 @@ def restore_run(workdir: str, step: int | None = None, mesh: dict[str, int] | No
 
     if step is None:
       step, (config, model, device_mesh, state, shardings), _ = ckpt.restore_newest(
-          manager, restore_step)
+        manager, restore_step
+      )
     else:
       try:
         config, model, device_mesh, state, shardings = restore_step(step)
       except Exception as e:  # pylint: disable=broad-except
         if not ckpt.is_read_error(e):
           raise
-        raise ckpt.CheckpointError(f"--step={step}: the checkpoint in "
-                                   f"{ckpt.checkpoint_dir(workdir)} cannot be read "
-                                   f"({ckpt.describe(e)}); pick another of steps {steps}"
-                                   ) from e
+        raise ckpt.CheckpointError(
+          f"--step={step}: the checkpoint in "
+          f"{ckpt.checkpoint_dir(workdir)} cannot be read "
+          f"({ckpt.describe(e)}); pick another of steps {steps}"
+        ) from e
   finally:
     manager.close()
-  return RestoredRun(workdir=workdir, step=int(step), config=config, model=model,
-                     mesh=device_mesh, params=state.params, param_shardings=shardings.params)
+  return RestoredRun(
+    workdir=workdir,
+    step=int(step),
+    config=config,
+    model=model,
+    mesh=device_mesh,
+    params=state.params,
+    param_shardings=shardings.params,
+  )
 
 
-def evaluate_workdir(workdir: str, split: str = "test", step: int | None = None,
-                     mesh: dict[str, int] | None = None) -> dict[str, Any]:
+def evaluate_workdir(
+  workdir: str, split: str = "test", step: int | None = None, mesh: dict[str, int] | None = None
+) -> dict[str, Any]:
   """Restores `workdir`'s checkpoint (see `restore_run`), evaluates `split`, writes
   `workdir/eval.json` (process 0) and returns the record."""
   run = restore_run(workdir, step, mesh)
   config = run.config
-  record = {"step": run.step, "split": split, "dataset": config.data.name,
-            "mesh": dict(run.mesh.shape), **run.evaluate(config, split)}
+  record = {
+    "step": run.step,
+    "split": split,
+    "dataset": config.data.name,
+    "mesh": dict(run.mesh.shape),
+    **run.evaluate(config, split),
+  }
   chance = chance_exact_match(config)
   if chance is not None:
     record["chance_exact_match"] = chance
@@ -205,22 +236,38 @@ def chance_exact_match(config: ml_collections.ConfigDict) -> float | None:
   return float(task.num_value_tokens) ** (-task.value_len * task.num_queries)
 
 
-def attention_pictures(workdir: str, layer: int, out_dir: str, *, split: str = "test",
-                       example: int = 0, step: int | None = None,
-                       mesh: dict[str, int] | None = None) -> str:
+def attention_pictures(
+  workdir: str,
+  layer: int,
+  out_dir: str,
+  *,
+  split: str = "test",
+  example: int = 0,
+  step: int | None = None,
+  mesh: dict[str, int] | None = None,
+) -> str:
   """Draws every head's attention in layer `layer` for test example `example` to
   `out_dir/<run>_layer<layer>.png` (one panel per head, P x P token blocks outlined)
   and returns the path. The maps are dense `[T, T]`: meant for short examples."""
   run = restore_run(workdir, step, mesh)
   num_layers = run.model.config.num_layers
   if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
-    raise EvalError(f"--attention_layer={layer!r} is out of range: {workdir!r} has "
-                     f"{num_layers} layers (0..{num_layers - 1})")
+    raise EvalError(
+      f"--attention_layer={layer!r} is out of range: {workdir!r} has "
+      f"{num_layers} layers (0..{num_layers - 1})"
+    )
   if example < 0:
     raise EvalError(f"--attention_example must be >= 0, got {example}")
   # One unshuffled process-independent row: every process draws the same example.
-  rows = data_lib.make_dataset(run.config.data, split, global_batch_size=1, shard_index=0,
-                               shard_count=1, shuffle=False, num_epochs=1)
+  rows = data_lib.make_dataset(
+    run.config.data,
+    split,
+    global_batch_size=1,
+    shard_index=0,
+    shard_count=1,
+    shuffle=False,
+    num_epochs=1,
+  )
   for index, batch in enumerate(rows):  # noqa: B007 (the loop finds the row)
     if index == example:
       break
@@ -235,7 +282,11 @@ def attention_pictures(workdir: str, layer: int, out_dir: str, *, split: str = "
   path = storage.join(out_dir, f"{run.name}_layer{layer}.png")
   if jax.process_index() == 0:
     storage.makedirs(out_dir)
-    plot_attention_maps(probs, num_pseudo, path,
-                        title=f"{run.name} step {run.step}, layer {layer} ('{kind}', "
-                              f"P={num_pseudo}), {split} example {example}")
+    plot_attention_maps(
+      probs,
+      num_pseudo,
+      path,
+      title=f"{run.name} step {run.step}, layer {layer} ('{kind}', "
+      f"P={num_pseudo}), {split} example {example}",
+    )
   return path

@@ -6,6 +6,7 @@ length. An overridden task gets its own dataset directory (the data package name
 a digest of the options), prepared offline on first use. Lengths beyond the training
 length measure RoPE extrapolation: accuracy is expected to fall there.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,10 @@ if TYPE_CHECKING:
   from matplotlib.figure import Figure
 
 TASKS = ("multikey_retrieval", "mqar")  # tasks with a `length` option and exact match
-TASK_TITLES = {"multikey_retrieval": "Multi-key retrieval",
-               "mqar": "Multi-query associative recall"}
+TASK_TITLES = {
+  "multikey_retrieval": "Multi-key retrieval",
+  "mqar": "Multi-query associative recall",
+}
 JSON_NAME, PNG_NAME = "length_sweep.json", "length_sweep.png"
 
 
@@ -42,8 +45,9 @@ def parse_lengths(values: Sequence[str | int]) -> list[int]:
   return lengths
 
 
-def task_config(config: ml_collections.ConfigDict, length: int, num_examples: int
-                ) -> ml_collections.ConfigDict:
+def task_config(
+  config: ml_collections.ConfigDict, length: int, num_examples: int
+) -> ml_collections.ConfigDict:
   """A copy of a run's config whose data is its retrieval task at `length` tokens, with
   `num_examples` test examples (and one of each other split: not read, but generated)."""
   config = ml_collections.ConfigDict(config.to_dict())
@@ -63,9 +67,16 @@ def run_label(name: str, config: ml_collections.ConfigDict) -> str:
   return f"{name} ({schedule}, P={p})"
 
 
-def length_sweep(workdirs: Sequence[str], lengths: Sequence[int], out_dir: str, *,
-                 num_examples: int = 128, split: str = "test", step: int | None = None,
-                 mesh: dict[str, int] | None = None) -> dict[str, Any]:
+def length_sweep(
+  workdirs: Sequence[str],
+  lengths: Sequence[int],
+  out_dir: str,
+  *,
+  num_examples: int = 128,
+  split: str = "test",
+  step: int | None = None,
+  mesh: dict[str, int] | None = None,
+) -> dict[str, Any]:
   """Evaluates every run at every length; writes `out_dir/length_sweep.{json,png}`.
 
   Returns:
@@ -83,15 +94,22 @@ def length_sweep(workdirs: Sequence[str], lengths: Sequence[int], out_dir: str, 
   for workdir in workdirs:
     run = restore_run(workdir, step, mesh)
     if not run.config.data.name.startswith(TASKS):
-      raise EvalError(f"--sweep_lengths needs runs trained on one of {TASKS}; "
-                       f"--workdir {workdir!r} trained on {run.config.data.name!r}")
+      raise EvalError(
+        f"--sweep_lengths needs runs trained on one of {TASKS}; "
+        f"--workdir {workdir!r} trained on {run.config.data.name!r}"
+      )
     # Distinct names even for runs whose directories share a basename.
     name = run.name if run.name not in runs else run.workdir
-    record = {"workdir": run.workdir, "label": run_label(name, run.config),
-              "dataset": run.config.data.name,
-              "step": run.step, "train_length": run.config.data.seq_len,
-              "chance_exact_match": chance_exact_match(run.config),
-              "exact_match": {}, "token_accuracy": {}}
+    record = {
+      "workdir": run.workdir,
+      "label": run_label(name, run.config),
+      "dataset": run.config.data.name,
+      "step": run.step,
+      "train_length": run.config.data.seq_len,
+      "chance_exact_match": chance_exact_match(run.config),
+      "exact_match": {},
+      "token_accuracy": {},
+    }
     for length in lengths:
       metrics = run.evaluate(task_config(run.config, length, num_examples), split)
       record["exact_match"][str(length)] = metrics["exact_match"]
@@ -131,8 +149,13 @@ def plot_sweep(result: dict[str, Any], path: str) -> Figure:
   lengths = result["lengths"]
   for index, record in enumerate(result["runs"].values()):
     color = f"C{index}"
-    ax.plot(lengths, [record["exact_match"][str(n)] for n in lengths], marker="o",
-            color=color, label=record["label"])
+    ax.plot(
+      lengths,
+      [record["exact_match"][str(n)] for n in lengths],
+      marker="o",
+      color=color,
+      label=record["label"],
+    )
     ax.axvline(record["train_length"], color=color, linestyle=":", linewidth=1)
   chances = {r["chance_exact_match"] for r in result["runs"].values()} - {None}
   if len(chances) == 1:
@@ -148,4 +171,3 @@ def plot_sweep(result: dict[str, Any], path: str) -> Figure:
   with storage.as_path(path).open("wb") as f:
     fig.savefig(f, format="png", dpi=120)
   return fig
-

@@ -26,6 +26,7 @@ works (Triton tiles must be powers of two; P need not be). The mask is
 `iha_jax.ops.masking.visible` (causal or bidirectional, global or window), and
 the kernels visit only the tiles of its band (`kv_range`, `q_range`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,6 +66,7 @@ class Config:
     causal: virtual query t sees keys s <= t (and `t - s < window`); False:
       bidirectional, every key of its segment (and `|t - s| < window`).
   """
+
   num_heads: int
   num_targets: int
   num_pseudo: int
@@ -95,7 +97,7 @@ class Config:
 
   @property
   def scale(self) -> float:
-    return self.head_dim ** -0.5
+    return self.head_dim**-0.5
 
   @property
   def num_q_blocks(self) -> int:
@@ -117,6 +119,7 @@ def split_alpha(refs: Sequence, cfg: Config) -> tuple[tuple, Sequence]:
 # Tile i of queries covers virtual rows [i*bq*P, (i+1)*bq*P); tile j of keys likewise.
 # `xp` is jnp for traced grid/loop indices and np for static band widths; indices are
 # non-negative, so truncating division (lax.div: Triton-safe) is floor division.
+
 
 def _div(x, d: int, xp):
   return x // d if xp is np else lax.div(x, jnp.int32(d))
@@ -142,15 +145,29 @@ def _overlap(first, last, before: int | None, after: int | None, block: int, cou
 def kv_range(i, cfg: Config, xp=jnp):
   """Key tiles [lo, hi) visible to query tile i."""
   bqv, bkv = cfg.block_q * cfg.num_pseudo, cfg.block_k * cfg.num_pseudo
-  return _overlap(i * bqv, (i + 1) * bqv - 1, _reach(cfg, ahead=False), _reach(cfg, ahead=True),
-                  bkv, cfg.num_k_blocks, xp)
+  return _overlap(
+    i * bqv,
+    (i + 1) * bqv - 1,
+    _reach(cfg, ahead=False),
+    _reach(cfg, ahead=True),
+    bkv,
+    cfg.num_k_blocks,
+    xp,
+  )
 
 
 def q_range(j, cfg: Config, xp=jnp):
   """Query tiles [lo, hi) that see key tile j (kv_range's reaches, mirrored)."""
   bqv, bkv = cfg.block_q * cfg.num_pseudo, cfg.block_k * cfg.num_pseudo
-  return _overlap(j * bkv, (j + 1) * bkv - 1, _reach(cfg, ahead=True), _reach(cfg, ahead=False),
-                  bqv, cfg.num_q_blocks, xp)
+  return _overlap(
+    j * bkv,
+    (j + 1) * bkv - 1,
+    _reach(cfg, ahead=True),
+    _reach(cfg, ahead=False),
+    bqv,
+    cfg.num_q_blocks,
+    xp,
+  )
 
 
 def max_kv_band(cfg: Config) -> int:
@@ -167,13 +184,13 @@ def max_q_band(cfg: Config) -> int:
 
 # --- Pseudo tiles: mixing and RoPE on chip. ------------------------------------------------
 
+
 def coefficient(alpha_ref, h, m, p, cfg: Config) -> jax.Array:
   """alpha[m, h, p] from the flat `[H*H*P]` layout (h, m may be traced)."""
   return alpha_ref[(h * cfg.num_heads + m) * cfg.num_pseudo + p]
 
 
-def pseudo_tile(load: Callable[[jax.Array | int], Parts], alpha_ref, h, cfg: Config
-                ) -> list[Parts]:
+def pseudo_tile(load: Callable[[jax.Array | int], Parts], alpha_ref, h, cfg: Config) -> list[Parts]:
   """P pseudo pieces of target head h: `piece[p] = sum_m alpha[m,h,p] * source[m]`, float32.
 
   `load(m)` returns source head m's tile as lane parts. Without mixing (MHA), the
@@ -184,12 +201,15 @@ def pseudo_tile(load: Callable[[jax.Array | int], Parts], alpha_ref, h, cfg: Con
 
   def add_source(m, pieces):
     src = [x.astype(jnp.float32) for x in load(m)]
-    return tuple(tuple(acc + coefficient(alpha_ref, h, m, p, cfg) * x for acc, x in zip(piece, src))
-                 for p, piece in enumerate(pieces))
+    return tuple(
+      tuple(acc + coefficient(alpha_ref, h, m, p, cfg) * x for acc, x in zip(piece, src))
+      for p, piece in enumerate(pieces)
+    )
 
   first = [x.astype(jnp.float32) for x in load(0)]
-  pieces = tuple(tuple(coefficient(alpha_ref, h, 0, p, cfg) * x for x in first)
-                 for p in range(cfg.num_pseudo))
+  pieces = tuple(
+    tuple(coefficient(alpha_ref, h, 0, p, cfg) * x for x in first) for p in range(cfg.num_pseudo)
+  )
   return list(lax.fori_loop(1, cfg.num_heads, add_source, pieces))
 
 
@@ -198,8 +218,7 @@ def virtual_position(pos_col: jax.Array, p: int, cfg: Config) -> jax.Array:
   return (pos_col * cfg.num_pseudo + p).astype(jnp.float32)
 
 
-def rope(parts: Parts, vpos: jax.Array, inv_freq: jax.Array, *, transpose: bool = False
-         ) -> Parts:
+def rope(parts: Parts, vpos: jax.Array, inv_freq: jax.Array, *, transpose: bool = False) -> Parts:
   """Rotate-half RoPE on lane halves `(x1, x2)`; `transpose` applies R^T (the VJP)."""
   angles = vpos * inv_freq  # [rows, 1] * [1, half]
   cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -212,8 +231,9 @@ def rotated_pieces(load, alpha_ref, h, pos_col, inv_freq, cfg: Config, dtype) ->
   """Pseudo q or k pieces at virtual positions, cast to the matmul dtype."""
   pieces = pseudo_tile(load, alpha_ref, h, cfg)
   if cfg.rope:
-    pieces = [rope(piece, virtual_position(pos_col, p, cfg), inv_freq)
-              for p, piece in enumerate(pieces)]
+    pieces = [
+      rope(piece, virtual_position(pos_col, p, cfg), inv_freq) for p, piece in enumerate(pieces)
+    ]
   return [tuple(x.astype(dtype) for x in piece) for piece in pieces]
 
 
@@ -224,6 +244,7 @@ def plain_pieces(load, alpha_ref, h, cfg: Config, dtype) -> list[Parts]:
 
 # --- Attention on one (query tile, key tile) pair. ------------------------------------------
 
+
 def _precision(dtype) -> lax.Precision:
   # float32 inputs get true float32 matmuls (TPU DEFAULT would round to bf16).
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
@@ -231,8 +252,13 @@ def _precision(dtype) -> lax.Precision:
 
 def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
   """2-D matmul contracting a's axis contract[0] with b's axis contract[1], float32 result."""
-  return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
-                         precision=_precision(a.dtype), preferred_element_type=jnp.float32)
+  return lax.dot_general(
+    a,
+    b,
+    (((contract[0],), (contract[1],)), ((), ())),
+    precision=_precision(a.dtype),
+    preferred_element_type=jnp.float32,
+  )
 
 
 def scores(q: Parts, k: Parts, cfg: Config) -> jax.Array:
@@ -240,8 +266,15 @@ def scores(q: Parts, k: Parts, cfg: Config) -> jax.Array:
   return sum(dot(a, b, (1, 1)) for a, b in zip(q, k)) * cfg.scale
 
 
-def tile_mask(q_tok: jax.Array, k_tok: jax.Array, pq: int, pk: int, seg_q: jax.Array,
-              seg_k: jax.Array, cfg: Config) -> jax.Array:
+def tile_mask(
+  q_tok: jax.Array,
+  k_tok: jax.Array,
+  pq: int,
+  pk: int,
+  seg_q: jax.Array,
+  seg_k: jax.Array,
+  cfg: Config,
+) -> jax.Array:
   """`ops.masking.visible` on virtual indices t = n * P + p.
 
   `q_tok, seg_q: [bq, 1]` and `k_tok, seg_k: [1, bk]` (token indices, segment ids).
@@ -263,12 +296,24 @@ SoftmaxState = list[tuple[jax.Array, jax.Array, jax.Array]]  # per query piece: 
 
 def init_state(cfg: Config) -> SoftmaxState:
   rows = cfg.block_q
-  return [(jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-           jnp.zeros((rows, cfg.value_width), jnp.float32)) for _ in range(cfg.num_pseudo)]
+  return [
+    (
+      jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+      jnp.zeros((rows, 1), jnp.float32),
+      jnp.zeros((rows, cfg.value_width), jnp.float32),
+    )
+    for _ in range(cfg.num_pseudo)
+  ]
 
 
-def forward_tile(state: SoftmaxState, q: Sequence[Parts], k: Sequence[Parts],
-                 v: Sequence[Parts], mask: MaskFn, cfg: Config) -> SoftmaxState:
+def forward_tile(
+  state: SoftmaxState,
+  q: Sequence[Parts],
+  k: Sequence[Parts],
+  v: Sequence[Parts],
+  mask: MaskFn,
+  cfg: Config,
+) -> SoftmaxState:
   """One online-softmax step of every query piece against every key piece."""
   out = []
   for pq, (m_prev, l_prev, acc_prev) in enumerate(state):
@@ -297,9 +342,16 @@ def finalize(state: SoftmaxState, seg_q: jax.Array) -> list[tuple[jax.Array, jax
   return out
 
 
-def probs_and_grads(q: Parts, k: Parts, v: Parts, do: jax.Array, lse: jax.Array,
-                    delta: jax.Array, mask: jax.Array, cfg: Config
-                    ) -> tuple[jax.Array, jax.Array]:
+def probs_and_grads(
+  q: Parts,
+  k: Parts,
+  v: Parts,
+  do: jax.Array,
+  lse: jax.Array,
+  delta: jax.Array,
+  mask: jax.Array,
+  cfg: Config,
+) -> tuple[jax.Array, jax.Array]:
   """FlashAttention-2 backward tile: probabilities p and score gradients ds, `[bq, bk]` f32.
 
   ds already carries the softmax scale, so `dq = ds @ k` and `dk = ds^T @ q`.
@@ -309,9 +361,15 @@ def probs_and_grads(q: Parts, k: Parts, v: Parts, do: jax.Array, lse: jax.Array,
   return p, p * (dp - delta) * cfg.scale
 
 
-def scatter_to_sources(grads: Sequence[Parts], load: Callable[[jax.Array | int], Parts],
-                       add_to_source: Callable[[jax.Array | int, Parts], None], alpha_ref,
-                       dalpha_ref, h, cfg: Config) -> None:
+def scatter_to_sources(
+  grads: Sequence[Parts],
+  load: Callable[[jax.Array | int], Parts],
+  add_to_source: Callable[[jax.Array | int, Parts], None],
+  alpha_ref,
+  dalpha_ref,
+  h,
+  cfg: Config,
+) -> None:
   """Backward of `pseudo_tile` for target head h, contracted on chip (no P-sized output).
 
   `grads[p]` is the float32 gradient of pseudo piece p (before RoPE). Adds
@@ -325,12 +383,15 @@ def scatter_to_sources(grads: Sequence[Parts], load: Callable[[jax.Array | int],
 
   def body(m, carry):
     src = [x.astype(jnp.float32) for x in load(m)]
-    update = [sum(coefficient(alpha_ref, h, m, p, cfg) * g[c] for p, g in enumerate(grads))
-              for c in range(len(src))]
+    update = [
+      sum(coefficient(alpha_ref, h, m, p, cfg) * g[c] for p, g in enumerate(grads))
+      for c in range(len(src))
+    ]
     add_to_source(m, tuple(update))
     for p, g in enumerate(grads):
       dalpha_ref[(h * cfg.num_heads + m) * cfg.num_pseudo + p] = sum(
-          jnp.sum(x * gc) for x, gc in zip(src, g))
+        jnp.sum(x * gc) for x, gc in zip(src, g)
+      )
     return carry
 
   lax.fori_loop(0, cfg.num_heads, body, 0)

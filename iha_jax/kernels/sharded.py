@@ -15,6 +15,7 @@ so each device attends over its own rows (and heads) only.
 `mesh=None` takes the mesh made current by `jax.set_mesh` (`iha_jax.parallel.activate`);
 `batch_axes` / `head_axis` name its axes (`()` / None: not split).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,13 +36,13 @@ MeshLike = Mesh | AbstractMesh
 def _current(mesh: MeshLike | None) -> MeshLike:
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   if mesh.empty:
-    raise ValueError("no mesh: pass mesh= or call under jax.set_mesh / "
-                     "iha_jax.parallel.activate")
+    raise ValueError("no mesh: pass mesh= or call under jax.set_mesh / iha_jax.parallel.activate")
   return mesh
 
 
-def check_divisible(mesh: MeshLike, batch: int, heads: int, batch_axes: Sequence[str],
-                    head_axis: str | None) -> None:
+def check_divisible(
+  mesh: MeshLike, batch: int, heads: int, batch_axes: Sequence[str], head_axis: str | None
+) -> None:
   """Batch and head counts must split evenly over their mesh axes (named in the error)."""
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   for axis in (*batch_axes, *([head_axis] if head_axis else [])):
@@ -49,31 +50,46 @@ def check_divisible(mesh: MeshLike, batch: int, heads: int, batch_axes: Sequence
       raise ValueError(f"mesh axis {axis!r} does not exist; the mesh has {tuple(sizes)}")
   shards = math.prod(sizes[a] for a in batch_axes)
   if batch % shards:
-    raise ValueError(f"batch B={batch} is not divisible by the mesh axes {tuple(batch_axes)} "
-                     f"(size {shards}); use a batch that is a multiple of {shards}")
+    raise ValueError(
+      f"batch B={batch} is not divisible by the mesh axes {tuple(batch_axes)} "
+      f"(size {shards}); use a batch that is a multiple of {shards}"
+    )
   if head_axis and heads % sizes[head_axis]:
-    raise ValueError(f"num_heads H={heads} is not divisible by mesh axis {head_axis!r} "
-                     f"(size {sizes[head_axis]}); use H a multiple of it")
+    raise ValueError(
+      f"num_heads H={heads} is not divisible by mesh axis {head_axis!r} "
+      f"(size {sizes[head_axis]}); use H a multiple of it"
+    )
 
 
-def _shard_map(local: Callable, mesh: MeshLike, in_specs: tuple, out_specs: P,
-               args: Sequence[jax.Array]) -> jax.Array:
-  axes = {a for spec in in_specs for entry in spec if entry
-          for a in ((entry,) if isinstance(entry, str) else entry)}
+def _shard_map(
+  local: Callable, mesh: MeshLike, in_specs: tuple, out_specs: P, args: Sequence[jax.Array]
+) -> jax.Array:
+  axes = {
+    a
+    for spec in in_specs
+    for entry in spec
+    if entry
+    for a in ((entry,) if isinstance(entry, str) else entry)
+  }
   types = dict(zip(mesh.axis_names, mesh.axis_types))
   # Explicit-axis meshes (jax.make_mesh's default) want inputs laid out as in_specs;
   # Auto axes are resharded by shard_map itself.
   if axes and all(types[axis] == AxisType.Explicit for axis in axes):
     args = [jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(args, in_specs)]
   # pallas_call carries no varying-manual-axes types: check_vma off.
-  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=False)(*args)
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+    *args
+  )
 
 
-def _prepare(q: jax.Array, mesh: MeshLike | None, batch_axes: Sequence[str],
-             head_axis: str | None, segment_ids: jax.Array | None,
-             positions: jax.Array | None) -> tuple[MeshLike, tuple[str, ...], jax.Array,
-                                                   jax.Array]:
+def _prepare(
+  q: jax.Array,
+  mesh: MeshLike | None,
+  batch_axes: Sequence[str],
+  head_axis: str | None,
+  segment_ids: jax.Array | None,
+  positions: jax.Array | None,
+) -> tuple[MeshLike, tuple[str, ...], jax.Array, jax.Array]:
   """The mesh, batch axes and explicit `[B, N]` ids / positions of a sharded call (the
   kernels fill defaults themselves, but shard_map needs an array per in_spec)."""
   mesh = _current(mesh)
@@ -84,15 +100,26 @@ def _prepare(q: jax.Array, mesh: MeshLike | None, batch_axes: Sequence[str],
   return mesh, batch, segment_ids, default_positions(q, positions)
 
 
-def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
-                          alpha_k: jax.Array, alpha_v: jax.Array, collapse: jax.Array, *,
-                          mesh: MeshLike | None = None, batch_axes: Sequence[str] = ("data",),
-                          head_axis: str | None = "tensor", window: int | None = None,
-                          segment_ids: jax.Array | None = None,
-                          positions: jax.Array | None = None,
-                          rope_theta: float | None = 10000.0, causal: bool = True,
-                          platform: str = "gpu",
-                          block_sizes: BlockSizes | None = None) -> jax.Array:
+def sharded_iha_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  alpha_q: jax.Array,
+  alpha_k: jax.Array,
+  alpha_v: jax.Array,
+  collapse: jax.Array,
+  *,
+  mesh: MeshLike | None = None,
+  batch_axes: Sequence[str] = ("data",),
+  head_axis: str | None = "tensor",
+  window: int | None = None,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+  rope_theta: float | None = 10000.0,
+  causal: bool = True,
+  platform: str = "gpu",
+  block_sizes: BlockSizes | None = None,
+) -> jax.Array:
   """`iha_attention` (fused kernels) via `jax.shard_map` over `mesh`.
 
   Args:
@@ -106,16 +133,26 @@ def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax
   Returns:
     `[B, N, H, d]`: batch-sharded; per_head collapse also head-sharded.
   """
-  mesh, batch, segment_ids, positions = _prepare(q, mesh, batch_axes, head_axis,
-                                                 segment_ids, positions)
+  mesh, batch, segment_ids, positions = _prepare(
+    q, mesh, batch_axes, head_axis, segment_ids, positions
+  )
   full = collapse.ndim == 3
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions):
-    y, restore = fused.collapsed_outputs(q, k, v, (alpha_q, alpha_k, alpha_v), collapse,
-                                         window=window, segment_ids=segment_ids,
-                                         positions=positions, rope_theta=rope_theta,
-                                         causal=causal, platform=platform,
-                                         block_sizes=block_sizes)
+    y, restore = fused.collapsed_outputs(
+      q,
+      k,
+      v,
+      (alpha_q, alpha_k, alpha_v),
+      collapse,
+      window=window,
+      segment_ids=segment_ids,
+      positions=positions,
+      rope_theta=rope_theta,
+      causal=causal,
+      platform=platform,
+      block_sizes=block_sizes,
+    )
     if full and head_axis:  # every output head mixes every target head: sum the shares
       y = jax.lax.psum(y, head_axis)
     return restore(y).astype(q.dtype)
@@ -123,35 +160,68 @@ def sharded_iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax
   source = P(batch, None, None, None)
   alpha = P(None, head_axis, None)
   tokens = P(batch, None)
-  in_specs = (source, source, source, alpha, alpha, alpha,
-              alpha if full else P(head_axis, None), tokens, tokens)
+  in_specs = (
+    source,
+    source,
+    source,
+    alpha,
+    alpha,
+    alpha,
+    alpha if full else P(head_axis, None),
+    tokens,
+    tokens,
+  )
   out_specs = source if full else P(batch, None, head_axis, None)
-  return _shard_map(local, mesh, in_specs, out_specs,
-                    (q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions))
+  return _shard_map(
+    local,
+    mesh,
+    in_specs,
+    out_specs,
+    (q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions),
+  )
 
 
-def sharded_mha_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                          mesh: MeshLike | None = None, batch_axes: Sequence[str] = ("data",),
-                          head_axis: str | None = "tensor", window: int | None = None,
-                          segment_ids: jax.Array | None = None,
-                          positions: jax.Array | None = None,
-                          rope_theta: float | None = 10000.0, causal: bool = True,
-                          platform: str = "gpu",
-                          block_sizes: BlockSizes | None = None) -> jax.Array:
+def sharded_mha_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  mesh: MeshLike | None = None,
+  batch_axes: Sequence[str] = ("data",),
+  head_axis: str | None = "tensor",
+  window: int | None = None,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+  rope_theta: float | None = 10000.0,
+  causal: bool = True,
+  platform: str = "gpu",
+  block_sizes: BlockSizes | None = None,
+) -> jax.Array:
   """`mha_attention` (fused kernels) via `jax.shard_map`: heads are independent, so
   q `[B, N, H, d]`, k, v `[B, N, H, dv]` and the output stay split over batch and heads.
 
   Args and returns as `sharded_iha_attention` without the mixing; `[B, N, H, dv]`.
   """
-  mesh, batch, segment_ids, positions = _prepare(q, mesh, batch_axes, head_axis,
-                                                 segment_ids, positions)
+  mesh, batch, segment_ids, positions = _prepare(
+    q, mesh, batch_axes, head_axis, segment_ids, positions
+  )
 
   def local(q, k, v, segment_ids, positions):
-    return fused.mha_attention(q, k, v, window=window, segment_ids=segment_ids,
-                               positions=positions, rope_theta=rope_theta, causal=causal,
-                               platform=platform, block_sizes=block_sizes)
+    return fused.mha_attention(
+      q,
+      k,
+      v,
+      window=window,
+      segment_ids=segment_ids,
+      positions=positions,
+      rope_theta=rope_theta,
+      causal=causal,
+      platform=platform,
+      block_sizes=block_sizes,
+    )
 
   heads = P(batch, None, head_axis, None)
   tokens = P(batch, None)
-  return _shard_map(local, mesh, (heads, heads, heads, tokens, tokens), heads,
-                    (q, k, v, segment_ids, positions))
+  return _shard_map(
+    local, mesh, (heads, heads, heads, tokens, tokens), heads, (q, k, v, segment_ids, positions)
+  )

@@ -1,4 +1,5 @@
 """Transformer configuration (decoder LM or encoder) and the per-layer attention schedule."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,18 +12,24 @@ from iha_jax.ops.validation import is_int
 
 # Schedule letter -> the layer's attention.
 SCHEDULE_LETTERS = {
-    "I": "global IHA",
-    "L": "sliding-window IHA, window iha_window",
-    "M": "global MHA",
-    "S": "sliding-window MHA, window mha_window",
-    "T": "global Talking-Heads attention",
-    "D": "global differential attention, num_heads/2 heads with value width 2*head_dim",
-    "X": "global 2-simplicial attention (no RoPE)",
+  "I": "global IHA",
+  "L": "sliding-window IHA, window iha_window",
+  "M": "global MHA",
+  "S": "sliding-window MHA, window mha_window",
+  "T": "global Talking-Heads attention",
+  "D": "global differential attention, num_heads/2 heads with value width 2*head_dim",
+  "X": "global 2-simplicial attention (no RoPE)",
 }
 # Schedule letter -> (attention kind, windowed).
-LETTER_KINDS = {"I": ("iha", False), "L": ("iha", True), "M": ("mha", False),
-                "S": ("mha", True), "T": ("talking_heads", False), "D": ("diff", False),
-                "X": ("simplicial", False)}
+LETTER_KINDS = {
+  "I": ("iha", False),
+  "L": ("iha", True),
+  "M": ("mha", False),
+  "S": ("mha", True),
+  "T": ("talking_heads", False),
+  "D": ("diff", False),
+  "X": ("simplicial", False),
+}
 
 
 MLP_TYPES = ("swiglu", "gelu")
@@ -35,13 +42,17 @@ def expand_schedule(schedule: str, num_layers: int) -> str:
   Raises ValueError for an empty schedule, an unknown letter or `num_layers < 1`.
   """
   if not isinstance(schedule, str) or not schedule:
-    raise ValueError(f"schedule must be a non-empty string of letters "
-                     f"{'/'.join(SCHEDULE_LETTERS)}, got {schedule!r}")
+    raise ValueError(
+      f"schedule must be a non-empty string of letters "
+      f"{'/'.join(SCHEDULE_LETTERS)}, got {schedule!r}"
+    )
   for index, letter in enumerate(schedule):
     if letter not in SCHEDULE_LETTERS:
       allowed = ", ".join(f"{k} ({v})" for k, v in SCHEDULE_LETTERS.items())
-      raise ValueError(f"schedule {schedule!r} has unknown letter {letter!r} at index {index}; "
-                       f"allowed letters: {allowed}")
+      raise ValueError(
+        f"schedule {schedule!r} has unknown letter {letter!r} at index {index}; "
+        f"allowed letters: {allowed}"
+      )
   if not is_int(num_layers, 1):
     raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
   repeats = -(-num_layers // len(schedule))
@@ -80,6 +91,7 @@ class TransformerConfig:
     mixing_noise_std: std of Gaussian noise added to the identity init of the head
       mixings (IHA's `alpha_*` and `collapse`, Talking-Heads' `talk_*`).
   """
+
   vocab_size: int
   num_layers: int
   model_dim: int
@@ -112,8 +124,10 @@ class TransformerConfig:
     if not self.norm_eps > 0:
       raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
     if self.num_outputs is not None and not is_int(self.num_outputs, 1):
-      raise ValueError(f"num_outputs must be None (vocabulary logits) or a positive integer, "
-                       f"got {self.num_outputs!r}")
+      raise ValueError(
+        f"num_outputs must be None (vocabulary logits) or a positive integer, "
+        f"got {self.num_outputs!r}"
+      )
     if not isinstance(self.mixing_noise_std, (int, float)) or not self.mixing_noise_std >= 0:
       raise ValueError(f"mixing_noise_std must be a number >= 0, got {self.mixing_noise_std!r}")
     try:
@@ -121,14 +135,20 @@ class TransformerConfig:
     except ValueError as e:
       raise ValueError(f"attention_schedule: {e}") from e
     if "L" in schedule and self.iha_window is None:
-      raise ValueError("iha_window must be set: attention_schedule "
-                       f"{self.attention_schedule!r} has 'L' (sliding-window IHA) layers")
+      raise ValueError(
+        "iha_window must be set: attention_schedule "
+        f"{self.attention_schedule!r} has 'L' (sliding-window IHA) layers"
+      )
     if "S" in schedule and self.mha_window is None:
-      raise ValueError("mha_window must be set: attention_schedule "
-                       f"{self.attention_schedule!r} has 'S' (sliding-window MHA) layers")
+      raise ValueError(
+        "mha_window must be set: attention_schedule "
+        f"{self.attention_schedule!r} has 'S' (sliding-window MHA) layers"
+      )
     if "D" in schedule and self.num_heads % 2:
-      raise ValueError(f"num_heads must be even for 'D' (differential) layers, which use "
-                       f"num_heads/2 heads of value width 2*head_dim; got {self.num_heads}")
+      raise ValueError(
+        f"num_heads must be even for 'D' (differential) layers, which use "
+        f"num_heads/2 heads of value width 2*head_dim; got {self.num_heads}"
+      )
     for letter in set(schedule):  # Validates dims, windows, collapse_mode, RoPE, ...
       self.attention_config(letter)
 
@@ -148,8 +168,16 @@ class TransformerConfig:
     kind, windowed = LETTER_KINDS[letter]
     window = (self.iha_window if kind == "iha" else self.mha_window) if windowed else None
     return AttentionConfig(
-        self.model_dim, self.num_heads // 2 if kind == "diff" else self.num_heads,
-        self.head_dim, kind=kind, num_pseudo=self.num_pseudo if kind == "iha" else None,
-        window=window, rope_theta=None if kind == "simplicial" else self.rope_theta,
-        collapse_mode=self.collapse_mode, causal=self.causal, layer=layer, dtype=self.dtype,
-        implementation=self.implementation)
+      self.model_dim,
+      self.num_heads // 2 if kind == "diff" else self.num_heads,
+      self.head_dim,
+      kind=kind,
+      num_pseudo=self.num_pseudo if kind == "iha" else None,
+      window=window,
+      rope_theta=None if kind == "simplicial" else self.rope_theta,
+      collapse_mode=self.collapse_mode,
+      causal=self.causal,
+      layer=layer,
+      dtype=self.dtype,
+      implementation=self.implementation,
+    )

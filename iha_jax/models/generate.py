@@ -6,6 +6,7 @@ a `lax.scan` over the new tokens with static cache shapes. All rows of a batch s
 position (prompts of equal length, no padding); positions are `arange` as in the
 default full forward. See `iha_jax.models.kv_cache` for the cache layouts.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,27 +27,30 @@ from iha_jax.models.transformer import TransformerLM, check_tokens
 from iha_jax.ops.validation import is_int
 
 
-def _prefill(model: TransformerLM, tokens: jax.Array, max_len: int,
-             cache_mode: str) -> tuple[jax.Array, KVCache]:
+def _prefill(
+  model: TransformerLM, tokens: jax.Array, max_len: int, cache_mode: str
+) -> tuple[jax.Array, KVCache]:
   cache = init_cache(model.config, tokens.shape[0], max_len, cache_mode)
   x = model.embed(tokens)
   layers = []
   for block, layer_cache in zip(model.layers, cache.layers):
     x, layer_cache = block.apply_with(
-        x, lambda h, c=layer_cache, a=block.attn: (a(h), prefill_layer(a, h, c, cache_mode)))
+      x, lambda h, c=layer_cache, a=block.attn: (a(h), prefill_layer(a, h, c, cache_mode))
+    )
     layers.append(layer_cache)
   length = jnp.asarray(tokens.shape[1], jnp.int32)
   return model.logits(x), cache.replace(layers=tuple(layers), length=length)
 
 
-def _decode_step(model: TransformerLM, token: jax.Array,
-                 cache: KVCache) -> tuple[jax.Array, KVCache]:
+def _decode_step(
+  model: TransformerLM, token: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
   x = model.embed(token[:, None])
   layers = []
   for block, layer_cache in zip(model.layers, cache.layers):
     x, layer_cache = block.apply_with(
-        x, lambda h, c=layer_cache, a=block.attn: decode_layer(a, h, c, cache.length,
-                                                              cache.mode))
+      x, lambda h, c=layer_cache, a=block.attn: decode_layer(a, h, c, cache.length, cache.mode)
+    )
     layers.append(layer_cache)
   return model.logits(x)[:, 0], cache.replace(layers=tuple(layers), length=cache.length + 1)
 
@@ -61,8 +65,9 @@ def _decode_step_jit(state, token, cache, *, graphdef):
   return _decode_step(nnx.merge(graphdef, state), token, cache)
 
 
-def prefill(model: TransformerLM, tokens: jax.Array, *, max_len: int,
-            cache_mode: str = "source") -> tuple[jax.Array, KVCache]:
+def prefill(
+  model: TransformerLM, tokens: jax.Array, *, max_len: int, cache_mode: str = "source"
+) -> tuple[jax.Array, KVCache]:
   """Runs the prompt through the model and returns its logits and a filled cache.
 
   Args:
@@ -78,14 +83,16 @@ def prefill(model: TransformerLM, tokens: jax.Array, *, max_len: int,
   check_cache_mode(cache_mode)
   check_tokens(tokens, "tokens")
   if tokens.shape[1] > max_len:
-    raise ValueError(f"tokens has {tokens.shape[1]} tokens per row, longer than the cache "
-                     f"(max_len={max_len})")
+    raise ValueError(
+      f"tokens has {tokens.shape[1]} tokens per row, longer than the cache (max_len={max_len})"
+    )
   graphdef, state = nnx.split(model)
   return _prefill_jit(state, tokens, graphdef=graphdef, max_len=max_len, cache_mode=cache_mode)
 
 
-def decode_step(model: TransformerLM, token: jax.Array,
-                cache: KVCache) -> tuple[jax.Array, KVCache]:
+def decode_step(
+  model: TransformerLM, token: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
   """Feeds one token per row at position `cache.length`.
 
   `token: [B]` int. Returns `(logits [B, V] float32, cache)` with the token written. The
@@ -93,14 +100,17 @@ def decode_step(model: TransformerLM, token: jax.Array,
   """
   batch = cache.layers[0].k.shape[0]
   if jnp.shape(token) != (batch,) or not jnp.issubdtype(jnp.result_type(token), jnp.integer):
-    raise ValueError(f"token must be an integer array [B={batch}], got shape "
-                     f"{tuple(jnp.shape(token))} dtype {jnp.result_type(token)}")
+    raise ValueError(
+      f"token must be an integer array [B={batch}], got shape "
+      f"{tuple(jnp.shape(token))} dtype {jnp.result_type(token)}"
+    )
   graphdef, state = nnx.split(model)
   return _decode_step_jit(state, jnp.asarray(token, jnp.int32), cache, graphdef=graphdef)
 
 
-def sample_tokens(logits: jax.Array, rng: jax.Array, *, temperature: float,
-                  top_k: int | None) -> jax.Array:
+def sample_tokens(
+  logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int | None
+) -> jax.Array:
   """Next tokens `[B]` int32 from `logits: [B, V]`: argmax when `temperature == 0`, else
   a categorical draw from `softmax(logits / temperature)`, restricted to the `top_k` best."""
   if temperature == 0.0:
@@ -112,10 +122,13 @@ def sample_tokens(logits: jax.Array, rng: jax.Array, *, temperature: float,
   return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len",
-                                             "cache_mode", "temperature", "top_k"))
-def _generate_jit(state, prompt, rng, *, graphdef, max_new_tokens, max_len, cache_mode,
-                  temperature, top_k):
+@functools.partial(
+  jax.jit,
+  static_argnames=("graphdef", "max_new_tokens", "max_len", "cache_mode", "temperature", "top_k"),
+)
+def _generate_jit(
+  state, prompt, rng, *, graphdef, max_new_tokens, max_len, cache_mode, temperature, top_k
+):
   model = nnx.merge(graphdef, state)
   sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k)
   keys = jax.random.split(rng, max_new_tokens)
@@ -133,9 +146,17 @@ def _generate_jit(state, prompt, rng, *, graphdef, max_new_tokens, max_len, cach
   return jnp.concatenate([prompt, first[:, None], rest.T.astype(prompt.dtype)], axis=1)
 
 
-def generate(model: TransformerLM, prompt_tokens: jax.Array, *, max_new_tokens: int,
-             cache_mode: str = "source", temperature: float = 0.0, top_k: int | None = None,
-             rng: jax.Array | None = None, max_len: int | None = None) -> jax.Array:
+def generate(
+  model: TransformerLM,
+  prompt_tokens: jax.Array,
+  *,
+  max_new_tokens: int,
+  cache_mode: str = "source",
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  rng: jax.Array | None = None,
+  max_len: int | None = None,
+) -> jax.Array:
   """Continues every prompt by `max_new_tokens` tokens with a KV cache.
 
   Args:
@@ -160,11 +181,14 @@ def generate(model: TransformerLM, prompt_tokens: jax.Array, *, max_new_tokens: 
   prompt_len = prompt_tokens.shape[1]
   max_len = prompt_len + max_new_tokens if max_len is None else max_len
   if prompt_len > max_len:
-    raise ValueError(f"prompt_tokens has {prompt_len} tokens per row, longer than the cache "
-                     f"(max_len={max_len})")
+    raise ValueError(
+      f"prompt_tokens has {prompt_len} tokens per row, longer than the cache (max_len={max_len})"
+    )
   if prompt_len + max_new_tokens > max_len:
-    raise ValueError(f"max_new_tokens={max_new_tokens} after a {prompt_len}-token prompt "
-                     f"exceeds the cache (max_len={max_len})")
+    raise ValueError(
+      f"max_new_tokens={max_new_tokens} after a {prompt_len}-token prompt "
+      f"exceeds the cache (max_len={max_len})"
+    )
   if not temperature >= 0.0:
     raise ValueError(f"temperature must be >= 0, got {temperature!r}")
   if temperature > 0.0 and rng is None:
@@ -174,6 +198,14 @@ def generate(model: TransformerLM, prompt_tokens: jax.Array, *, max_new_tokens: 
     raise ValueError(f"top_k must be None or an integer in [1, {vocab}], got {top_k!r}")
   rng = jax.random.key(0) if rng is None else rng  # Unused by greedy decoding.
   graphdef, state = nnx.split(model)
-  return _generate_jit(state, jnp.asarray(prompt_tokens), rng, graphdef=graphdef,
-                       max_new_tokens=max_new_tokens, max_len=max_len, cache_mode=cache_mode,
-                       temperature=float(temperature), top_k=top_k)
+  return _generate_jit(
+    state,
+    jnp.asarray(prompt_tokens),
+    rng,
+    graphdef=graphdef,
+    max_new_tokens=max_new_tokens,
+    max_len=max_len,
+    cache_mode=cache_mode,
+    temperature=float(temperature),
+    top_k=top_k,
+  )

@@ -16,6 +16,7 @@ MHA layers (M, S) always store rotated keys and values, `[B, C, H, d]`, which is
 indices `n*P + p` and see keys through `iha_jax.ops.visible` (flat causal over the
 virtual sequence, plus the window), so decoding computes the full forward's function.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -43,6 +44,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 class LayerCache(struct.PyTreeNode):
   """One layer's ring buffer: `k, v: [B, C, H, d]` ("source" IHA or MHA) or `[B, C*P, H, d]`."""
+
   k: jax.Array
   v: jax.Array
 
@@ -56,6 +58,7 @@ class KVCache(struct.PyTreeNode):
     mode: "source" or "pseudo" (layout of the IHA layers), static.
     max_len: tokens the cache can hold in all (capacity of the global layers), static.
   """
+
   layers: tuple[LayerCache, ...]
   length: jax.Array
   mode: str = struct.field(pytree_node=False)
@@ -98,11 +101,9 @@ def slot_tokens(position: jax.Array, capacity: int) -> jax.Array:
   return position - jnp.mod(position - jnp.arange(capacity, dtype=jnp.int32), capacity)
 
 
-
-
-
-def init_layer_cache(cfg: AttentionConfig, batch: int, max_len: int, mode: str,
-                     dtype: Any) -> LayerCache:
+def init_layer_cache(
+  cfg: AttentionConfig, batch: int, max_len: int, mode: str, dtype: Any
+) -> LayerCache:
   """An empty ring buffer for a layer (zeros; slots are masked until written)."""
   per_token = 1 if _stores_source(cfg, mode) else virtual_per_token(cfg)
   shape = (batch, window_tokens(cfg, max_len) * per_token, cfg.num_heads, cfg.head_dim)
@@ -116,25 +117,33 @@ def check_decodable(config: TransformerConfig) -> None:
   """Raises ValueError unless a KV cache can decode a model with `config`: a causal LM
   (no encoder, no per-token output head) of I, L, M and S layers."""
   if not config.causal:
-    raise ValueError("KV-cache decoding needs a causal model; this one has causal=False "
-                     "(a bidirectional encoder: every position sees later tokens). Run the "
-                     "full forward instead.")
+    raise ValueError(
+      "KV-cache decoding needs a causal model; this one has causal=False "
+      "(a bidirectional encoder: every position sees later tokens). Run the "
+      "full forward instead."
+    )
   if config.num_outputs is not None:
-    raise ValueError(f"KV-cache decoding needs next-token logits; this model has a per-token "
-                     f"head (num_outputs={config.num_outputs}).")
+    raise ValueError(
+      f"KV-cache decoding needs next-token logits; this model has a per-token "
+      f"head (num_outputs={config.num_outputs})."
+    )
   other = sorted(set(config.schedule) - set(DECODABLE_LETTERS))
   if other:
-    raise ValueError(f"KV-cache decoding supports schedule letters {DECODABLE_LETTERS!r}; "
-                     f"attention_schedule {config.attention_schedule!r} has {other}. Run the "
-                     f"full forward for Talking-Heads, differential or 2-simplicial layers.")
+    raise ValueError(
+      f"KV-cache decoding supports schedule letters {DECODABLE_LETTERS!r}; "
+      f"attention_schedule {config.attention_schedule!r} has {other}. Run the "
+      f"full forward for Talking-Heads, differential or 2-simplicial layers."
+    )
 
 
 def init_cache(config: TransformerConfig, batch: int, max_len: int, mode: str) -> KVCache:
   """Empty caches for every layer of a model with `config` (computation dtype)."""
   check_decodable(config)
   check_cache_mode(mode)
-  layers = tuple(init_layer_cache(config.attention_config(letter), batch, max_len, mode,
-                                  config.dtype) for letter in config.schedule)
+  layers = tuple(
+    init_layer_cache(config.attention_config(letter), batch, max_len, mode, config.dtype)
+    for letter in config.schedule
+  )
   return KVCache(layers=layers, length=jnp.zeros((), jnp.int32), mode=mode, max_len=max_len)
 
 
@@ -146,13 +155,19 @@ def _write(buf: jax.Array, new: jax.Array, start: jax.Array, per_token: int) -> 
   b, size, h, d = buf.shape
   capacity, n = size // per_token, new.shape[1] // per_token
   kept = min(n, capacity)  # Older tokens would be overwritten anyway; keeps slots unique.
-  new = new[:, (n - kept) * per_token:].reshape(b, kept, per_token, h, d).astype(buf.dtype)
+  new = new[:, (n - kept) * per_token :].reshape(b, kept, per_token, h, d).astype(buf.dtype)
   slots = jnp.mod(start + n - kept + jnp.arange(kept, dtype=jnp.int32), capacity)
   return buf.reshape(b, capacity, per_token, h, d).at[:, slots].set(new).reshape(buf.shape)
 
 
-def _cache_entries(params: Mapping[str, jax.Array], cfg: AttentionConfig, mode: str,
-                   k: jax.Array, v: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+def _cache_entries(
+  params: Mapping[str, jax.Array],
+  cfg: AttentionConfig,
+  mode: str,
+  k: jax.Array,
+  v: jax.Array,
+  positions: jax.Array,
+) -> tuple[jax.Array, ...]:
   """What a layer caches for source k, v `[B, n, H, d]` at token `positions: [B, n]`."""
   if _stores_source(cfg, mode):
     return k, v
@@ -175,8 +190,9 @@ def prefill_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, mode: str) 
   return LayerCache(k=_write(cache.k, k, start, per_token), v=_write(cache.v, v, start, per_token))
 
 
-def decode_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, position: jax.Array,
-                 mode: str) -> tuple[jax.Array, LayerCache]:
+def decode_layer(
+  attn: nnx.Module, x: jax.Array, cache: LayerCache, position: jax.Array, mode: str
+) -> tuple[jax.Array, LayerCache]:
   """Attention output of one new token at `position`, and the cache with it written.
 
   Args:
@@ -197,8 +213,9 @@ def decode_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, position: ja
   pos = jnp.full(x.shape[:2], position, jnp.int32)
   k_new, v_new = _cache_entries(params, cfg, mode, k, v, pos)
   per_token = k_new.shape[1]
-  cache = LayerCache(k=_write(cache.k, k_new, position, per_token),
-                     v=_write(cache.v, v_new, position, per_token))
+  cache = LayerCache(
+    k=_write(cache.k, k_new, position, per_token), v=_write(cache.v, v_new, position, per_token)
+  )
   tokens = slot_tokens(position, cache.k.shape[1] // per_token)  # [C]
   if _stores_source(cfg, mode):
     # Rebuild every cached token's pseudo-keys/values: less memory, more work per step.
@@ -210,10 +227,12 @@ def decode_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, position: ja
   queries = rotated_pseudo_heads(q, alpha["alpha_q"], pos, cfg)  # [B, P, H, d]
   q_index = virtual_positions(pos[:1], p)[0]
   k_index = virtual_positions(tokens[None], p)[0]
-  probs = attention_probs(queries, keys, q_index, k_index, window=cfg.window,
-                          k_valid=jnp.repeat(tokens >= 0, p))
-  out = jnp.einsum("bhqk,bkhd->bqhd", probs, values.astype(jnp.float32),
-                   precision=_HIGHEST).astype(x.dtype)
+  probs = attention_probs(
+    queries, keys, q_index, k_index, window=cfg.window, k_valid=jnp.repeat(tokens >= 0, p)
+  )
+  out = jnp.einsum("bhqk,bkhd->bqhd", probs, values.astype(jnp.float32), precision=_HIGHEST).astype(
+    x.dtype
+  )
   if cfg.interleaved:
     out = collapse_heads(deinterleave(out, p), params["collapse"], precision=_HIGHEST)
   return jnp.einsum("bnhd,hdD->bnD", out, params["wo"]), cache

@@ -16,6 +16,7 @@ layer `r*S + j` (r < R = num_layers // S) lives at `scanned[str(j)][r]`; the rem
 `num_layers % S` layers stay unscanned under "layers" (e.g. 26 layers of "LLLLM": a scan
 of 5 periods plus one tail layer).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -41,15 +42,15 @@ def remat_policy(name: str) -> Callable | None:
     # Saves q/k/v and the attention output: the backward skips re-running projections
     # and the forward attention core; the MLP is recomputed.
     return jax.checkpoint_policies.save_only_these_names(
-        QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTENTION_OUT)
+      QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTENTION_OUT
+    )
   raise ValueError(f"unknown remat policy {name!r}")
 
 
 class LanguageModel:
   """Functional wrapper of `TransformerLM(config)` (static: build once per config)."""
 
-  def __init__(self, config: TransformerConfig, *, remat: str = "none",
-               scan_layers: bool = False):
+  def __init__(self, config: TransformerConfig, *, remat: str = "none", scan_layers: bool = False):
     self.config = config
     self.remat = remat
     self.scan_layers = scan_layers
@@ -58,8 +59,10 @@ class LanguageModel:
     self._norm_def = nnx.split(abstract.final_norm)[0]
     self.period = len(config.attention_schedule)
     self.repeats = config.num_layers // self.period if scan_layers else 0
-    self._specs = self._layout(nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(abstract))),
-                               stack=lambda specs: PartitionSpec(None, *specs[0]))
+    self._specs = self._layout(
+      nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(abstract))),
+      stack=lambda specs: PartitionSpec(None, *specs[0]),
+    )
 
   def _layout(self, pure: dict[Any, Any], stack: Callable[[list], Any]) -> Params:
     """The model's `nnx.to_pure_dict` state -> this module's parameter layout."""
@@ -68,24 +71,29 @@ class LanguageModel:
     period, repeats = self.period, self.repeats
     if repeats:
       out["scanned"] = {
-          str(j): jax.tree.map(lambda *xs: stack(list(xs)),
-                               *[layers[r * period + j] for r in range(repeats)],
-                               is_leaf=lambda x: isinstance(x, PartitionSpec))
-          for j in range(period)}
+        str(j): jax.tree.map(
+          lambda *xs: stack(list(xs)),
+          *[layers[r * period + j] for r in range(repeats)],
+          is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+        for j in range(period)
+      }
     out["layers"] = {str(i): layers[i] for i in range(repeats * period, self.config.num_layers)}
     return out
 
   def init(self, seed: int | jax.Array) -> Params:
     """Fresh parameters (as `TransformerLM(config, rngs=nnx.Rngs(seed))`)."""
     model = TransformerLM(self.config, rngs=nnx.Rngs(jax.random.key(seed)))
-    return self._layout(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                        stack=lambda xs: jnp.stack(xs))
+    return self._layout(
+      nnx.to_pure_dict(nnx.state(model, nnx.Param)), stack=lambda xs: jnp.stack(xs)
+    )
 
   def module(self, params: Params) -> TransformerLM:
     """The `TransformerLM` holding `params` (the inverse of the layout), for tools that
     need the module itself, such as attention maps."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: TransformerLM(self.config,
-                                                                     rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(
+      nnx.eval_shape(lambda: TransformerLM(self.config, rngs=nnx.Rngs(0)))
+    )
     layers = {int(k): v for k, v in params["layers"].items()}
     for j, stacked in params.get("scanned", {}).items():
       for r in range(self.repeats):
@@ -105,15 +113,22 @@ class LanguageModel:
     graphdef = self._block_defs[index]
 
     def apply(block_params, x, segment_ids, positions, layer=None):
-      return nnx.merge(graphdef, block_params)(x, segment_ids=segment_ids,
-                                               positions=positions, layer=layer)
+      return nnx.merge(graphdef, block_params)(
+        x, segment_ids=segment_ids, positions=positions, layer=layer
+      )
 
     if self.remat == "none":
       return apply
     return jax.checkpoint(apply, policy=remat_policy(self.remat))
 
-  def apply(self, params: Params, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-            positions: jax.Array | None = None) -> jax.Array:
+  def apply(
+    self,
+    params: Params,
+    tokens: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
     """`tokens: [B, N]` int32 -> float32 logits `[B, N, V]` (or `[B, N, num_outputs]`), as
     `TransformerLM.__call__`."""
     x = embed_tokens(params["embedding"], tokens, self.config.dtype)
@@ -123,8 +138,7 @@ class LanguageModel:
       def period_body(x, scanned):
         period_params, repeat = scanned
         for j, block in enumerate(blocks):
-          x = block(period_params[str(j)], x, segment_ids, positions,
-                    repeat * self.period + j + 1)
+          x = block(period_params[str(j)], x, segment_ids, positions, repeat * self.period + j + 1)
         return x, None
 
       x, _ = jax.lax.scan(period_body, x, (params["scanned"], jnp.arange(self.repeats)))
@@ -132,4 +146,3 @@ class LanguageModel:
       x = self._block(int(key))(block_params, x, segment_ids, positions)
     x = nnx.merge(self._norm_def, params["final_norm"])(x)
     return output_logits(x, params, self.config)
-

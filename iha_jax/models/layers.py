@@ -1,4 +1,5 @@
 """Building blocks of `TransformerLM` (Flax NNX): RMSNorm, MLP (SwiGLU or GELU), the block."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,12 +26,20 @@ from iha_jax.parallel.axes import EMBED, MLP, RESIDUAL_AXES
 class RMSNorm(nnx.Module):
   """Root-mean-square norm over the last axis, with a learned `scale: [D]` ("embed",)."""
 
-  def __init__(self, dim: int, *, eps: float = 1e-6, dtype: Any = None,
-               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    dim: int,
+    *,
+    eps: float = 1e-6,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    rngs: nnx.Rngs,
+  ):
     self.eps = eps
     self.dtype = dtype
-    self.scale = logical_param(jax.nn.initializers.ones, (EMBED,), rngs.params(), (dim,),
-                               param_dtype)
+    self.scale = logical_param(
+      jax.nn.initializers.ones, (EMBED,), rngs.params(), (dim,), param_dtype
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """`x: [..., D]` -> same shape, in `dtype` (x.dtype when None); statistics in float32."""
@@ -44,14 +53,23 @@ class FeedForward(nnx.Module):
   """The block's MLP: SwiGLU `w_down(silu(x @ w_gate) * (x @ w_up))` or GELU
   `w_down(gelu(x @ w_up))`, with `w_gate, w_up: [D, F]`, `w_down: [F, D]`."""
 
-  def __init__(self, model_dim: int, mlp_dim: int, *, mlp_type: str = "swiglu",
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-               kernel_init: jax.nn.initializers.Initializer = DEFAULT_KERNEL_INIT,
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    model_dim: int,
+    mlp_dim: int,
+    *,
+    mlp_type: str = "swiglu",
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    kernel_init: jax.nn.initializers.Initializer = DEFAULT_KERNEL_INIT,
+    rngs: nnx.Rngs,
+  ):
     self.dtype = dtype
     self.gated = mlp_type == "swiglu"
+
     def param(axes, shape):
       return logical_param(kernel_init, axes, rngs.params(), shape, param_dtype)
+
     if self.gated:
       self.w_gate = param((EMBED, MLP), (model_dim, mlp_dim))
     self.w_up = param((EMBED, MLP), (model_dim, mlp_dim))
@@ -61,29 +79,50 @@ class FeedForward(nnx.Module):
     """`x: [B, N, D]` -> `[B, N, D]` in `dtype`."""
     x = x.astype(self.dtype)
     project = lambda w: jnp.einsum("bnD,DF->bnF", x, w[...].astype(self.dtype))
-    hidden = (jax.nn.silu(project(self.w_gate)) * project(self.w_up) if self.gated
-              else jax.nn.gelu(project(self.w_up)))
+    hidden = (
+      jax.nn.silu(project(self.w_gate)) * project(self.w_up)
+      if self.gated
+      else jax.nn.gelu(project(self.w_up))
+    )
     return jnp.einsum("bnF,FD->bnD", hidden, self.w_down[...].astype(self.dtype))
 
 
-Attention = (InterleavedHeadAttention | MultiHeadAttention | TalkingHeadsAttention
-             | DifferentialAttention | SimplicialAttention)
+Attention = (
+  InterleavedHeadAttention
+  | MultiHeadAttention
+  | TalkingHeadsAttention
+  | DifferentialAttention
+  | SimplicialAttention
+)
 
 
-def make_attention(config: TransformerConfig, letter: str, *, layer: int = 1,
-                   rngs: nnx.Rngs) -> Attention:
+def make_attention(
+  config: TransformerConfig, letter: str, *, layer: int = 1, rngs: nnx.Rngs
+) -> Attention:
   """The attention module of layer `layer` (counted from 1) with schedule letter `letter`."""
   cfg = config.attention_config(letter, layer)
-  common = dict(window=cfg.window, causal=cfg.causal, dtype=cfg.dtype,
-                param_dtype=config.param_dtype, implementation=cfg.implementation, rngs=rngs)
+  common = dict(
+    window=cfg.window,
+    causal=cfg.causal,
+    dtype=cfg.dtype,
+    param_dtype=config.param_dtype,
+    implementation=cfg.implementation,
+    rngs=rngs,
+  )
   dims = (cfg.model_dim, cfg.num_heads, cfg.head_dim)
   if cfg.kind == "iha":
-    return InterleavedHeadAttention(*dims, num_pseudo=cfg.num_pseudo,
-                                    collapse_mode=cfg.collapse_mode, rope_theta=cfg.rope_theta,
-                                    mixing_noise_std=config.mixing_noise_std, **common)
+    return InterleavedHeadAttention(
+      *dims,
+      num_pseudo=cfg.num_pseudo,
+      collapse_mode=cfg.collapse_mode,
+      rope_theta=cfg.rope_theta,
+      mixing_noise_std=config.mixing_noise_std,
+      **common,
+    )
   if cfg.kind == "talking_heads":
-    return TalkingHeadsAttention(*dims, rope_theta=cfg.rope_theta,
-                                 mixing_noise_std=config.mixing_noise_std, **common)
+    return TalkingHeadsAttention(
+      *dims, rope_theta=cfg.rope_theta, mixing_noise_std=config.mixing_noise_std, **common
+    )
   if cfg.kind == "diff":
     return DifferentialAttention(*dims, layer=layer, rope_theta=cfg.rope_theta, **common)
   if cfg.kind == "simplicial":
@@ -97,32 +136,43 @@ class DecoderBlock(nnx.Module):
   Kept a standalone module so scan-over-layers and remat can wrap it unchanged.
   """
 
-  def __init__(self, config: TransformerConfig, letter: str, *, layer: int = 1,
-               rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, letter: str, *, layer: int = 1, rngs: nnx.Rngs):
     self.letter = letter
     norm = dict(eps=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype)
     self.attn_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
     self.attn = make_attention(config, letter, layer=layer, rngs=rngs)
     self.mlp_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
-    self.mlp = FeedForward(config.model_dim, config.mlp_dim, mlp_type=config.mlp_type,
-                           dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+    self.mlp = FeedForward(
+      config.model_dim,
+      config.mlp_dim,
+      mlp_type=config.mlp_type,
+      dtype=config.dtype,
+      param_dtype=config.param_dtype,
+      rngs=rngs,
+    )
 
-  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None,
-               layer: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    layer: jax.Array | None = None,
+  ) -> jax.Array:
     """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32.
 
     `layer` (counted from 1, may be traced) overrides the depth the block was built with;
     only differential attention depends on it (a scan over layers passes it).
     """
-    depth = {} if layer is None or not isinstance(self.attn, DifferentialAttention) else {
-        "layer": layer}
-    attend = lambda h: (self.attn(h, segment_ids=segment_ids, positions=positions, **depth),
-                        None)
+    depth = (
+      {} if layer is None or not isinstance(self.attn, DifferentialAttention) else {"layer": layer}
+    )
+    attend = lambda h: (self.attn(h, segment_ids=segment_ids, positions=positions, **depth), None)
     return self.apply_with(x, attend)[0]
 
-  def apply_with(self, x: jax.Array, attend: Callable[[jax.Array], tuple[jax.Array, Any]]
-                 ) -> tuple[jax.Array, Any]:
+  def apply_with(
+    self, x: jax.Array, attend: Callable[[jax.Array], tuple[jax.Array, Any]]
+  ) -> tuple[jax.Array, Any]:
     """The block with `attend(normalised x) -> (attention output, aux)` as its attention
     (e.g. cached attention when decoding); returns `(block output, aux)`."""
     y, aux = attend(self.attn_norm(x))

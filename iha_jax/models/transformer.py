@@ -1,5 +1,6 @@
 """`TransformerLM`: a decoder LM (or, `causal=False`, an encoder) with a per-layer attention
 schedule."""
+
 from __future__ import annotations
 
 import math
@@ -36,21 +37,38 @@ class TransformerLM(nnx.Module):
     d, v = config.model_dim, config.vocab_size
     # Std D**-0.5: with tied embeddings the unit-RMS final activations then give logits
     # of unit scale, the same as the fan-in-initialised untied head.
-    self.embedding = logical_param(jax.nn.initializers.normal(d ** -0.5), (VOCAB, EMBED),
-                                   rngs.params(), (v, d), config.param_dtype)
-    self.layers = nnx.List([DecoderBlock(config, letter, layer=i + 1, rngs=rngs)
-                            for i, letter in enumerate(config.schedule)])
-    self.final_norm = RMSNorm(d, eps=config.norm_eps, dtype=config.dtype,
-                              param_dtype=config.param_dtype, rngs=rngs)
+    self.embedding = logical_param(
+      jax.nn.initializers.normal(d**-0.5), (VOCAB, EMBED), rngs.params(), (v, d), config.param_dtype
+    )
+    self.layers = nnx.List(
+      [
+        DecoderBlock(config, letter, layer=i + 1, rngs=rngs)
+        for i, letter in enumerate(config.schedule)
+      ]
+    )
+    self.final_norm = RMSNorm(
+      d, eps=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
+    )
     if config.num_outputs is not None:
-      self.output_head = logical_param(DEFAULT_KERNEL_INIT, (EMBED, OUTPUTS), rngs.params(),
-                                       (d, config.num_outputs), config.param_dtype)
+      self.output_head = logical_param(
+        DEFAULT_KERNEL_INIT,
+        (EMBED, OUTPUTS),
+        rngs.params(),
+        (d, config.num_outputs),
+        config.param_dtype,
+      )
     elif not config.tie_embeddings:
-      self.lm_head = logical_param(DEFAULT_KERNEL_INIT, (EMBED, VOCAB), rngs.params(), (d, v),
-                                   config.param_dtype)
+      self.lm_head = logical_param(
+        DEFAULT_KERNEL_INIT, (EMBED, VOCAB), rngs.params(), (d, v), config.param_dtype
+      )
 
-  def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    tokens: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
     """Per-token outputs: next-token logits, or the `num_outputs` head's outputs.
 
     Args:
@@ -78,8 +96,11 @@ class TransformerLM(nnx.Module):
 
     `embed` and `logits` are separate so KV-cache decoding can run the blocks itself.
     """
-    heads = {name: getattr(self, name)[...] for name in ("embedding", "lm_head", "output_head")
-             if hasattr(self, name)}
+    heads = {
+      name: getattr(self, name)[...]
+      for name in ("embedding", "lm_head", "output_head")
+      if hasattr(self, name)
+    }
     return output_logits(self.final_norm(x), heads, self.config)
 
 
@@ -97,31 +118,38 @@ def embed_tokens(embedding: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Arr
 def check_tokens(tokens: jax.Array, name: str) -> None:
   """Raises ValueError naming `name` unless `tokens` is an integer `[B, N]` array, N >= 1."""
   if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-    raise ValueError(f"{name} must be an integer array [B, N], got shape "
-                     f"{tuple(jnp.shape(tokens))} dtype {jnp.result_type(tokens)}")
+    raise ValueError(
+      f"{name} must be an integer array [B, N], got shape "
+      f"{tuple(jnp.shape(tokens))} dtype {jnp.result_type(tokens)}"
+    )
   if jnp.shape(tokens)[1] < 1:
-    raise ValueError(f"{name} must hold at least one token per row, got shape "
-                     f"{tuple(jnp.shape(tokens))}")
+    raise ValueError(
+      f"{name} must hold at least one token per row, got shape {tuple(jnp.shape(tokens))}"
+    )
 
 
 def output_logits(x: jax.Array, params: dict[str, Any], config: TransformerConfig) -> jax.Array:
   """Normalised `x: [B, N, D]` -> float32 `[B, N, V]` logits (or `[B, N, num_outputs]`)
   from the model's top-level parameters `params` (`embedding`, `lm_head`, `output_head`)."""
   if config.num_outputs is not None:  # a few outputs per token: not vocab-sharded
-    logits = jnp.einsum("bnD,DO->bnO", x, params["output_head"].astype(config.dtype),
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum(
+      "bnD,DO->bnO",
+      x,
+      params["output_head"].astype(config.dtype),
+      preferred_element_type=jnp.float32,
+    )
     return with_logical_constraint(logits, RESIDUAL_AXES[:2] + (None,))
   logits = vocab_logits(x, params["embedding"], params.get("lm_head"), config.dtype)
   return with_logical_constraint(logits, LOGITS_AXES)
 
 
-def vocab_logits(x: jax.Array, embedding: jax.Array, lm_head: jax.Array | None,
-                 dtype: Any) -> jax.Array:
+def vocab_logits(
+  x: jax.Array, embedding: jax.Array, lm_head: jax.Array | None, dtype: Any
+) -> jax.Array:
   """Normalised `x: [B, N, D]` -> float32 logits `[B, N, V]` through the tied
   `embedding [V, D]`, or through `lm_head [D, V]` when given (untied)."""
   if lm_head is None:
-    return jnp.einsum("bnD,VD->bnV", x, embedding.astype(dtype),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum("bnD,VD->bnV", x, embedding.astype(dtype), preferred_element_type=jnp.float32)
   return jnp.einsum("bnD,DV->bnV", x, lm_head.astype(dtype), preferred_element_type=jnp.float32)
 
 

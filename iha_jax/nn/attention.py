@@ -7,6 +7,7 @@ out (`wq, wk, wv, wo`, plus `alpha_q, alpha_k, alpha_v, collapse` for IHA, ...),
 axis names (see `iha_jax.nn.config`) as metadata only
 (`iha_jax.nn.partitioning.logical_param`), so the modules build without a mesh.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,20 +26,30 @@ Initializer = jax.nn.initializers.Initializer
 class _Attention(nnx.Module):
   """Creates the parameters of `config` and applies `attention_forward`."""
 
-  def __init__(self, config: AttentionConfig, *, param_dtype: Any, kernel_init: Initializer,
-               mixing_noise_std: float, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    config: AttentionConfig,
+    *,
+    param_dtype: Any,
+    kernel_init: Initializer,
+    mixing_noise_std: float,
+    rngs: nnx.Rngs,
+  ):
     self.config = config
     specs = param_specs(config, kernel_init=kernel_init, mixing_noise_std=mixing_noise_std)
     for name, spec in specs.items():
-      setattr(self, name, logical_param(spec.init, spec.axes, rngs.params(), spec.shape,
-                                        param_dtype))
+      setattr(
+        self, name, logical_param(spec.init, spec.axes, rngs.params(), spec.shape, param_dtype)
+      )
     self._param_names = tuple(specs)
 
-  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+  ) -> jax.Array:
     """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32."""
-    return attention_forward(self.param_values(), x, self.config, segment_ids=segment_ids,
-                             positions=positions)
+    return attention_forward(
+      self.param_values(), x, self.config, segment_ids=segment_ids, positions=positions
+    )
 
   def param_values(self) -> dict[str, jax.Array]:
     """`{name: array}` of the layer's parameters, as `attention_forward` takes them."""
@@ -53,12 +64,24 @@ class InterleavedHeadAttention(_Attention):
   ("per_head"). Mixing and collapse start at the identity (docs/design.md §1, Initialisation).
   """
 
-  def __init__(self, model_dim: int, num_heads: int, head_dim: int, *,
-               num_pseudo: int | None = None, window: int | None = None,
-               rope_theta: float | None = 10000.0, collapse_mode: str = "full",
-               causal: bool = True, mixing_noise_std: float = 0.0, dtype: Any = None,
-               param_dtype: Any = jnp.float32, implementation: str = "auto",
-               kernel_init: Initializer = DEFAULT_KERNEL_INIT, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    model_dim: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    num_pseudo: int | None = None,
+    window: int | None = None,
+    rope_theta: float | None = 10000.0,
+    collapse_mode: str = "full",
+    causal: bool = True,
+    mixing_noise_std: float = 0.0,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    implementation: str = "auto",
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT,
+    rngs: nnx.Rngs,
+  ):
     """Builds the layer.
 
     Args:
@@ -79,12 +102,26 @@ class InterleavedHeadAttention(_Attention):
         `[H*d, D]` so that fan-in is the true input width.
       rngs: `nnx.Rngs` with a `params` stream.
     """
-    config = AttentionConfig(model_dim, num_heads, head_dim, kind="iha",
-                             num_pseudo=num_pseudo, window=window, rope_theta=rope_theta,
-                             collapse_mode=collapse_mode, causal=causal, dtype=dtype,
-                             implementation=implementation)
-    super().__init__(config, param_dtype=param_dtype, kernel_init=kernel_init,
-                     mixing_noise_std=mixing_noise_std, rngs=rngs)
+    config = AttentionConfig(
+      model_dim,
+      num_heads,
+      head_dim,
+      kind="iha",
+      num_pseudo=num_pseudo,
+      window=window,
+      rope_theta=rope_theta,
+      collapse_mode=collapse_mode,
+      causal=causal,
+      dtype=dtype,
+      implementation=implementation,
+    )
+    super().__init__(
+      config,
+      param_dtype=param_dtype,
+      kernel_init=kernel_init,
+      mixing_noise_std=mixing_noise_std,
+      rngs=rngs,
+    )
 
 
 class MultiHeadAttention(_Attention):
@@ -93,17 +130,36 @@ class MultiHeadAttention(_Attention):
   Parameters: `wq, wk, wv: [D, H, d]`, `wo: [H, d, D]`.
   """
 
-  def __init__(self, model_dim: int, num_heads: int, head_dim: int, *,
-               window: int | None = None, rope_theta: float | None = 10000.0,
-               causal: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
-               implementation: str = "auto", kernel_init: Initializer = DEFAULT_KERNEL_INIT,
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    model_dim: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    window: int | None = None,
+    rope_theta: float | None = 10000.0,
+    causal: bool = True,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    implementation: str = "auto",
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT,
+    rngs: nnx.Rngs,
+  ):
     """Builds the layer; arguments as `InterleavedHeadAttention`, `window` in tokens."""
-    config = AttentionConfig(model_dim, num_heads, head_dim, kind="mha", window=window,
-                             rope_theta=rope_theta, causal=causal, dtype=dtype,
-                             implementation=implementation)
-    super().__init__(config, param_dtype=param_dtype, kernel_init=kernel_init,
-                     mixing_noise_std=0.0, rngs=rngs)
+    config = AttentionConfig(
+      model_dim,
+      num_heads,
+      head_dim,
+      kind="mha",
+      window=window,
+      rope_theta=rope_theta,
+      causal=causal,
+      dtype=dtype,
+      implementation=implementation,
+    )
+    super().__init__(
+      config, param_dtype=param_dtype, kernel_init=kernel_init, mixing_noise_std=0.0, rngs=rngs
+    )
 
 
 class TalkingHeadsAttention(_Attention):
@@ -114,18 +170,42 @@ class TalkingHeadsAttention(_Attention):
   [H, H]` (source head, target head), identity at init (= MHA).
   """
 
-  def __init__(self, model_dim: int, num_heads: int, head_dim: int, *,
-               window: int | None = None, rope_theta: float | None = 10000.0,
-               causal: bool = True, mixing_noise_std: float = 0.0, dtype: Any = None,
-               param_dtype: Any = jnp.float32, implementation: str = "auto",
-               kernel_init: Initializer = DEFAULT_KERNEL_INIT, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    model_dim: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    window: int | None = None,
+    rope_theta: float | None = 10000.0,
+    causal: bool = True,
+    mixing_noise_std: float = 0.0,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    implementation: str = "auto",
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT,
+    rngs: nnx.Rngs,
+  ):
     """Builds the layer; arguments as `InterleavedHeadAttention`, `window` in tokens,
     `mixing_noise_std` perturbing the identity `talk_*`."""
-    config = AttentionConfig(model_dim, num_heads, head_dim, kind="talking_heads",
-                             window=window, rope_theta=rope_theta, causal=causal, dtype=dtype,
-                             implementation=implementation)
-    super().__init__(config, param_dtype=param_dtype, kernel_init=kernel_init,
-                     mixing_noise_std=mixing_noise_std, rngs=rngs)
+    config = AttentionConfig(
+      model_dim,
+      num_heads,
+      head_dim,
+      kind="talking_heads",
+      window=window,
+      rope_theta=rope_theta,
+      causal=causal,
+      dtype=dtype,
+      implementation=implementation,
+    )
+    super().__init__(
+      config,
+      param_dtype=param_dtype,
+      kernel_init=kernel_init,
+      mixing_noise_std=mixing_noise_std,
+      rngs=rngs,
+    )
 
 
 class DifferentialAttention(_Attention):
@@ -137,26 +217,53 @@ class DifferentialAttention(_Attention):
   heads of value width 2d match an MHA layer of 2H heads of width d in parameters.
   """
 
-  def __init__(self, model_dim: int, num_heads: int, head_dim: int, *, layer: int = 1,
-               window: int | None = None, rope_theta: float | None = 10000.0,
-               causal: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
-               implementation: str = "auto", kernel_init: Initializer = DEFAULT_KERNEL_INIT,
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    model_dim: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    layer: int = 1,
+    window: int | None = None,
+    rope_theta: float | None = 10000.0,
+    causal: bool = True,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    implementation: str = "auto",
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT,
+    rngs: nnx.Rngs,
+  ):
     """Builds the layer; `layer` (counted from 1) sets `lambda_init`, the rest as
     `MultiHeadAttention` (any MHA implementation, kernels included, runs both maps)."""
-    config = AttentionConfig(model_dim, num_heads, head_dim, kind="diff", window=window,
-                             rope_theta=rope_theta, causal=causal, layer=layer, dtype=dtype,
-                             implementation=implementation)
-    super().__init__(config, param_dtype=param_dtype, kernel_init=kernel_init,
-                     mixing_noise_std=0.0, rngs=rngs)
+    config = AttentionConfig(
+      model_dim,
+      num_heads,
+      head_dim,
+      kind="diff",
+      window=window,
+      rope_theta=rope_theta,
+      causal=causal,
+      layer=layer,
+      dtype=dtype,
+      implementation=implementation,
+    )
+    super().__init__(
+      config, param_dtype=param_dtype, kernel_init=kernel_init, mixing_noise_std=0.0, rngs=rngs
+    )
 
-  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None,
-               layer: int | jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    layer: int | jax.Array | None = None,
+  ) -> jax.Array:
     """As `MultiHeadAttention.__call__`; `layer` overrides the configured depth (it may be
     traced, e.g. in a scan over layers)."""
-    return attention_forward(self.param_values(), x, self.config, segment_ids=segment_ids,
-                             positions=positions, layer=layer)
+    return attention_forward(
+      self.param_values(), x, self.config, segment_ids=segment_ids, positions=positions, layer=layer
+    )
 
 
 class SimplicialAttention(_Attention):
@@ -167,13 +274,32 @@ class SimplicialAttention(_Attention):
   Parameters: `wq, wk1, wk2, wv1, wv2: [D, H, d]`, `wo: [H, d, D]`.
   """
 
-  def __init__(self, model_dim: int, num_heads: int, head_dim: int, *,
-               window: int | None = None, causal: bool = True, dtype: Any = None,
-               param_dtype: Any = jnp.float32, implementation: str = "auto",
-               kernel_init: Initializer = DEFAULT_KERNEL_INIT, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    model_dim: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    window: int | None = None,
+    causal: bool = True,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    implementation: str = "auto",
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT,
+    rngs: nnx.Rngs,
+  ):
     """Builds the layer; arguments as `MultiHeadAttention` (no RoPE)."""
-    config = AttentionConfig(model_dim, num_heads, head_dim, kind="simplicial", window=window,
-                             rope_theta=None, causal=causal, dtype=dtype,
-                             implementation=implementation)
-    super().__init__(config, param_dtype=param_dtype, kernel_init=kernel_init,
-                     mixing_noise_std=0.0, rngs=rngs)
+    config = AttentionConfig(
+      model_dim,
+      num_heads,
+      head_dim,
+      kind="simplicial",
+      window=window,
+      rope_theta=None,
+      causal=causal,
+      dtype=dtype,
+      implementation=implementation,
+    )
+    super().__init__(
+      config, param_dtype=param_dtype, kernel_init=kernel_init, mixing_noise_std=0.0, rngs=rngs
+    )

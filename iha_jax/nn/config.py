@@ -7,6 +7,7 @@ Every parameter carries logical axis names (`iha_jax.parallel.axes`, mapped to m
 by `iha_jax.parallel.rules`); the mixing/collapse tensors are tiny (`H*H*P`) and the
 rules replicate their head and pseudo axes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,9 @@ def _check_positive(name: str, value: Any, *, optional: bool = False) -> None:
   if optional and value is None:
     return
   if not is_int(value, 1):
-    raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, "
-                     f"got {value!r}")
+    raise ValueError(
+      f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,7 @@ class AttentionConfig:
     dtype: computation dtype; None promotes the input and parameter dtypes.
     implementation: attention core backend passed to `iha_jax.ops`.
   """
+
   model_dim: int
   num_heads: int
   head_dim: int
@@ -81,8 +84,10 @@ class AttentionConfig:
     _check_positive("window", self.window, optional=True)
     _check_positive("layer", self.layer)
     if self.kind != "iha" and self.num_pseudo is not None:
-      raise ValueError(f"num_pseudo is an IHA option; {self.kind} attention has none "
-                       f"(got num_pseudo={self.num_pseudo})")
+      raise ValueError(
+        f"num_pseudo is an IHA option; {self.kind} attention has none "
+        f"(got num_pseudo={self.num_pseudo})"
+      )
     if self.collapse_mode not in COLLAPSE_MODES:
       raise ValueError(f"collapse_mode must be one of {COLLAPSE_MODES}, got {self.collapse_mode!r}")
     if not isinstance(self.causal, bool):
@@ -91,11 +96,13 @@ class AttentionConfig:
       if self.rope_theta <= 0:
         raise ValueError(f"rope_theta must be positive or None, got {self.rope_theta!r}")
       if self.head_dim % 2:
-        raise ValueError(f"head_dim must be even with RoPE on (rope_theta={self.rope_theta}), "
-                         f"got {self.head_dim}")
+        raise ValueError(
+          f"head_dim must be even with RoPE on (rope_theta={self.rope_theta}), got {self.head_dim}"
+        )
     if self.implementation not in IMPLEMENTATIONS:
-      raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, "
-                       f"got {self.implementation!r}")
+      raise ValueError(
+        f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
+      )
     if self.implementation != "auto":
       registry.resolve(self.kind, self.implementation)  # e.g. no kernel for talking_heads
 
@@ -119,14 +126,18 @@ class AttentionConfig:
 
 class ParamSpec(NamedTuple):
   """Shape, logical axis names and initializer of one parameter."""
+
   shape: tuple[int, ...]
   axes: tuple[str, ...]
   init: jax.nn.initializers.Initializer
 
 
-def param_specs(cfg: AttentionConfig, *,
-                kernel_init: jax.nn.initializers.Initializer = DEFAULT_KERNEL_INIT,
-                mixing_noise_std: float = 0.0) -> dict[str, ParamSpec]:
+def param_specs(
+  cfg: AttentionConfig,
+  *,
+  kernel_init: jax.nn.initializers.Initializer = DEFAULT_KERNEL_INIT,
+  mixing_noise_std: float = 0.0,
+) -> dict[str, ParamSpec]:
   """Every parameter of the layer, in creation order.
 
   Args:
@@ -151,26 +162,39 @@ def param_specs(cfg: AttentionConfig, *,
   in_proj = ParamSpec((d_model, h, d), (EMBED, HEADS, HEAD_DIM), fold_fan_in(kernel_init, 1))
   out_proj = ParamSpec((h, dv, d_model), (HEADS, HEAD_DIM, EMBED), fold_fan_in(kernel_init, 2))
   if cfg.kind == "simplicial":
-    return {"wq": in_proj, "wk1": in_proj, "wk2": in_proj, "wv1": in_proj, "wv2": in_proj,
-            "wo": out_proj}
+    return {
+      "wq": in_proj,
+      "wk1": in_proj,
+      "wk2": in_proj,
+      "wv1": in_proj,
+      "wv2": in_proj,
+      "wo": out_proj,
+    }
   if cfg.kind == "diff":
-    pair = ParamSpec((d_model, h, 2, d), (EMBED, HEADS, QK_PAIR, HEAD_DIM),
-                     fold_fan_in(kernel_init, 1))
+    pair = ParamSpec(
+      (d_model, h, 2, d), (EMBED, HEADS, QK_PAIR, HEAD_DIM), fold_fan_in(kernel_init, 1)
+    )
     lam = ParamSpec((d,), (HEAD_DIM,), jax.nn.initializers.normal(0.1))
-    return {"wq": pair, "wk": pair,
-            "wv": ParamSpec((d_model, h, dv), (EMBED, HEADS, HEAD_DIM),
-                            fold_fan_in(kernel_init, 1)),
-            "wo": out_proj, "lambda_q1": lam, "lambda_k1": lam, "lambda_q2": lam,
-            "lambda_k2": lam,
-            "norm_scale": ParamSpec((dv,), (HEAD_DIM,), jax.nn.initializers.ones)}
+    return {
+      "wq": pair,
+      "wk": pair,
+      "wv": ParamSpec((d_model, h, dv), (EMBED, HEADS, HEAD_DIM), fold_fan_in(kernel_init, 1)),
+      "wo": out_proj,
+      "lambda_q1": lam,
+      "lambda_k1": lam,
+      "lambda_q2": lam,
+      "lambda_k2": lam,
+      "norm_scale": ParamSpec((dv,), (HEAD_DIM,), jax.nn.initializers.ones),
+    }
   specs = {"wq": in_proj, "wk": in_proj, "wv": in_proj, "wo": out_proj}
   if cfg.kind == "talking_heads":
     talk = ParamSpec((h, h), (HEADS_SRC, HEADS), identity_talking_init(mixing_noise_std))
     specs.update(talk_logits=talk, talk_weights=talk)
   elif cfg.kind == "iha":
     p = cfg.pseudo
-    mixing = ParamSpec((h, h, p), (HEADS_SRC, HEADS, PSEUDO),
-                       identity_mixing_init(mixing_noise_std))
+    mixing = ParamSpec(
+      (h, h, p), (HEADS_SRC, HEADS, PSEUDO), identity_mixing_init(mixing_noise_std)
+    )
     specs.update(alpha_q=mixing, alpha_k=mixing, alpha_v=mixing)
     collapse_init = identity_collapse_init(mixing_noise_std)
     if cfg.collapse_mode == "full":

@@ -9,6 +9,7 @@ rule, so XLA would otherwise gather the whole batch's q/k/v onto every device. T
 and head mesh axes come from the logical-axis rules (`activation_batch`,
 `activation_heads`); without a mesh the kernels are called directly.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,14 +53,16 @@ DIFF_NORM_EPS = 1e-5  # the per-head RMSNorm of differential attention (as Ye et
 def check_input(x: jax.Array, cfg: AttentionConfig) -> None:
   """Raises ValueError unless `x` is a floating `[B, N, model_dim]` array."""
   if jnp.ndim(x) != 3 or jnp.shape(x)[-1] != cfg.model_dim:
-    raise ValueError(f"x must have shape [B, N, model_dim={cfg.model_dim}], "
-                     f"got {tuple(jnp.shape(x))}")
+    raise ValueError(
+      f"x must have shape [B, N, model_dim={cfg.model_dim}], got {tuple(jnp.shape(x))}"
+    )
   if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
     raise ValueError(f"x must be a floating array, got dtype {jnp.result_type(x)}")
 
 
-def to_compute_dtype(params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig
-                     ) -> tuple[dict[str, jax.Array], jax.Array]:
+def to_compute_dtype(
+  params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig
+) -> tuple[dict[str, jax.Array], jax.Array]:
   """`params` and `x` cast to the layer's computation dtype: `cfg.dtype`, or the promoted
   dtype of `x` and the parameters when None. Parameters stay stored in param_dtype; the
   whole layer, mixing included, runs in the computation dtype."""
@@ -71,8 +74,10 @@ def to_compute_dtype(params: Mapping[str, jax.Array], x: jax.Array, cfg: Attenti
 
 def project_qkv(p: Mapping[str, jax.Array], x: jax.Array) -> tuple[jax.Array, ...]:
   """Source-head projections `x: [B, N, D]` -> q, k, v `[B, N, H, d]`, tagged for remat."""
-  return tuple(checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p[w]), name)
-               for w, name in (("wq", QUERY_PROJ), ("wk", KEY_PROJ), ("wv", VALUE_PROJ)))
+  return tuple(
+    checkpoint_name(jnp.einsum("bnD,Dhd->bnhd", x, p[w]), name)
+    for w, name in (("wq", QUERY_PROJ), ("wk", KEY_PROJ), ("wv", VALUE_PROJ))
+  )
 
 
 def kernel_sharding(cfg: AttentionConfig) -> dict | None:
@@ -91,14 +96,22 @@ def kernel_sharding(cfg: AttentionConfig) -> dict | None:
   batch, heads = nn.logical_to_mesh_axes((ACTIVATION_BATCH, ACTIVATION_HEADS), rules)
   names = set(mesh.axis_names)
   batch = tuple(a for a in ((batch,) if isinstance(batch, str) else batch or ()) if a in names)
-  return dict(platform=implementation.removeprefix("pallas_"), batch_axes=batch,
-              head_axis=heads if heads in names else None)
+  return dict(
+    platform=implementation.removeprefix("pallas_"),
+    batch_axes=batch,
+    head_axis=heads if heads in names else None,
+  )
 
 
-def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig, *,
-                      segment_ids: jax.Array | None = None,
-                      positions: jax.Array | None = None,
-                      layer: int | jax.Array | None = None) -> jax.Array:
+def attention_forward(
+  params: Mapping[str, jax.Array],
+  x: jax.Array,
+  cfg: AttentionConfig,
+  *,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+  layer: int | jax.Array | None = None,
+) -> jax.Array:
   """Applies one attention layer of kind `cfg.kind`.
 
   Args:
@@ -116,14 +129,20 @@ def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: Attent
   """
   check_input(x, cfg)
   p, x = to_compute_dtype(params, x, cfg)
-  options = dict(window=cfg.window, segment_ids=segment_ids, positions=positions,
-                 causal=cfg.causal, implementation=cfg.implementation)
+  options = dict(
+    window=cfg.window,
+    segment_ids=segment_ids,
+    positions=positions,
+    causal=cfg.causal,
+    implementation=cfg.implementation,
+  )
   sharding = kernel_sharding(cfg)
   if cfg.kind == "diff":
     y = _differential(p, x, cfg, options, cfg.layer if layer is None else layer, sharding)
   elif cfg.kind == "simplicial":
-    q, k1, k2, v1, v2 = (jnp.einsum("bnD,Dhd->bnhd", x, p[w])
-                         for w in ("wq", "wk1", "wk2", "wv1", "wv2"))
+    q, k1, k2, v1, v2 = (
+      jnp.einsum("bnD,Dhd->bnhd", x, p[w]) for w in ("wq", "wk1", "wk2", "wv1", "wv2")
+    )
     y = simplicial_attention(q, k1, k2, v1, v2, **options)
   else:
     q, k, v = project_qkv(p, x)
@@ -135,16 +154,25 @@ def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: Attent
     if cfg.interleaved:
       mixing = (p["alpha_q"], p["alpha_k"], p["alpha_v"], p["collapse"])
       if sharding:
-        y = _sharded().sharded_iha_attention(q, k, v, *mixing, rope_theta=cfg.rope_theta,
-                                             **_without_implementation(options), **sharding)
+        y = _sharded().sharded_iha_attention(
+          q,
+          k,
+          v,
+          *mixing,
+          rope_theta=cfg.rope_theta,
+          **_without_implementation(options),
+          **sharding,
+        )
       else:
         y = iha_attention(q, k, v, *mixing, rope_theta=cfg.rope_theta, **options)
     elif cfg.kind == "talking_heads":
-      y = talking_heads_attention(q, k, v, p["talk_logits"], p["talk_weights"],
-                                  rope_theta=cfg.rope_theta, **options)
+      y = talking_heads_attention(
+        q, k, v, p["talk_logits"], p["talk_weights"], rope_theta=cfg.rope_theta, **options
+      )
     elif sharding:
-      y = _sharded().sharded_mha_attention(q, k, v, rope_theta=cfg.rope_theta,
-                                           **_without_implementation(options), **sharding)
+      y = _sharded().sharded_mha_attention(
+        q, k, v, rope_theta=cfg.rope_theta, **_without_implementation(options), **sharding
+      )
     else:
       y = mha_attention(q, k, v, rope_theta=cfg.rope_theta, **options)
   y = checkpoint_name(with_logical_constraint(y, HEADS_AXES), ATTENTION_OUT)
@@ -154,6 +182,7 @@ def attention_forward(params: Mapping[str, jax.Array], x: jax.Array, cfg: Attent
 def _sharded():
   """The kernels' shard_map wrappers, imported on first use under a mesh."""
   from iha_jax.kernels import sharded  # pylint: disable=import-outside-toplevel
+
   return sharded
 
 
@@ -161,8 +190,14 @@ def _without_implementation(options: dict) -> dict:
   return {k: v for k, v in options.items() if k != "implementation"}
 
 
-def _differential(p: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig,
-                  options: dict, layer: int | jax.Array, sharding: dict | None) -> jax.Array:
+def _differential(
+  p: Mapping[str, jax.Array],
+  x: jax.Array,
+  cfg: AttentionConfig,
+  options: dict,
+  layer: int | jax.Array,
+  sharding: dict | None,
+) -> jax.Array:
   """Differential attention (Ye et al. 2024) up to the output projection: `[B, N, H, 2d]`.
 
   `lam = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init`, then a
@@ -174,11 +209,21 @@ def _differential(p: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig
   v = checkpoint_name(jnp.einsum("bnD,Dhe->bnhe", x, p["wv"]), VALUE_PROJ)
   f32 = lambda name: p[name].astype(jnp.float32)
   lambda_init = diff_lambda_init(layer)
-  lam = (jnp.exp(jnp.dot(f32("lambda_q1"), f32("lambda_k1")))
-         - jnp.exp(jnp.dot(f32("lambda_q2"), f32("lambda_k2"))) + lambda_init)
+  lam = (
+    jnp.exp(jnp.dot(f32("lambda_q1"), f32("lambda_k1")))
+    - jnp.exp(jnp.dot(f32("lambda_q2"), f32("lambda_k2")))
+    + lambda_init
+  )
   if sharding:  # both maps through the kernels under shard_map, as one MHA call
-    y = diff_via_mha(q, k, v, lam, rope_theta=cfg.rope_theta, **options,
-                     mha=functools.partial(_sharded().sharded_mha_attention, **sharding))
+    y = diff_via_mha(
+      q,
+      k,
+      v,
+      lam,
+      rope_theta=cfg.rope_theta,
+      **options,
+      mha=functools.partial(_sharded().sharded_mha_attention, **sharding),
+    )
   else:
     y = diff_attention(q, k, v, lam, rope_theta=cfg.rope_theta, **options)
   y = y.astype(jnp.float32)
@@ -198,8 +243,9 @@ def virtual_per_token(cfg: AttentionConfig) -> int:
   return cfg.pseudo if cfg.interleaved else 1
 
 
-def rotated_pseudo_heads(x: jax.Array, alpha: jax.Array | None, positions: jax.Array,
-                         cfg: AttentionConfig) -> jax.Array:
+def rotated_pseudo_heads(
+  x: jax.Array, alpha: jax.Array | None, positions: jax.Array, cfg: AttentionConfig
+) -> jax.Array:
   """Pseudo-heads of `x: [B, N, H, d]`, rotated at virtual positions `pos*P + p`.
 
   `positions: [B, N]` token positions. Returns `[B, N*P, H, d]` (`[B, N, H, d]` for MHA).

@@ -2,6 +2,7 @@
 
 All follow the standard `jax.nn.initializers` signature `(key, shape, dtype)`.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,7 +52,8 @@ def identity_collapse_init(noise_std: float = 0.0) -> Initializer:
       base = jnp.full(shape, 1.0 / shape[1], jnp.float32)
     else:
       raise ValueError(
-          f"identity_collapse_init: shape must be [H, H, P] or [H, P], got {tuple(shape)}")
+        f"identity_collapse_init: shape must be [H, H, P] or [H, P], got {tuple(shape)}"
+      )
     return _with_noise(jnp.broadcast_to(base, shape), key, noise_std, dtype)
 
   return init

@@ -5,6 +5,7 @@
 with their logical axis names; the forward pass is the shared `attention_forward`, so
 NNX and Linen compute one function.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,7 @@ class _AttentionLinen(nn.Module):
 
   `__call__(x: [B, N, D], *, segment_ids=None, positions=None) -> [B, N, D]`.
   """
+
   kind: ClassVar[str]
   fixed: ClassVar[dict[str, Any]] = {}  # AttentionConfig fields the kind pins
   model_dim: int
@@ -42,28 +44,38 @@ class _AttentionLinen(nn.Module):
   @property
   def config(self) -> AttentionConfig:
     """The validated layer configuration: this module's `AttentionConfig` fields."""
-    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-              if f.name in _CONFIG_FIELDS}
+    fields = {
+      f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _CONFIG_FIELDS
+    }
     return AttentionConfig(kind=self.kind, **fields, **self.fixed)
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None,
-               layer: int | jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    layer: int | jax.Array | None = None,
+  ) -> jax.Array:
     config = self.config
-    specs = param_specs(config, kernel_init=self.kernel_init,
-                        mixing_noise_std=getattr(self, "mixing_noise_std", 0.0))
+    specs = param_specs(
+      config, kernel_init=self.kernel_init, mixing_noise_std=getattr(self, "mixing_noise_std", 0.0)
+    )
     params = {
-        name: self.param(name, nn.with_logical_partitioning(spec.init, spec.axes), spec.shape,
-                         self.param_dtype)
-        for name, spec in specs.items()
+      name: self.param(
+        name, nn.with_logical_partitioning(spec.init, spec.axes), spec.shape, self.param_dtype
+      )
+      for name, spec in specs.items()
     }
-    return attention_forward(params, x, config, segment_ids=segment_ids, positions=positions,
-                             layer=layer)
+    return attention_forward(
+      params, x, config, segment_ids=segment_ids, positions=positions, layer=layer
+    )
 
 
 class InterleavedHeadAttentionLinen(_AttentionLinen):
   """Linen Interleaved Head Attention; fields and semantics as `InterleavedHeadAttention`."""
+
   kind: ClassVar[str] = "iha"
   num_pseudo: int | None = None
   rope_theta: float | None = 10000.0
@@ -73,12 +85,14 @@ class InterleavedHeadAttentionLinen(_AttentionLinen):
 
 class MultiHeadAttentionLinen(_AttentionLinen):
   """Linen multi-head attention; fields and semantics as `MultiHeadAttention`."""
+
   kind: ClassVar[str] = "mha"
   rope_theta: float | None = 10000.0
 
 
 class TalkingHeadsAttentionLinen(_AttentionLinen):
   """Linen Talking-Heads attention; fields and semantics as `TalkingHeadsAttention`."""
+
   kind: ClassVar[str] = "talking_heads"
   rope_theta: float | None = 10000.0
   mixing_noise_std: float = 0.0
@@ -87,6 +101,7 @@ class TalkingHeadsAttentionLinen(_AttentionLinen):
 class DifferentialAttentionLinen(_AttentionLinen):
   """Linen differential attention; fields and semantics as `DifferentialAttention`
   (`__call__` also takes `layer`, overriding the field)."""
+
   kind: ClassVar[str] = "diff"
   layer: int = 1
   rope_theta: float | None = 10000.0
@@ -95,5 +110,6 @@ class DifferentialAttentionLinen(_AttentionLinen):
 class SimplicialAttentionLinen(_AttentionLinen):
   """Linen 2-simplicial attention (no RoPE); fields and semantics as
   `SimplicialAttention`."""
+
   kind: ClassVar[str] = "simplicial"
   fixed: ClassVar[dict[str, Any]] = {"rope_theta": None}

@@ -4,6 +4,7 @@ Entry points (each takes `implementation=`, see `iha_jax.ops.registry`):
 `iha_attention`, `mha_attention`, `talking_heads_attention`, `diff_attention`,
 `simplicial_attention`.
 """
+
 from iha_jax.ops.attention import iha_attention, mha_attention, resolve_implementation
 from iha_jax.ops.differential import diff_attention, diff_lambda_init
 from iha_jax.ops.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
@@ -17,9 +18,25 @@ from iha_jax.ops.simplicial import simplicial_attention
 from iha_jax.ops.talking_heads import talking_heads_attention
 
 __all__ = [
-    "BlockSizes", "IMPLEMENTATIONS", "KINDS", "apply_rope", "attention_probs", "collapse_heads",
-    "deinterleave", "dense_attention", "diff_attention", "diff_lambda_init", "iha_attention",
-    "interleave", "mha_attention", "pseudo_mix", "resolve_implementation", "rope_frequencies",
-    "simplicial_attention", "talking_heads_attention", "virtual_positions",
-    "virtual_segment_ids", "visible",
+  "BlockSizes",
+  "IMPLEMENTATIONS",
+  "KINDS",
+  "apply_rope",
+  "attention_probs",
+  "collapse_heads",
+  "deinterleave",
+  "dense_attention",
+  "diff_attention",
+  "diff_lambda_init",
+  "iha_attention",
+  "interleave",
+  "mha_attention",
+  "pseudo_mix",
+  "resolve_implementation",
+  "rope_frequencies",
+  "simplicial_attention",
+  "talking_heads_attention",
+  "virtual_positions",
+  "virtual_segment_ids",
+  "visible",
 ]

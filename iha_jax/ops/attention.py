@@ -6,6 +6,7 @@ attends (causal or bidirectional), de-interleaves and collapses; MHA is the same
 pipeline without the mixing (P = 1). `implementation` picks one entry of
 `iha_jax.ops.registry`, and every entry computes the same function.
 """
+
 from __future__ import annotations
 
 import jax
@@ -23,16 +24,27 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def resolve_implementation(implementation: str, kind: str = "iha") -> str:
-  """"auto" -> the fused Pallas kernels on TPU / GPU where `kind` has them, else "xla"."""
+  """ "auto" -> the fused Pallas kernels on TPU / GPU where `kind` has them, else "xla"."""
   return registry.resolve(kind, implementation)
 
 
-def iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
-                  alpha_k: jax.Array, alpha_v: jax.Array, collapse: jax.Array, *,
-                  window: int | None = None, segment_ids: jax.Array | None = None,
-                  positions: jax.Array | None = None, rope_theta: float | None = 10000.0,
-                  causal: bool = True, implementation: str = "auto",
-                  block_sizes: BlockSizes | None = None) -> jax.Array:
+def iha_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  alpha_q: jax.Array,
+  alpha_k: jax.Array,
+  alpha_v: jax.Array,
+  collapse: jax.Array,
+  *,
+  window: int | None = None,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+  rope_theta: float | None = 10000.0,
+  causal: bool = True,
+  implementation: str = "auto",
+  block_sizes: BlockSizes | None = None,
+) -> jax.Array:
   """Interleaved Head Attention core (docs/design.md, "The math").
 
   Args:
@@ -54,34 +66,75 @@ def iha_attention(q: jax.Array, k: jax.Array, v: jax.Array, alpha_q: jax.Array,
   """
   validation.check_qkv(q, k, v)
   validation.check_mixing(q.shape[2], alpha_q, alpha_k, alpha_v, collapse)
-  validation.check_options(q, window=window, segment_ids=segment_ids, positions=positions,
-                           rope_theta=rope_theta, causal=causal)
+  validation.check_options(
+    q,
+    window=window,
+    segment_ids=segment_ids,
+    positions=positions,
+    rope_theta=rope_theta,
+    causal=causal,
+  )
   fn = registry.lookup("iha", implementation)
-  return fn(q, k, v, alpha_q, alpha_k, alpha_v, collapse, window=window,
-            segment_ids=segment_ids, positions=validation.default_positions(q, positions),
-            rope_theta=rope_theta, causal=causal, block_sizes=block_sizes)
+  return fn(
+    q,
+    k,
+    v,
+    alpha_q,
+    alpha_k,
+    alpha_v,
+    collapse,
+    window=window,
+    segment_ids=segment_ids,
+    positions=validation.default_positions(q, positions),
+    rope_theta=rope_theta,
+    causal=causal,
+    block_sizes=block_sizes,
+  )
 
 
-def mha_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
-                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                  rope_theta: float | None = 10000.0, causal: bool = True,
-                  implementation: str = "auto",
-                  block_sizes: BlockSizes | None = None) -> jax.Array:
+def mha_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  window: int | None = None,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+  rope_theta: float | None = 10000.0,
+  causal: bool = True,
+  implementation: str = "auto",
+  block_sizes: BlockSizes | None = None,
+) -> jax.Array:
   """Standard multi-head attention with the same conventions as `iha_attention`.
 
   Args and returns as `iha_attention`, without mixing; `window` is in tokens. v may be
   wider than q and k (`[B, N, H, dv]`, returned as `[B, N, H, dv]`).
   """
   validation.check_qkv(q, k, v, value_width=True)
-  validation.check_options(q, window=window, segment_ids=segment_ids, positions=positions,
-                           rope_theta=rope_theta, causal=causal)
+  validation.check_options(
+    q,
+    window=window,
+    segment_ids=segment_ids,
+    positions=positions,
+    rope_theta=rope_theta,
+    causal=causal,
+  )
   fn = registry.lookup("mha", implementation)
-  return fn(q, k, v, window=window, segment_ids=segment_ids,
-            positions=validation.default_positions(q, positions), rope_theta=rope_theta,
-            causal=causal, block_sizes=block_sizes)
+  return fn(
+    q,
+    k,
+    v,
+    window=window,
+    segment_ids=segment_ids,
+    positions=validation.default_positions(q, positions),
+    rope_theta=rope_theta,
+    causal=causal,
+    block_sizes=block_sizes,
+  )
 
 
 # --- Implementations (registry entries): arguments checked, positions defaulted. ----------
+
 
 def _reference_core(q, k, v, *, segment_ids, positions, rope_theta, window, causal):
   """Rotate and attend `[B, T, H, d]` with the dense oracle; positions `[B, T]`."""
@@ -97,49 +150,116 @@ def _xla_core(q, k, v, *, segment_ids, positions, rope_theta, window, causal, bl
     cos, sin = cos[:, None], sin[:, None]
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
   blocks = block_sizes or BlockSizes()
-  return flash_attention_heads_major(q, k, v, segment_ids=segment_ids, window=window,
-                                     causal=causal, block_q=blocks.block_q,
-                                     block_k=blocks.block_k)
+  return flash_attention_heads_major(
+    q,
+    k,
+    v,
+    segment_ids=segment_ids,
+    window=window,
+    causal=causal,
+    block_q=blocks.block_q,
+    block_k=blocks.block_k,
+  )
 
 
-def iha_reference(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, segment_ids,
-                  positions, rope_theta, causal, block_sizes=None):
+def iha_reference(
+  q,
+  k,
+  v,
+  alpha_q,
+  alpha_k,
+  alpha_v,
+  collapse,
+  *,
+  window,
+  segment_ids,
+  positions,
+  rope_theta,
+  causal,
+  block_sizes=None,
+):
   """Dense IHA in float32 at highest precision (`block_sizes` unused)."""
   del block_sizes
   num_pseudo = alpha_q.shape[2]
-  qv, kv, vv = (interleave(pseudo_mix(x, a, precision=_HIGHEST))
-                for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
+  qv, kv, vv = (
+    interleave(pseudo_mix(x, a, precision=_HIGHEST))
+    for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v))
+  )
   vseg = None if segment_ids is None else virtual_segment_ids(segment_ids, num_pseudo)
-  out = _reference_core(qv, kv, vv, segment_ids=vseg,
-                        positions=virtual_positions(positions, num_pseudo),
-                        rope_theta=rope_theta, window=window, causal=causal)
+  out = _reference_core(
+    qv,
+    kv,
+    vv,
+    segment_ids=vseg,
+    positions=virtual_positions(positions, num_pseudo),
+    rope_theta=rope_theta,
+    window=window,
+    causal=causal,
+  )
   return collapse_heads(deinterleave(out, num_pseudo), collapse, precision=_HIGHEST)
 
 
-def iha_xla(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, segment_ids, positions,
-            rope_theta, causal, block_sizes=None):
+def iha_xla(
+  q,
+  k,
+  v,
+  alpha_q,
+  alpha_k,
+  alpha_v,
+  collapse,
+  *,
+  window,
+  segment_ids,
+  positions,
+  rope_theta,
+  causal,
+  block_sizes=None,
+):
   """Blockwise IHA on head-major virtual sequences, the layout the XLA core tiles."""
   num_pseudo = alpha_q.shape[2]
   qv, kv, vv = (mix_to_virtual(x, a) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
   vseg = None if segment_ids is None else virtual_segment_ids(segment_ids, num_pseudo)
-  out = _xla_core(qv, kv, vv, segment_ids=vseg,
-                  positions=virtual_positions(positions, num_pseudo), rope_theta=rope_theta,
-                  window=window, causal=causal, block_sizes=block_sizes)
+  out = _xla_core(
+    qv,
+    kv,
+    vv,
+    segment_ids=vseg,
+    positions=virtual_positions(positions, num_pseudo),
+    rope_theta=rope_theta,
+    window=window,
+    causal=causal,
+    block_sizes=block_sizes,
+  )
   return collapse_from_virtual(out, collapse, num_pseudo)
 
 
-def mha_reference(q, k, v, *, window, segment_ids, positions, rope_theta, causal,
-                  block_sizes=None):
+def mha_reference(q, k, v, *, window, segment_ids, positions, rope_theta, causal, block_sizes=None):
   """Dense MHA in float32 at highest precision (`block_sizes` unused)."""
   del block_sizes
-  return _reference_core(q, k, v, segment_ids=segment_ids, positions=positions,
-                         rope_theta=rope_theta, window=window, causal=causal)
+  return _reference_core(
+    q,
+    k,
+    v,
+    segment_ids=segment_ids,
+    positions=positions,
+    rope_theta=rope_theta,
+    window=window,
+    causal=causal,
+  )
 
 
 def mha_xla(q, k, v, *, window, segment_ids, positions, rope_theta, causal, block_sizes=None):
   """Blockwise MHA (the XLA core on head-major `[B, H, N, d]`)."""
   heads_major = lambda x: jnp.swapaxes(x, 1, 2)
-  out = _xla_core(heads_major(q), heads_major(k), heads_major(v), segment_ids=segment_ids,
-                  positions=positions, rope_theta=rope_theta, window=window, causal=causal,
-                  block_sizes=block_sizes)
+  out = _xla_core(
+    heads_major(q),
+    heads_major(k),
+    heads_major(v),
+    segment_ids=segment_ids,
+    positions=positions,
+    rope_theta=rope_theta,
+    window=window,
+    causal=causal,
+    block_sizes=block_sizes,
+  )
   return heads_major(out)

@@ -10,6 +10,7 @@ repeated), so every MHA implementation, the Pallas kernels included, serves it, 
 maps cost exactly what two softmax attentions cost, and a head-sharded call keeps both
 maps of a head on one device.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,11 +32,20 @@ def diff_lambda_init(layer: int | jax.Array) -> jax.Array | float:
   return 0.8 - 0.6 * jnp.exp(-0.3 * (jnp.asarray(layer, jnp.float32) - 1.0))
 
 
-def diff_attention(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array | float, *,
-                   window: int | None = None, segment_ids: jax.Array | None = None,
-                   positions: jax.Array | None = None, rope_theta: float | None = 10000.0,
-                   causal: bool = True, implementation: str = "auto",
-                   block_sizes: BlockSizes | None = None) -> jax.Array:
+def diff_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  lam: jax.Array | float,
+  *,
+  window: int | None = None,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+  rope_theta: float | None = 10000.0,
+  causal: bool = True,
+  implementation: str = "auto",
+  block_sizes: BlockSizes | None = None,
+) -> jax.Array:
   """Differential attention `A1 v - lam * A2 v` (before the layer's norm and scale).
 
   Args:
@@ -52,36 +62,75 @@ def diff_attention(q: jax.Array, k: jax.Array, v: jax.Array, lam: jax.Array | fl
   """
   validation.check_arrays(("q", "k"), (q, k), 5, "[B, N, H, 2, d]")
   if q.shape[3] != 2:
-    raise ValueError(f"q and k must hold the two maps on axis 3, [B, N, H, 2, d]; got shape "
-                     f"{tuple(q.shape)}.")
+    raise ValueError(
+      f"q and k must hold the two maps on axis 3, [B, N, H, 2, d]; got shape {tuple(q.shape)}."
+    )
   if jnp.ndim(v) != 4 or tuple(v.shape[:3]) != tuple(q.shape[:3]):
-    raise ValueError(f"v must have shape [B, N, H, dv] with [B, N, H] = {list(q.shape[:3])} "
-                     f"from q, got {tuple(jnp.shape(v))}.")
+    raise ValueError(
+      f"v must have shape [B, N, H, dv] with [B, N, H] = {list(q.shape[:3])} "
+      f"from q, got {tuple(jnp.shape(v))}."
+    )
   if jnp.result_type(v) != jnp.result_type(q):
-    raise ValueError(f"q, k and v must share one dtype, got {jnp.result_type(q)} and "
-                     f"{jnp.result_type(v)}.")
+    raise ValueError(
+      f"q, k and v must share one dtype, got {jnp.result_type(q)} and {jnp.result_type(v)}."
+    )
   h = q.shape[2]
   if jnp.ndim(lam) not in (0, 1) or (jnp.ndim(lam) == 1 and jnp.shape(lam)[0] != h):
     raise ValueError(f"lam must be a scalar or [H] = [{h}], got shape {tuple(jnp.shape(lam))}.")
-  validation.check_options(q, window=window, segment_ids=segment_ids, positions=positions,
-                           rope_theta=rope_theta, causal=causal)
+  validation.check_options(
+    q,
+    window=window,
+    segment_ids=segment_ids,
+    positions=positions,
+    rope_theta=rope_theta,
+    causal=causal,
+  )
   fn = registry.lookup("diff", implementation)
-  return fn(q, k, v, lam, window=window, segment_ids=segment_ids,
-            positions=validation.default_positions(q, positions), rope_theta=rope_theta,
-            causal=causal, block_sizes=block_sizes)
+  return fn(
+    q,
+    k,
+    v,
+    lam,
+    window=window,
+    segment_ids=segment_ids,
+    positions=validation.default_positions(q, positions),
+    rope_theta=rope_theta,
+    causal=causal,
+    block_sizes=block_sizes,
+  )
 
 
-def diff_via_mha(q, k, v, lam, *, implementation, window, segment_ids, positions, rope_theta,
-                 causal, block_sizes=None, mha: Callable[..., jax.Array] | None = None):
+def diff_via_mha(
+  q,
+  k,
+  v,
+  lam,
+  *,
+  implementation,
+  window,
+  segment_ids,
+  positions,
+  rope_theta,
+  causal,
+  block_sizes=None,
+  mha: Callable[..., jax.Array] | None = None,
+):
   """Both maps as one MHA call over 2H heads: `mha_attention(implementation=...)`, or
   `mha(q, k, v, **options)` when given (e.g. the kernels under shard_map)."""
   b, n, h, _, d = q.shape
-  options = dict(window=window, segment_ids=segment_ids, positions=positions,
-                 rope_theta=rope_theta, causal=causal, block_sizes=block_sizes)
+  options = dict(
+    window=window,
+    segment_ids=segment_ids,
+    positions=positions,
+    rope_theta=rope_theta,
+    causal=causal,
+    block_sizes=block_sizes,
+  )
   if mha is None:
     mha = functools.partial(mha_attention, implementation=implementation)
   # [B, N, H, 2, d] -> [B, N, 2H, d]: head 2h + i is map i of head h.
-  out = mha(q.reshape(b, n, 2 * h, d), k.reshape(b, n, 2 * h, d), jnp.repeat(v, 2, axis=2),
-            **options).astype(jnp.float32)
+  out = mha(
+    q.reshape(b, n, 2 * h, d), k.reshape(b, n, 2 * h, d), jnp.repeat(v, 2, axis=2), **options
+  ).astype(jnp.float32)
   lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (h,))[:, None]
   return (out[:, :, 0::2] - lam * out[:, :, 1::2]).astype(q.dtype)

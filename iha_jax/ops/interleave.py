@@ -3,6 +3,7 @@
 Token n's P pseudo-tokens become consecutive virtual tokens: `t = n * P + p`,
 so every head sees a sequence of length `T = N * P`.
 """
+
 from __future__ import annotations
 
 import jax

@@ -3,6 +3,7 @@
 One predicate, used by the dense references on the full grid and by the blockwise
 paths on one tile at a time, so every implementation masks identically.
 """
+
 from __future__ import annotations
 
 import jax
@@ -12,8 +13,14 @@ import jax.numpy as jnp
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def visible(q_index: jax.Array, k_index: jax.Array, q_segment: jax.Array | None,
-            k_segment: jax.Array | None, window: int | None, causal: bool = True) -> jax.Array:
+def visible(
+  q_index: jax.Array,
+  k_index: jax.Array,
+  q_segment: jax.Array | None,
+  k_segment: jax.Array | None,
+  window: int | None,
+  causal: bool = True,
+) -> jax.Array:
   """Broadcasting mask: key s is visible to query t.
 
   Args:

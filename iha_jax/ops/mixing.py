@@ -3,6 +3,7 @@
 Both are tiny einsums over the head axis; they stay separate functions so the
 Flax modules, the XLA path and the Pallas kernels share one definition.
 """
+
 from __future__ import annotations
 
 import jax
@@ -23,8 +24,12 @@ def pseudo_mix(x: jax.Array, alpha: jax.Array, *, precision: Precision = None) -
     `[B, N, H, P, d]` with `out[b,n,h,p] = sum_m alpha[m,h,p] * x[b,n,m]`, in x.dtype.
   """
   return jnp.einsum(
-      "bnmd,mhp->bnhpd", x, alpha.astype(x.dtype), precision=precision,
-      preferred_element_type=jnp.float32).astype(x.dtype)
+    "bnmd,mhp->bnhpd",
+    x,
+    alpha.astype(x.dtype),
+    precision=precision,
+    preferred_element_type=jnp.float32,
+  ).astype(x.dtype)
 
 
 def collapse_heads(o: jax.Array, collapse: jax.Array, *, precision: Precision = None) -> jax.Array:
@@ -41,8 +46,8 @@ def collapse_heads(o: jax.Array, collapse: jax.Array, *, precision: Precision = 
   """
   spec = "bngpd,hgp->bnhd" if collapse.ndim == 3 else "bnhpd,hp->bnhd"
   return jnp.einsum(
-      spec, o, collapse.astype(o.dtype), precision=precision,
-      preferred_element_type=jnp.float32).astype(o.dtype)
+    spec, o, collapse.astype(o.dtype), precision=precision, preferred_element_type=jnp.float32
+  ).astype(o.dtype)
 
 
 def mix_to_virtual(x: jax.Array, alpha: jax.Array, *, precision: Precision = None) -> jax.Array:
@@ -60,13 +65,19 @@ def mix_to_virtual(x: jax.Array, alpha: jax.Array, *, precision: Precision = Non
   """
   b, n, _, d = x.shape
   h, p = alpha.shape[1:]
-  out = jnp.einsum("bnmd,mhp->bhnpd", x, alpha.astype(x.dtype), precision=precision,
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum(
+    "bnmd,mhp->bhnpd",
+    x,
+    alpha.astype(x.dtype),
+    precision=precision,
+    preferred_element_type=jnp.float32,
+  )
   return out.reshape(b, h, n * p, d).astype(x.dtype)
 
 
-def collapse_from_virtual(o: jax.Array, collapse: jax.Array, num_pseudo: int, *,
-                          precision: Precision = None) -> jax.Array:
+def collapse_from_virtual(
+  o: jax.Array, collapse: jax.Array, num_pseudo: int, *, precision: Precision = None
+) -> jax.Array:
   """`collapse_heads(deinterleave(o))` for a head-major virtual output `o: [B, H, N*P, d]`.
 
   Returns `[B, N, H, d]` in o.dtype.
@@ -75,5 +86,5 @@ def collapse_from_virtual(o: jax.Array, collapse: jax.Array, num_pseudo: int, *,
   o = o.reshape(b, h, t // num_pseudo, num_pseudo, d)
   spec = "bgnpd,hgp->bnhd" if collapse.ndim == 3 else "bhnpd,hp->bnhd"
   return jnp.einsum(
-      spec, o, collapse.astype(o.dtype), precision=precision,
-      preferred_element_type=jnp.float32).astype(o.dtype)
+    spec, o, collapse.astype(o.dtype), precision=precision, preferred_element_type=jnp.float32
+  ).astype(o.dtype)

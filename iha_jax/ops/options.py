@@ -5,6 +5,7 @@
 both import from here and from nowhere else in `ops` that could import them back,
 so the two packages form no import cycle.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +25,7 @@ class BlockSizes:
   tiles multiples of 8 (16 for 2-byte dtypes) and key tiles multiples of 128 tokens.
   The query-chunked XLA paths (talking-heads, 2-simplicial) read `block_q` only.
   """
+
   block_q: int | None = None
   block_k: int | None = None
 

@@ -8,6 +8,7 @@ runs the kind's dense math on it. The block function is rematerialised
 recomputes them block by block: nothing `[B, H, N, N]`-sized exists in the forward or
 is saved for the backward. Residuals are the inputs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +31,7 @@ class QueryBlocks:
       `block + 2 * (window - 1)` bidirectional, capped at N.
     window: sliding window in tokens, or None.
   """
+
   length: int
   block: int
   slab: int
@@ -63,12 +65,17 @@ def _pad_tokens(x: jax.Array, total: int) -> jax.Array:
   return jnp.pad(x, [(0, total - x.shape[1]) if a == 1 else (0, 0) for a in range(x.ndim)])
 
 
-Attend = Callable[[Sequence[jax.Array | None], Sequence[jax.Array | None], jax.Array,
-                   jax.Array], jax.Array]
+Attend = Callable[
+  [Sequence[jax.Array | None], Sequence[jax.Array | None], jax.Array, jax.Array], jax.Array
+]
 
 
-def map_query_blocks(attend: Attend, plan: QueryBlocks, queries: Sequence[jax.Array | None],
-                     keys: Sequence[jax.Array | None]) -> jax.Array:
+def map_query_blocks(
+  attend: Attend,
+  plan: QueryBlocks,
+  queries: Sequence[jax.Array | None],
+  keys: Sequence[jax.Array | None],
+) -> jax.Array:
   """Runs `attend` on every query block and its key slab; returns `[B, N, ...]`.
 
   Args:
@@ -83,28 +90,44 @@ def map_query_blocks(attend: Attend, plan: QueryBlocks, queries: Sequence[jax.Ar
 
   def one_block(i):
     q_start, k_start = i * plan.block, plan.key_start(i)
-    q_blocks = [None if x is None else jax.lax.dynamic_slice_in_dim(x, q_start, plan.block, 1)
-                for x in queries]
-    k_slabs = [None if x is None else jax.lax.dynamic_slice_in_dim(x, k_start, plan.slab, 1)
-               for x in keys]
-    return attend(q_blocks, k_slabs, q_start + jnp.arange(plan.block),
-                  k_start + jnp.arange(plan.slab))
+    q_blocks = [
+      None if x is None else jax.lax.dynamic_slice_in_dim(x, q_start, plan.block, 1)
+      for x in queries
+    ]
+    k_slabs = [
+      None if x is None else jax.lax.dynamic_slice_in_dim(x, k_start, plan.slab, 1) for x in keys
+    ]
+    return attend(
+      q_blocks, k_slabs, q_start + jnp.arange(plan.block), k_start + jnp.arange(plan.slab)
+    )
 
   # Remat: only the block index and the closed-over inputs are saved for backward.
   out = jax.lax.map(jax.checkpoint(one_block), jnp.arange(plan.num_blocks))
   out = jnp.moveaxis(out, 0, 1)  # [B, blocks, block, ...]
   out = out.reshape(out.shape[0], total, *out.shape[3:])
-  return out[:, :plan.length]
+  return out[:, : plan.length]
 
 
-def block_mask(q_index: jax.Array, k_index: jax.Array, q_segment: jax.Array | None,
-               k_segment: jax.Array | None, window: int | None, causal: bool) -> jax.Array:
+def block_mask(
+  q_index: jax.Array,
+  k_index: jax.Array,
+  q_segment: jax.Array | None,
+  k_segment: jax.Array | None,
+  window: int | None,
+  causal: bool,
+) -> jax.Array:
   """Visibility `[B or 1, 1, Q, S]` of keys `k_index [S]` from queries `q_index [Q]`
   (token indices), with segment ids `[B, Q]`, `[B, S]` or None."""
   if q_segment is None:
     return visible(q_index[:, None], k_index[None, :], None, None, window, causal)[None, None]
-  return visible(q_index[:, None], k_index[None, :], q_segment[:, None, :, None],
-                 k_segment[:, None, None, :], window, causal)
+  return visible(
+    q_index[:, None],
+    k_index[None, :],
+    q_segment[:, None, :, None],
+    k_segment[:, None, None, :],
+    window,
+    causal,
+  )
 
 
 def zero_padding(out: jax.Array, segment_ids: jax.Array | None) -> jax.Array:

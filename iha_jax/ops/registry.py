@@ -15,6 +15,7 @@ kind's public entry point) and computes the same function.
 | diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu (through mha) |
 | simplicial | `simplicial_attention` | reference, xla |
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,30 +40,32 @@ def _kernel(function: str, platform: str) -> Entry:
 
 
 _TABLE: dict[str, dict[str, Entry]] = {
-    "iha": {
-        "reference": _local("attention", "iha_reference"),
-        "xla": _local("attention", "iha_xla"),
-        "pallas_tpu": _kernel("iha_attention", "tpu"),
-        "pallas_gpu": _kernel("iha_attention", "gpu"),
-    },
-    "mha": {
-        "reference": _local("attention", "mha_reference"),
-        "xla": _local("attention", "mha_xla"),
-        "pallas_tpu": _kernel("mha_attention", "tpu"),
-        "pallas_gpu": _kernel("mha_attention", "gpu"),
-    },
-    "talking_heads": {
-        "reference": _local("talking_heads", "talking_heads_reference"),
-        "xla": _local("talking_heads", "talking_heads_xla"),
-    },
-    # Differential attention runs its two maps as one MHA call over 2H heads, so every
-    # MHA implementation, the kernels included, serves it.
-    "diff": {name: (f"{_OPS}.differential:diff_via_mha", {"implementation": name})
-             for name in ("reference", "xla", "pallas_tpu", "pallas_gpu")},
-    "simplicial": {
-        "reference": _local("simplicial", "simplicial_reference"),
-        "xla": _local("simplicial", "simplicial_xla"),
-    },
+  "iha": {
+    "reference": _local("attention", "iha_reference"),
+    "xla": _local("attention", "iha_xla"),
+    "pallas_tpu": _kernel("iha_attention", "tpu"),
+    "pallas_gpu": _kernel("iha_attention", "gpu"),
+  },
+  "mha": {
+    "reference": _local("attention", "mha_reference"),
+    "xla": _local("attention", "mha_xla"),
+    "pallas_tpu": _kernel("mha_attention", "tpu"),
+    "pallas_gpu": _kernel("mha_attention", "gpu"),
+  },
+  "talking_heads": {
+    "reference": _local("talking_heads", "talking_heads_reference"),
+    "xla": _local("talking_heads", "talking_heads_xla"),
+  },
+  # Differential attention runs its two maps as one MHA call over 2H heads, so every
+  # MHA implementation, the kernels included, serves it.
+  "diff": {
+    name: (f"{_OPS}.differential:diff_via_mha", {"implementation": name})
+    for name in ("reference", "xla", "pallas_tpu", "pallas_gpu")
+  },
+  "simplicial": {
+    "reference": _local("simplicial", "simplicial_reference"),
+    "xla": _local("simplicial", "simplicial_xla"),
+  },
 }
 
 KINDS = tuple(_TABLE)
@@ -80,7 +83,7 @@ def _check_kind(kind: str) -> None:
 
 
 def resolve(kind: str, implementation: str) -> str:
-  """"auto" -> the Pallas kernels of the current backend where `kind` has them, else "xla".
+  """ "auto" -> the Pallas kernels of the current backend where `kind` has them, else "xla".
 
   Any other name is returned as is after checking that `kind` has it.
   """
@@ -91,8 +94,10 @@ def resolve(kind: str, implementation: str) -> str:
     kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend())
     return kernel if kernel in _TABLE[kind] else "xla"
   if implementation not in _TABLE[kind]:
-    raise ValueError(f"{kind} attention has no {implementation!r} implementation; "
-                     f"choose one of {implementations(kind)} or 'auto'")
+    raise ValueError(
+      f"{kind} attention has no {implementation!r} implementation; "
+      f"choose one of {implementations(kind)} or 'auto'"
+    )
   return implementation
 
 

@@ -1,4 +1,5 @@
 """Rotary position embedding, rotate-half convention (docs/design.md §1.4, project choice)."""
+
 from __future__ import annotations
 
 import jax

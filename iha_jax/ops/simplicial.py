@@ -12,6 +12,7 @@ construction: the XLA path runs a block of queries at a time (`iha_jax.ops.query
 global layers see all N keys, window layers only the band), and both paths refuse
 shapes whose scores in flight exceed `MAX_SCORES` float32 elements.
 """
+
 from __future__ import annotations
 
 import jax
@@ -31,16 +32,24 @@ from iha_jax.ops.query_blocks import (
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Most float32 score elements alive at once (2**27 = 512 MiB): the reference holds
 # B*H*N^3 of them, the XLA path B*H*block*slab^2 for one query block.
-MAX_SCORES = 2 ** 27
+MAX_SCORES = 2**27
 DEFAULT_BLOCK = 32  # queries per block of the XLA path (halved until the block fits)
 
 
-def simplicial_attention(q: jax.Array, k1: jax.Array, k2: jax.Array, v1: jax.Array,
-                         v2: jax.Array, *, window: int | None = None,
-                         segment_ids: jax.Array | None = None,
-                         positions: jax.Array | None = None, causal: bool = True,
-                         implementation: str = "auto",
-                         block_sizes: BlockSizes | None = None) -> jax.Array:
+def simplicial_attention(
+  q: jax.Array,
+  k1: jax.Array,
+  k2: jax.Array,
+  v1: jax.Array,
+  v2: jax.Array,
+  *,
+  window: int | None = None,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+  causal: bool = True,
+  implementation: str = "auto",
+  block_sizes: BlockSizes | None = None,
+) -> jax.Array:
   """2-simplicial attention over `[B, N, H, d]` inputs.
 
   Args:
@@ -63,11 +72,21 @@ def simplicial_attention(q: jax.Array, k1: jax.Array, k2: jax.Array, v1: jax.Arr
   """
   names = ("q", "k1", "k2", "v1", "v2")
   validation.check_arrays(names, (q, k1, k2, v1, v2), 4, "[B, N, H, d]")
-  validation.check_options(q, window=window, segment_ids=segment_ids, positions=positions,
-                           rope_theta=None, causal=causal)
+  validation.check_options(
+    q, window=window, segment_ids=segment_ids, positions=positions, rope_theta=None, causal=causal
+  )
   fn = registry.lookup("simplicial", implementation)
-  return fn(q, k1, k2, v1, v2, window=window, segment_ids=segment_ids, causal=causal,
-            block_sizes=block_sizes)
+  return fn(
+    q,
+    k1,
+    k2,
+    v1,
+    v2,
+    window=window,
+    segment_ids=segment_ids,
+    causal=causal,
+    block_sizes=block_sizes,
+  )
 
 
 def _attend(q, k1, k2, v1, v2, mask, precision):
@@ -76,8 +95,9 @@ def _attend(q, k1, k2, v1, v2, mask, precision):
   b, n_q, h, d = q.shape
   s = k1.shape[1]
   f32 = lambda x: x.astype(jnp.float32)
-  scores = jnp.einsum("bqhc,bjhc,blhc->bhqjl", f32(q), f32(k1), f32(k2),
-                      precision=precision) * d ** -0.5
+  scores = (
+    jnp.einsum("bqhc,bjhc,blhc->bhqjl", f32(q), f32(k1), f32(k2), precision=precision) * d**-0.5
+  )
   pair_mask = mask[..., :, None] & mask[..., None, :]  # j and l both visible
   scores = jnp.where(pair_mask, scores, MASK_VALUE).reshape(b, h, n_q, s * s)
   weights = jax.nn.softmax(scores, axis=-1).reshape(b, h, n_q, s, s)
@@ -87,20 +107,27 @@ def _attend(q, k1, k2, v1, v2, mask, precision):
 def _refuse(what: str, elements: int, shape: tuple[int, ...], hint: str) -> None:
   if elements > MAX_SCORES:
     b, n, h, _ = shape
-    raise ValueError(f"simplicial_attention: {what} would hold {elements:,} float32 scores "
-                     f"(B={b}, N={n}, H={h}), above the limit of {MAX_SCORES:,} "
-                     f"(iha_jax.ops.simplicial.MAX_SCORES); {hint}")
+    raise ValueError(
+      f"simplicial_attention: {what} would hold {elements:,} float32 scores "
+      f"(B={b}, N={n}, H={h}), above the limit of {MAX_SCORES:,} "
+      f"(iha_jax.ops.simplicial.MAX_SCORES); {hint}"
+    )
 
 
 def simplicial_reference(q, k1, k2, v1, v2, *, window, segment_ids, causal, block_sizes=None):
   """Dense `[B, H, N, N, N]` math in float32 at highest precision (the test oracle)."""
   del block_sizes
   b, n, h, _ = q.shape
-  _refuse("the dense reference", b * h * n ** 3, q.shape,
-          "use implementation='xla', which holds one block of queries at a time.")
+  _refuse(
+    "the dense reference",
+    b * h * n**3,
+    q.shape,
+    "use implementation='xla', which holds one block of queries at a time.",
+  )
   index = jnp.arange(n)
-  out = _attend(q, k1, k2, v1, v2, block_mask(index, index, segment_ids, segment_ids, window,
-                                          causal), _HIGHEST)
+  out = _attend(
+    q, k1, k2, v1, v2, block_mask(index, index, segment_ids, segment_ids, window, causal), _HIGHEST
+  )
   return zero_padding(out, segment_ids).astype(q.dtype)
 
 
@@ -108,10 +135,14 @@ def _plan(shape: tuple[int, ...], block: int, window: int | None, causal: bool) 
   """The largest query block (<= `block`) whose scores fit `MAX_SCORES`; refuses if none."""
   b, n, h, _ = shape
   plan = plan_query_blocks(n, block, window, causal)
-  while plan.block > 1 and b * h * plan.block * plan.slab ** 2 > MAX_SCORES:
+  while plan.block > 1 and b * h * plan.block * plan.slab**2 > MAX_SCORES:
     plan = plan_query_blocks(n, plan.block // 2, window, causal)
-  _refuse("one query", b * h * plan.block * plan.slab ** 2, shape,
-          "use a window, a smaller batch or fewer heads.")
+  _refuse(
+    "one query",
+    b * h * plan.block * plan.slab**2,
+    shape,
+    "use a window, a smaller batch or fewer heads.",
+  )
   return plan
 
 

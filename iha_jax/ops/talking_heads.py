@@ -13,6 +13,7 @@ Every step mixes whole score maps across heads, so the online softmax of flash a
 does not apply; the memory-efficient path ("xla") runs the dense math one query block at
 a time (`iha_jax.ops.query_blocks`), never a `[B, H, N, N]` tensor.
 """
+
 from __future__ import annotations
 
 import jax
@@ -28,13 +29,21 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 DEFAULT_BLOCK = 128  # queries per block of the XLA path
 
 
-def talking_heads_attention(q: jax.Array, k: jax.Array, v: jax.Array, talk_logits: jax.Array,
-                            talk_weights: jax.Array, *, window: int | None = None,
-                            segment_ids: jax.Array | None = None,
-                            positions: jax.Array | None = None,
-                            rope_theta: float | None = 10000.0, causal: bool = True,
-                            implementation: str = "auto",
-                            block_sizes: BlockSizes | None = None) -> jax.Array:
+def talking_heads_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  talk_logits: jax.Array,
+  talk_weights: jax.Array,
+  *,
+  window: int | None = None,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+  rope_theta: float | None = 10000.0,
+  causal: bool = True,
+  implementation: str = "auto",
+  block_sizes: BlockSizes | None = None,
+) -> jax.Array:
   """Talking-Heads attention over `[B, N, H, ·]` inputs.
 
   Args:
@@ -57,27 +66,51 @@ def talking_heads_attention(q: jax.Array, k: jax.Array, v: jax.Array, talk_logit
   h = q.shape[2]
   for name, x in (("talk_logits", talk_logits), ("talk_weights", talk_weights)):
     if tuple(jnp.shape(x)) != (h, h):
-      raise ValueError(f"{name} must have shape [H, H] = [{h}, {h}] (H from q), "
-                       f"got {tuple(jnp.shape(x))}.")
-  validation.check_options(q, window=window, segment_ids=segment_ids, positions=positions,
-                           rope_theta=rope_theta, causal=causal)
+      raise ValueError(
+        f"{name} must have shape [H, H] = [{h}, {h}] (H from q), got {tuple(jnp.shape(x))}."
+      )
+  validation.check_options(
+    q,
+    window=window,
+    segment_ids=segment_ids,
+    positions=positions,
+    rope_theta=rope_theta,
+    causal=causal,
+  )
   fn = registry.lookup("talking_heads", implementation)
-  return fn(q, k, v, talk_logits, talk_weights, window=window, segment_ids=segment_ids,
-            positions=validation.default_positions(q, positions), rope_theta=rope_theta,
-            causal=causal, block_sizes=block_sizes)
+  return fn(
+    q,
+    k,
+    v,
+    talk_logits,
+    talk_weights,
+    window=window,
+    segment_ids=segment_ids,
+    positions=validation.default_positions(q, positions),
+    rope_theta=rope_theta,
+    causal=causal,
+    block_sizes=block_sizes,
+  )
 
 
 def _attend(q, k, v, talk_logits, talk_weights, mask, precision):
   """Dense talking-heads math on one block: q `[B, Q, H, d]`, k `[B, S, H, d]`,
   v `[B, S, H, dv]`, mask bool broadcastable to `[B, H, Q, S]` -> float32 `[B, Q, H, dv]`."""
   f32 = lambda x: x.astype(jnp.float32)
-  scores = jnp.einsum("bqhd,bshd->bhqs", q, k, precision=precision,
-                      preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+  scores = (
+    jnp.einsum("bqhd,bshd->bhqs", q, k, precision=precision, preferred_element_type=jnp.float32)
+    * q.shape[-1] ** -0.5
+  )
   logits = jnp.einsum("bhqs,hg->bgqs", scores, f32(talk_logits), precision=precision)
   weights = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
   mixed = jnp.einsum("bhqs,hg->bgqs", weights, f32(talk_weights), precision=precision)
-  return jnp.einsum("bgqs,bsgd->bqgd", mixed.astype(v.dtype), v, precision=precision,
-                    preferred_element_type=jnp.float32)
+  return jnp.einsum(
+    "bgqs,bsgd->bqgd",
+    mixed.astype(v.dtype),
+    v,
+    precision=precision,
+    preferred_element_type=jnp.float32,
+  )
 
 
 def _rotate(q, k, positions, rope_theta):
@@ -86,8 +119,20 @@ def _rotate(q, k, positions, rope_theta):
   return apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
 
 
-def talking_heads_reference(q, k, v, talk_logits, talk_weights, *, window, segment_ids,
-                            positions, rope_theta, causal, block_sizes=None):
+def talking_heads_reference(
+  q,
+  k,
+  v,
+  talk_logits,
+  talk_weights,
+  *,
+  window,
+  segment_ids,
+  positions,
+  rope_theta,
+  causal,
+  block_sizes=None,
+):
   """Dense `[B, H, N, N]` math in float32 at highest precision (the test oracle)."""
   del block_sizes
   dtype = q.dtype
@@ -99,8 +144,20 @@ def talking_heads_reference(q, k, v, talk_logits, talk_weights, *, window, segme
   return zero_padding(out, segment_ids).astype(dtype)
 
 
-def talking_heads_xla(q, k, v, talk_logits, talk_weights, *, window, segment_ids, positions,
-                      rope_theta, causal, block_sizes=None):
+def talking_heads_xla(
+  q,
+  k,
+  v,
+  talk_logits,
+  talk_weights,
+  *,
+  window,
+  segment_ids,
+  positions,
+  rope_theta,
+  causal,
+  block_sizes=None,
+):
   """Query-blocked math: `[B, H, block, slab]` scores at a time, recomputed in backward."""
   q, k = _rotate(q, k, positions, rope_theta)
   block = (block_sizes.block_q if block_sizes else None) or DEFAULT_BLOCK

@@ -3,6 +3,7 @@
 Everything here runs in Python on static shapes, so bad input fails with a
 message naming the argument before anything is traced or compiled.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -21,12 +22,19 @@ def is_int(value: Any, minimum: int | None = None) -> bool:
 
   The one check behind every "must be a positive integer" message of the project.
   """
-  return (isinstance(value, int) and not isinstance(value, bool)
-          and (minimum is None or value >= minimum))
+  return (
+    isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+  )
 
 
-def check_arrays(names: Sequence[str], arrays: Sequence[jax.Array], rank: int, layout: str,
-                 *, same_shape: bool = True) -> None:
+def check_arrays(
+  names: Sequence[str],
+  arrays: Sequence[jax.Array],
+  rank: int,
+  layout: str,
+  *,
+  same_shape: bool = True,
+) -> None:
   """Floating arrays of `rank` and one dtype; `same_shape`: all of one shape, else one
   `[B, N, H]` prefix (the last axis may differ, e.g. v's width `dv`)."""
   for name, x in zip(names, arrays):
@@ -55,52 +63,63 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, value_width: bool = F
   check_arrays(("q", "v"), (q, v), 4, "[B, N, H, dv]", same_shape=False)
 
 
-def check_mixing(num_heads: int, alpha_q: jax.Array, alpha_k: jax.Array, alpha_v: jax.Array,
-                 collapse: jax.Array) -> int:
+def check_mixing(
+  num_heads: int, alpha_q: jax.Array, alpha_k: jax.Array, alpha_v: jax.Array, collapse: jax.Array
+) -> int:
   """alpha_*: `[H, H, P]`, collapse `[H, H, P]` or `[H, P]`; returns P."""
   for name, a in (("alpha_q", alpha_q), ("alpha_k", alpha_k), ("alpha_v", alpha_v)):
     s = _shape(a)
     if len(s) != 3 or s[0] != num_heads or s[1] != num_heads:
-      raise ValueError(f"{name} must have shape [H, H, P] = [{num_heads}, {num_heads}, P] "
-                       f"(H from q), got {s}.")
+      raise ValueError(
+        f"{name} must have shape [H, H, P] = [{num_heads}, {num_heads}, P] (H from q), got {s}."
+      )
   num_pseudo = _shape(alpha_q)[2]
   if num_pseudo < 1:
     raise ValueError(f"alpha_q's last axis (num_pseudo P) must be >= 1, got {num_pseudo}.")
   for name, a in (("alpha_k", alpha_k), ("alpha_v", alpha_v)):
     if _shape(a)[2] != num_pseudo:
-      raise ValueError(f"{name} has P = {_shape(a)[2]} pseudo-heads but alpha_q has "
-                       f"{num_pseudo}; all mixing tensors must share P.")
+      raise ValueError(
+        f"{name} has P = {_shape(a)[2]} pseudo-heads but alpha_q has "
+        f"{num_pseudo}; all mixing tensors must share P."
+      )
   full, per_head = (num_heads, num_heads, num_pseudo), (num_heads, num_pseudo)
   if _shape(collapse) not in (full, per_head):
-    raise ValueError(f"collapse must have shape {list(full)} (full) or {list(per_head)} "
-                     f"(per_head), got {_shape(collapse)}.")
+    raise ValueError(
+      f"collapse must have shape {list(full)} (full) or {list(per_head)} "
+      f"(per_head), got {_shape(collapse)}."
+    )
   return num_pseudo
 
 
-def check_options(q: jax.Array, *, window: int | None, segment_ids: jax.Array | None,
-                  positions: jax.Array | None, rope_theta: float | None,
-                  causal: bool) -> None:
+def check_options(
+  q: jax.Array,
+  *,
+  window: int | None,
+  segment_ids: jax.Array | None,
+  positions: jax.Array | None,
+  rope_theta: float | None,
+  causal: bool,
+) -> None:
   """window, segment_ids, positions, rope_theta and causal against q `[B, N, H, ...]`."""
   if window is not None and not is_int(window, 1):
     raise ValueError(f"window must be None (global) or an int >= 1, got {window!r}.")
   if not isinstance(causal, bool):
-    raise ValueError(f"causal must be a bool (True: causal, False: bidirectional), "
-                     f"got {causal!r}.")
+    raise ValueError(f"causal must be a bool (True: causal, False: bidirectional), got {causal!r}.")
   batch_tokens = _shape(q)[:2]
   for name, x in (("segment_ids", segment_ids), ("positions", positions)):
     if x is None:
       continue
     if _shape(x) != batch_tokens:
-      raise ValueError(f"{name} must have shape [B, N] = {list(batch_tokens)}, "
-                       f"got {_shape(x)}.")
+      raise ValueError(f"{name} must have shape [B, N] = {list(batch_tokens)}, got {_shape(x)}.")
     if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
       raise ValueError(f"{name} must be an integer array (int32), got {jnp.result_type(x)}.")
   if rope_theta is not None:
     if not rope_theta > 0:
       raise ValueError(f"rope_theta must be > 0 or None (no RoPE), got {rope_theta!r}.")
     if _shape(q)[-1] % 2:
-      raise ValueError(f"RoPE needs an even head_dim d, got d = {_shape(q)[-1]}; "
-                       "use an even d or rope_theta=None.")
+      raise ValueError(
+        f"RoPE needs an even head_dim d, got d = {_shape(q)[-1]}; use an even d or rope_theta=None."
+      )
 
 
 def default_positions(q: jax.Array, positions: jax.Array | None) -> jax.Array:

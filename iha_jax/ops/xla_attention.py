@@ -10,6 +10,7 @@ online softmax in float32. No `[T, T]` score or mask tensor ever exists:
 The backward pass is a custom VJP that recomputes score tiles from the saved
 log-sum-exp (as FlashAttention-2 does), so training memory is O(T * d) too.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,9 @@ from iha_jax.ops.masking import MASK_VALUE, visible
 from iha_jax.ops.options import round_up
 
 
-def _kv_block_range(i, block_q: int, block_k: int, num_k_blocks: int, window: int | None,
-                    causal: bool):
+def _kv_block_range(
+  i, block_q: int, block_k: int, num_k_blocks: int, window: int | None, causal: bool
+):
   """Key blocks [lo, hi) that query block i can see (i may be traced)."""
   last_query = (i + 1) * block_q - 1
   if causal:
@@ -36,8 +38,9 @@ def _kv_block_range(i, block_q: int, block_k: int, num_k_blocks: int, window: in
   return jnp.maximum(0, i * block_q - window + 1) // block_k, hi
 
 
-def _q_block_range(j, block_q: int, block_k: int, num_q_blocks: int, window: int | None,
-                   causal: bool):
+def _q_block_range(
+  j, block_q: int, block_k: int, num_q_blocks: int, window: int | None, causal: bool
+):
   """Query blocks [lo, hi) that can see key block j (j may be traced)."""
   if causal:
     lo = (j * block_k) // block_q
@@ -62,15 +65,22 @@ def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _tile_mask(i, j, block_q: int, block_k: int, seg_q: jax.Array | None,
-               seg_k: jax.Array | None, window: int | None, causal: bool) -> jax.Array:
+def _tile_mask(
+  i,
+  j,
+  block_q: int,
+  block_k: int,
+  seg_q: jax.Array | None,
+  seg_k: jax.Array | None,
+  window: int | None,
+  causal: bool,
+) -> jax.Array:
   """bool `[B or 1, 1, bq, bk]` visibility of one (query block i, key block j) tile."""
   q_index = i * block_q + jnp.arange(block_q)[:, None]
   k_index = j * block_k + jnp.arange(block_k)[None, :]
   if seg_q is None:
     return visible(q_index, k_index, None, None, window, causal)
-  return visible(q_index, k_index, seg_q[:, None, :, None], seg_k[:, None, None, :], window,
-                 causal)
+  return visible(q_index, k_index, seg_q[:, None, :, None], seg_k[:, None, None, :], window, causal)
 
 
 def _slice_segments(seg: jax.Array | None, start, size: int) -> jax.Array | None:
@@ -83,7 +93,7 @@ def _forward(q, k, v, seg_q, seg_k, *, window, causal, block_q, block_k, precisi
   b, h, tq, d = q.shape
   dv = v.shape[-1]
   num_q_blocks, num_k_blocks = tq // block_q, k.shape[2] // block_k
-  scale = d ** -0.5
+  scale = d**-0.5
 
   def query_block(i):
     q_i = _slice(q, i * block_q, block_q, 2)
@@ -94,22 +104,31 @@ def _forward(q, k, v, seg_q, seg_k, *, window, causal, block_q, block_k, precisi
       k_j = _slice(k, j * block_k, block_k, 2)
       v_j = _slice(v, j * block_k, block_k, 2)
       sk_j = _slice_segments(seg_k, j * block_k, block_k)
-      s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, precision=precision,
-                     preferred_element_type=jnp.float32) * scale
-      s = jnp.where(_tile_mask(i, j, block_q, block_k, sq_i, sk_j, window, causal), s,
-                    MASK_VALUE)
+      s = (
+        jnp.einsum(
+          "bhqd,bhkd->bhqk", q_i, k_j, precision=precision, preferred_element_type=jnp.float32
+        )
+        * scale
+      )
+      s = jnp.where(_tile_mask(i, j, block_q, block_k, sq_i, sk_j, window, causal), s, MASK_VALUE)
       m_new = jnp.maximum(m, s.max(axis=-1))
       correction = jnp.exp(m - m_new)
       p = jnp.exp(s - m_new[..., None])
       l = l * correction + p.sum(axis=-1)
       acc = acc * correction[..., None] + jnp.einsum(
-          "bhqk,bhkd->bhqd", p.astype(v.dtype), v_j, precision=precision,
-          preferred_element_type=jnp.float32)
+        "bhqk,bhkd->bhqd",
+        p.astype(v.dtype),
+        v_j,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+      )
       return m_new, l, acc
 
-    init = (jnp.full((b, h, block_q), MASK_VALUE, jnp.float32),
-            jnp.zeros((b, h, block_q), jnp.float32),
-            jnp.zeros((b, h, block_q, dv), jnp.float32))
+    init = (
+      jnp.full((b, h, block_q), MASK_VALUE, jnp.float32),
+      jnp.zeros((b, h, block_q), jnp.float32),
+      jnp.zeros((b, h, block_q, dv), jnp.float32),
+    )
     lo, hi = _kv_block_range(i, block_q, block_k, num_k_blocks, window, causal)
     m, l, acc = jax.lax.fori_loop(lo, hi, key_block, init)
     out = acc / l[..., None]
@@ -123,14 +142,15 @@ def _forward(q, k, v, seg_q, seg_k, *, window, causal, block_q, block_k, precisi
   return out, lse
 
 
-def _backward(q, k, v, seg_q, seg_k, out, lse, d_out, *, window, causal, block_q, block_k,
-              precision):
+def _backward(
+  q, k, v, seg_q, seg_k, out, lse, d_out, *, window, causal, block_q, block_k, precision
+):
   """FlashAttention-2 backward: loop over key blocks, recompute tiles, accumulate dq."""
   b, h, tq, d = q.shape
   dv = v.shape[-1]
   tk = k.shape[2]
   num_q_blocks, num_k_blocks = tq // block_q, tk // block_k
-  scale = d ** -0.5
+  scale = d**-0.5
   if seg_q is not None:
     # Padding queries output constant zeros: nothing flows back through them.
     d_out = jnp.where((seg_q != 0)[:, None, :, None], d_out, 0)
@@ -149,19 +169,31 @@ def _backward(q, k, v, seg_q, seg_k, out, lse, d_out, *, window, causal, block_q
       lse_i = _slice(lse, i * block_q, block_q, 2)
       delta_i = _slice(delta, i * block_q, block_q, 2)
       sq_i = _slice_segments(seg_q, i * block_q, block_q)
-      s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, precision=precision,
-                     preferred_element_type=jnp.float32) * scale
+      s = (
+        jnp.einsum(
+          "bhqd,bhkd->bhqk", q_i, k_j, precision=precision, preferred_element_type=jnp.float32
+        )
+        * scale
+      )
       mask = _tile_mask(i, j, block_q, block_k, sq_i, sk_j, window, causal)
       p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
-      dv_j += jnp.einsum("bhqk,bhqd->bhkd", p.astype(d_out.dtype), do_i, precision=precision,
-                         preferred_element_type=jnp.float32)
-      dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, precision=precision,
-                      preferred_element_type=jnp.float32)
+      dv_j += jnp.einsum(
+        "bhqk,bhqd->bhkd",
+        p.astype(d_out.dtype),
+        do_i,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+      )
+      dp = jnp.einsum(
+        "bhqd,bhkd->bhqk", do_i, v_j, precision=precision, preferred_element_type=jnp.float32
+      )
       ds = (p * (dp - delta_i[..., None]) * scale).astype(q.dtype)
-      dk_j += jnp.einsum("bhqk,bhqd->bhkd", ds, q_i, precision=precision,
-                         preferred_element_type=jnp.float32)
+      dk_j += jnp.einsum(
+        "bhqk,bhqd->bhkd", ds, q_i, precision=precision, preferred_element_type=jnp.float32
+      )
       dq_i = _slice(dq, i * block_q, block_q, 2) + jnp.einsum(
-          "bhqk,bhkd->bhqd", ds, k_j, precision=precision, preferred_element_type=jnp.float32)
+        "bhqk,bhkd->bhqd", ds, k_j, precision=precision, preferred_element_type=jnp.float32
+      )
       dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * block_q, axis=2)
       return dq, dk_j, dv_j
 
@@ -185,16 +217,39 @@ def _flash(q, k, v, segment_ids, window, causal, block_q, block_k, precision):
 
 def _flash_fwd(q, k, v, segment_ids, window, causal, block_q, block_k, precision):
   seg_q, seg_k = segment_ids or (None, None)
-  out, lse = _forward(q, k, v, seg_q, seg_k, window=window, causal=causal, block_q=block_q,
-                      block_k=block_k, precision=precision)
+  out, lse = _forward(
+    q,
+    k,
+    v,
+    seg_q,
+    seg_k,
+    window=window,
+    causal=causal,
+    block_q=block_q,
+    block_k=block_k,
+    precision=precision,
+  )
   return out, (q, k, v, segment_ids, out, lse)
 
 
 def _flash_bwd(window, causal, block_q, block_k, precision, residuals, d_out):
   q, k, v, segment_ids, out, lse = residuals
   seg_q, seg_k = segment_ids or (None, None)
-  dq, dk, dv = _backward(q, k, v, seg_q, seg_k, out, lse, d_out, window=window, causal=causal,
-                         block_q=block_q, block_k=block_k, precision=precision)
+  dq, dk, dv = _backward(
+    q,
+    k,
+    v,
+    seg_q,
+    seg_k,
+    out,
+    lse,
+    d_out,
+    window=window,
+    causal=causal,
+    block_q=block_q,
+    block_k=block_k,
+    precision=precision,
+  )
   return dq, dk, dv, None
 
 
@@ -214,11 +269,18 @@ def default_block_size(seq_len: int, window: int | None) -> int:
   return round_up(-(-seq_len // num_blocks), 8)
 
 
-def flash_attention_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                                segment_ids: jax.Array | None, window: int | None,
-                                causal: bool = True, block_q: int | None = None,
-                                block_k: int | None = None,
-                                precision: jax.lax.PrecisionLike = None) -> jax.Array:
+def flash_attention_heads_major(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  segment_ids: jax.Array | None,
+  window: int | None,
+  causal: bool = True,
+  block_q: int | None = None,
+  block_k: int | None = None,
+  precision: jax.lax.PrecisionLike = None,
+) -> jax.Array:
   """Blockwise attention over a flat sequence, head-major layout.
 
   Args:
@@ -246,8 +308,8 @@ def flash_attention_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, *,
     # Causality hides padded key slots (they lie after every real query); without it
     # they need segment id 0 like any padding. Padded queries are sliced off.
     segment_ids = jnp.ones((q.shape[0], t), jnp.int32)
-  segments = None if segment_ids is None else (_pad_to(segment_ids, tq, 1),
-                                               _pad_to(segment_ids, tk, 1))
+  segments = (
+    None if segment_ids is None else (_pad_to(segment_ids, tq, 1), _pad_to(segment_ids, tk, 1))
+  )
   out = _flash(q, k, v, segments, window, causal, block_q, block_k, precision)
   return out if tq == t else out[:, :, :t]
-

@@ -19,6 +19,7 @@ mesh axes. Parameters:
 Activations (`ACTIVATION_*`) name the axes of `[B, N, ...]` tensors for
 `flax.linen.with_logical_constraint`; the tuples below are the layouts the layers use.
 """
+
 from __future__ import annotations
 
 EMBED = "embed"

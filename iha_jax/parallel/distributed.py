@@ -1,4 +1,5 @@
 """Multi-process start-up: `jax.distributed.initialize` before the backend starts."""
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,13 @@ ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, auto: bool = False) -> bool:
+def initialize(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  *,
+  auto: bool = False,
+) -> bool:
   """Joins a multi-process run when one is requested; returns whether it did.
 
   Multi-process when a coordinator address is given (argument or
@@ -31,13 +37,20 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     process_id = int(os.environ[ENV_PROCESS_ID])
   if coordinator_address is None and not auto:
     if num_processes not in (None, 1):
-      raise ValueError(f"num_processes={num_processes} needs a coordinator address "
-                       f"(--coordinator_address or {ENV_COORDINATOR}), or --distributed on a "
-                       "cluster JAX detects by itself")
+      raise ValueError(
+        f"num_processes={num_processes} needs a coordinator address "
+        f"(--coordinator_address or {ENV_COORDINATOR}), or --distributed on a "
+        "cluster JAX detects by itself"
+      )
     return False
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
-  logging.info("process %d of %d joined (coordinator %s)", jax.process_index(),
-               jax.process_count(), coordinator_address or "auto-detected")
+  jax.distributed.initialize(
+    coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+  )
+  logging.info(
+    "process %d of %d joined (coordinator %s)",
+    jax.process_index(),
+    jax.process_count(),
+    coordinator_address or "auto-detected",
+  )
   return True

@@ -1,4 +1,5 @@
 """Device mesh with axes ("data", "fsdp", "tensor") from the `mesh` config section."""
+
 from __future__ import annotations
 
 import math
@@ -27,17 +28,23 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
     shape.append(size)
   wildcards = [a for a, s in zip(MESH_AXES, shape) if s == -1]
   if len(wildcards) > 1:
-    raise ValueError(f"at most one mesh axis may be -1, got {', '.join('mesh.' + a for a in wildcards)}")
+    raise ValueError(
+      f"at most one mesh axis may be -1, got {', '.join('mesh.' + a for a in wildcards)}"
+    )
   fixed = math.prod(s for s in shape if s != -1)
   if wildcards:
     if num_devices % fixed:
-      raise ValueError(f"mesh.{wildcards[0]}=-1: {num_devices} devices are not divisible by the "
-                       f"other axes' product {fixed}")
+      raise ValueError(
+        f"mesh.{wildcards[0]}=-1: {num_devices} devices are not divisible by the "
+        f"other axes' product {fixed}"
+      )
     shape[MESH_AXES.index(wildcards[0])] = num_devices // fixed
   total = math.prod(shape)
   if total > num_devices:
-    raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {total} devices, "
-                     f"only {num_devices} available (mesh.data * mesh.fsdp * mesh.tensor)")
+    raise ValueError(
+      f"mesh {dict(zip(MESH_AXES, shape))} needs {total} devices, "
+      f"only {num_devices} available (mesh.data * mesh.fsdp * mesh.tensor)"
+    )
   return tuple(shape)
 
 
@@ -51,7 +58,9 @@ def create_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None =
   shape = resolve_mesh_shape(sizes, len(devices))
   used = math.prod(shape)
   if used < len(devices) and jax.process_count() > 1:
-    raise ValueError(f"a multi-process mesh must use every device: mesh {shape} uses {used} "
-                     f"of {len(devices)}")
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                       devices=devices[:used])
+    raise ValueError(
+      f"a multi-process mesh must use every device: mesh {shape} uses {used} of {len(devices)}"
+    )
+  return jax.make_mesh(
+    shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices[:used]
+  )

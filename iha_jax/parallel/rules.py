@@ -14,6 +14,7 @@ each device needs all H source heads of q, k, v. The layers gather the small
 shard the P-times larger pseudo-heads by TARGET head (`heads` of `alpha_*` -> tensor),
 so no `[B, N, H, P, d]` tensor is ever communicated.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,24 +47,24 @@ BATCH_AXES = (DATA, FSDP)
 LogicalRules = tuple[tuple[str, Any], ...]
 
 LOGICAL_AXIS_RULES: LogicalRules = (
-    # Parameters (names: iha_jax.parallel.axes).
-    (EMBED, FSDP),            # model width D: FSDP shards every [D, ...] matrix.
-    (HEADS, TENSOR),          # projection heads and IHA target heads.
-    (MLP, TENSOR),            # MLP hidden width F.
-    (VOCAB, TENSOR),          # embedding rows / output head columns.
-    (HEAD_DIM, None),
-    (HEADS_SRC, None),        # alpha_* / talk_* source axis: contracted, kept whole.
-    (HEADS_DST, None),        # full collapse output head: tiny, replicated.
-    (PSEUDO, None),
-    (QK_PAIR, None),          # differential attention's two query/key maps.
-    (OUTPUTS, None),          # per-token output head (encoders): small, replicated.
-    # Activations.
-    (ACTIVATION_BATCH, BATCH_AXES),
-    (ACTIVATION_LENGTH, None),
-    (ACTIVATION_EMBED, None),
-    (ACTIVATION_HEADS, TENSOR),
-    (ACTIVATION_HEADS_SRC, None),  # q/k/v gathered before IHA mixing (see module doc).
-    (ACTIVATION_VOCAB, TENSOR),
+  # Parameters (names: iha_jax.parallel.axes).
+  (EMBED, FSDP),  # model width D: FSDP shards every [D, ...] matrix.
+  (HEADS, TENSOR),  # projection heads and IHA target heads.
+  (MLP, TENSOR),  # MLP hidden width F.
+  (VOCAB, TENSOR),  # embedding rows / output head columns.
+  (HEAD_DIM, None),
+  (HEADS_SRC, None),  # alpha_* / talk_* source axis: contracted, kept whole.
+  (HEADS_DST, None),  # full collapse output head: tiny, replicated.
+  (PSEUDO, None),
+  (QK_PAIR, None),  # differential attention's two query/key maps.
+  (OUTPUTS, None),  # per-token output head (encoders): small, replicated.
+  # Activations.
+  (ACTIVATION_BATCH, BATCH_AXES),
+  (ACTIVATION_LENGTH, None),
+  (ACTIVATION_EMBED, None),
+  (ACTIVATION_HEADS, TENSOR),
+  (ACTIVATION_HEADS_SRC, None),  # q/k/v gathered before IHA mixing (see module doc).
+  (ACTIVATION_VOCAB, TENSOR),
 )
 
 _RULES = dict(LOGICAL_AXIS_RULES)
@@ -87,12 +88,12 @@ def logical_to_mesh_spec(logical: PartitionSpec | None) -> PartitionSpec:
       out.append(None)
       continue
     if name not in _RULES:
-      raise ValueError(f"logical axis {name!r} has no rule in iha_jax/parallel/rules.py; "
-                       f"known: {sorted(_RULES)}")
+      raise ValueError(
+        f"logical axis {name!r} has no rule in iha_jax/parallel/rules.py; known: {sorted(_RULES)}"
+      )
     axes = _RULES[name]
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     axes = tuple(a for a in axes if a not in used)
     used.update(axes)
     out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return PartitionSpec(*out)
-

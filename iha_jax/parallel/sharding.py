@@ -1,4 +1,5 @@
 """Shardings of parameters, optimizer state and batches on the training mesh."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,11 @@ def activate(mesh: Mesh) -> Iterator[None]:
 
 def named_shardings(mesh: Mesh, logical_specs: Any) -> Any:
   """Tree of logical `PartitionSpec`s -> tree of `NamedSharding`s on `mesh`."""
-  return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_mesh_spec(spec)),
-                      logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return jax.tree.map(
+    lambda spec: NamedSharding(mesh, logical_to_mesh_spec(spec)),
+    logical_specs,
+    is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

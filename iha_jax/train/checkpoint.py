@@ -10,6 +10,7 @@ shardings, so a checkpoint saved on one mesh restores onto any other.
 A checkpoint that cannot be read (truncated files, a half-copied directory) is skipped with
 a warning naming its step: `restore_newest` falls back to the newest step that restores.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,48 +42,73 @@ def checkpoint_dir(workdir: str) -> str:
   return storage.join(workdir, "checkpoints")
 
 
-def make_manager(workdir: str, config: ml_collections.ConfigDict | None = None
-                 ) -> ocp.CheckpointManager:
+def make_manager(
+  workdir: str, config: ml_collections.ConfigDict | None = None
+) -> ocp.CheckpointManager:
   """The run's CheckpointManager (read-only defaults when `config` is None)."""
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=config.checkpoint.keep if config else None,
-      enable_async_checkpointing=bool(config.checkpoint["async"]) if config else False,
-      create=config is not None, read_only=config is None)
+    max_to_keep=config.checkpoint.keep if config else None,
+    enable_async_checkpointing=bool(config.checkpoint["async"]) if config else False,
+    create=config is not None,
+    read_only=config is None,
+  )
   return ocp.CheckpointManager(storage.as_path(checkpoint_dir(workdir)), options=options)
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: TrainState,
-         data_iterator: grain.DatasetIterator, config: ml_collections.ConfigDict) -> None:
+def save(
+  manager: ocp.CheckpointManager,
+  step: int,
+  state: TrainState,
+  data_iterator: grain.DatasetIterator,
+  config: ml_collections.ConfigDict,
+) -> None:
   """Saves step `step` (returns once device arrays are copied when asynchronous)."""
-  manager.save(step, args=ocp.args.Composite(**{
-      STATE: ocp.args.StandardSave(state),
-      DATA: grain.checkpoint.CheckpointSave(data_iterator),
-      CONFIG: ocp.args.JsonSave(json.loads(config.to_json())),
-  }), force=True)
+  manager.save(
+    step,
+    args=ocp.args.Composite(
+      **{
+        STATE: ocp.args.StandardSave(state),
+        DATA: grain.checkpoint.CheckpointSave(data_iterator),
+        CONFIG: ocp.args.JsonSave(json.loads(config.to_json())),
+      }
+    ),
+    force=True,
+  )
 
 
-def restore_config(manager: ocp.CheckpointManager, step: int | None = None
-                   ) -> ml_collections.ConfigDict:
+def restore_config(
+  manager: ocp.CheckpointManager, step: int | None = None
+) -> ml_collections.ConfigDict:
   """The config saved with `step` (default: the latest)."""
   step = manager.latest_step() if step is None else step
   saved = manager.restore(step, args=ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()}))
   return ml_collections.ConfigDict(saved[CONFIG])
 
 
-def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
-                     sections: tuple[str, ...] = ("model",)) -> None:
+def check_compatible(
+  saved: ml_collections.ConfigDict,
+  config: ml_collections.ConfigDict,
+  sections: tuple[str, ...] = ("model",),
+) -> None:
   """Raises ConfigError naming every key of `sections` that differs from the checkpoint."""
   diffs = []
   for section in sections:
-    diffs += config_differences(saved[section].to_dict(), config[section].to_dict(),
-                                prefix=f"{section}.")
+    diffs += config_differences(
+      saved[section].to_dict(), config[section].to_dict(), prefix=f"{section}."
+    )
   if diffs:
-    raise ConfigError("the checkpoint was saved with a different model config; differing "
-                      "keys:\n  " + "\n  ".join(diffs))
+    raise ConfigError(
+      "the checkpoint was saved with a different model config; differing "
+      "keys:\n  " + "\n  ".join(diffs)
+    )
 
 
-def restore(manager: ocp.CheckpointManager, step: int, target: Any,
-            data_iterator: grain.DatasetIterator | None = None) -> TrainState:
+def restore(
+  manager: ocp.CheckpointManager,
+  step: int,
+  target: Any,
+  data_iterator: grain.DatasetIterator | None = None,
+) -> TrainState:
   """Restores the state onto `target`'s shardings (any mesh) and, when given, the data
   iterator's position in place."""
   args = {STATE: ocp.args.StandardRestore(target)}
@@ -99,15 +125,24 @@ def restore_params(manager: ocp.CheckpointManager, step: int, target: TrainState
   # PyTree checkpointer reads the same files with partial_restore.
   path = storage.as_path(manager.directory) / str(step) / STATE
   with ocp.PyTreeCheckpointer() as checkpointer:
-    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        item=item, partial_restore=True,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
-  return TrainState(step=restored["step"], params=restored["params"],
-                    opt_state=jax.tree.map(lambda _: ocp.PLACEHOLDER, target.opt_state))
+    restored = checkpointer.restore(
+      path,
+      args=ocp.args.PyTreeRestore(
+        item=item,
+        partial_restore=True,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+      ),
+    )
+  return TrainState(
+    step=restored["step"],
+    params=restored["params"],
+    opt_state=jax.tree.map(lambda _: ocp.PLACEHOLDER, target.opt_state),
+  )
 
 
-def restore_newest(manager: ocp.CheckpointManager, restore_step: Callable[[int], T]
-                   ) -> tuple[int, T, list[int]] | None:
+def restore_newest(
+  manager: ocp.CheckpointManager, restore_step: Callable[[int], T]
+) -> tuple[int, T, list[int]] | None:
   """`restore_step(step)` for the newest step that restores; None without checkpoints.
 
   A step whose files cannot be read is skipped with a warning that names it (a run killed
@@ -128,15 +163,20 @@ def restore_newest(manager: ocp.CheckpointManager, restore_step: Callable[[int],
       if not is_read_error(e):
         raise
       reason = describe(e)
-      logging.warning("checkpoint step %d in %s cannot be read (%s); trying the previous "
-                      "step", step, manager.directory, reason)
+      logging.warning(
+        "checkpoint step %d in %s cannot be read (%s); trying the previous step",
+        step,
+        manager.directory,
+        reason,
+      )
       unreadable.append((step, reason))
   if not unreadable:
     return None
   raise CheckpointError(
-      f"no checkpoint in {manager.directory} can be read: "
-      + "; ".join(f"step {s}: {r}" for s, r in unreadable)
-      + ". Restore the directory from a copy, or remove it to start afresh")
+    f"no checkpoint in {manager.directory} can be read: "
+    + "; ".join(f"step {s}: {r}" for s, r in unreadable)
+    + ". Restore the directory from a copy, or remove it to start afresh"
+  )
 
 
 def is_read_error(error: Exception) -> bool:
@@ -144,7 +184,8 @@ def is_read_error(error: Exception) -> bool:
   Orbax, TensorStore and json raise many types, TensorStore often a bare Exception) rather
   than on the person's config (a `UserError`) or on memory."""
   return not isinstance(error, (UserError, MemoryError)) and (
-      "RESOURCE_EXHAUSTED" not in str(error))
+    "RESOURCE_EXHAUSTED" not in str(error)
+  )
 
 
 def describe(error: BaseException) -> str:

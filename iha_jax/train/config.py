@@ -13,6 +13,7 @@ Model variants: `model.causal` (False: encoder, every layer bidirectional),
 `train.decay_mixing`: decoupled weight decay on the head-mixing coefficients
 (`iha_jax.nn.MIXING_PARAMS`); off by default, see `iha_jax.train.optimizer`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,11 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # The `model.` section: TransformerConfig's fields, with `window` (resolved, "auto"
 # allowed) for `iha_window` and without `norm_eps` (fixed), plus how the trainer runs it.
 _RENAMED = {"iha_window": "window"}
-MODEL_KEYS = tuple(_RENAMED.get(f.name, f.name) for f in dataclasses.fields(TransformerConfig)
-                   if f.name != "norm_eps") + ("remat_policy", "scan_layers")
+MODEL_KEYS = tuple(
+  _RENAMED.get(f.name, f.name)
+  for f in dataclasses.fields(TransformerConfig)
+  if f.name != "norm_eps"
+) + ("remat_policy", "scan_layers")
 # Model keys added after checkpoints were first saved: their value when a saved config
 # lacks them (the model they describe is the one built before the key existed).
 MODEL_DEFAULTS = {"causal": True, "num_outputs": None, "mixing_noise_std": 0.0}
@@ -68,8 +72,9 @@ def _window(config: ml_collections.ConfigDict) -> int | str | None:
     try:
       return int(window)
     except ValueError:
-      raise ConfigError(f"model.window must be a positive integer, 'auto' or None, "
-                        f"got {window!r}") from None
+      raise ConfigError(
+        f"model.window must be a positive integer, 'auto' or None, got {window!r}"
+      ) from None
   return window
 
 
@@ -86,12 +91,14 @@ def _model_variant(m: ml_collections.ConfigDict) -> dict[str, Any]:
   """`causal`, `num_outputs`, `mixing_noise_std` of `config.model`, type-checked."""
   values = {key: m.get(key, default) for key, default in MODEL_DEFAULTS.items()}
   if not isinstance(values["causal"], bool):
-    raise ConfigError(f"model.causal must be a bool (False: bidirectional encoder), "
-                      f"got {values['causal']!r}")
+    raise ConfigError(
+      f"model.causal must be a bool (False: bidirectional encoder), got {values['causal']!r}"
+    )
   outputs = values["num_outputs"]
   if outputs is not None and not is_int(outputs, 1):
-    raise ConfigError(f"model.num_outputs must be None (vocabulary logits) or an integer "
-                      f">= 1, got {outputs!r}")
+    raise ConfigError(
+      f"model.num_outputs must be None (vocabulary logits) or an integer >= 1, got {outputs!r}"
+    )
   noise = values["mixing_noise_std"]
   if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not noise >= 0:
     raise ConfigError(f"model.mixing_noise_std must be a number >= 0, got {noise!r}")
@@ -108,14 +115,25 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
   vocab_size = resolve_vocab_size(config)  # a DataError names data.*, not model.*
   try:
     return TransformerConfig(
-        vocab_size=vocab_size, num_layers=m.num_layers,
-        model_dim=m.model_dim, num_heads=m.num_heads, head_dim=m.head_dim,
-        mlp_dim=m.mlp_dim, mlp_type=m.mlp_type, num_pseudo=m.num_pseudo,
-        attention_schedule=m.attention_schedule,
-        iha_window=resolve_window(config), mha_window=m.mha_window, rope_theta=m.rope_theta,
-        collapse_mode=m.collapse_mode, tie_embeddings=m.tie_embeddings,
-        dtype=DTYPES[m.dtype], param_dtype=DTYPES[m.param_dtype],
-        implementation=m.implementation, **variant)
+      vocab_size=vocab_size,
+      num_layers=m.num_layers,
+      model_dim=m.model_dim,
+      num_heads=m.num_heads,
+      head_dim=m.head_dim,
+      mlp_dim=m.mlp_dim,
+      mlp_type=m.mlp_type,
+      num_pseudo=m.num_pseudo,
+      attention_schedule=m.attention_schedule,
+      iha_window=resolve_window(config),
+      mha_window=m.mha_window,
+      rope_theta=m.rope_theta,
+      collapse_mode=m.collapse_mode,
+      tie_embeddings=m.tie_embeddings,
+      dtype=DTYPES[m.dtype],
+      param_dtype=DTYPES[m.param_dtype],
+      implementation=m.implementation,
+      **variant,
+    )
   except ValueError as e:
     raise ConfigError(f"model: {e}") from e
 
@@ -131,20 +149,32 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
       raise ConfigError(f"config has no section {section!r}")
   unknown = sorted(set(config.model) - set(MODEL_KEYS))
   if unknown:
-    guesses = [f"did you mean model.{close[0]}?" for close in (
-        difflib.get_close_matches(key, MODEL_KEYS, n=1) for key in unknown) if close]
-    raise ConfigError(f"unknown model key(s) {', '.join('model.' + k for k in unknown)}"
-                      f"{'; ' + ' '.join(guesses) if guesses else ''}; "
-                      f"known: {', '.join(MODEL_KEYS)}")
+    guesses = [
+      f"did you mean model.{close[0]}?"
+      for close in (difflib.get_close_matches(key, MODEL_KEYS, n=1) for key in unknown)
+      if close
+    ]
+    raise ConfigError(
+      f"unknown model key(s) {', '.join('model.' + k for k in unknown)}"
+      f"{'; ' + ' '.join(guesses) if guesses else ''}; "
+      f"known: {', '.join(MODEL_KEYS)}"
+    )
   if config.model.remat_policy not in REMAT_POLICIES:
-    raise ConfigError(f"model.remat_policy must be one of {REMAT_POLICIES}, "
-                      f"got {config.model.remat_policy!r}")
+    raise ConfigError(
+      f"model.remat_policy must be one of {REMAT_POLICIES}, got {config.model.remat_policy!r}"
+    )
   window = _window(config)
   if window not in (None, "auto") and not is_int(window, 1):
     raise ConfigError(f"model.window must be a positive integer, 'auto' or None, got {window!r}")
   model = model_config(config)
-  for key in ("train.batch_size", "train.total_steps", "train.grad_accum_steps",
-              "data.seq_len", "checkpoint.every", "checkpoint.keep"):
+  for key in (
+    "train.batch_size",
+    "train.total_steps",
+    "train.grad_accum_steps",
+    "data.seq_len",
+    "checkpoint.every",
+    "checkpoint.keep",
+  ):
     _positive_int(config, key)
   _positive_int(config, "train.warmup_steps", minimum=0)
   for key in ("log_every", "eval_every"):
@@ -153,8 +183,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
       raise ConfigError(f"{key} must be an integer >= 0 (0 disables), got {value!r}")
   t = config.train
   if t.warmup_steps > t.total_steps:
-    raise ConfigError(f"train.warmup_steps={t.warmup_steps} exceeds "
-                      f"train.total_steps={t.total_steps}")
+    raise ConfigError(
+      f"train.warmup_steps={t.warmup_steps} exceeds train.total_steps={t.total_steps}"
+    )
   for key in ("learning_rate", "weight_decay", "grad_clip", "final_learning_rate"):
     if not isinstance(t[key], (int, float)) or t[key] < 0:
       raise ConfigError(f"train.{key} must be a number >= 0, got {t[key]!r}")
@@ -164,32 +195,39 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
   if loss not in LOSSES:
     raise ConfigError(f"train.loss must be one of {LOSSES}, got {loss!r}")
   if loss == "binary_cross_entropy" and model.num_outputs != 1:
-    raise ConfigError(f"train.loss='binary_cross_entropy' needs model.num_outputs=1 (one "
-                      f"logit per position), got {model.num_outputs!r}")
+    raise ConfigError(
+      f"train.loss='binary_cross_entropy' needs model.num_outputs=1 (one "
+      f"logit per position), got {model.num_outputs!r}"
+    )
   try:
     data, fsdp, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)
   except ValueError as e:
     raise ConfigError(str(e)) from e
   if model.num_heads % tensor:
-    raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by "
-                      f"mesh.tensor={tensor}")
+    raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}")
   if t.batch_size % t.grad_accum_steps:
-    raise ConfigError(f"train.grad_accum_steps={t.grad_accum_steps} does not divide "
-                      f"train.batch_size={t.batch_size}")
+    raise ConfigError(
+      f"train.grad_accum_steps={t.grad_accum_steps} does not divide train.batch_size={t.batch_size}"
+    )
   micro = t.batch_size // t.grad_accum_steps
   if micro % (data * fsdp):
-    raise ConfigError(f"train.batch_size / train.grad_accum_steps = {micro} rows per "
-                      f"microbatch are not divisible by mesh.data * mesh.fsdp = {data * fsdp}")
+    raise ConfigError(
+      f"train.batch_size / train.grad_accum_steps = {micro} rows per "
+      f"microbatch are not divisible by mesh.data * mesh.fsdp = {data * fsdp}"
+    )
   if config.model.scan_layers:
     period = len(config.model.attention_schedule)
     if model.num_layers < period:
-      raise ConfigError(f"model.scan_layers needs model.num_layers >= the schedule period "
-                        f"{period} (model.attention_schedule={config.model.attention_schedule!r})")
+      raise ConfigError(
+        f"model.scan_layers needs model.num_layers >= the schedule period "
+        f"{period} (model.attention_schedule={config.model.attention_schedule!r})"
+      )
   return model
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any],
-                       prefix: str = "") -> list[str]:
+def config_differences(
+  saved: dict[str, Any], current: dict[str, Any], prefix: str = ""
+) -> list[str]:
   """`["model.num_layers: 2 (checkpoint) vs 4 (config)", ...]` for every differing leaf.
 
   A `MODEL_DEFAULTS` key missing from `saved` (a checkpoint older than the key) counts
@@ -202,8 +240,8 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any],
     a, b = saved.get(key, missing), current.get(key, "<missing>")
     if isinstance(a, dict) and isinstance(b, dict):
       diffs += config_differences(a, b, name + ".")
-    elif a != b and not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))
-                         and list(a) == list(b)):
+    elif a != b and not (
+      isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and list(a) == list(b)
+    ):
       diffs.append(f"{name}: {a!r} (checkpoint) vs {b!r} (config)")
   return diffs
-

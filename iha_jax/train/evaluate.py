@@ -1,4 +1,5 @@
 """Evaluation pass used by the loop and by eval.py: loss, perplexity, exact match."""
+
 from __future__ import annotations
 
 import math
@@ -17,13 +18,16 @@ from iha_jax.train.step import make_eval_step
 class Evaluator:
   """Compiles the eval step once for a model, mesh and parameter shardings."""
 
-  def __init__(self, model: LanguageModel, mesh: Mesh, param_shardings: Any,
-               loss: str = "cross_entropy"):
+  def __init__(
+    self, model: LanguageModel, mesh: Mesh, param_shardings: Any, loss: str = "cross_entropy"
+  ):
     self.mesh = mesh
     with parallel.activate(mesh):
-      self._step = jax.jit(make_eval_step(model, loss),
-                           in_shardings=(param_shardings, parallel.batch_sharding(mesh)),
-                           out_shardings=parallel.replicated(mesh))
+      self._step = jax.jit(
+        make_eval_step(model, loss),
+        in_shardings=(param_shardings, parallel.batch_sharding(mesh)),
+        out_shardings=parallel.replicated(mesh),
+      )
 
   def evaluate(self, params: Any, batches: grain.DatasetIterator) -> dict[str, float]:
     """One pass over `batches` -> loss, perplexity, token_accuracy, exact_match, examples.
@@ -39,7 +43,10 @@ class Evaluator:
           totals[key] = totals.get(key, 0.0) + float(np.asarray(value))
     weights = max(totals.get("weight_sum", 0.0), 1.0)
     loss = totals.get("loss_sum", 0.0) / weights
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
-            "token_accuracy": totals.get("token_correct", 0.0) / weights,
-            "exact_match": totals.get("exact_match", 0.0) / max(totals.get("examples", 0.0), 1.0),
-            "examples": int(totals.get("examples", 0.0))}
+    return {
+      "loss": loss,
+      "perplexity": math.exp(min(loss, 700.0)),
+      "token_accuracy": totals.get("token_correct", 0.0) / weights,
+      "exact_match": totals.get("exact_match", 0.0) / max(totals.get("examples", 0.0), 1.0),
+      "examples": int(totals.get("examples", 0.0)),
+    }

@@ -9,6 +9,7 @@ says whether every fused-kernel custom call runs inside a manual-sharding region
 operands: a kernel outside one, or a region that takes the batch dimension whole, means
 XLA would gather the global batch onto every device.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,10 +30,18 @@ from iha_jax.train.step import make_train_step
 KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
 
 
-def export_train_step(model_cfg: TransformerConfig, train_cfg: Any, mesh: Mesh, *,
-                      batch_size: int, seq_len: int, platform: str = "tpu",
-                      remat: str = "none", scan_layers: bool = False,
-                      accum_steps: int = 1) -> jax.export.Exported:
+def export_train_step(
+  model_cfg: TransformerConfig,
+  train_cfg: Any,
+  mesh: Mesh,
+  *,
+  batch_size: int,
+  seq_len: int,
+  platform: str = "tpu",
+  remat: str = "none",
+  scan_layers: bool = False,
+  accum_steps: int = 1,
+) -> jax.export.Exported:
   """`jax.export` of the jitted, sharded train step of `model_cfg` for `platform`.
 
   Args:
@@ -47,16 +56,20 @@ def export_train_step(model_cfg: TransformerConfig, train_cfg: Any, mesh: Mesh, 
   target, shardings = abstract_state(model, tx, mesh)
   rows = parallel.batch_sharding(mesh)
   tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=rows)
-  batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens, "positions": tokens,
-           "weights": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32, sharding=rows)}
+  batch = {
+    "inputs": tokens,
+    "targets": tokens,
+    "segment_ids": tokens,
+    "positions": tokens,
+    "weights": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32, sharding=rows),
+  }
   step = make_train_step(model, tx, learning_rate_schedule(train_cfg), accum_steps)
   with parallel.activate(mesh):
     jitted = jax.jit(step, in_shardings=(shardings, rows), donate_argnums=0)
     # Triton calls carry no serialization-compatibility guarantee (Mosaic's do): allowed
     # explicitly, as a program exported for one jaxlib and run there.
     checks = [jax.export.DisabledSafetyCheck.custom_call(KERNEL_TARGETS[1])]
-    return jax.export.export(jitted, platforms=[platform], disabled_checks=checks)(
-        target, batch)
+    return jax.export.export(jitted, platforms=[platform], disabled_checks=checks)(target, batch)
 
 
 @dataclasses.dataclass
@@ -67,6 +80,7 @@ class KernelPlacement:
   a private function count where that function is called from). `regions`: the
   `in_shardings` of every region that (transitively) holds a kernel call.
   """
+
   inside: int
   outside: int
   regions: list[str]
@@ -132,6 +146,9 @@ def kernel_placement(text: str) -> KernelPlacement:
     return found
 
   visit("main", False, ("main",), True)
-  regions = [shardings for shardings, contents in manual_regions
-             if any(c == "" or visit(c, True, (c,), False) for c in contents)]
+  regions = [
+    shardings
+    for shardings, contents in manual_regions
+    if any(c == "" or visit(c, True, (c,), False) for c in contents)
+  ]
   return KernelPlacement(inside=inside, outside=outside, regions=regions)

@@ -24,6 +24,7 @@ Visible keys of query t over `L` positions, window w (None: global):
 causal `min(t+1, w)`; bidirectional `min(t, w-1) + min(L-1-t, w-1) + 1` (`|t-s| < w`),
 global bidirectional `L`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,15 +39,15 @@ from iha_jax.nn import AttentionConfig, param_specs
 
 # Dense bf16 peak TFLOP/s per device (per chip for TPU), by device_kind substring.
 PEAK_TFLOPS = (
-    ("TPU v6", 918.0),        # v6e (Trillium)
-    ("TPU v5p", 459.0),
-    ("TPU v5 lite", 197.0),   # v5e
-    ("TPU v5e", 197.0),
-    ("TPU v5", 459.0),        # v5p reports "TPU v5"
-    ("TPU v4", 275.0),
-    ("H200", 989.0),          # SXM, dense (no sparsity)
-    ("H100", 989.0),          # SXM, dense (no sparsity)
-    ("A100", 312.0),
+  ("TPU v6", 918.0),  # v6e (Trillium)
+  ("TPU v5p", 459.0),
+  ("TPU v5 lite", 197.0),  # v5e
+  ("TPU v5e", 197.0),
+  ("TPU v5", 459.0),  # v5p reports "TPU v5"
+  ("TPU v4", 275.0),
+  ("H200", 989.0),  # SXM, dense (no sparsity)
+  ("H100", 989.0),  # SXM, dense (no sparsity)
+  ("A100", 312.0),
 )
 
 
@@ -82,8 +83,9 @@ def attention_params(acfg: AttentionConfig) -> int:
 
 def projection_flops_per_token(acfg: AttentionConfig) -> int:
   """Forward FLOPs of the layer's projections (every `w*` matrix) for one token."""
-  return sum(2 * int(np.prod(s.shape)) for name, s in param_specs(acfg).items()
-             if name.startswith("w"))
+  return sum(
+    2 * int(np.prod(s.shape)) for name, s in param_specs(acfg).items() if name.startswith("w")
+  )
 
 
 def mixing_flops_per_token(acfg: AttentionConfig) -> int:
@@ -128,6 +130,7 @@ class LayerBudget:
     mlp_flops: per token.
     seq_len: N.
   """
+
   letter: str
   kind: str
   window: int | None
@@ -162,14 +165,22 @@ def layer_budgets(config: TransformerConfig, seq_len: int) -> list[LayerBudget]:
   for letter in dict.fromkeys(schedule):
     acfg = config.attention_config(letter)
     params = attention_params(acfg)
-    budgets.append(LayerBudget(
-        letter=letter, kind=acfg.kind, window=acfg.window, causal=acfg.causal,
-        count=schedule.count(letter), params=params,
+    budgets.append(
+      LayerBudget(
+        letter=letter,
+        kind=acfg.kind,
+        window=acfg.window,
+        causal=acfg.causal,
+        count=schedule.count(letter),
+        params=params,
         block_params=params + mlp_params + 2 * config.model_dim,
         projection_flops=projection_flops_per_token(acfg),
         mixing_flops=mixing_flops_per_token(acfg),
-        core_flops=core_flops_per_sequence(acfg, seq_len), mlp_flops=2 * mlp_params,
-        seq_len=seq_len))
+        core_flops=core_flops_per_sequence(acfg, seq_len),
+        mlp_flops=2 * mlp_params,
+        seq_len=seq_len,
+      )
+    )
   return budgets
 
 
@@ -213,26 +224,49 @@ def budget_table(config: TransformerConfig, seq_len: int, batch_size: int = 1) -
   token summed over layers, train FLOPs per step at `batch_size`.
   """
   budgets = layer_budgets(config, seq_len)
-  header = ("letter", "kind", "window", "mask", "layers", "attn params", "block params",
-            "attn FLOPs/token")
-  rows = [(b.letter, b.kind, _window_text(b),
-           "causal" if b.causal else "bidir", str(b.count), f"{b.params:,}",
-           f"{b.block_params:,}", _si(b.attention_flops_per_token)) for b in budgets]
+  header = (
+    "letter",
+    "kind",
+    "window",
+    "mask",
+    "layers",
+    "attn params",
+    "block params",
+    "attn FLOPs/token",
+  )
+  rows = [
+    (
+      b.letter,
+      b.kind,
+      _window_text(b),
+      "causal" if b.causal else "bidir",
+      str(b.count),
+      f"{b.params:,}",
+      f"{b.block_params:,}",
+      _si(b.attention_flops_per_token),
+    )
+    for b in budgets
+  ]
   widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-  line = lambda r: "  ".join(c.ljust(w) if i < 4 else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+  line = lambda r: "  ".join(
+    c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+  ).rstrip()
   attention = sum(b.count * b.attention_flops_per_token for b in budgets)
-  lines = [f"budget at seq_len {seq_len} (forward FLOPs; train = 3x forward):",
-           line(header), *map(line, rows),
-           f"parameters: {count_params(config):,}",
-           f"attention FLOPs per token (all layers, forward): {_si(attention)}",
-           f"train FLOPs per step (batch {batch_size}): "
-           f"{_si(train_flops_per_step(config, batch_size, seq_len))}"]
+  lines = [
+    f"budget at seq_len {seq_len} (forward FLOPs; train = 3x forward):",
+    line(header),
+    *map(line, rows),
+    f"parameters: {count_params(config):,}",
+    f"attention FLOPs per token (all layers, forward): {_si(attention)}",
+    f"train FLOPs per step (batch {batch_size}): "
+    f"{_si(train_flops_per_step(config, batch_size, seq_len))}",
+  ]
   return "\n".join(lines)
 
 
-def measured_matmul_tflops(device: jax.Device | None = None, size: int = 1024,
-                           dtype=jnp.float32, repeats: int = 5) -> float:
+def measured_matmul_tflops(
+  device: jax.Device | None = None, size: int = 1024, dtype=jnp.float32, repeats: int = 5
+) -> float:
   """Best-of-`repeats` rate of a `size`^3 matmul on `device`, in TFLOP/s (CPU peak proxy)."""
   device = device or jax.devices()[0]
   a = jax.device_put(jnp.ones((size, size), dtype), device)
@@ -243,7 +277,7 @@ def measured_matmul_tflops(device: jax.Device | None = None, size: int = 1024,
     start = time.perf_counter()
     matmul(a).block_until_ready()
     best = min(best, time.perf_counter() - start)
-  return 2 * size ** 3 / best / 1e12
+  return 2 * size**3 / best / 1e12
 
 
 def peak_tflops_per_device(device: jax.Device | None = None) -> tuple[float, str]:

@@ -1,4 +1,5 @@
 """Input side of training: the data directory, preparing the task on first use, iterators."""
+
 from __future__ import annotations
 
 import logging
@@ -43,10 +44,10 @@ def prepare(config: ml_collections.ConfigDict) -> None:
     return
 
   def run():
-    logging.info("preparing %s in %s (no-op when prepared)", config.data.name,
-                 config.data.data_dir)
-    data_lib.prepare(config.data.name, config.data.data_dir,
-                     options=dict(config.data.options or {}))
+    logging.info("preparing %s in %s (no-op when prepared)", config.data.name, config.data.data_dir)
+    data_lib.prepare(
+      config.data.name, config.data.data_dir, options=dict(config.data.options or {})
+    )
 
   if jax.process_index() == 0:
     run()
@@ -58,13 +59,19 @@ def prepare(config: ml_collections.ConfigDict) -> None:
 
 def train_iterator(config: ml_collections.ConfigDict) -> grain.DatasetIterator:
   """Endless shuffled training batches, this process's `batch_size / process_count` rows."""
-  return data_lib.make_dataset(config.data, "train", global_batch_size=config.train.batch_size,
-                               seed=config.train.seed)
+  return data_lib.make_dataset(
+    config.data, "train", global_batch_size=config.train.batch_size, seed=config.train.seed
+  )
 
 
-def eval_iterator(config: ml_collections.ConfigDict, split: str,
-                  batch_size: int | None = None) -> grain.DatasetIterator:
+def eval_iterator(
+  config: ml_collections.ConfigDict, split: str, batch_size: int | None = None
+) -> grain.DatasetIterator:
   """One ordered pass over `split` (the last batch padded with weight-0 rows)."""
-  return data_lib.make_dataset(config.data, split,
-                               global_batch_size=batch_size or config.train.batch_size,
-                               shuffle=False, num_epochs=1)
+  return data_lib.make_dataset(
+    config.data,
+    split,
+    global_batch_size=batch_size or config.train.batch_size,
+    shuffle=False,
+    num_epochs=1,
+  )

@@ -12,6 +12,7 @@ Guarantees:
   never updated the state and nothing is saved after it, so the latest checkpoint is
   the last good one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,11 @@ class _Preemption:
     if signum == signal.SIGINT and self.requested:
       raise KeyboardInterrupt
     name = signal.Signals(signum).name
-    logging.warning("%s received: checkpointing and exiting after this step%s", name,
-                    " (Ctrl-C again: exit without saving)" if signum == signal.SIGINT else "")
+    logging.warning(
+      "%s received: checkpointing and exiting after this step%s",
+      name,
+      " (Ctrl-C again: exit without saving)" if signum == signal.SIGINT else "",
+    )
     self.requested = True
 
   def agreed(self) -> bool:
@@ -78,10 +82,18 @@ def _log_memory(compiled: Any) -> None:
   if analysis is None:
     logging.info("memory analysis: not available on this backend")
     return
-  fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-            "temp_size_in_bytes", "generated_code_size_in_bytes")
-  parts = [f"{f.removesuffix('_size_in_bytes')}={getattr(analysis, f) / 2**20:.1f} MiB"
-           for f in fields if hasattr(analysis, f)]
+  fields = (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "temp_size_in_bytes",
+    "generated_code_size_in_bytes",
+  )
+  parts = [
+    f"{f.removesuffix('_size_in_bytes')}={getattr(analysis, f) / 2**20:.1f} MiB"
+    for f in fields
+    if hasattr(analysis, f)
+  ]
   logging.info("compiled train step memory per device: %s", ", ".join(parts))
 
 
@@ -130,35 +142,44 @@ class Trainer:
   editing the loop.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
-               hooks: Sequence[Hook] = ()):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, hooks: Sequence[Hook] = ()):
     self.workdir = storage.resolve(workdir, name="--workdir")
     self.config = config = prepare_config(config, self.workdir)
     self.hooks = list(hooks)
     self.model_config = config_lib.validate(config, jax.device_count())
     self.mesh = parallel.create_mesh(dict(config.mesh))
-    self.model = LanguageModel(self.model_config, remat=config.model.remat_policy,
-                               scan_layers=config.model.scan_layers)
+    self.model = LanguageModel(
+      self.model_config, remat=config.model.remat_policy, scan_layers=config.model.scan_layers
+    )
     self.tx = make_optimizer(config.train)
     self.loss = config.train.get("loss", "cross_entropy")
     logging.info("model: %s, mesh %s", self.model_config, dict(self.mesh.shape))
     if jax.process_index() == 0:  # every run states its parameters and attention FLOPs
-      logging.info("%s", flops_lib.budget_table(self.model_config, config.data.seq_len,
-                                                config.train.batch_size))
+      logging.info(
+        "%s",
+        flops_lib.budget_table(self.model_config, config.data.seq_len, config.train.batch_size),
+      )
     inputs.prepare(config)
     self.train_it = inputs.train_iterator(config)
     self.manager = ckpt.make_manager(self.workdir, config)
     self.target, self.shardings = abstract_state(self.model, self.tx, self.mesh)
     self.start, self.state = self.restore_or_init()
     self.compiled = self.compile_step()
-    self.evaluator = (Evaluator(self.model, self.mesh, self.shardings.params, self.loss)
-                      if config.eval_every else None)
+    self.evaluator = (
+      Evaluator(self.model, self.mesh, self.shardings.params, self.loss)
+      if config.eval_every
+      else None
+    )
     batch, seq_len = config.train.batch_size, config.data.seq_len
     self.tokens_per_step = batch * seq_len
     self.step_flops = flops_lib.train_flops_per_step(self.model_config, batch, seq_len)
     self.peak, peak_source = flops_lib.peak_tflops_per_device()
-    logging.info("%.4g TFLOP per step (docs/design.md §2); peak %.4g TFLOP/s per device "
-                 "from %s", self.step_flops / 1e12, self.peak, peak_source)
+    logging.info(
+      "%.4g TFLOP per step (docs/design.md §2); peak %.4g TFLOP/s per device from %s",
+      self.step_flops / 1e12,
+      self.peak,
+      peak_source,
+    )
     self.record: dict[str, Any] = {}
 
   def restore_or_init(self) -> tuple[int, TrainState]:
@@ -187,24 +208,43 @@ class Trainer:
     """The train step, jitted with shardings and a donated state, compiled ahead."""
     config, mesh = self.config, self.mesh
     rows = parallel.batch_sharding(mesh)
-    step_fn = make_train_step(self.model, self.tx, learning_rate_schedule(config.train),
-                              config.train.grad_accum_steps, self.loss)
+    step_fn = make_train_step(
+      self.model,
+      self.tx,
+      learning_rate_schedule(config.train),
+      config.train.grad_accum_steps,
+      self.loss,
+    )
     shape = (config.train.batch_size, config.data.seq_len)
-    abstract_batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-                      for k, dtype in (("inputs", np.int32), ("targets", np.int32),
-                                       ("segment_ids", np.int32), ("positions", np.int32),
-                                       ("weights", np.float32))}
+    abstract_batch = {
+      k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+      for k, dtype in (
+        ("inputs", np.int32),
+        ("targets", np.int32),
+        ("segment_ids", np.int32),
+        ("positions", np.int32),
+        ("weights", np.float32),
+      )
+    }
     with parallel.activate(mesh):
-      compiled = jax.jit(step_fn, in_shardings=(self.shardings, rows),
-                         out_shardings=(self.shardings, parallel.replicated(mesh)),
-                         donate_argnums=0).lower(self.target, abstract_batch).compile()
+      compiled = (
+        jax.jit(
+          step_fn,
+          in_shardings=(self.shardings, rows),
+          out_shardings=(self.shardings, parallel.replicated(mesh)),
+          donate_argnums=0,
+        )
+        .lower(self.target, abstract_batch)
+        .compile()
+      )
     _log_memory(compiled)
     return compiled
 
   def evaluate(self) -> dict[str, float]:
     """Validation metrics of the current parameters, as `eval_*` record entries."""
-    results = self.evaluator.evaluate(self.state.params,
-                                      inputs.eval_iterator(self.config, "validation"))
+    results = self.evaluator.evaluate(
+      self.state.params, inputs.eval_iterator(self.config, "validation")
+    )
     return {f"eval_{k}": v for k, v in results.items()}
 
   def save(self, step: int) -> None:
@@ -214,19 +254,27 @@ class Trainer:
     """Stops the run at a NaN/inf step; that step never updated the state."""
     if not bool(host["finite"]):
       raise NonFiniteLossError(
-          f"step {step}: non-finite loss {float(host['loss'])} / grad_norm "
-          f"{float(host['grad_norm'])}; stopping. The state was not updated by this step; "
-          f"last good checkpoint: step {self.manager.latest_step()} in "
-          f"{ckpt.checkpoint_dir(self.workdir)}")
+        f"step {step}: non-finite loss {float(host['loss'])} / grad_norm "
+        f"{float(host['grad_norm'])}; stopping. The state was not updated by this step; "
+        f"last good checkpoint: step {self.manager.latest_step()} in "
+        f"{ckpt.checkpoint_dir(self.workdir)}"
+      )
 
-  def log(self, step: int, host: Mapping[str, Any], step_time: float,
-          extra: Mapping[str, float] | None) -> dict[str, Any]:
+  def log(
+    self, step: int, host: Mapping[str, Any], step_time: float, extra: Mapping[str, float] | None
+  ) -> dict[str, Any]:
     """The record of a logged step: the step's metrics, throughput, `extra`, hooks."""
     tflops = self.step_flops / step_time / self.mesh.size / 1e12
-    record = {"loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
-              "learning_rate": float(host["learning_rate"]), "step_time_s": step_time,
-              "tokens_per_sec": self.tokens_per_step / step_time,
-              "tflops_per_sec_per_device": tflops, "mfu": tflops / self.peak, **(extra or {})}
+    record = {
+      "loss": float(host["loss"]),
+      "grad_norm": float(host["grad_norm"]),
+      "learning_rate": float(host["learning_rate"]),
+      "step_time_s": step_time,
+      "tokens_per_sec": self.tokens_per_step / step_time,
+      "tflops_per_sec_per_device": tflops,
+      "mfu": tflops / self.peak,
+      **(extra or {}),
+    }
     for hook in self.hooks:
       record.update(hook(step, self.state) or {})
     return record
@@ -243,8 +291,9 @@ class Trainer:
     preemption, clock = _Preemption(), _Clock(self.start)
     pending: tuple[int, Any] | None = None  # (step, device metrics)
 
-    def finish(step: int, metrics: Any, force_log: bool = False,
-               extra: Mapping[str, float] | None = None) -> None:
+    def finish(
+      step: int, metrics: Any, force_log: bool = False, extra: Mapping[str, float] | None = None
+    ) -> None:
       host = jax.device_get(metrics)
       self.check_finite(step, host)
       if force_log or (config.log_every and step % config.log_every == 0):
@@ -287,8 +336,9 @@ class Trainer:
     return self.record
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, *,
-          hooks: Sequence[Hook] = ()) -> dict[str, Any]:
+def train(
+  config: ml_collections.ConfigDict, workdir: str, *, hooks: Sequence[Hook] = ()
+) -> dict[str, Any]:
   """Trains `config` in `workdir` (a local path or a URL such as `gs://BUCKET/run`) until
   `train.total_steps`; returns the last logged record. `hooks` add metrics to it."""
   return Trainer(config, workdir, hooks).run()

@@ -3,6 +3,7 @@
 WORKDIR may be local or remote (`gs://...`): both files go through etils.epath
 (`iha_jax.storage`). Only process 0 writes; the others keep silent no-op writers.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ class MetricsWriter:
   `progress_bar` (default: whether stdout is a terminal) shows a tqdm bar; evaluation
   results are then printed above it, other steps only update its loss."""
 
-  def __init__(self, workdir: str, *, total_steps: int, initial_step: int = 0,
-               progress_bar: bool | None = None):
+  def __init__(
+    self, workdir: str, *, total_steps: int, initial_step: int = 0, progress_bar: bool | None = None
+  ):
     self.enabled = jax.process_index() == 0
     self._jsonl = self._tb = self._bar = None
     if not self.enabled:
@@ -35,14 +37,17 @@ class MetricsWriter:
     self._jsonl = storage.TextLog(storage.join(workdir, "metrics.jsonl"))
     try:
       import tensorboardX  # pylint: disable=import-outside-toplevel
+
       storage.register_tensorboard_factories()
       self._tb = tensorboardX.SummaryWriter(storage.join(workdir, "tensorboard"))
     except ImportError:
       logging.warning("tensorboardX is not installed: no TensorBoard events")
     if sys.stdout.isatty() if progress_bar is None else progress_bar:
       import tqdm  # pylint: disable=import-outside-toplevel
-      self._bar = tqdm.tqdm(total=total_steps, initial=initial_step, unit="step",
-                            dynamic_ncols=True)
+
+      self._bar = tqdm.tqdm(
+        total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True
+      )
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     """Records `metrics` (scalars) for `step`."""
@@ -57,16 +62,22 @@ class MetricsWriter:
           self._tb.add_scalar(key, value, step)
       self._tb.flush()
     line = f"step {step}: " + ", ".join(
-        f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
-        for k, v in record.items() if k != "step")
+      f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
+      for k, v in record.items()
+      if k != "step"
+    )
     if self._bar is None or "loss" not in record:
       logging.info("%s", line)
       return
     self._bar.set_postfix(loss=f"{record['loss']:.4f}")
     evals = {k: v for k, v in record.items() if k.startswith("eval_")}
     if evals:  # evaluations are rare and worth keeping on screen: print above the bar
-      self._bar.write(f"step {step}: " + ", ".join(
-          f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in evals.items()))
+      self._bar.write(
+        f"step {step}: "
+        + ", ".join(
+          f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in evals.items()
+        )
+      )
 
   def advance(self, steps: int = 1) -> None:
     """Moves the progress bar (terminals only)."""
@@ -93,10 +104,12 @@ class _LibraryInfoFilter(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING or not any(
-        part in record.pathname for part in self.QUIET)
+      part in record.pathname for part in self.QUIET
+    )
 
 
 def quiet_library_logs() -> None:
   """Keeps this project's INFO logs and hides Orbax/Grain/JAX INFO chatter."""
   from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+
   absl_logging.get_absl_handler().addFilter(_LibraryInfoFilter())

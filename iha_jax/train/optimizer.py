@@ -11,6 +11,7 @@ Weight decay (decoupled, AdamW) applies to the weight matrices only:
 Parameters under "scanned" (see `iha_jax.models.language_model`) carry a leading stacked layer axis,
 so the rank test discounts it; mixing parameters are recognised by name, not rank.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -28,8 +29,12 @@ def learning_rate_schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
   """0 -> `learning_rate` linearly over `warmup_steps`, then cosine to
   `final_learning_rate` at `total_steps` (the paper: 8e-4, 1000 steps, 8e-6)."""
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=train.learning_rate, warmup_steps=train.warmup_steps,
-      decay_steps=train.total_steps, end_value=train.final_learning_rate)
+    init_value=0.0,
+    peak_value=train.learning_rate,
+    warmup_steps=train.warmup_steps,
+    decay_steps=train.total_steps,
+    end_value=train.final_learning_rate,
+  )
 
 
 def decay_mask(params: Any, *, decay_mixing: bool = False) -> Any:
@@ -57,9 +62,14 @@ def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransforma
   """
   # Configs saved before `train.decay_mixing` existed (eval of old checkpoints) lack it.
   decay_mixing = bool(train.get("decay_mixing", False))
-  adamw = optax.adamw(learning_rate_schedule(train), b1=train.b1, b2=train.b2,
-                      eps=train.eps, weight_decay=train.weight_decay,
-                      mask=lambda params: decay_mask(params, decay_mixing=decay_mixing))
+  adamw = optax.adamw(
+    learning_rate_schedule(train),
+    b1=train.b1,
+    b2=train.b2,
+    eps=train.eps,
+    weight_decay=train.weight_decay,
+    mask=lambda params: decay_mask(params, decay_mixing=decay_mixing),
+  )
   if not train.grad_clip:
     return adamw
   return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw)

@@ -1,4 +1,5 @@
 """Train state (step, parameters, optimizer state), its shardings and sharded init."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,6 +23,7 @@ class TrainState:
     params: parameter dict in `LanguageModel`'s layout (param_dtype, float32 by default).
     opt_state: optax state (AdamW moments mirror `params`).
   """
+
   step: jax.Array
   params: Params
   opt_state: optax.OptState
@@ -41,10 +43,13 @@ def state_shardings(model: LanguageModel, abstract_state: TrainState, mesh: Mesh
   """`NamedSharding` of every state leaf: parameters by the logical-axis rules, optimizer
   moments like their parameter (ZeRO: FSDP shards them too), the rest replicated."""
   param_shardings = named_shardings(mesh, model.logical_specs())
-  by_path = {_dict_path(path): s for path, s in
-             jax.tree_util.tree_leaves_with_path(param_shardings)}
-  shapes = {_dict_path(path): x.shape for path, x in
-            jax.tree_util.tree_leaves_with_path(abstract_state.params)}
+  by_path = {
+    _dict_path(path): s for path, s in jax.tree_util.tree_leaves_with_path(param_shardings)
+  }
+  shapes = {
+    _dict_path(path): x.shape
+    for path, x in jax.tree_util.tree_leaves_with_path(abstract_state.params)
+  }
 
   def opt_sharding(path, leaf) -> NamedSharding:
     key = _dict_path(path)
@@ -66,8 +71,9 @@ def make_init_fn(model: LanguageModel, tx: optax.GradientTransformation):
   return init
 
 
-def create_state(model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh,
-                 seed: int) -> tuple[TrainState, TrainState]:
+def create_state(
+  model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh, seed: int
+) -> tuple[TrainState, TrainState]:
   """A fresh sharded state and its shardings; parameters never exist unsharded.
 
   The init is a pure function of `seed` (threefry is partitionable), so any mesh gives
@@ -80,12 +86,13 @@ def create_state(model: LanguageModel, tx: optax.GradientTransformation, mesh: M
   return state, shardings
 
 
-def abstract_state(model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh
-                   ) -> tuple[Any, TrainState]:
+def abstract_state(
+  model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh
+) -> tuple[Any, TrainState]:
   """`ShapeDtypeStruct`s with shardings (restore targets) and the shardings themselves."""
   abstract = jax.eval_shape(make_init_fn(model, tx), jnp.uint32(0))
   shardings = state_shardings(model, abstract, mesh)
-  target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        abstract, shardings)
+  target = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+  )
   return target, shardings
-

@@ -1,4 +1,5 @@
 """Loss, the train step (with gradient accumulation and a non-finite guard), the eval step."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -23,8 +24,9 @@ def check_loss(loss: str) -> None:
     raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
 
 
-def loss_terms(model: LanguageModel, params: Params, batch: Batch,
-               loss: str = "cross_entropy") -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_terms(
+  model: LanguageModel, params: Params, batch: Batch, loss: str = "cross_entropy"
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Summed weighted loss (float32) and per-position correctness.
 
   Returns:
@@ -32,8 +34,9 @@ def loss_terms(model: LanguageModel, params: Params, batch: Batch,
     mean loss is `loss_sum / weight_sum`. A position is correct when the argmax output
     (cross_entropy) or the sign of the logit (binary_cross_entropy) matches its target.
   """
-  logits = model.apply(params, batch["inputs"], segment_ids=batch["segment_ids"],
-                       positions=batch["positions"])  # [B, N, V] float32
+  logits = model.apply(
+    params, batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+  )  # [B, N, V] float32
   targets = batch["targets"]
   if loss == "binary_cross_entropy":
     logit = logits[..., 0]
@@ -46,13 +49,15 @@ def loss_terms(model: LanguageModel, params: Params, batch: Batch,
   return jnp.sum(per_position * weights), {"weight_sum": jnp.sum(weights), "correct": correct}
 
 
-def _grads(model: LanguageModel, params: Params, batch: Batch, accum_steps: int, loss: str
-           ) -> tuple[jax.Array, jax.Array, Params]:
+def _grads(
+  model: LanguageModel, params: Params, batch: Batch, accum_steps: int, loss: str
+) -> tuple[jax.Array, jax.Array, Params]:
   """(loss_sum, weight_sum, grads of loss_sum) over `accum_steps` microbatches.
 
   Microbatch `i` is rows `i::accum_steps`, so every microbatch keeps the batch's
   ("data", "fsdp") sharding without a reshuffle between devices.
   """
+
   def micro(params, micro_batch):
     loss_sum, aux = loss_terms(model, params, micro_batch, loss)
     return loss_sum, aux["weight_sum"]
@@ -72,14 +77,17 @@ def _grads(model: LanguageModel, params: Params, batch: Batch, accum_steps: int,
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-  (loss_sum, weight_sum, grads), _ = jax.lax.scan(body, init,
-                                                  jax.tree.map(split, dict(batch)))
+  (loss_sum, weight_sum, grads), _ = jax.lax.scan(body, init, jax.tree.map(split, dict(batch)))
   return loss_sum, weight_sum, grads
 
 
-def make_train_step(model: LanguageModel, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, accum_steps: int, loss: str = "cross_entropy"
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+def make_train_step(
+  model: LanguageModel,
+  tx: optax.GradientTransformation,
+  schedule: optax.Schedule,
+  accum_steps: int,
+  loss: str = "cross_entropy",
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
   """`(state, batch) -> (new_state, metrics)`; jit it with shardings and donation.
 
   `loss` is one of `LOSSES`.
@@ -101,16 +109,22 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformation,
     new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     # Select, not cond: both branches are already computed and this keeps shardings.
     new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
-    metrics = {"loss": mean_loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
-               "finite": finite, "weight_sum": weight_sum}
+    metrics = {
+      "loss": mean_loss,
+      "grad_norm": grad_norm,
+      "learning_rate": schedule(state.step),
+      "finite": finite,
+      "weight_sum": weight_sum,
+    }
     return new, metrics
 
   check_loss(loss)
   return step
 
 
-def make_eval_step(model: LanguageModel, loss: str = "cross_entropy"
-                   ) -> Callable[[Params, Batch], dict[str, jax.Array]]:
+def make_eval_step(
+  model: LanguageModel, loss: str = "cross_entropy"
+) -> Callable[[Params, Batch], dict[str, jax.Array]]:
   """`(params, batch) -> sums`: loss_sum, weight_sum, exact-match count and examples.
 
   An example is a row with any weighted position (tasks are one example per row);
@@ -122,9 +136,13 @@ def make_eval_step(model: LanguageModel, loss: str = "cross_entropy"
     scored = batch["weights"] > 0
     has_target = jnp.any(scored, axis=-1)
     all_right = jnp.all(aux["correct"] | ~scored, axis=-1) & has_target
-    return {"loss_sum": loss_sum, "weight_sum": aux["weight_sum"],
-            "token_correct": jnp.sum(aux["correct"] & scored),
-            "exact_match": jnp.sum(all_right), "examples": jnp.sum(has_target)}
+    return {
+      "loss_sum": loss_sum,
+      "weight_sum": aux["weight_sum"],
+      "token_correct": jnp.sum(aux["correct"] & scored),
+      "exact_match": jnp.sum(all_right),
+      "examples": jnp.sum(has_target),
+    }
 
   check_loss(loss)
   return step
