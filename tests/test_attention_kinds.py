@@ -1,21 +1,19 @@
-"""One conformance harness for every attention kind: each memory-efficient implementation
-against the kind's dense "reference", forward and every gradient, causal and
-bidirectional, with windows, packed segments and padding; plus the registry, the
-special cases that tie the kinds together, causality probes and argument errors.
+"""Every attention kind's XLA path against its dense "reference" through the shared
+harness (tests/conformance.py), forward and every gradient, causal and bidirectional,
+with windows, packed segments and padding; plus the registry, the special cases that
+tie the kinds together, causality probes and argument errors.
 
-The Pallas kernels of IHA and MHA have their own interpret-mode harness in
-tests/test_kernels.py (they need a platform context); differential attention through
-the kernels is checked here because it runs both maps as one MHA call. The references
-themselves are checked against float64 loops in tests/test_ops_reference.py.
+The Pallas kernels go through the same harness in tests/test_kernels.py; differential
+attention through the kernels is checked here because it runs both maps as one MHA
+call. The references themselves are checked against float64 loops in
+tests/test_ops_reference.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import subprocess
 import sys
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,60 +22,23 @@ import pytest
 
 from iha_jax import ops
 from iha_jax.ops import registry
-from tests.utils import assert_close, packed_positions, packed_segments, random_iha_inputs
+from tests import conformance as cf
+from tests.utils import assert_close, packed_segments, random_iha_inputs
 
 B, N, H, D = 2, 7, 2, 8  # N = 7 divides none of the blocks below
 
 
-@dataclasses.dataclass(frozen=True)
-class Kind:
-  """How to build random inputs for one kind and call its entry point."""
-
-  make: Callable[[jax.Array], tuple[jax.Array, ...]]  # key -> differentiable float32 args
-  call: Callable[..., jax.Array]  # (*args, **options) -> output
-  blocks: ops.BlockSizes  # several tiles even at N = 7
-  rope: bool = True
-
-
-def _normal(key, *shapes):
-  return tuple(jax.random.normal(k, s) for k, s in zip(jax.random.split(key, len(shapes)), shapes))
-
-
+# (kind, block sizes: several tiles even at N = 7)
 KINDS = {
-  "iha": Kind(
-    lambda key: random_iha_inputs(key, B, N, H, D, 2), ops.iha_attention, ops.BlockSizes(4, 4)
-  ),
+  "iha": (cf.iha(H, D, 2), ops.BlockSizes(4, 4)),
   # Other head counts, P and the block-diagonal collapse (fewer masks: same code paths).
-  "iha_p3_h4_per_head": Kind(
-    lambda key: random_iha_inputs(key, B, N, 4, D, 3, per_head=True),
-    ops.iha_attention,
-    ops.BlockSizes(6, 3),
-  ),
-  "iha_p1_h1": Kind(
-    lambda key: random_iha_inputs(key, B, N, 1, D, 1), ops.iha_attention, ops.BlockSizes(4, 4)
-  ),
+  "iha_p3_h4_per_head": (cf.iha(4, D, 3, per_head=True), ops.BlockSizes(6, 3)),
+  "iha_p1_h1": (cf.iha(1, D, 1), ops.BlockSizes(4, 4)),
   # v twice as wide as q and k (as differential attention uses MHA).
-  "mha": Kind(
-    lambda key: _normal(key, (B, N, H, D), (B, N, H, D), (B, N, H, 2 * D)),
-    ops.mha_attention,
-    ops.BlockSizes(4, 4),
-  ),
-  "talking_heads": Kind(
-    lambda key: _normal(key, (B, N, H, D), (B, N, H, D), (B, N, H, D), (H, H), (H, H)),
-    ops.talking_heads_attention,
-    ops.BlockSizes(3),
-  ),
-  "diff": Kind(
-    lambda key: _normal(key, (B, N, H, 2, D), (B, N, H, 2, D), (B, N, H, 2 * D), (H,)),
-    ops.diff_attention,
-    ops.BlockSizes(4, 4),
-  ),
-  "simplicial": Kind(
-    lambda key: tuple(x * 0.7 for x in _normal(key, *[(B, N, H, D)] * 5)),
-    ops.simplicial_attention,
-    ops.BlockSizes(3),
-    rope=False,
-  ),
+  "mha": (cf.mha(H, D, 2 * D), ops.BlockSizes(4, 4)),
+  "talking_heads": (cf.talking_heads(H, D), ops.BlockSizes(3)),
+  "diff": (cf.diff(H, D), ops.BlockSizes(4, 4)),
+  "simplicial": (cf.simplicial(H, D), ops.BlockSizes(3)),
 }
 
 MASKS = {
@@ -91,23 +52,8 @@ MASKS = {
 }
 
 
-def _options(kind: Kind, mask: str) -> dict:
-  spec = MASKS[mask]
-  options = dict(causal=spec["causal"], window=spec["window"])
-  if spec.get("packed"):
-    options["segment_ids"] = packed_segments(B, N)
-    if kind.rope:
-      options["positions"] = packed_positions(options["segment_ids"])
-  if spec.get("random_positions"):
-    options["positions"] = jnp.asarray(
-      np.random.default_rng(0).integers(0, 4 * N, (B, N)), jnp.int32
-    )
-  return options
-
-
-def _value_and_grads(fn, args, cotangent):
-  out, vjp = jax.vjp(fn, *args)
-  return out, vjp(cotangent.astype(out.dtype))
+def _make(name: str, seed: int) -> tuple[jax.Array, ...]:
+  return KINDS[name][0].make(jax.random.key(seed), B, N)
 
 
 BASIC_MASKS = ("causal", "causal_window_packed", "bidirectional", "bidirectional_window_packed")
@@ -134,20 +80,9 @@ CASES += [("iha", "causal_window_packed", jnp.bfloat16)]
   "name, mask, dtype", CASES, ids=[f"{k}-{m}-{jnp.dtype(t).name}" for k, m, t in CASES]
 )
 def test_xla_matches_reference(name, mask, dtype):
-  kind = KINDS[name]
+  kind, blocks = KINDS[name]
   seed = list(KINDS).index(name) * 10 + list(MASKS).index(mask)
-  key, ct_key = jax.random.split(jax.random.key(seed))
-  low = tuple(x.astype(dtype) for x in kind.make(key))
-  exact = tuple(x.astype(jnp.float32) for x in low)  # the oracle sees the rounded values
-  options = _options(kind, mask)
-  ref = jax.jit(lambda *a: kind.call(*a, implementation="reference", **options))
-  xla = jax.jit(lambda *a: kind.call(*a, implementation="xla", block_sizes=kind.blocks, **options))
-  cotangent = jax.random.normal(ct_key, jax.eval_shape(ref, *exact).shape)
-  want = _value_and_grads(ref, exact, cotangent)
-  got = _value_and_grads(xla, low, cotangent)
-  assert got[0].dtype == dtype
-  assert_close(got[0], want[0], dtype, "out")
-  assert_close(got[1], want[1], dtype, "grads")
+  cf.check(kind, "xla", b=B, n=N, mask=MASKS[mask], dtype=dtype, blocks=blocks, seed=seed)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +94,7 @@ def test_xla_block_shapes_agree(blocks, window):
   """Unequal, default and larger-than-T tiles all give the reference answer."""
   args = random_iha_inputs(jax.random.key(1), B, 11, 2, D, 3)
   cotangent = jax.random.normal(jax.random.key(2), (B, 11, 2, D))
-  run = lambda implementation, block_sizes=None: _value_and_grads(
+  run = lambda implementation, block_sizes=None: cf.value_and_grads(
     jax.jit(
       lambda *a: ops.iha_attention(
         *a, window=window, implementation=implementation, block_sizes=block_sizes
@@ -186,21 +121,8 @@ def test_jit_and_eager_agree():
 def test_diff_through_mha_kernels():
   """Both differential maps as one Pallas MHA call (Triton, interpret mode), value width
   2d. The MHA kernels themselves, both backends, are checked in tests/test_kernels.py."""
-  kind = KINDS["diff"]
-  args = kind.make(jax.random.key(5))
-  options = _options(kind, "bidirectional_window_packed")
-  cotangent = jax.random.normal(jax.random.key(6), (B, N, H, 2 * D))
-  got = _value_and_grads(
-    lambda *a: ops.diff_attention(
-      *a, implementation="pallas_gpu", block_sizes=ops.BlockSizes(8, 8), **options
-    ),
-    args,
-    cotangent,
-  )
-  want = _value_and_grads(
-    lambda *a: ops.diff_attention(*a, implementation="reference", **options), args, cotangent
-  )
-  assert_close(got, want, jnp.float32)
+  mask = MASKS["bidirectional_window_packed"]
+  cf.check(cf.diff(H, D), "pallas_gpu", b=B, n=N, mask=mask, blocks=ops.BlockSizes(8, 8), seed=5)
 
 
 @pytest.mark.parametrize("name", ["talking_heads", "diff"])
@@ -208,11 +130,8 @@ def test_memory_efficient_paths_hold_no_dense_score_map(name):
   """Neither the forward nor the backward of the xla path has a `[.., N, N]` array; the
   reference does (so the check can fail)."""
   n = 24  # no other axis is 24 long
-  kind = KINDS[name]
-  args = tuple(
-    jax.ShapeDtypeStruct((B, n, *x.shape[2:]) if x.ndim >= 4 else x.shape, x.dtype)
-    for x in kind.make(jax.random.key(0))
-  )
+  kind = KINDS[name][0]
+  args = jax.eval_shape(lambda: kind.make(jax.random.key(0), B, n))
 
   def program(implementation):
     loss = lambda *a: jnp.sum(
@@ -253,7 +172,7 @@ def test_ops_does_not_import_the_kernels():
 def test_identity_mixings_reduce_to_mha(causal):
   """P = 1 IHA with identity mixing, identity Talking-Heads and lam = 0 differential
   attention (its first map) all equal plain MHA, causal or bidirectional."""
-  q, k, v = _normal(jax.random.key(7), *[(B, N, H, D)] * 3)
+  q, k, v = cf.normal(jax.random.key(7), *[(B, N, H, D)] * 3)
   options = dict(causal=causal, window=3, segment_ids=packed_segments(B, N), implementation="xla")
   mha = ops.mha_attention(q, k, v, **options)
   eye = jnp.eye(H)
@@ -266,7 +185,7 @@ def test_identity_mixings_reduce_to_mha(causal):
 
 def test_simplicial_with_one_visible_pair_is_the_value_product():
   """A query seeing only itself attends to the single pair (i, i): out = v1 * v2."""
-  q, k1, k2, v1, v2 = _normal(jax.random.key(8), *[(B, N, H, D)] * 5)
+  q, k1, k2, v1, v2 = cf.normal(jax.random.key(8), *[(B, N, H, D)] * 5)
   out = ops.simplicial_attention(q, k1, k2, v1, v2, window=1, implementation="xla")
   assert_close(out, v1 * v2, jnp.float32)
 
@@ -278,8 +197,8 @@ def test_simplicial_with_one_visible_pair_is_the_value_product():
 @pytest.mark.parametrize("name", ["iha", "mha", "talking_heads", "diff", "simplicial"])
 def test_causality_probe(name, causal):
   """Changing token n's inputs leaves outputs before n unchanged iff causal."""
-  kind = KINDS[name]
-  args = kind.make(jax.random.key(9))
+  kind = KINDS[name][0]
+  args = _make(name, 9)
   fn = jax.jit(lambda *a: kind.call(*a, causal=causal, implementation="xla"))
   base = fn(*args)
   n = 4
@@ -298,7 +217,7 @@ def test_causality_probe(name, causal):
 
 
 def test_bad_arguments_name_the_argument():
-  q, k, v, tl, tw = KINDS["talking_heads"].make(jax.random.key(0))
+  q, k, v, tl, tw = _make("talking_heads", 0)
   with pytest.raises(ValueError, match="talk_logits"):
     ops.talking_heads_attention(q, k, v, tl[:1], tw)
   with pytest.raises(ValueError, match="causal must be a bool"):
@@ -307,7 +226,7 @@ def test_bad_arguments_name_the_argument():
     ops.talking_heads_attention(q, k, v, tl, tw, implementation="pallas_gpu")
   with pytest.raises(ValueError, match="implementation must be one of"):
     ops.mha_attention(q, k, v, implementation="cuda")
-  dq, dk, dv, lam = KINDS["diff"].make(jax.random.key(0))
+  dq, dk, dv, lam = _make("diff", 0)
   with pytest.raises(ValueError, match=r"\[B, N, H, 2, d\]"):
     ops.diff_attention(q, k, dv, lam)
   with pytest.raises(ValueError, match="lam must be a scalar or"):

@@ -1,17 +1,18 @@
-"""Fused Pallas kernels against the dense reference, in interpret mode on CPU.
+"""Fused Pallas kernels against the dense reference, in interpret mode on CPU, through
+the shared harness (tests/conformance.py); then what the kernels save and lower to, and
+the kernels under shard_map.
 
-GPU (Triton) kernels run through the public dispatcher: off-GPU they lower to
-Pallas' interpreter automatically. TPU (Mosaic) kernels additionally run under
-`pltpu.force_tpu_interpret_mode()`, which models Mosaic semantics (SMEM, VMEM
-scratch, grid order). Every case checks the forward and every gradient (q, k, v,
-alpha_*, collapse) with a random cotangent, with packed segments, padding
-tokens and a sequence that does not divide the tiles; causal and bidirectional
-(`causal=False`) cases, and MHA with a value wider than q/k.
+GPU (Triton) kernels run through the public dispatcher: off-GPU they lower to Pallas'
+interpreter automatically. TPU (Mosaic) kernels run under
+`pltpu.force_tpu_interpret_mode()`, which models Mosaic semantics (SMEM, VMEM scratch,
+grid order). Every case checks the forward and every gradient (q, k, v, alpha_*,
+collapse) with a random cotangent, with packed segments, padding tokens and a sequence
+that does not divide the tiles; causal and bidirectional cases, and MHA with a value
+wider than q/k.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import jax
@@ -19,146 +20,145 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax.kernels import fused
 from iha_jax.kernels.sharded import sharded_iha_attention
-from iha_jax.ops import BlockSizes, iha_attention, mha_attention, resolve_implementation
-from tests.utils import assert_close, packed_positions, packed_segments, random_iha_inputs
+from iha_jax.ops import BlockSizes, iha_attention, resolve_implementation
+from tests import conformance as cf
+from tests.utils import assert_close, random_iha_inputs
 
-
-def _mode(platform: str):
-  return pltpu.force_tpu_interpret_mode() if platform == "tpu" else contextlib.nullcontext()
-
-
-def _check_iha(
-  platform,
-  *,
-  b,
-  n,
-  h,
-  d,
-  p,
-  window,
-  dtype=jnp.float32,
-  blocks=None,
-  per_head=False,
-  rope_theta=10000.0,
-  causal=True,
-  seed=0,
-):
-  args = random_iha_inputs(jax.random.key(seed), b, n, h, d, p, per_head=per_head, dtype=dtype)
-  seg = packed_segments(b, n)
-  pos = packed_positions(seg)
-  cotangent = jax.random.normal(jax.random.key(seed + 1), (b, n, h, d), dtype)
-
-  def run(implementation, block_sizes=None):
-    f = lambda *a: iha_attention(
-      *a,
-      window=window,
-      segment_ids=seg,
-      positions=pos,
-      rope_theta=rope_theta,
-      causal=causal,
-      implementation=implementation,
-      block_sizes=block_sizes,
+# Every case: forward and every gradient against the reference (tests/conformance.py),
+# row 0 packing two documents and padding, a sequence the tiles do not divide.
+CAUSAL, BIDIRECTIONAL = dict(causal=True, packed=True), dict(causal=False, packed=True)
+# (id, kind, implementation, B, N, mask, dtype, block sizes)
+KERNEL_CASES = [
+  # Triton interpret: 8-token tiles over N = 20 (padded to 24: three tiles each way).
+  # P in {1, 2, 4}, global and windowed (with the bfloat16 cases below).
+  *[
+    (
+      f"gpu-p{p}-w{w}",
+      cf.iha(2, 16, p),
+      "pallas_gpu",
+      2,
+      20,
+      {**CAUSAL, "window": w},
+      jnp.float32,
+      BlockSizes(8 * p, 8 * p),
     )
-    out, vjp = jax.vjp(f, *args)
-    return out, vjp(cotangent)
-
-  with _mode(platform):
-    got = run(f"pallas_{platform}", blocks)
-  want = run("reference")
-  assert_close(got[0], want[0], dtype, "out")
-  assert_close(got[1], want[1], dtype, "grads")
-
-
-# Triton interpret: 8-token tiles over N = 20 (padded to 24: three tiles each way).
-# P in {1, 2, 4} with global and window layers, spread over these and the bidirectional
-# and bfloat16 cases below (P = 2 and 4 each run global and windowed).
-@pytest.mark.parametrize("p, window", [(1, 13), (2, None), (4, 13)])
-def test_gpu_iha_float32(p, window):
-  _check_iha("gpu", b=2, n=20, h=2, d=16, p=p, window=window, blocks=BlockSizes(8 * p, 8 * p))
-
-
-# Bidirectional: with a 5-row window on 16-row virtual tiles, a tile sees its neighbours on
-# both sides only (the symmetric band); globally every tile sees every tile.
-@pytest.mark.parametrize("window", [None, 5])
-def test_gpu_iha_bidirectional(window):
-  _check_iha(
-    "gpu", b=2, n=20, h=2, d=16, p=2, window=window, causal=False, blocks=BlockSizes(16, 16)
-  )
-
-
-@pytest.mark.parametrize("p, window", [(2, 13), (4, None)])
-def test_gpu_iha_bfloat16(p, window):
-  _check_iha(
-    "gpu",
-    b=2,
-    n=20,
-    h=2,
-    d=16,
-    p=p,
-    window=window,
-    dtype=jnp.bfloat16,
-    blocks=BlockSizes(8 * p, 8 * p),
-  )
-
-
-def test_gpu_iha_per_head_no_rope_odd_dim_default_blocks():
-  # d = 15 is padded per lane half to the kernels' power-of-two width.
-  _check_iha("gpu", b=1, n=24, h=3, d=15, p=3, window=None, per_head=True, rope_theta=None)
-
-
-def test_gpu_iha_paper_default_p_equals_h_20():
-  # P = H = 20 (the paper's default): 400 piece pairs per tile, unrolled in the kernels.
-  # Two 16-token tiles of 320 virtual rows, with padding, segments and a window.
-  _check_iha("gpu", b=1, n=20, h=20, d=16, p=20, window=150, blocks=BlockSizes(16 * 20, 16 * 20))
-
-
-# Mosaic interpret: key tiles are multiples of 128 tokens, so N = 136 gives two key
-# tiles and eight query tiles (padded to 256; five hold tokens). Bidirectional window
-# 100 at P = 2: query tiles 0-1 see key tile 0 only, 2-5 both, and key tile 0 is seen
-# by query tiles 0-5 only; batch row 1 is one document across both key tiles (row 0's
-# second key tile is padding). P = 1 runs through the TPU kernels in the MHA test.
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-def test_tpu_iha_multi_tile_float32(causal):
-  _check_iha(
-    "tpu", b=2, n=136, h=2, d=16, p=2, window=100, causal=causal, blocks=BlockSizes(64, 256)
-  )
-
-
-@pytest.mark.parametrize("p, window, dtype", [(4, 9, jnp.float32), (2, None, jnp.bfloat16)])
-def test_tpu_iha_single_tile(p, window, dtype):
-  _check_iha("tpu", b=2, n=20, h=2, d=16, p=p, window=window, dtype=dtype)
-
-
-# v twice as wide as q/k (differential attention's MHA call): dq, dk `[.., d]`, dv `[.., 2d]`.
-@pytest.mark.parametrize("platform, causal", [("gpu", True), ("tpu", False)])
-def test_mha_through_kernels(platform, causal):
-  b, n, h, d = 2, 20, 3, 16
-  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
-  q, k = (jax.random.normal(key, (b, n, h, d)) for key in (kq, kk))
-  v = jax.random.normal(kv, (b, n, h, 2 * d))
-  seg = packed_segments(b, n)
-  cotangent = jax.random.normal(jax.random.key(4), (b, n, h, 2 * d))
-  blocks = BlockSizes(8, 8) if platform == "gpu" else None
-
-  def run(implementation):
-    f = lambda *a: mha_attention(
-      *a,
-      window=5,
-      segment_ids=seg,
-      causal=causal,
-      implementation=implementation,
-      block_sizes=blocks,
+    for p, w in [(1, 13), (2, None), (4, 13)]
+  ],
+  # Bidirectional: with a 5-row window on 16-row virtual tiles, a tile sees its neighbours
+  # on both sides only (the symmetric band); globally every tile sees every tile.
+  *[
+    (
+      f"gpu-bidirectional-w{w}",
+      cf.iha(2, 16, 2),
+      "pallas_gpu",
+      2,
+      20,
+      {**BIDIRECTIONAL, "window": w},
+      jnp.float32,
+      BlockSizes(16, 16),
     )
-    out, vjp = jax.vjp(f, q, k, v)
-    return out, vjp(cotangent)
+    for w in [None, 5]
+  ],
+  *[
+    (
+      f"gpu-bf16-p{p}-w{w}",
+      cf.iha(2, 16, p),
+      "pallas_gpu",
+      2,
+      20,
+      {**CAUSAL, "window": w},
+      jnp.bfloat16,
+      BlockSizes(8 * p, 8 * p),
+    )
+    for p, w in [(2, 13), (4, None)]
+  ],
+  # d = 15 is padded per lane half to the kernels' power-of-two width; default tiles.
+  (
+    "gpu-per-head-no-rope-d15",
+    cf.iha(3, 15, 3, per_head=True, rope_theta=None),
+    "pallas_gpu",
+    1,
+    24,
+    {**CAUSAL, "window": None},
+    jnp.float32,
+    None,
+  ),
+  # P = H = 20 (the paper's default): 400 piece pairs per tile, unrolled in the kernels;
+  # two 16-token tiles of 320 virtual rows.
+  (
+    "gpu-p20-h20",
+    cf.iha(20, 16, 20),
+    "pallas_gpu",
+    1,
+    20,
+    {**CAUSAL, "window": 150},
+    jnp.float32,
+    BlockSizes(16 * 20, 16 * 20),
+  ),
+  # Mosaic interpret: key tiles are multiples of 128 tokens, so N = 136 gives two key
+  # tiles and eight query tiles (padded to 256; five hold tokens). Bidirectional window
+  # 100 at P = 2: query tiles 0-1 see key tile 0 only, 2-5 both, and key tile 0 is seen
+  # by query tiles 0-5 only; row 1 is one document across both key tiles (row 0's
+  # second key tile is padding).
+  *[
+    (
+      f"tpu-multi-tile-{name}",
+      cf.iha(2, 16, 2),
+      "pallas_tpu",
+      2,
+      136,
+      {**mask, "window": 100},
+      jnp.float32,
+      BlockSizes(64, 256),
+    )
+    for name, mask in [("causal", CAUSAL), ("bidirectional", BIDIRECTIONAL)]
+  ],
+  ("tpu-p4-w9", cf.iha(2, 16, 4), "pallas_tpu", 2, 20, {**CAUSAL, "window": 9}, jnp.float32, None),
+  (
+    "tpu-bf16-p2",
+    cf.iha(2, 16, 2),
+    "pallas_tpu",
+    2,
+    20,
+    {**CAUSAL, "window": None},
+    jnp.bfloat16,
+    None,
+  ),
+  # MHA (P = 1 through the same kernels), v twice as wide as q/k (differential
+  # attention's MHA call): dq, dk `[.., d]`, dv `[.., 2d]`.
+  (
+    "mha-gpu-causal",
+    cf.mha(3, 16, 32),
+    "pallas_gpu",
+    2,
+    20,
+    {**CAUSAL, "window": 5},
+    jnp.float32,
+    BlockSizes(8, 8),
+  ),
+  (
+    "mha-tpu-bidirectional",
+    cf.mha(3, 16, 32),
+    "pallas_tpu",
+    2,
+    20,
+    {**BIDIRECTIONAL, "window": 5},
+    jnp.float32,
+    None,
+  ),
+]
 
-  with _mode(platform):
-    got = run(f"pallas_{platform}")
-  assert_close(got, run("reference"), jnp.float32)
+
+@pytest.mark.parametrize(
+  "kind, implementation, b, n, mask, dtype, blocks",
+  [case[1:] for case in KERNEL_CASES],
+  ids=[case[0] for case in KERNEL_CASES],
+)
+def test_kernels_match_reference(kind, implementation, b, n, mask, dtype, blocks):
+  cf.check(kind, implementation, b=b, n=n, mask=mask, dtype=dtype, blocks=blocks)
 
 
 def test_blocks_must_hold_whole_tokens():
