@@ -30,73 +30,71 @@ from tests.utils import assert_close, random_iha_inputs
 # Every case: forward and every gradient against the reference (tests/conformance.py),
 # row 0 packing two documents and padding, a sequence the tiles do not divide.
 CAUSAL, BIDIRECTIONAL = dict(causal=True, packed=True), dict(causal=False, packed=True)
-# (id, kind, implementation, B, N, mask, dtype, block sizes)
+
+
+def _case(name, kind, implementation, n, mask, *, b=2, dtype=jnp.float32, blocks=None):
+  return pytest.param(kind, implementation, b, n, mask, dtype, blocks, id=name)
+
+
+GPU, TPU = "pallas_gpu", "pallas_tpu"
 KERNEL_CASES = [
   # Triton interpret: 8-token tiles over N = 20 (padded to 24: three tiles each way).
   # P in {1, 2, 4}, global and windowed (with the bfloat16 cases below).
   *[
-    (
+    _case(
       f"gpu-p{p}-w{w}",
       cf.iha(2, 16, p),
-      "pallas_gpu",
-      2,
+      GPU,
       20,
       {**CAUSAL, "window": w},
-      jnp.float32,
-      BlockSizes(8 * p, 8 * p),
+      blocks=BlockSizes(8 * p, 8 * p),
     )
     for p, w in [(1, 13), (2, None), (4, 13)]
   ],
   # Bidirectional: with a 5-row window on 16-row virtual tiles, a tile sees its neighbours
   # on both sides only (the symmetric band); globally every tile sees every tile.
   *[
-    (
+    _case(
       f"gpu-bidirectional-w{w}",
       cf.iha(2, 16, 2),
-      "pallas_gpu",
-      2,
+      GPU,
       20,
       {**BIDIRECTIONAL, "window": w},
-      jnp.float32,
-      BlockSizes(16, 16),
+      blocks=BlockSizes(16, 16),
     )
     for w in [None, 5]
   ],
   *[
-    (
+    _case(
       f"gpu-bf16-p{p}-w{w}",
       cf.iha(2, 16, p),
-      "pallas_gpu",
-      2,
+      GPU,
       20,
       {**CAUSAL, "window": w},
-      jnp.bfloat16,
-      BlockSizes(8 * p, 8 * p),
+      dtype=jnp.bfloat16,
+      blocks=BlockSizes(8 * p, 8 * p),
     )
     for p, w in [(2, 13), (4, None)]
   ],
   # d = 15 is padded per lane half to the kernels' power-of-two width; default tiles.
-  (
+  _case(
     "gpu-per-head-no-rope-d15",
     cf.iha(3, 15, 3, per_head=True, rope_theta=None),
-    "pallas_gpu",
-    1,
+    GPU,
     24,
     {**CAUSAL, "window": None},
-    jnp.float32,
-    None,
+    b=1,
   ),
   # P = H = 20 (the paper's default): 400 piece pairs per tile, unrolled in the kernels;
   # two 16-token tiles of 320 virtual rows.
-  (
+  _case(
     "gpu-p20-h20",
     cf.iha(20, 16, 20),
-    "pallas_gpu",
-    1,
+    GPU,
     20,
     {**CAUSAL, "window": 150},
-    jnp.float32,
-    BlockSizes(16 * 20, 16 * 20),
+    b=1,
+    blocks=BlockSizes(16 * 20, 16 * 20),
   ),
   # Mosaic interpret: key tiles are multiples of 128 tokens, so N = 136 gives two key
   # tiles and eight query tiles (padded to 256; five hold tokens). Bidirectional window
@@ -104,59 +102,28 @@ KERNEL_CASES = [
   # by query tiles 0-5 only; row 1 is one document across both key tiles (row 0's
   # second key tile is padding).
   *[
-    (
+    _case(
       f"tpu-multi-tile-{name}",
       cf.iha(2, 16, 2),
-      "pallas_tpu",
-      2,
+      TPU,
       136,
       {**mask, "window": 100},
-      jnp.float32,
-      BlockSizes(64, 256),
+      blocks=BlockSizes(64, 256),
     )
     for name, mask in [("causal", CAUSAL), ("bidirectional", BIDIRECTIONAL)]
   ],
-  ("tpu-p4-w9", cf.iha(2, 16, 4), "pallas_tpu", 2, 20, {**CAUSAL, "window": 9}, jnp.float32, None),
-  (
-    "tpu-bf16-p2",
-    cf.iha(2, 16, 2),
-    "pallas_tpu",
-    2,
-    20,
-    {**CAUSAL, "window": None},
-    jnp.bfloat16,
-    None,
-  ),
+  _case("tpu-p4-w9", cf.iha(2, 16, 4), TPU, 20, {**CAUSAL, "window": 9}),
+  _case("tpu-bf16-p2", cf.iha(2, 16, 2), TPU, 20, {**CAUSAL, "window": None}, dtype=jnp.bfloat16),
   # MHA (P = 1 through the same kernels), v twice as wide as q/k (differential
   # attention's MHA call): dq, dk `[.., d]`, dv `[.., 2d]`.
-  (
-    "mha-gpu-causal",
-    cf.mha(3, 16, 32),
-    "pallas_gpu",
-    2,
-    20,
-    {**CAUSAL, "window": 5},
-    jnp.float32,
-    BlockSizes(8, 8),
+  _case(
+    "mha-gpu-causal", cf.mha(3, 16, 32), GPU, 20, {**CAUSAL, "window": 5}, blocks=BlockSizes(8, 8)
   ),
-  (
-    "mha-tpu-bidirectional",
-    cf.mha(3, 16, 32),
-    "pallas_tpu",
-    2,
-    20,
-    {**BIDIRECTIONAL, "window": 5},
-    jnp.float32,
-    None,
-  ),
+  _case("mha-tpu-bidirectional", cf.mha(3, 16, 32), TPU, 20, {**BIDIRECTIONAL, "window": 5}),
 ]
 
 
-@pytest.mark.parametrize(
-  "kind, implementation, b, n, mask, dtype, blocks",
-  [case[1:] for case in KERNEL_CASES],
-  ids=[case[0] for case in KERNEL_CASES],
-)
+@pytest.mark.parametrize("kind, implementation, b, n, mask, dtype, blocks", KERNEL_CASES)
 def test_kernels_match_reference(kind, implementation, b, n, mask, dtype, blocks):
   cf.check(kind, implementation, b=b, n=n, mask=mask, dtype=dtype, blocks=blocks)
 
