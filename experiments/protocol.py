@@ -2,10 +2,11 @@
 
 For every variant: train over the variant's own learning-rate grid (seed 0; extended by
 up to two steps past an edge where the best rate sits), choose the rate on validation,
-train the remaining seeds at that rate, evaluate every run on test;
-then, at each variant's chosen rate and for every seed, the study's sweep points (e.g.
-more key-value pairs, another width). Every finished run is written to `DIR/STUDY.json`
-at once, so a rerun skips it (resumable); the report is rewritten at the end.
+train the remaining seeds at that rate, evaluate every run on test. Only when every
+variant has its chosen rate and seeds: at each variant's chosen rate and for every seed,
+the study's sweep points (e.g. more key-value pairs, another width). Every finished run
+is written to `DIR/STUDY.json` at once, so a rerun skips it (resumable); the report is
+rewritten at the end.
 """
 
 from __future__ import annotations
@@ -192,76 +193,81 @@ def run_study(
     sum(r["variant"] in {v.name for v in chosen_variants} for r in store.data["runs"].values())
   )
   prepared: set[str] = set()
+  compiled: dict[tuple[str, Any], CompiledVariant] = {}
+
+  def run(
+    variant: Variant,
+    learning_rate: float,
+    seed: int,
+    phase: str,
+    sweep: tuple[Sweep, Any] | None = None,
+  ) -> dict[str, Any]:
+    point = None if sweep is None else (sweep[0].axis, sweep[1])
+    key = run_key(variant.name, learning_rate, seed, point)
+    if key in store:
+      return store.data["runs"][key]
+    if (variant.name, point) not in compiled:
+      config = variant_config(study, scale_name, variant, data_dir, sweep)
+      if config.data.name + repr(dict(config.data.options)) not in prepared:
+        inputs.prepare(config)
+        prepared.add(config.data.name + repr(dict(config.data.options)))
+      compiled.clear()  # one variant's compiled functions at a time
+      compiled[variant.name, point] = CompiledVariant(config)
+    target = compiled[variant.name, point]
+    steps_bar = tqdm.tqdm(
+      total=scale.total_steps, desc=key, position=1, leave=False, disable=not progress
+    )
+    result = target.run(
+      learning_rate,
+      seed,
+      total_steps=scale.total_steps,
+      eval_every=scale.eval_every,
+      patience=scale.patience,
+      select=study.select,
+      on_step=lambda _: steps_bar.update(1),
+    )
+    steps_bar.close()
+    record = {
+      "variant": variant.name,
+      "label": variant.label,
+      "phase": phase,
+      "learning_rate": learning_rate,
+      "seed": seed,
+      "sweep": None if point is None else {"axis": point[0], "value": point[1]},
+      "params": target.params,
+      "attention_flops_per_token": target.attention_flops_per_token,
+      "batch_size": target.config.train.batch_size,
+      "seq_len": target.config.data.seq_len,
+      **dataclasses.asdict(result),
+    }
+    store.add(key, record)
+    runs_bar.update(1)
+    return record
+
+  # Pass 1, the comparison itself: every variant's grid and seeds. Sweeps come after, so
+  # a study stopped part-way still compares every variant at its chosen rate.
   for variant in chosen_variants:
-    compiled: dict[Any, CompiledVariant] = {}
-
-    def run(
-      learning_rate: float,
-      seed: int,
-      phase: str,
-      sweep: tuple[Sweep, Any] | None = None,
-      variant=variant,
-      compiled=compiled,
-    ):
-      point = None if sweep is None else (sweep[0].axis, sweep[1])
-      key = run_key(variant.name, learning_rate, seed, point)
-      if key in store:
-        return store.data["runs"][key]
-      if point not in compiled:
-        config = variant_config(study, scale_name, variant, data_dir, sweep)
-        if config.data.name + repr(dict(config.data.options)) not in prepared:
-          inputs.prepare(config)
-          prepared.add(config.data.name + repr(dict(config.data.options)))
-        compiled[point] = CompiledVariant(config)
-      target = compiled[point]
-      steps_bar = tqdm.tqdm(
-        total=scale.total_steps, desc=key, position=1, leave=False, disable=not progress
-      )
-      result = target.run(
-        learning_rate,
-        seed,
-        total_steps=scale.total_steps,
-        eval_every=scale.eval_every,
-        patience=scale.patience,
-        select=study.select,
-        on_step=lambda _: steps_bar.update(1),
-      )
-      steps_bar.close()
-      record = {
-        "variant": variant.name,
-        "label": variant.label,
-        "phase": phase,
-        "learning_rate": learning_rate,
-        "seed": seed,
-        "sweep": None if point is None else {"axis": point[0], "value": point[1]},
-        "params": target.params,
-        "attention_flops_per_token": target.attention_flops_per_token,
-        "batch_size": target.config.train.batch_size,
-        "seq_len": target.config.data.seq_len,
-        **dataclasses.asdict(result),
-      }
-      store.add(key, record)
-      runs_bar.update(1)
-      return record
-
-    grid = [run(lr, 0, "grid") for lr in scale.learning_rates]
+    grid = [run(variant, lr, 0, "grid") for lr in scale.learning_rates]
     chosen = choose_rate(grid, study.select)
     for _ in range(scale.grid_extensions):  # the best rate on an edge: one step further
       rates = sorted(r["learning_rate"] for r in grid)
       if chosen not in (rates[0], rates[-1]) or len(rates) < 2:
         break
       runs_bar.total += 1
-      grid.append(run(half_decade_step(chosen, up=chosen == rates[-1]), 0, "grid"))
+      grid.append(run(variant, half_decade_step(chosen, up=chosen == rates[-1]), 0, "grid"))
       if choose_rate(grid, study.select) == chosen:
         break
       chosen = choose_rate(grid, study.select)
     store.data["chosen_learning_rates"][variant.name] = chosen
     store.save()
     for seed in range(1, seeds):
-      run(chosen, seed, "seed")
-    for sweep in scale.sweeps:
-      for value in sweep.values:
+      run(variant, chosen, seed, "seed")
+  # Pass 2: the sweep points, at each variant's chosen rate, every seed.
+  for sweep in scale.sweeps:
+    for value in sweep.values:
+      for variant in chosen_variants:
+        chosen = store.data["chosen_learning_rates"][variant.name]
         for seed in range(seeds):
-          run(chosen, seed, "sweep", (sweep, value))
+          run(variant, chosen, seed, "sweep", (sweep, value))
   runs_bar.close()
   return store.data

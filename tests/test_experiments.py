@@ -119,6 +119,9 @@ def test_mqar_tiny_with_sweep_and_resume(tmp_path, data_dir, monkeypatch):
   sweep = [r for r in data["runs"].values() if r["sweep"]]
   assert {(r["sweep"]["axis"], r["sweep"]["value"]) for r in sweep} == {("num_pairs", 2)}
   assert len(sweep) == SEEDS * len(MQAR_VARIANTS)
+  # Sweeps run after every variant's grid and seeds (a stopped study still compares all).
+  phases = [r["phase"] for r in data["runs"].values()]
+  assert phases.index("sweep") == len(phases) - len(sweep)
   with open(os.path.join(out, "mqar.md")) as f:
     assert "Sweep over `num_pairs`" in f.read()
   # A rerun trains nothing: every run is found in the JSON.
