@@ -65,6 +65,8 @@ class Scale:
   # (down) of the 1-3-10 series, up to this many times, so no variant is judged at the
   # edge of a grid too narrow for it. Every variant follows the same rule.
   grid_extensions: int = 2
+  # This scale's own contenders (e.g. one pair per sequence length); empty: the study's.
+  variants: tuple[Variant, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,12 +172,15 @@ def run_study(
   """
   if seeds < 1:
     raise ValueError(f"--seeds must be >= 1, got {seeds}")
-  names = [v.name for v in study.variants]
+  scale = study.scales[scale_name]
+  contenders = scale.variants or study.variants
+  names = [v.name for v in contenders]
   unknown = sorted(set(variants or ()) - set(names))
   if unknown:
-    raise ValueError(f"{study.name} has no variant(s) {unknown}; choose from {names}")
-  chosen_variants = [v for v in study.variants if variants is None or v.name in variants]
-  scale = study.scales[scale_name]
+    raise ValueError(
+      f"{study.name} has no variant(s) {unknown} at scale {scale_name}; choose from {names}"
+    )
+  chosen_variants = [v for v in contenders if variants is None or v.name in variants]
   os.makedirs(out, exist_ok=True)
   store = Store(
     os.path.join(out, f"{study.name}.json"),

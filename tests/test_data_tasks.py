@@ -8,7 +8,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 import iha_jax.data as data
-from iha_jax.data import build, mqar
+from iha_jax.data import build, cpm3, mqar
 from iha_jax.data import multikey_retrieval as mkr
 from iha_jax.data import relation_composition as rc
 
@@ -138,6 +138,31 @@ def test_multikey_retrieval_answers_come_from_the_needles(data_dir):
     np.testing.assert_array_equal(np.flatnonzero(weights), scored)
     assert not np.any(np.delete(targets, scored))
     assert not np.any(inputs[first_query:] >= config.value_offset)
+
+
+def test_cpm3_counts_the_paper_example():
+  # The paper's example: M = 3, G = 10, x = (1, 2, 3) -> (3, 3, 3).
+  np.testing.assert_array_equal(cpm3.pair_counts(np.array([1, 2, 3]), 3, 10), [3, 3, 3])
+
+
+def test_cpm3_labels_count_the_pairs_of_the_inputs(data_dir):
+  options = dict(TINY, modulus=5, multiplier=7, min_length=3)
+  config, examples = _examples("cpm3/len8", data_dir, options)
+  lengths = []
+  for ex in examples:
+    x = ex["inputs"]
+    n = len(x)
+    expected = [
+      sum((xi + 7 * a + b) % 5 == 0 for a, b in itertools.product(x, repeat=2)) for xi in x
+    ]
+    np.testing.assert_array_equal(ex["targets"], expected)
+    np.testing.assert_array_equal(ex["weights"], np.ones(n))
+    assert 1 <= x.min() and x.max() <= 5 < config.vocab_size
+    assert ex["targets"].max() < config.num_classes
+    lengths.append(n)
+  assert set(lengths) == set(range(config.min_length, config.max_length + 1))
+  with pytest.raises(ValueError, match="modulus must be >= 2"):
+    data.builder_config("cpm3/len8", {"modulus": 1})
 
 
 def test_generation_is_a_function_of_the_config_seed(tmp_path):

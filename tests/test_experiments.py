@@ -154,6 +154,24 @@ def test_relcomp_ternary_tiny_subset(tmp_path, data_dir):
     run.main(["relcomp_ternary", "--scale", "tiny", "--out", out, "--variants", "gpt"])
 
 
+def test_cpm3_tiny_sweeps_the_heads(tmp_path, data_dir):
+  out = str(tmp_path)
+  args = ["cpm3", "--scale", "tiny", "--seeds", str(SEEDS), "--out", out, "--data_dir", data_dir]
+  run.main([*args, "--quiet"])
+  variants = ["mha_n2", "iha_n2"]  # the control: is the other value of the pair mine?
+  data = _check_outputs(out, "cpm3", variants)
+  sweep = [r for r in data["runs"].values() if r["sweep"]]
+  assert sorted((r["variant"], r["sweep"]["value"], r["seed"]) for r in sweep) == sorted(
+    (v, 1, seed) for v in variants for seed in range(SEEDS)
+  )
+  base = {r["variant"]: r for r in data["runs"].values() if not r["sweep"]}
+  for r in sweep:  # one head of the same width instead of two: fewer parameters, FLOPs
+    assert r["params"] < base[r["variant"]]["params"]
+    assert r["attention_flops_per_token"] < base[r["variant"]]["attention_flops_per_token"]
+  with pytest.raises(ValueError, match="at scale tiny"):  # variants are per scale
+    run.main([*args, "--variants", "iha_n8"])
+
+
 def test_choose_rate_prefers_the_metric_then_the_lower_loss():
   runs = [
     {"learning_rate": lr, "validation": {"token_accuracy": acc, "loss": loss}}

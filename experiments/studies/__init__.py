@@ -1,7 +1,7 @@
 """The registry of studies: `STUDIES[name]` is an `experiments.protocol.Study`."""
 
-from experiments.studies import mqar, relcomp
+from experiments.studies import cpm3, mqar, relcomp
 
-STUDIES = {study.name: study for study in (relcomp.BINARY, relcomp.TERNARY, mqar.MQAR)}
+STUDIES = {study.name: study for study in (relcomp.BINARY, relcomp.TERNARY, mqar.MQAR, cpm3.CPM3)}
 
 __all__ = ["STUDIES"]

@@ -26,7 +26,14 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 from iha_jax import storage
-from iha_jax.data import builder_base, local_text, mqar, multikey_retrieval, relation_composition
+from iha_jax.data import (
+  builder_base,
+  cpm3,
+  local_text,
+  mqar,
+  multikey_retrieval,
+  relation_composition,
+)
 from iha_jax.data.errors import DataError
 
 TFDS_PREFIX = "tfds:"
@@ -35,6 +42,7 @@ TASK_BUILDERS: dict[str, type[builder_base.SyntheticBuilder]] = {
   "relation_composition": relation_composition.RelationComposition,
   "multikey_retrieval": multikey_retrieval.MultikeyRetrieval,
   "mqar": mqar.Mqar,
+  "cpm3": cpm3.Cpm3,
 }
 TEXT_BUILDERS: dict[str, type[builder_base.ArrayRecordBuilder]] = {
   "local_text": local_text.LocalText

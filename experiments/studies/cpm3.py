@@ -1,0 +1,176 @@
+"""CPM-3 (count pairs modulo M), the paper's theory task, as an empirical probe.
+
+The paper (sections 3-4, App. B) constructs IHA solutions of CPM-3 with about sqrt(k)
+heads where MHA needs k, and trains no model on it. Here: one bidirectional attention
+layer (+ MLP) with a per-position classification head over the counts, MHA against IHA
+with P = H, trained under the protocol at one head count (the base point) and then
+swept over the number of heads H at each variant's chosen rate; one variant pair per
+sequence length. Head width and model width stay fixed, so more heads means
+more attention parameters for both kinds alike. Metrics: per-position accuracy (the
+count exactly right) and whole-sequence exact match.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from configs import default
+from experiments.protocol import Scale, Study, Sweep, Variant
+from iha_jax import data
+
+PAPER = (
+  "The paper proves that IHA represents CPM-3 with about sqrt(k) heads where MHA needs "
+  "k (sections 3-4, App. B) and trains no model on it: there are no numbers to place "
+  "beside ours. Its example, M = 3, G = 10, x = (1, 2, 3), gives counts (3, 3, 3)."
+)
+
+# Per scale: sequence lengths (one MHA/IHA pair each), modulus, examples
+# train/validation/test, model width, head width, base heads, swept heads, batch,
+# warm-up.
+_SIZES = {
+  # The control: pairs of values mod 2 (count 2 or 4: is the other value mine?).
+  "tiny": dict(
+    lengths=(2,),
+    modulus=2,
+    examples=(512, 64, 64),
+    width=16,
+    head_dim=8,
+    heads=2,
+    sweep=(1,),
+    batch=16,
+    warmup=10,
+  ),
+  "small": dict(
+    lengths=(8, 16),
+    modulus=3,
+    examples=(8192, 512, 512),
+    width=64,
+    head_dim=16,
+    heads=2,
+    sweep=(1, 4, 8),
+    batch=32,
+    warmup=100,
+  ),
+  "paper": dict(
+    lengths=(16, 32),
+    modulus=3,
+    examples=(40_000, 5_000, 5_000),
+    width=128,
+    head_dim=32,
+    heads=4,
+    sweep=(1, 2, 8, 16),
+    batch=64,
+    warmup=500,
+  ),
+}
+
+
+def _config(scale: str, length: int) -> ml_collections.ConfigDict:
+  size = _SIZES[scale]
+  config = default.get_config()
+  config.data.name = "cpm3/len8"
+  config.data.seq_len = length
+  config.data.packing = False
+  train, validation, test = size["examples"]
+  options = {
+    "min_length": length,  # fixed: softmax attention cannot see n (iha_jax/data/cpm3.py)
+    "max_length": length,
+    "modulus": size["modulus"],
+    "num_train": train,
+    "num_validation": validation,
+    "num_test": test,
+  }
+  config.data.options = options
+  config.model.update(
+    num_layers=1,
+    model_dim=size["width"],
+    num_heads=size["heads"],
+    head_dim=size["head_dim"],
+    mlp_dim=4 * size["width"],
+    attention_schedule="M",
+    window=None,
+    causal=False,
+    num_outputs=data.builder_config("cpm3/len8", options).num_classes,
+  )
+  config.model.num_pseudo = None  # IHA's P = H
+  config.train.update(
+    batch_size=size["batch"],
+    warmup_steps=size["warmup"],
+    final_learning_rate=1e-5,
+    loss="cross_entropy",
+  )
+  config.train.learning_rate = 1e-3  # every run sets its own; final rate keeps the ratio
+  config.eval_every = 0
+  return config
+
+
+def _heads(config: ml_collections.ConfigDict, heads: int) -> None:
+  config.model.num_heads = heads  # IHA's P follows (num_pseudo None: P = H)
+
+
+def _variants(scale: str) -> tuple[Variant, ...]:
+  """An MHA and an IHA variant per sequence length of `scale`."""
+  variants = []
+  for length in _SIZES[scale]["lengths"]:
+    for letter, kind, label in (("M", "mha", "MHA"), ("I", "iha", "IHA, P = H")):
+
+      def edit(config: ml_collections.ConfigDict, letter=letter) -> None:
+        config.model.attention_schedule = letter
+
+      variants.append(
+        Variant(
+          f"{kind}_n{length}",
+          f"{label}, n = {length}",
+          edit,
+          base=lambda scale, length=length: _config(scale, length),
+        )
+      )
+  return tuple(variants)
+
+
+def _scale(name: str, **budget) -> Scale:
+  size = _SIZES[name]
+  return Scale(
+    lambda: _config(name, size["lengths"][0]),
+    sweeps=(Sweep("num_heads", size["heads"], size["sweep"], _heads),),
+    variants=_variants(name),
+    **budget,
+  )
+
+
+CPM3 = Study(
+  name="cpm3",
+  title="CPM-3: count pairs modulo M (the paper's theory task)",
+  description=(
+    "A sequence of n values in 1..M (M = 3; 2 at `tiny`), one fixed n per variant; "
+    "the label of position i is the number of ordered pairs (j1, j2) with "
+    "x_i + 10 x_j1 + x_j2 = 0 mod M, a class in 0..n^2. One bidirectional "
+    "attention layer (+ MLP), per-position softmax over the counts, cross-entropy. "
+    "MHA against IHA with P = H; head width fixed; sweep over H. Metrics: "
+    "accuracy per position, exact match per sequence."
+  ),
+  variants=_variants("small"),
+  scales={
+    "tiny": _scale(
+      "tiny",
+      learning_rates=(3e-3, 1e-2, 3e-2),
+      total_steps=200,
+      eval_every=50,
+      patience=10,
+      grid_extensions=0,
+    ),
+    "small": _scale(
+      "small", learning_rates=(1e-3, 3e-3, 1e-2), total_steps=1500, eval_every=100, patience=5
+    ),
+    "paper": _scale(
+      "paper",
+      learning_rates=(3e-4, 1e-3, 3e-3, 1e-2),
+      total_steps=20_000,
+      eval_every=500,
+      patience=10,
+    ),
+  },
+  select="token_accuracy",
+  metrics=("token_accuracy", "exact_match"),
+  paper=PAPER,
+)
