@@ -52,6 +52,18 @@ class Sweep:
 
 
 @dataclasses.dataclass(frozen=True)
+class Transfer:
+  """Test sets every trained model is also evaluated on, without training (e.g. longer
+  contexts): its best parameters on the test split of the config edited to each value.
+  The run's own test set is the point `base` of the axis."""
+
+  axis: str  # e.g. "context_length"
+  base: Any  # the axis value of the training config
+  values: tuple[Any, ...]  # the other points
+  edit: Callable[[ml_collections.ConfigDict, Any], None]
+
+
+@dataclasses.dataclass(frozen=True)
 class Scale:
   """Budget of a study at one scale."""
 
@@ -67,6 +79,7 @@ class Scale:
   grid_extensions: int = 2
   # This scale's own contenders (e.g. one pair per sequence length); empty: the study's.
   variants: tuple[Variant, ...] = ()
+  transfers: tuple[Transfer, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +94,8 @@ class Study:
   select: str  # validation metric that picks the rate (higher wins)
   metrics: tuple[str, ...]  # test metrics reported, the first one plotted
   paper: str  # what the paper reports, verbatim, for the page
+  # The variant others are compared with in relative terms (transfer tables), if any.
+  reference: str | None = None
 
 
 def half_decade_step(rate: float, up: bool) -> float:
@@ -188,6 +203,7 @@ def run_study(
   )
   store.data["seeds"] = seeds
   store.data["sweep_bases"] = {s.axis: s.base for s in scale.sweeps}
+  store.data["transfer_bases"] = {t.axis: t.base for t in scale.transfers}
   runs_bar = tqdm.tqdm(
     total=planned_runs(scale, seeds, len(chosen_variants)),
     desc=f"{study.name} runs",
@@ -199,6 +215,12 @@ def run_study(
   )
   prepared: set[str] = set()
   compiled: dict[tuple[str, Any], CompiledVariant] = {}
+
+  def prepare(config: ml_collections.ConfigDict) -> None:
+    name = config.data.name + repr(dict(config.data.options))
+    if name not in prepared:
+      inputs.prepare(config)
+      prepared.add(name)
 
   def run(
     variant: Variant,
@@ -213,12 +235,17 @@ def run_study(
       return store.data["runs"][key]
     if (variant.name, point) not in compiled:
       config = variant_config(study, scale_name, variant, data_dir, sweep)
-      if config.data.name + repr(dict(config.data.options)) not in prepared:
-        inputs.prepare(config)
-        prepared.add(config.data.name + repr(dict(config.data.options)))
+      prepare(config)
       compiled.clear()  # one variant's compiled functions at a time
       compiled[variant.name, point] = CompiledVariant(config)
     target = compiled[variant.name, point]
+    transfer_tests = {}
+    for transfer in scale.transfers:
+      for value in transfer.values:
+        test_config = ml_collections.ConfigDict(target.config.to_dict())
+        transfer.edit(test_config, value)
+        prepare(test_config)
+        transfer_tests[f"{transfer.axis}={value}"] = test_config
     steps_bar = tqdm.tqdm(
       total=scale.total_steps, desc=key, position=1, leave=False, disable=not progress
     )
@@ -230,6 +257,7 @@ def run_study(
       patience=scale.patience,
       select=study.select,
       on_step=lambda _: steps_bar.update(1),
+      transfer_tests=transfer_tests,
     )
     steps_bar.close()
     record = {

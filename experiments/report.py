@@ -35,6 +35,24 @@ def _chosen_runs(
   )
 
 
+def _transfer_runs(
+  data: dict[str, Any], variant: str, axis: str, value: Any
+) -> list[dict[str, Any]]:
+  """`{"test": metrics}` of `variant`'s chosen-rate base runs on the transfer test set
+  `axis=value` (the base value: the runs' own test set)."""
+  runs = _chosen_runs(data, variant)
+  if data["transfer_bases"][axis] == value:
+    return runs
+  key = f"{axis}={value}"
+  return [{"test": r["transfer"][key]} for r in runs if key in r.get("transfer", {})]
+
+
+def _transfer_points(study: Study, data: dict[str, Any]) -> dict[str, list[Any]]:
+  """Transfer axis -> its points (base included), sorted."""
+  scale = study.scales[data["scale"]]
+  return {t.axis: sorted({t.base, *t.values}) for t in scale.transfers}
+
+
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
   return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
@@ -148,19 +166,57 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
       cells = [_cell(_chosen_runs(data, v, {"axis": axis, "value": x}), metric) for x in values]
       lines.append(f"| {labels[v]} | " + " | ".join(cells) + " |")
 
+  for axis, points in _transfer_points(study, data).items():
+    metric = metrics[0]
+    lines += [
+      "",
+      f"Trained at `{axis}` = {data['transfer_bases'][axis]}, tested at every `{axis}` "
+      f"(test {METRIC_NAMES[metric]} %, the runs above, no further training):",
+      "",
+      "| variant | " + " | ".join(str(x) for x in points) + " |",
+      "|" + " --- |" * (len(points) + 1),
+    ]
+    for v in variants:
+      cells = [_cell(_transfer_runs(data, v, axis, x), metric) for x in points]
+      lines.append(f"| {labels[v]} | " + " | ".join(cells) + " |")
+    reference = study.reference
+    if reference in variants:
+      lines += [
+        "",
+        f"Relative to {labels[reference]} (ratio of the means minus 1, as the paper reports it):",
+        "",
+        "| variant | " + " | ".join(str(x) for x in points) + " |",
+        "|" + " --- |" * (len(points) + 1),
+      ]
+      for v in variants:
+        if v == reference:
+          continue
+        cells = []
+        for x in points:
+          ours = [r["test"][metric] for r in _transfer_runs(data, v, axis, x)]
+          theirs = [r["test"][metric] for r in _transfer_runs(data, reference, axis, x)]
+          if not ours or not theirs or np.mean(theirs) == 0:
+            cells.append("-")
+          else:
+            cells.append(f"{100 * (np.mean(ours) / np.mean(theirs) - 1):+.0f}%")
+        lines.append(f"| {labels[v]} | " + " | ".join(cells) + " |")
+
   lines += ["", f"The paper: {study.paper}", ""]
   return "\n".join(lines)
 
 
 def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
   """Bars (test metric, mean ± std, seeds as dots), validation learning curves at the
-  chosen rates, and one panel per sweep axis; written to `path` and returned."""
+  chosen rates, one panel per sweep axis and one per transfer axis; written to `path`
+  and returned."""
   metric = study.metrics[0]
   variants = list(dict.fromkeys(r["variant"] for r in data["runs"].values()))
   labels = {r["variant"]: r["label"] for r in data["runs"].values()}
   sweeps = sorted({r["sweep"]["axis"] for r in data["runs"].values() if r["sweep"]})
-  fig = Figure(figsize=(5.5 * (2 + len(sweeps)), 4.2))
-  axes = fig.subplots(1, 2 + len(sweeps))
+  transfers = _transfer_points(study, data)
+  panels = 2 + len(sweeps) + len(transfers)
+  fig = Figure(figsize=(5.5 * panels, 4.2))
+  axes = fig.subplots(1, panels)
   colors = {v: matplotlib.colormaps["tab10"](i % 10) for i, v in enumerate(variants)}
 
   bars = axes[0]
@@ -214,6 +270,24 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
     ax.set_xlabel(axis)
     ax.set_ylabel(f"test {METRIC_NAMES[metric]} (%)")
     ax.set_title(f"sweep: {axis}")
+    ax.legend(fontsize=7)
+
+  for ax, (axis, points) in zip(axes[2 + len(sweeps) :], transfers.items()):
+    for v in variants:
+      xs, means, stds = [], [], []
+      for x in points:
+        values = [100 * r["test"][metric] for r in _transfer_runs(data, v, axis, x)]
+        if values:
+          xs.append(x)
+          mean, std = _mean_std(values)
+          means.append(mean)
+          stds.append(std)
+      ax.errorbar(xs, means, yerr=stds, color=colors[v], marker="o", capsize=3, label=labels[v])
+    ax.axvline(data["transfer_bases"][axis], color="gray", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"{axis} (dotted: trained at)")
+    ax.set_ylabel(f"test {METRIC_NAMES[metric]} (%)")
+    ax.set_title(f"tested at other {axis}")
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -47,6 +47,8 @@ class RunResult:
   test: dict[str, float]
   curve: list[dict[str, float]]  # {"step", "loss" (train), and validation metrics}
   wall_s: float
+  # Test metrics of the best parameters on other test sets ("axis=value" -> metrics).
+  transfer: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def _unit_peak(train: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -113,6 +115,7 @@ class CompiledVariant:
     patience: int,
     select: str,
     on_step: Callable[[int], None] | None = None,
+    transfer_tests: dict[str, ml_collections.ConfigDict] | None = None,
   ) -> RunResult:
     """Trains from `seed` at peak `learning_rate`; see the module docstring.
 
@@ -124,6 +127,8 @@ class CompiledVariant:
       patience: validation passes without a better `select` before stopping.
       select: the validation metric to maximise ("token_accuracy", "exact_match").
       on_step: called with the step count after every step (progress bars).
+      transfer_tests: named configs of other test sets (same model, e.g. longer
+        sequences) on which the best parameters are evaluated too.
     """
     tic = time.perf_counter()
     config = ml_collections.ConfigDict(self.config.to_dict())
@@ -167,10 +172,17 @@ class CompiledVariant:
       validation=validation,
       test=self.evaluate(params, "test"),
       curve=curve,
+      transfer={
+        name: self.evaluate(params, "test", test_config)
+        for name, test_config in (transfer_tests or {}).items()
+      },
       wall_s=time.perf_counter() - tic,
     )
 
-  def evaluate(self, params: Any, split: str) -> dict[str, float]:
-    """Loss, token accuracy and exact match over one pass of `split`."""
-    results = self.evaluator.evaluate(params, inputs.eval_iterator(self.config, split))
+  def evaluate(
+    self, params: Any, split: str, config: ml_collections.ConfigDict | None = None
+  ) -> dict[str, float]:
+    """Loss, token accuracy and exact match over one pass of `split` (of the variant's
+    data, or of `config`'s: another test set for the same model)."""
+    results = self.evaluator.evaluate(params, inputs.eval_iterator(config or self.config, split))
     return {k: results[k] for k in ("loss", "token_accuracy", "exact_match")}

@@ -172,6 +172,53 @@ def test_cpm3_tiny_sweeps_the_heads(tmp_path, data_dir):
     run.main([*args, "--variants", "iha_n8"])
 
 
+def test_multikey_tiny_tests_at_longer_contexts(tmp_path, data_dir):
+  out = str(tmp_path)
+  variants = ["mha", "diff"]  # the reference and one other (every kind shares the path)
+  run.main(
+    [
+      "multikey_retrieval",
+      "--scale",
+      "tiny",
+      "--seeds",
+      str(SEEDS),
+      "--out",
+      out,
+      "--data_dir",
+      data_dir,
+      "--quiet",
+      "--variants",
+      ",".join(variants),
+    ]
+  )
+  data = _check_outputs(out, "multikey_retrieval", variants)
+  assert data["transfer_bases"] == {"context_length": 24}
+  for r in data["runs"].values():  # every trained model is tested at 2x its length too
+    assert set(r["transfer"]) == {"context_length=48"}
+    assert set(r["transfer"]["context_length=48"]) == {"loss", "token_accuracy", "exact_match"}
+  with open(os.path.join(out, "multikey_retrieval.md")) as f:
+    md = f.read()
+  assert "Trained at `context_length` = 24" in md
+
+  def mean_at(variant: str, key: str | None) -> float:
+    runs = [
+      r
+      for r in data["runs"].values()
+      if r["variant"] == variant
+      and r["learning_rate"] == data["chosen_learning_rates"][variant]
+      and r["sweep"] is None
+    ]
+    return np.mean([(r["transfer"][key] if key else r["test"])["exact_match"] for r in runs])
+
+  # The relative row is diff's mean over MHA's, minus 1, at each length.
+  expected = [
+    f"{100 * (mean_at('diff', k) / mean_at('mha', k) - 1):+.0f}%"
+    for k in (None, "context_length=48")
+  ]
+  relative = md.split("Relative to global MHA (M)")[1]
+  assert f"| differential (D) | {expected[0]} | {expected[1]} |" in relative
+
+
 def test_choose_rate_prefers_the_metric_then_the_lower_loss():
   runs = [
     {"learning_rate": lr, "validation": {"token_accuracy": acc, "loss": loss}}

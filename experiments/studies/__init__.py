@@ -1,7 +1,10 @@
 """The registry of studies: `STUDIES[name]` is an `experiments.protocol.Study`."""
 
-from experiments.studies import cpm3, mqar, relcomp
+from experiments.studies import cpm3, mqar, multikey, relcomp
 
-STUDIES = {study.name: study for study in (relcomp.BINARY, relcomp.TERNARY, mqar.MQAR, cpm3.CPM3)}
+STUDIES = {
+  study.name: study
+  for study in (relcomp.BINARY, relcomp.TERNARY, mqar.MQAR, cpm3.CPM3, multikey.MULTIKEY)
+}
 
 __all__ = ["STUDIES"]

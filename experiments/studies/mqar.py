@@ -15,6 +15,7 @@ import ml_collections
 
 from configs import default
 from experiments.protocol import Scale, Study, Sweep, Variant
+from experiments.studies.schedules import schedule_edit
 
 PAPER = (
   "The paper reports no MQAR results (its retrieval evidence is RULER multi-key, "
@@ -100,19 +101,6 @@ def _demo_config() -> ml_collections.ConfigDict:
   return config
 
 
-def _schedule(schedule: str):
-  def edit(config: ml_collections.ConfigDict) -> None:
-    p = config.model.num_pseudo  # the scale's IHA P (base config)
-    config.model.attention_schedule = schedule
-    if "S" in schedule:  # IHA's window, seq_len / (2 P) virtual tokens, in tokens
-      config.model.mha_window = max(1, config.data.seq_len // (2 * p * p))
-    if "L" not in schedule:
-      config.model.window = None
-      config.model.num_pseudo = None
-
-  return edit
-
-
 def _pairs(config: ml_collections.ConfigDict, pairs: int) -> None:
   config.data.options = {**config.data.options, "num_pairs": pairs}
 
@@ -123,11 +111,11 @@ def _width(config: ml_collections.ConfigDict, width: int) -> None:
 
 
 VARIANTS = (
-  Variant("iha", "IHA window (LM)", _schedule("LM")),
-  Variant("mha", "MHA global (MM)", _schedule("MM")),
-  Variant("global_local", "Global+Local (SM)", _schedule("SM")),
-  Variant("talking_heads", "Talking-Heads (TM)", _schedule("TM")),
-  Variant("diff", "differential (DM)", _schedule("DM")),
+  Variant("iha", "IHA window (LM)", schedule_edit("LM")),
+  Variant("mha", "MHA global (MM)", schedule_edit("MM")),
+  Variant("global_local", "Global+Local (SM)", schedule_edit("SM")),
+  Variant("talking_heads", "Talking-Heads (TM)", schedule_edit("TM")),
+  Variant("diff", "differential (DM)", schedule_edit("DM")),
 )
 
 MQAR = Study(
