@@ -269,6 +269,7 @@ def run_study(
       "sweep": None if point is None else {"axis": point[0], "value": point[1]},
       "params": target.params,
       "attention_flops_per_token": target.attention_flops_per_token,
+      "train_flops_per_step": target.train_flops_per_step,
       "batch_size": target.config.train.batch_size,
       "seq_len": target.config.data.seq_len,
       **dataclasses.asdict(result),

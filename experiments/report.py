@@ -70,7 +70,7 @@ def _cell(runs: Sequence[dict[str, Any]], metric: str, split: str = "test") -> s
 
 
 def _si(value: float) -> str:
-  for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+  for suffix, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
     if value >= scale:
       return f"{value / scale:.3g}{suffix}"
   return f"{value:.3g}"
@@ -126,10 +126,12 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
   lines += [
     "",
     "Budgets (per run at the chosen rate): parameters, forward attention FLOPs "
-    "per token (all layers), steps taken (early stopping) and training tokens:",
+    "per token (all layers), steps taken (early stopping), training tokens and training "
+    "FLOPs (whole model, forward + backward, mean over the seeds):",
     "",
-    "| variant | parameters | attention FLOPs/token | steps (best step) | train tokens | wall s |",
-    "| --- | --- | --- | --- | --- | --- |",
+    "| variant | parameters | attention FLOPs/token | steps (best step) | train tokens "
+    "| train FLOPs | wall s |",
+    "| --- | --- | --- | --- | --- | --- | --- |",
   ]
   for v in variants:
     runs = _chosen_runs(data, v)
@@ -139,9 +141,14 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
     steps = ", ".join(f"{r['steps']} ({r['best_step']})" for r in runs)
     tokens = np.mean([r["steps"] * r["batch_size"] * r["seq_len"] for r in runs])
     wall = np.mean([r["wall_s"] for r in runs])
+    # Runs recorded before the field existed show "-".
+    per_step = [r.get("train_flops_per_step") for r in runs]
+    train_flops = (
+      "-" if None in per_step else _si(np.mean([r["steps"] * f for r, f in zip(runs, per_step)]))
+    )
     lines.append(
       f"| {labels[v]} | {r0['params']:,} | {_si(r0['attention_flops_per_token'])} | "
-      f"{steps} | {_si(tokens)} | {wall:.0f} |"
+      f"{steps} | {_si(tokens)} | {train_flops} | {wall:.0f} |"
     )
 
   sweeps = {}

@@ -105,6 +105,14 @@ class CompiledVariant:
     budgets = flops_lib.layer_budgets(self.model_config, self.config.data.seq_len)
     return float(sum(b.count * b.attention_flops_per_token for b in budgets))
 
+  @property
+  def train_flops_per_step(self) -> float:
+    """Model FLOPs of one training step (forward + backward, whole model)."""
+    train = self.config.train
+    return flops_lib.train_flops_per_step(
+      self.model_config, train.batch_size, self.config.data.seq_len
+    )
+
   def run(
     self,
     learning_rate: float,

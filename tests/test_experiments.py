@@ -41,6 +41,9 @@ def _check_outputs(out: str, name: str, variants: list[str]) -> dict:
     assert sorted(r["seed"] for r in at_rate) == list(range(SEEDS))
     for r in at_rate:  # budgets and both splits are recorded
       assert r["params"] > 0 and r["attention_flops_per_token"] > 0 and r["steps"] > 0
+      # Whole-model training FLOPs: 3x the forward, of which attention is one part.
+      tokens = r["batch_size"] * r["seq_len"]
+      assert r["train_flops_per_step"] > 3 * r["attention_flops_per_token"] * tokens
       assert set(r["test"]) == set(r["validation"]) == {"loss", "token_accuracy", "exact_match"}
       assert r["curve"] and r["curve"][-1]["step"] <= r["steps"]
       # The control learns: every variant, every seed.
