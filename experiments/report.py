@@ -14,7 +14,12 @@ from matplotlib.figure import Figure  # the object API: files only, no pyplot st
 
 from experiments.protocol import Study
 
-METRIC_NAMES = {"token_accuracy": "accuracy", "exact_match": "exact match", "loss": "loss"}
+METRIC_NAMES = {
+  "token_accuracy": "accuracy",
+  "exact_match": "exact match",
+  "loss": "loss",
+  "r_squared": "R^2",
+}
 
 
 def _chosen_runs(

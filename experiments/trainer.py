@@ -133,7 +133,8 @@ class CompiledVariant:
       total_steps: the schedule's length and the most steps taken.
       eval_every: steps between validation passes.
       patience: validation passes without a better `select` before stopping.
-      select: the validation metric to maximise ("token_accuracy", "exact_match").
+      select: the validation metric to maximise ("token_accuracy", "exact_match",
+        "r_squared" for regression).
       on_step: called with the step count after every step (progress bars).
       transfer_tests: named configs of other test sets (same model, e.g. longer
         sequences) on which the best parameters are evaluated too.
@@ -193,4 +194,5 @@ class CompiledVariant:
     """Loss, token accuracy and exact match over one pass of `split` (of the variant's
     data, or of `config`'s: another test set for the same model)."""
     results = self.evaluator.evaluate(params, inputs.eval_iterator(config or self.config, split))
-    return {k: results[k] for k in ("loss", "token_accuracy", "exact_match")}
+    keys = ("loss", "token_accuracy", "exact_match", "r_squared")  # R^2: regression only
+    return {k: results[k] for k in keys if k in results}

@@ -10,6 +10,7 @@ import tensorflow_datasets as tfds
 import iha_jax.data as data
 from iha_jax.data import build, cpm3, mqar
 from iha_jax.data import multikey_retrieval as mkr
+from iha_jax.data import polynomial_filter as pf
 from iha_jax.data import relation_composition as rc
 
 tfds.disable_progress_bar()
@@ -163,6 +164,61 @@ def test_cpm3_labels_count_the_pairs_of_the_inputs(data_dir):
   assert set(lengths) == set(range(config.min_length, config.max_length + 1))
   with pytest.raises(ValueError, match="modulus must be >= 2"):
     data.builder_config("cpm3/len8", {"modulus": 1})
+
+
+def test_polynomial_filter_values_are_the_powers_of_the_graph_on_the_features(data_dir):
+  options = dict(
+    TINY, num_train=1024, num_nodes=6, num_features=3, num_powers=4, edge_probability=0.5
+  )
+  config, examples = _examples("polynomial_filter/k4", data_dir, options)
+  a = pf.adjacency(config)
+  # A random graph with self-loops, random-walk normalised: symmetric support, rows sum to 1.
+  assert np.all(np.diag(a) > 0)
+  np.testing.assert_array_equal(a > 0, (a > 0).T)
+  np.testing.assert_allclose(a.sum(axis=1), 1.0)
+  assert 0 < np.count_nonzero(a - np.diag(np.diag(a)))  # some edges
+  values = []
+  for ex in examples:
+    x = ex["features"]
+    assert x.shape == (6, 3) and ex["values"].shape == (6, 12)
+    np.testing.assert_array_equal(ex["inputs"], np.arange(1, 7))
+    for j in range(4):  # block j is A^j X over its RMS scale
+      power = np.linalg.matrix_power(a, j)
+      scale = np.sqrt(np.sum(power**2) / 6)
+      np.testing.assert_allclose(ex["values"][:, 3 * j : 3 * j + 3] * scale, power @ x, atol=1e-5)
+    values.append(ex["values"])
+  # The scales give every power's values unit mean square (1024 draws, 6 nodes, 3 features).
+  mean_squares = np.square(np.concatenate(values)).reshape(-1, 4, 3).mean(axis=(0, 2))
+  np.testing.assert_allclose(mean_squares, 1.0, atol=0.15)
+  with pytest.raises(ValueError, match="edge_probability"):
+    data.builder_config("polynomial_filter/k4", {"edge_probability": 1.5})
+
+
+def test_continuous_fields_are_batched_and_padded_never_packed(data_dir):
+  name, options = "polynomial_filter/k4", dict(TINY, num_nodes=5, num_validation=3)
+  config = {"name": name, "seq_len": 8, "data_dir": data_dir, "options": options}
+  data.prepare(name, data_dir, options=options)
+  batches = list(
+    data.make_dataset(
+      config,
+      "validation",
+      global_batch_size=4,
+      shuffle=False,
+      num_epochs=1,
+      shard_count=2,
+      shard_index=1,
+    )
+  )
+  # Shard 1 of 2 holds one of the 3 examples plus one padding example (equal shard
+  # sizes): its continuous fields are padded like the rest.
+  assert len(batches) == 1
+  batch = batches[0]
+  assert batch["features"].shape == (2, 8, 2) and batch["values"].shape == (2, 8, 8)
+  np.testing.assert_array_equal(batch["weights"][0], [1] * 5 + [0] * 3)
+  assert not batch["weights"][1].any() and not batch["features"][0, 5:].any()
+  assert batch["features"][0, :5].any()
+  with pytest.raises(data.DataError, match="packing=False"):
+    data.make_dataset(dict(config, packing=True), "train", global_batch_size=2)
 
 
 def test_generation_is_a_function_of_the_config_seed(tmp_path):

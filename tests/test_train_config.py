@@ -220,6 +220,8 @@ def _replace(config: ml_collections.ConfigDict, key: str, value) -> None:
     ("train.decay_mixing", None, "train.decay_mixing must be a bool"),
     ("train.loss", "mse", "train.loss must be one of"),
     ("train.loss", "binary_cross_entropy", "needs model.num_outputs=1"),
+    ("train.loss", "mean_squared_error", "needs model.num_outputs (the number of"),
+    ("model.input_features", 0, "model.input_features must be None (tokens only)"),
   ],
 )
 def test_new_keys_reject_bad_values(key, value, message):

@@ -1,10 +1,17 @@
 """The registry of studies: `STUDIES[name]` is an `experiments.protocol.Study`."""
 
-from experiments.studies import cpm3, mqar, multikey, relcomp
+from experiments.studies import cpm3, mqar, multikey, polyfilter, relcomp
 
 STUDIES = {
   study.name: study
-  for study in (relcomp.BINARY, relcomp.TERNARY, mqar.MQAR, cpm3.CPM3, multikey.MULTIKEY)
+  for study in (
+    relcomp.BINARY,
+    relcomp.TERNARY,
+    mqar.MQAR,
+    cpm3.CPM3,
+    polyfilter.POLYFILTER,
+    multikey.MULTIKEY,
+  )
 }
 
 __all__ = ["STUDIES"]

@@ -137,7 +137,8 @@ def make_dataset(
   Returns:
     A Grain `DatasetIterator` of dicts with `inputs`, `targets`,
     `segment_ids`, `positions` (int32) and `weights` (float32), each
-    `[global_batch_size // shard_count, seq_len]`; `num_truncated`
+    `[global_batch_size // shard_count, seq_len]` (+ `features` / `values`
+    `[..., seq_len, width]` float32 where the task has them); `num_truncated`
     counts the examples cut to `seq_len`.
 
   Raises:
@@ -161,12 +162,19 @@ def make_dataset(
   packing = registry.is_text(config.name) if config.packing is None else config.packing
   builder, source = registry.open_split(config.name, split, config.data_dir, config.options)
 
-  examples = grain.MapDataset.source(source).map(_record_transform(config, builder))
-  examples = examples[shard_index::shard_count]
+  records = grain.MapDataset.source(source).map(_record_transform(config, builder))
+  continuous = [k for k in transforms.CONTINUOUS if k in builder.info.features]
+  if continuous and packing:
+    raise DataError(
+      f"Dataset {config.name!r} has per-position {continuous}: set data.packing=False "
+      "(one example per row)."
+    )
+  examples = records[shard_index::shard_count]
   if num_epochs is not None and not packing:
     # Equal shard sizes give every process the same number of batches.
     missing = math.ceil(len(source) / shard_count) - len(examples)
-    padding = grain.MapDataset.source([transforms.empty_example()] * missing)
+    like = records[0] if continuous else None  # the padding rows' feature widths
+    padding = grain.MapDataset.source([transforms.empty_example(like)] * missing)
     examples = grain.MapDataset.concatenate([examples, padding])
   if shuffle:
     examples = examples.shuffle(seed)

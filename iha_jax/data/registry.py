@@ -32,6 +32,7 @@ from iha_jax.data import (
   local_text,
   mqar,
   multikey_retrieval,
+  polynomial_filter,
   relation_composition,
 )
 from iha_jax.data.errors import DataError
@@ -43,6 +44,7 @@ TASK_BUILDERS: dict[str, type[builder_base.SyntheticBuilder]] = {
   "multikey_retrieval": multikey_retrieval.MultikeyRetrieval,
   "mqar": mqar.Mqar,
   "cpm3": cpm3.Cpm3,
+  "polynomial_filter": polynomial_filter.PolynomialFilter,
 }
 TEXT_BUILDERS: dict[str, type[builder_base.ArrayRecordBuilder]] = {
   "local_text": local_text.LocalText

@@ -5,6 +5,8 @@ An *LM example* is a dict of `inputs`, `targets` (int32 [n]) and
 `targets[t]` from `inputs[:t + 1]` with loss weight `weights[t]`.
 Rows of a batch add `segment_ids` (int32 [L]; 0 = padding, documents
 `1..k`) and `positions` (int32 [L]; restarting at 0 in every document).
+Tasks with continuous data add `features` (float32 [n, F], model inputs) and/or
+`values` (float32 [n, O], regression targets); such examples are padded, never packed.
 Until the last pipeline stage every element also carries `num_truncated`,
 how many source examples it holds that were cut to `seq_len`.
 """
@@ -23,21 +25,37 @@ from iha_jax.data import tokenizers
 
 LMExample = dict[str, np.ndarray]
 FEATURES: tuple[str, ...] = ("inputs", "targets", "weights")
+# Per-position float arrays [n, ...] a task record may carry besides FEATURES.
+CONTINUOUS: tuple[str, ...] = ("features", "values")
 NUM_TRUNCATED = "num_truncated"
 _LOG_INTERVAL_S = 60.0
 _DTYPES = {"inputs": np.int32, "targets": np.int32, "weights": np.float32}
 
 
-def empty_example() -> LMExample:
-  """A zero-length example: it becomes an all-padding row."""
-  return {key: np.zeros(0, dtype) for key, dtype in _DTYPES.items()}
+def empty_example(like: LMExample | None = None) -> LMExample:
+  """A zero-length example (it becomes an all-padding row), with the continuous fields
+  of `like` (zero rows of their width)."""
+  out = {key: np.zeros(0, dtype) for key, dtype in _DTYPES.items()}
+  for key in CONTINUOUS:
+    if like is not None and key in like:
+      out[key] = np.zeros((0, *np.shape(like[key])[1:]), np.float32)
+  return out
+
+
+def _keys(example: LMExample) -> list[str]:
+  return [*FEATURES, *(key for key in CONTINUOUS if key in example)]
 
 
 class TaskToLM(grain.transforms.Map):
-  """Keeps the `inputs`/`targets`/`weights` of a synthetic-task record."""
+  """Keeps the `inputs`/`targets`/`weights` (and `features`/`values`, if any) of a
+  synthetic-task record."""
 
   def map(self, record: dict[str, Any]) -> LMExample:
-    return {key: np.asarray(record[key], _DTYPES[key]) for key in FEATURES}
+    out = {key: np.asarray(record[key], _DTYPES[key]) for key in FEATURES}
+    for key in CONTINUOUS:
+      if key in record:
+        out[key] = np.asarray(record[key], np.float32)
+    return out
 
 
 class TextToLM(grain.transforms.Map):
@@ -72,7 +90,7 @@ class Truncate(grain.transforms.Map):
 
   def map(self, example: LMExample) -> LMExample:
     truncated = len(example["inputs"]) > self._seq_len
-    out = {key: example[key][: self._seq_len] for key in FEATURES}
+    out = {key: example[key][: self._seq_len] for key in _keys(example)}
     out[NUM_TRUNCATED] = np.int32(truncated)
     return out
 
@@ -85,7 +103,11 @@ class PadToLength(grain.transforms.Map):
 
   def map(self, example: LMExample) -> LMExample:
     length = len(example["inputs"])
-    out = {key: np.pad(example[key], (0, self._seq_len - length)) for key in FEATURES}
+    pad = self._seq_len - length
+    out = {
+      key: np.pad(example[key], [(0, pad)] + [(0, 0)] * (example[key].ndim - 1))
+      for key in _keys(example)
+    }
     real = np.arange(self._seq_len) < length
     out["segment_ids"] = real.astype(np.int32)
     out["positions"] = np.where(real, np.arange(self._seq_len), 0).astype(np.int32)

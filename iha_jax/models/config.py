@@ -90,6 +90,8 @@ class TransformerConfig:
       `output_head: [D, num_outputs]` (classification logits or regression values).
     mixing_noise_std: std of Gaussian noise added to the identity init of the head
       mixings (IHA's `alpha_*` and `collapse`, Talking-Heads' `talk_*`).
+    input_features: None, or F: every token also reads `F` continuous features
+      (`[B, N, F]`, projected by `input_proj: [F, D]` and added to its embedding).
   """
 
   vocab_size: int
@@ -113,6 +115,7 @@ class TransformerConfig:
   causal: bool = True
   num_outputs: int | None = None
   mixing_noise_std: float = 0.0
+  input_features: int | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "mlp_dim"):
@@ -127,6 +130,10 @@ class TransformerConfig:
       raise ValueError(
         f"num_outputs must be None (vocabulary logits) or a positive integer, "
         f"got {self.num_outputs!r}"
+      )
+    if self.input_features is not None and not is_int(self.input_features, 1):
+      raise ValueError(
+        f"input_features must be None or a positive integer, got {self.input_features!r}"
       )
     if not isinstance(self.mixing_noise_std, (int, float)) or not self.mixing_noise_std >= 0:
       raise ValueError(f"mixing_noise_std must be a number >= 0, got {self.mixing_noise_std!r}")

@@ -8,6 +8,7 @@ the layers differs: a `jax.lax.scan` over schedule periods, each block under
 `jax.checkpoint`. `module(params)` gives back the `TransformerLM` itself. Layout:
 
     {"embedding": [V, D], "final_norm": {"scale": [D]}, ("lm_head": [D, V]),
+     ("output_head": [D, O]), ("input_proj": [F, D]),
      "layers": {"0": block params, "1": ...},                  # unscanned layers
      "scanned": {"0": block params stacked [R, ...], ...}}     # scan_layers only
 
@@ -28,7 +29,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from iha_jax.models.config import TransformerConfig
-from iha_jax.models.transformer import TransformerLM, embed_tokens, output_logits
+from iha_jax.models.transformer import (
+  TransformerLM,
+  add_input_features,
+  embed_tokens,
+  output_logits,
+)
 from iha_jax.nn.functional import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ
 
 Params = dict[str, Any]
@@ -126,12 +132,14 @@ class LanguageModel:
     params: Params,
     tokens: jax.Array,
     *,
+    features: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
   ) -> jax.Array:
-    """`tokens: [B, N]` int32 -> float32 logits `[B, N, V]` (or `[B, N, num_outputs]`), as
-    `TransformerLM.__call__`."""
+    """`tokens: [B, N]` int32 (+ `features: [B, N, F]`) -> float32 logits `[B, N, V]` (or
+    `[B, N, num_outputs]`), as `TransformerLM.__call__`."""
     x = embed_tokens(params["embedding"], tokens, self.config.dtype)
+    x = add_input_features(x, features, params.get("input_proj"), self.config)
     if self.repeats:
       blocks = [self._block(j) for j in range(self.period)]
 

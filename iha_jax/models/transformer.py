@@ -15,7 +15,7 @@ from iha_jax.models.config import TransformerConfig
 from iha_jax.models.layers import DecoderBlock, RMSNorm
 from iha_jax.nn import logical_param
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT
-from iha_jax.parallel.axes import EMBED, LOGITS_AXES, OUTPUTS, RESIDUAL_AXES, VOCAB
+from iha_jax.parallel.axes import EMBED, FEATURES, LOGITS_AXES, OUTPUTS, RESIDUAL_AXES, VOCAB
 
 
 class TransformerLM(nnx.Module):
@@ -25,6 +25,8 @@ class TransformerLM(nnx.Module):
   schedule letter `config.schedule[i]`; `final_norm.scale: [D]`; and, untied,
   `lm_head: [D, V]` ("embed", "vocab"), or with `num_outputs`, a per-token
   `output_head: [D, num_outputs]` ("embed", "outputs") instead of vocabulary logits.
+  With `input_features` F, `input_proj: [F, D]` ("features", "embed") adds each token's
+  continuous features to its embedding.
   With `config.causal=False` every layer is bidirectional (an encoder).
 
   `iha_jax.models.LanguageModel` runs this same model as a function of a parameter
@@ -40,6 +42,14 @@ class TransformerLM(nnx.Module):
     self.embedding = logical_param(
       jax.nn.initializers.normal(d**-0.5), (VOCAB, EMBED), rngs.params(), (v, d), config.param_dtype
     )
+    if config.input_features is not None:
+      self.input_proj = logical_param(
+        DEFAULT_KERNEL_INIT,
+        (FEATURES, EMBED),
+        rngs.params(),
+        (config.input_features, d),
+        config.param_dtype,
+      )
     self.layers = nnx.List(
       [
         DecoderBlock(config, letter, layer=i + 1, rngs=rngs)
@@ -66,6 +76,7 @@ class TransformerLM(nnx.Module):
     self,
     tokens: jax.Array,
     *,
+    features: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
   ) -> jax.Array:
@@ -73,6 +84,8 @@ class TransformerLM(nnx.Module):
 
     Args:
       tokens: `[B, N]` int32 token ids.
+      features: `[B, N, F]` continuous inputs; required with `config.input_features`
+        (F), refused without.
       segment_ids: optional `[B, N]` int32 packed-sequence ids (0 = padding).
       positions: optional `[B, N]` int32 token positions (default `arange(N)`).
 
@@ -81,14 +94,17 @@ class TransformerLM(nnx.Module):
       only on tokens `<= n`.
     """
     check_tokens(tokens, "tokens")
-    x = self.embed(tokens)
+    x = self.embed(tokens, features)
     for block in self.layers:
       x = block(x, segment_ids=segment_ids, positions=positions)
     return self.logits(x)
 
-  def embed(self, tokens: jax.Array) -> jax.Array:
-    """`tokens: [B, N]` int -> `[B, N, D]` in `config.dtype` (the first block's input)."""
-    return embed_tokens(self.embedding[...], tokens, self.config.dtype)
+  def embed(self, tokens: jax.Array, features: jax.Array | None = None) -> jax.Array:
+    """`tokens: [B, N]` int (+ `features: [B, N, F]`) -> `[B, N, D]` in `config.dtype`
+    (the first block's input)."""
+    x = embed_tokens(self.embedding[...], tokens, self.config.dtype)
+    proj = self.input_proj[...] if hasattr(self, "input_proj") else None
+    return add_input_features(x, features, proj, self.config)
 
   def logits(self, x: jax.Array) -> jax.Array:
     """Last block's output `x: [B, N, D]` -> float32 `[B, N, V or num_outputs]` (final
@@ -113,6 +129,32 @@ def embed_tokens(embedding: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Arr
   table = with_logical_constraint(embedding, (None, None))
   x = jnp.take(table, tokens, axis=0).astype(dtype)
   return with_logical_constraint(x, RESIDUAL_AXES)
+
+
+def add_input_features(
+  x: jax.Array, features: jax.Array | None, input_proj: jax.Array | None, config: TransformerConfig
+) -> jax.Array:
+  """`x: [B, N, D]` + `features: [B, N, F] @ input_proj: [F, D]` (models with
+  `config.input_features`); `x` unchanged otherwise. Raises ValueError naming `features`
+  when it is missing, unexpected or of the wrong shape."""
+  want = config.input_features
+  if want is None:
+    if features is not None:
+      raise ValueError(
+        "features given, but the model has no input_features: set "
+        "model.input_features to their last dimension, or leave them out"
+      )
+    return x
+  if features is None or jnp.shape(features) != (*jnp.shape(x)[:2], want):
+    got = None if features is None else tuple(jnp.shape(features))
+    raise ValueError(
+      f"features must be [B, N, {want}] (model.input_features={want}) for tokens "
+      f"{tuple(jnp.shape(x)[:2])}, got {got}"
+    )
+  projected = jnp.einsum(
+    "bnF,FD->bnD", features.astype(config.dtype), input_proj.astype(config.dtype)
+  )
+  return with_logical_constraint(x + projected, RESIDUAL_AXES)
 
 
 def check_tokens(tokens: jax.Array, name: str) -> None:

@@ -15,6 +15,7 @@ mesh axes. Parameters:
 - `MLP` ("mlp"): the MLP's hidden width F.
 - `VOCAB` ("vocab"): embedding rows and output-head columns.
 - `OUTPUTS` ("outputs"): the per-token output head's columns (encoders).
+- `FEATURES` ("features"): continuous per-token input features (`input_proj` rows).
 
 Activations (`ACTIVATION_*`) name the axes of `[B, N, ...]` tensors for
 `flax.linen.with_logical_constraint`; the tuples below are the layouts the layers use.
@@ -32,6 +33,7 @@ QK_PAIR = "qk_pair"
 MLP = "mlp"
 VOCAB = "vocab"
 OUTPUTS = "outputs"
+FEATURES = "features"
 
 ACTIVATION_BATCH = "activation_batch"
 ACTIVATION_LENGTH = "activation_length"

@@ -29,6 +29,7 @@ from iha_jax.parallel.axes import (
   ACTIVATION_LENGTH,
   ACTIVATION_VOCAB,
   EMBED,
+  FEATURES,
   HEAD_DIM,
   HEADS,
   HEADS_DST,
@@ -58,6 +59,7 @@ LOGICAL_AXIS_RULES: LogicalRules = (
   (PSEUDO, None),
   (QK_PAIR, None),  # differential attention's two query/key maps.
   (OUTPUTS, None),  # per-token output head (encoders): small, replicated.
+  (FEATURES, None),  # input features F of `input_proj: [F, D]`: few, kept whole.
   # Activations.
   (ACTIVATION_BATCH, BATCH_AXES),
   (ACTIVATION_LENGTH, None),

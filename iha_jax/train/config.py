@@ -9,7 +9,9 @@ Window keys *(project)*:
 
 Model variants: `model.causal` (False: encoder, every layer bidirectional),
 `model.num_outputs` (None: vocabulary logits; an int: a per-token output head),
-`model.mixing_noise_std` (noise on the identity init of the head mixings).
+`model.mixing_noise_std` (noise on the identity init of the head mixings),
+`model.input_features` (None, or F continuous features per token, for data with a
+`features` field, e.g. `polynomial_filter`).
 `train.decay_mixing`: decoupled weight decay on the head-mixing coefficients
 (`iha_jax.nn.MIXING_PARAMS`); off by default, see `iha_jax.train.optimizer`.
 """
@@ -42,7 +44,12 @@ MODEL_KEYS = tuple(
 ) + ("remat_policy", "scan_layers")
 # Model keys added after checkpoints were first saved: their value when a saved config
 # lacks them (the model they describe is the one built before the key existed).
-MODEL_DEFAULTS = {"causal": True, "num_outputs": None, "mixing_noise_std": 0.0}
+MODEL_DEFAULTS = {
+  "causal": True,
+  "num_outputs": None,
+  "mixing_noise_std": 0.0,
+  "input_features": None,
+}
 
 
 class ConfigError(UserError, ValueError):
@@ -88,7 +95,8 @@ def resolve_window(config: ml_collections.ConfigDict) -> int | None:
 
 
 def _model_variant(m: ml_collections.ConfigDict) -> dict[str, Any]:
-  """`causal`, `num_outputs`, `mixing_noise_std` of `config.model`, type-checked."""
+  """`causal`, `num_outputs`, `mixing_noise_std`, `input_features` of `config.model`,
+  type-checked."""
   values = {key: m.get(key, default) for key, default in MODEL_DEFAULTS.items()}
   if not isinstance(values["causal"], bool):
     raise ConfigError(
@@ -102,6 +110,11 @@ def _model_variant(m: ml_collections.ConfigDict) -> dict[str, Any]:
   noise = values["mixing_noise_std"]
   if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not noise >= 0:
     raise ConfigError(f"model.mixing_noise_std must be a number >= 0, got {noise!r}")
+  features = values["input_features"]
+  if features is not None and not is_int(features, 1):
+    raise ConfigError(
+      f"model.input_features must be None (tokens only) or an integer >= 1, got {features!r}"
+    )
   return values
 
 
@@ -198,6 +211,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
     raise ConfigError(
       f"train.loss='binary_cross_entropy' needs model.num_outputs=1 (one "
       f"logit per position), got {model.num_outputs!r}"
+    )
+  if loss == "mean_squared_error" and model.num_outputs is None:
+    raise ConfigError(
+      "train.loss='mean_squared_error' needs model.num_outputs (the number of "
+      "regression values per position, e.g. the data's num_values)"
     )
   try:
     data, fsdp, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)

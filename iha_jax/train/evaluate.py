@@ -30,20 +30,30 @@ class Evaluator:
       )
 
   def evaluate(self, params: Any, batches: grain.DatasetIterator) -> dict[str, float]:
-    """One pass over `batches` -> loss, perplexity, token_accuracy, exact_match, examples.
+    """One pass over `batches` -> loss, perplexity, token_accuracy, exact_match, examples
+    (+ r_squared for regression).
 
     `exact_match` is the fraction of examples (rows with a weighted target) whose every
-    weighted target is predicted right (argmax, or the logit's sign for binary outputs).
+    weighted target is predicted right (argmax, or the logit's sign for binary outputs,
+    or every output within `REGRESSION_TOLERANCE` for regression). `r_squared` is the
+    coefficient of determination of each output column over the weighted positions,
+    averaged over the columns (each column counts alike, whatever its scale).
     """
-    totals: dict[str, float] = {}
+    totals: dict[str, Any] = {}
     with parallel.activate(self.mesh):
       for local_batch in batches:
         sums = self._step(params, parallel.shard_batch(local_batch, self.mesh))
         for key, value in jax.device_get(sums).items():
-          totals[key] = totals.get(key, 0.0) + float(np.asarray(value))
+          totals[key] = totals.get(key, 0.0) + np.asarray(value, np.float64)
+    totals = {k: float(v) if np.ndim(v) == 0 else v for k, v in totals.items()}
     weights = max(totals.get("weight_sum", 0.0), 1.0)
     loss = totals.get("loss_sum", 0.0) / weights
+    extra = {}
+    if "sq_err_sum" in totals:
+      total_sq = totals["value_sq_sum"] - np.square(totals["value_sum"]) / weights
+      extra["r_squared"] = float(np.mean(1.0 - totals["sq_err_sum"] / np.maximum(total_sq, 1e-12)))
     return {
+      **extra,
       "loss": loss,
       "perplexity": math.exp(min(loss, 700.0)),
       "token_accuracy": totals.get("token_correct", 0.0) / weights,

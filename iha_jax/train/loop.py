@@ -226,6 +226,15 @@ class Trainer:
         ("weights", np.float32),
       )
     }
+    model_cfg = self.model.config
+    if model_cfg.input_features is not None:  # continuous inputs [B, N, F]
+      abstract_batch["features"] = jax.ShapeDtypeStruct(
+        (*shape, model_cfg.input_features), np.float32, sharding=rows
+      )
+    if self.loss == "mean_squared_error":  # regression values [B, N, O]
+      abstract_batch["values"] = jax.ShapeDtypeStruct(
+        (*shape, model_cfg.num_outputs), np.float32, sharding=rows
+      )
     with parallel.activate(mesh):
       compiled = (
         jax.jit(

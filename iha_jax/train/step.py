@@ -11,12 +11,17 @@ import optax
 from iha_jax.models.language_model import LanguageModel, Params
 from iha_jax.train.state import TrainState
 
-Batch = Mapping[str, jax.Array]  # inputs, targets, segment_ids, positions, weights: [B, N]
+# inputs, targets, segment_ids, positions, weights: [B, N]; with continuous inputs also
+# features [B, N, F]; for regression, values [B, N, num_outputs].
+Batch = Mapping[str, jax.Array]
 
 # "cross_entropy": softmax over the outputs (vocabulary or num_outputs classes), integer
 # targets. "binary_cross_entropy": one sigmoid output per position (num_outputs=1),
-# targets 0/1 (e.g. per-cell labels of an encoder).
-LOSSES = ("cross_entropy", "binary_cross_entropy")
+# targets 0/1 (e.g. per-cell labels of an encoder). "mean_squared_error": regression of
+# the num_outputs outputs on `values` (the squared error averaged over the outputs).
+LOSSES = ("cross_entropy", "binary_cross_entropy", "mean_squared_error")
+# A regression position counts as correct when every output is within this of its value.
+REGRESSION_TOLERANCE = 0.1
 
 
 def check_loss(loss: str) -> None:
@@ -30,15 +35,27 @@ def loss_terms(
   """Summed weighted loss (float32) and per-position correctness.
 
   Returns:
-    `loss_sum` (scalar), and `{"weight_sum": scalar, "correct": [B, N] bool}`; the
-    mean loss is `loss_sum / weight_sum`. A position is correct when the argmax output
-    (cross_entropy) or the sign of the logit (binary_cross_entropy) matches its target.
+    `loss_sum` (scalar), and `{"weight_sum": scalar, "correct": [B, N] bool}` (+ for
+    mean_squared_error `"errors": [B, N, O]`, output minus value); the mean loss is
+    `loss_sum / weight_sum`. A position is correct when the argmax output
+    (cross_entropy) or the sign of the logit (binary_cross_entropy) matches its target,
+    or every output is within `REGRESSION_TOLERANCE` of its value (mean_squared_error).
   """
   logits = model.apply(
-    params, batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+    params,
+    batch["inputs"],
+    features=batch.get("features"),
+    segment_ids=batch["segment_ids"],
+    positions=batch["positions"],
   )  # [B, N, V] float32
   targets = batch["targets"]
-  if loss == "binary_cross_entropy":
+  extra = {}
+  if loss == "mean_squared_error":
+    errors = logits - batch["values"].astype(jnp.float32)
+    per_position = jnp.mean(jnp.square(errors), axis=-1)
+    correct = jnp.all(jnp.abs(errors) <= REGRESSION_TOLERANCE, axis=-1)
+    extra["errors"] = errors
+  elif loss == "binary_cross_entropy":
     logit = logits[..., 0]
     per_position = optax.sigmoid_binary_cross_entropy(logit, targets.astype(jnp.float32))
     correct = (logit > 0) == (targets > 0)
@@ -46,7 +63,8 @@ def loss_terms(
     per_position = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = jnp.argmax(logits, axis=-1) == targets
   weights = batch["weights"].astype(jnp.float32)
-  return jnp.sum(per_position * weights), {"weight_sum": jnp.sum(weights), "correct": correct}
+  aux = {"weight_sum": jnp.sum(weights), "correct": correct, **extra}
+  return jnp.sum(per_position * weights), aux
 
 
 def _grads(
@@ -125,7 +143,9 @@ def make_train_step(
 def make_eval_step(
   model: LanguageModel, loss: str = "cross_entropy"
 ) -> Callable[[Params, Batch], dict[str, jax.Array]]:
-  """`(params, batch) -> sums`: loss_sum, weight_sum, exact-match count and examples.
+  """`(params, batch) -> sums`: loss_sum, weight_sum, exact-match count and examples
+  (+ for mean_squared_error, per output column over the weighted positions:
+  `value_sum`, `value_sq_sum` and `sq_err_sum`, `[O]`, from which R^2 follows).
 
   An example is a row with any weighted position (tasks are one example per row);
   it is exactly matched when every weighted target position is predicted right.
@@ -136,13 +156,20 @@ def make_eval_step(
     scored = batch["weights"] > 0
     has_target = jnp.any(scored, axis=-1)
     all_right = jnp.all(aux["correct"] | ~scored, axis=-1) & has_target
-    return {
+    sums = {
       "loss_sum": loss_sum,
       "weight_sum": aux["weight_sum"],
       "token_correct": jnp.sum(aux["correct"] & scored),
       "exact_match": jnp.sum(all_right),
       "examples": jnp.sum(has_target),
     }
+    if loss == "mean_squared_error":
+      w = batch["weights"].astype(jnp.float32)[..., None]
+      values = batch["values"].astype(jnp.float32)
+      sums["value_sum"] = jnp.sum(w * values, axis=(0, 1))
+      sums["value_sq_sum"] = jnp.sum(w * jnp.square(values), axis=(0, 1))
+      sums["sq_err_sum"] = jnp.sum(w * jnp.square(aux["errors"]), axis=(0, 1))
+    return sums
 
   check_loss(loss)
   return step
