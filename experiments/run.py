@@ -5,7 +5,8 @@
 Writes `DIR/STUDY.json` (every run: variant, learning rate, seed, steps, parameters,
 attention FLOPs per token, validation and test metrics, learning curve, wall time),
 `DIR/STUDY.md` and `DIR/STUDY.png`. Finished runs are skipped when rerun.
-Studies: relcomp_binary, relcomp_ternary, mqar, cpm3, polynomial_filter, multikey_retrieval.
+Studies: relcomp_binary, relcomp_ternary, mqar, cpm3, cpm3_mlp, polynomial_filter,
+multikey_retrieval.
 """
 
 from __future__ import annotations

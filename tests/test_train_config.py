@@ -350,6 +350,18 @@ def test_layer_budget_by_hand(letter, causal):
   assert budget.block_params + 10 * 16 + 16 == count_params(config)  # + embedding, final norm
 
 
+def test_attention_only_blocks_count_no_mlp():
+  """`mlp_type="none"`: blocks without MLP and its norm, in the budget and the model."""
+  config = _tiny("I", mlp_type="none", num_outputs=3, causal=False)
+  (budget,) = flops.layer_budgets(config, 6)
+  assert budget.mlp_flops == 0 and budget.block_params == budget.params + 16
+  assert budget.block_params + 10 * 16 + 16 + 16 * 3 == count_params(config)
+  model = TransformerLM(config, rngs=nnx.Rngs(0))
+  assert not hasattr(model.layers[0], "mlp") and not hasattr(model.layers[0], "mlp_norm")
+  tokens = jnp.arange(1, 7, dtype=jnp.int32)[None]
+  assert model(tokens).shape == (1, 6, 3)
+
+
 def test_per_head_collapse_and_output_head_flops():
   config = _tiny("I", collapse_mode="per_head", num_outputs=3)
   (budget,) = flops.layer_budgets(config, 6)

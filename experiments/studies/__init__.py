@@ -9,6 +9,7 @@ STUDIES = {
     relcomp.TERNARY,
     mqar.MQAR,
     cpm3.CPM3,
+    cpm3.CPM3_MLP,
     polyfilter.POLYFILTER,
     multikey.MULTIKEY,
   )

@@ -32,7 +32,7 @@ LETTER_KINDS = {
 }
 
 
-MLP_TYPES = ("swiglu", "gelu")
+MLP_TYPES = ("swiglu", "gelu", "none")
 
 
 def expand_schedule(schedule: str, num_layers: int) -> str:
@@ -82,8 +82,9 @@ class TransformerConfig:
     param_dtype: storage dtype of the parameters.
     implementation: attention core backend, see `iha_jax.ops`.
     norm_eps: RMSNorm epsilon.
-    mlp_type: "swiglu" (`w_gate, w_up: [D, F]`, `w_down: [F, D]`) or "gelu"
-      (`w_up: [D, F]`, `w_down: [F, D]`).
+    mlp_type: "swiglu" (`w_gate, w_up: [D, F]`, `w_down: [F, D]`), "gelu"
+      (`w_up: [D, F]`, `w_down: [F, D]`) or "none" (attention-only blocks; `mlp_dim`
+      is then unused).
     causal: True for a decoder LM; False builds an encoder (bidirectional attention
       in every layer; targets are per position, as the data gives them).
     num_outputs: None: next-token logits over the vocabulary; an int: a per-token head

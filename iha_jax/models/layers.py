@@ -131,7 +131,8 @@ def make_attention(
 
 
 class DecoderBlock(nnx.Module):
-  """Pre-norm residual block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+  """Pre-norm residual block: `x + attn(norm(x))`, then `x + mlp(norm(x))` (no MLP and no
+  `mlp_norm` with `mlp_type="none"`: attention-only blocks, e.g. for theory probes).
 
   Kept a standalone module so scan-over-layers and remat can wrap it unchanged.
   """
@@ -141,6 +142,8 @@ class DecoderBlock(nnx.Module):
     norm = dict(eps=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype)
     self.attn_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
     self.attn = make_attention(config, letter, layer=layer, rngs=rngs)
+    if config.mlp_type == "none":
+      return
     self.mlp_norm = RMSNorm(config.model_dim, **norm, rngs=rngs)
     self.mlp = FeedForward(
       config.model_dim,
@@ -177,5 +180,6 @@ class DecoderBlock(nnx.Module):
     (e.g. cached attention when decoding); returns `(block output, aux)`."""
     y, aux = attend(self.attn_norm(x))
     x = x + y
-    x = x + self.mlp(self.mlp_norm(x))
+    if hasattr(self, "mlp"):
+      x = x + self.mlp(self.mlp_norm(x))
     return with_logical_constraint(x, RESIDUAL_AXES), aux

@@ -159,7 +159,7 @@ class LayerBudget:
 def layer_budgets(config: TransformerConfig, seq_len: int) -> list[LayerBudget]:
   """One `LayerBudget` per distinct schedule letter, in order of first appearance."""
   schedule = config.schedule
-  mlp_matrices = 3 if config.mlp_type == "swiglu" else 2
+  mlp_matrices = {"swiglu": 3, "gelu": 2, "none": 0}[config.mlp_type]
   mlp_params = mlp_matrices * config.model_dim * config.mlp_dim
   budgets = []
   for letter in dict.fromkeys(schedule):
@@ -173,7 +173,10 @@ def layer_budgets(config: TransformerConfig, seq_len: int) -> list[LayerBudget]:
         causal=acfg.causal,
         count=schedule.count(letter),
         params=params,
-        block_params=params + mlp_params + 2 * config.model_dim,
+        # + the RMSNorm scales (one without an MLP)
+        block_params=params
+        + mlp_params
+        + (1 if config.mlp_type == "none" else 2) * config.model_dim,
         projection_flops=projection_flops_per_token(acfg),
         mixing_flops=mixing_flops_per_token(acfg),
         core_flops=core_flops_per_sequence(acfg, seq_len),
