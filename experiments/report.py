@@ -19,7 +19,15 @@ METRIC_NAMES = {
   "exact_match": "exact match",
   "loss": "loss",
   "r_squared": "R^2",
+  "normalized_error": "normalised error 1 - R^2",
 }
+# Metrics the report derives from recorded ones (lower is better for these).
+_DERIVED = {"normalized_error": lambda m: 1.0 - m["r_squared"]}
+
+
+def metric_value(metrics: dict[str, float], name: str) -> float:
+  """`metrics[name]`, or the value derived from them (`normalized_error`)."""
+  return _DERIVED[name](metrics) if name in _DERIVED else metrics[name]
 
 
 def _chosen_runs(
@@ -67,9 +75,10 @@ def _cell(runs: Sequence[dict[str, Any]], metric: str, split: str = "test") -> s
   if not runs:
     return "-"
   scale = 1.0 if metric == "loss" else 100.0
-  values = [r[split][metric] * scale for r in runs]
+  values = [metric_value(r[split], metric) * scale for r in runs]
   mean, std = _mean_std(values)
-  fmt = "{:.3f}" if metric == "loss" else "{:.1f}"
+  # Errors near 0 keep three significant digits; percentages one decimal.
+  fmt = {"loss": "{:.3f}", "normalized_error": "{:.3g}"}.get(metric, "{:.1f}")
   seeds = ", ".join(fmt.format(v) for v in values)
   return f"{fmt.format(mean)} ± {fmt.format(std)} ({seeds})"
 
@@ -205,8 +214,10 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
           continue
         cells = []
         for x in points:
-          ours = [r["test"][metric] for r in _transfer_runs(data, v, axis, x)]
-          theirs = [r["test"][metric] for r in _transfer_runs(data, reference, axis, x)]
+          ours = [metric_value(r["test"], metric) for r in _transfer_runs(data, v, axis, x)]
+          theirs = [
+            metric_value(r["test"], metric) for r in _transfer_runs(data, reference, axis, x)
+          ]
           if not ours or not theirs or np.mean(theirs) == 0:
             cells.append("-")
           else:
@@ -233,7 +244,7 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
 
   bars = axes[0]
   for i, v in enumerate(variants):
-    values = [100 * r["test"][metric] for r in _chosen_runs(data, v)]
+    values = [100 * metric_value(r["test"], metric) for r in _chosen_runs(data, v)]
     if not values:
       continue
     mean, std = _mean_std(values)
@@ -243,6 +254,8 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
     range(len(variants)), [labels[v] for v in variants], rotation=20, ha="right", fontsize=8
   )
   bars.set_ylabel(f"test {METRIC_NAMES[metric]} (%)")
+  if metric in _DERIVED:  # errors: orders of magnitude apart
+    bars.set_yscale("log")
   bars.set_title(f"{study.name}: mean ± std over seeds")
 
   curves = axes[1]
@@ -271,7 +284,8 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
       xs, means, stds = [], [], []
       for x in points:
         values = [
-          100 * r["test"][metric] for r in _chosen_runs(data, v, {"axis": axis, "value": x})
+          100 * metric_value(r["test"], metric)
+          for r in _chosen_runs(data, v, {"axis": axis, "value": x})
         ]
         if values:
           xs.append(x)
@@ -281,6 +295,8 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
       ax.errorbar(xs, means, yerr=stds, color=colors[v], marker="o", capsize=3, label=labels[v])
     ax.set_xlabel(axis)
     ax.set_ylabel(f"test {METRIC_NAMES[metric]} (%)")
+    if metric in _DERIVED:
+      ax.set_yscale("log")
     ax.set_title(f"sweep: {axis}")
     ax.legend(fontsize=7)
 
@@ -288,7 +304,7 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
     for v in variants:
       xs, means, stds = [], [], []
       for x in points:
-        values = [100 * r["test"][metric] for r in _transfer_runs(data, v, axis, x)]
+        values = [100 * metric_value(r["test"], metric) for r in _transfer_runs(data, v, axis, x)]
         if values:
           xs.append(x)
           mean, std = _mean_std(values)
