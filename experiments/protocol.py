@@ -43,12 +43,15 @@ class Variant:
 @dataclasses.dataclass(frozen=True)
 class Sweep:
   """Extra points of one axis, run at each variant's chosen rate for every seed; the
-  base runs are the point `base` of the axis."""
+  base runs are the point `base` of the axis. With `retune`, each point gets its own
+  rate: the scale's grid on seed 0 at that point, best on validation (for axes that
+  change what a good rate is, e.g. the number of heads, and with it IHA's P = H)."""
 
   axis: str  # e.g. "num_pairs"
   base: Any  # the axis value of the base config
   values: tuple[Any, ...]  # the other points
   edit: Callable[[ml_collections.ConfigDict, Any], None]
+  retune: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +168,18 @@ class Store:
     os.replace(tmp, self.path)  # atomic: a killed run never leaves a torn file
 
 
+def sweep_rate_key(variant: str, axis: str, value: Any) -> str:
+  """Key of a re-tuned sweep point's rate in the study JSON's `sweep_rates`."""
+  return f"{variant}/{axis}={value}"
+
+
 def planned_runs(scale: Scale, seeds: int, num_variants: int) -> int:
   """Runs without grid extensions (the progress bar's total grows by those)."""
   per_variant = len(scale.learning_rates) + (seeds - 1)
   per_variant += seeds * sum(len(s.values) for s in scale.sweeps)
+  per_variant += (len(scale.learning_rates) - 1) * sum(
+    len(s.values) for s in scale.sweeps if s.retune
+  )
   return per_variant * num_variants
 
 
@@ -296,11 +307,20 @@ def run_study(
     store.save()
     for seed in range(1, seeds):
       run(variant, chosen, seed, "seed")
-  # Pass 2: the sweep points, at each variant's chosen rate, every seed.
+  # Pass 2: the sweep points, at each variant's chosen rate (or the point's own, re-tuned
+  # on seed 0), every seed.
   for sweep in scale.sweeps:
     for value in sweep.values:
       for variant in chosen_variants:
         chosen = store.data["chosen_learning_rates"][variant.name]
+        if sweep.retune:
+          point = (sweep, value)
+          grid = [run(variant, lr, 0, "sweep_grid", point) for lr in scale.learning_rates]
+          chosen = choose_rate(grid, study.select)
+          store.data.setdefault("sweep_rates", {})[
+            sweep_rate_key(variant.name, sweep.axis, value)
+          ] = chosen
+          store.save()
         for seed in range(seeds):
           run(variant, chosen, seed, "sweep", (sweep, value))
   runs_bar.close()

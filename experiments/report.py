@@ -12,7 +12,7 @@ import matplotlib
 import numpy as np
 from matplotlib.figure import Figure  # the object API: files only, no pyplot state
 
-from experiments.protocol import Study
+from experiments.protocol import Study, sweep_rate_key
 
 METRIC_NAMES = {
   "token_accuracy": "accuracy",
@@ -38,6 +38,9 @@ def _chosen_runs(
   rate = data["chosen_learning_rates"].get(variant)
   if sweep is not None and data.get("sweep_bases", {}).get(sweep["axis"]) == sweep["value"]:
     sweep = None
+  if sweep is not None:  # a re-tuned point has its own rate
+    key = sweep_rate_key(variant, sweep["axis"], sweep["value"])
+    rate = data.get("sweep_rates", {}).get(key, rate)
   return sorted(
     (
       r
@@ -177,8 +180,8 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
     lines += [
       "",
       f"Sweep over `{axis}` (test {METRIC_NAMES[metric]} %, each variant at its "
-      f"chosen rate, same seeds; {data['sweep_bases'][axis]} is the base point "
-      "above):",
+      f"chosen rate or the point's re-tuned one, same seeds; "
+      f"{data['sweep_bases'][axis]} is the base point above):",
       "",
       "| variant | " + " | ".join(str(v) for v in values) + " |",
       "|" + " --- |" * (len(values) + 1),
@@ -186,6 +189,27 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
     for v in variants:
       cells = [_cell(_chosen_runs(data, v, {"axis": axis, "value": x}), metric) for x in values]
       lines.append(f"| {labels[v]} | " + " | ".join(cells) + " |")
+    retuned = {
+      (v, x): data["sweep_rates"][sweep_rate_key(v, axis, x)]
+      for v in variants
+      for x in values
+      if sweep_rate_key(v, axis, x) in data.get("sweep_rates", {})
+    }
+    if retuned:  # the rates behind the table, re-tuned at each point on seed 0
+      lines += [
+        "",
+        f"Rates re-tuned at each `{axis}` point (validation {METRIC_NAMES[study.select]}, "
+        "seed 0; the base point's is the chosen rate above):",
+        "",
+        "| variant | " + " | ".join(str(v) for v in values) + " |",
+        "|" + " --- |" * (len(values) + 1),
+      ]
+      for v in variants:
+        rates = [
+          f"{retuned[v, x]:g}" if (v, x) in retuned else f"{data['chosen_learning_rates'][v]:g}"
+          for x in values
+        ]
+        lines.append(f"| {labels[v]} | " + " | ".join(rates) + " |")
 
   for axis, points in _transfer_points(study, data).items():
     metric = metrics[0]

@@ -167,10 +167,22 @@ def test_cpm3_tiny_sweeps_the_heads(tmp_path, data_dir):
   # Attention-only blocks; the control is IHA's (MHA shares its code path, see the study).
   run.main([*args, "--quiet", "--variants", "iha_n2"])
   data = _check_outputs(out, "cpm3", ["iha_n2"])
-  sweep = [r for r in data["runs"].values() if r["sweep"]]
+  # The head count is swept with a rate re-tuned at each point: the grid on seed 0 there,
+  # then every seed at the point's best rate.
+  grid = [r for r in data["runs"].values() if r["phase"] == "sweep_grid"]
+  assert sorted(r["learning_rate"] for r in grid) == sorted(
+    STUDIES["cpm3"].scales["tiny"].learning_rates
+  )
+  rate = data["sweep_rates"]["iha_n2/num_heads=1"]
+  assert rate == protocol.choose_rate(grid, "token_accuracy")
+  sweep = [r for r in data["runs"].values() if r["sweep"] and r["learning_rate"] == rate]
   assert sorted((r["variant"], r["sweep"]["value"], r["seed"]) for r in sweep) == sorted(
     ("iha_n2", 1, seed) for seed in range(SEEDS)
   )
+  with open(os.path.join(out, "cpm3.md")) as f:
+    md = f.read()
+  assert "Rates re-tuned at each `num_heads` point" in md
+  assert f"| IHA, P = H, n = 2 | {rate:g} | " in md.split("Rates re-tuned")[1]
   base = {r["variant"]: r for r in data["runs"].values() if not r["sweep"]}
   for r in sweep:  # one head of the same width instead of two: fewer parameters, FLOPs
     assert r["params"] < base[r["variant"]]["params"]

@@ -142,7 +142,9 @@ def _scale(name: str, mlp: bool, **budget) -> Scale:
   size = _SIZES[name]
   return Scale(
     lambda: _config(name, size["lengths"][0], mlp),
-    sweeps=(Sweep("num_heads", size["heads"], size["sweep"], _heads),),
+    # Re-tuned per head count: IHA's P = H changes with it, and one rate for every H left
+    # most of IHA's attention-only runs untrained (measured).
+    sweeps=(Sweep("num_heads", size["heads"], size["sweep"], _heads, retune=True),),
     variants=_variants(name, mlp),
     **budget,
   )
