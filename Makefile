@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdirs/default
 TWIN_WORKDIR ?= workdirs/global_local_default
-TEST_MINUTES ?= 15
+TEST_MINUTES ?= 10
 
 .PHONY: test lint format train bench clean-venv
 
