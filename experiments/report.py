@@ -93,6 +93,16 @@ def _si(value: float) -> str:
   return f"{value:.3g}"
 
 
+def _variant_table(
+  caption: str, columns: Sequence[Any], rows: Sequence[tuple[str, Sequence[str]]]
+) -> list[str]:
+  """Markdown lines: a blank line, `caption`, then a table of one row per `(label,
+  cells)` under the header `variant | columns...`."""
+  lines = ["", caption, "", "| variant | " + " | ".join(str(c) for c in columns) + " |"]
+  lines.append("|" + " --- |" * (len(columns) + 1))
+  return lines + [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+
+
 def markdown(study: Study, data: dict[str, Any]) -> str:
   """The study's page section: results, grid, budgets, sweeps, the paper's numbers."""
   metrics = study.metrics
@@ -177,76 +187,67 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
   for axis, values in sweeps.items():
     values = sorted(values)
     metric = metrics[0]
-    lines += [
-      "",
+    lines += _variant_table(
       f"Sweep over `{axis}` (test {METRIC_NAMES[metric]} %, each variant at its "
       f"chosen rate or the point's re-tuned one, same seeds; "
       f"{data['sweep_bases'][axis]} is the base point above):",
-      "",
-      "| variant | " + " | ".join(str(v) for v in values) + " |",
-      "|" + " --- |" * (len(values) + 1),
-    ]
-    for v in variants:
-      cells = [_cell(_chosen_runs(data, v, {"axis": axis, "value": x}), metric) for x in values]
-      lines.append(f"| {labels[v]} | " + " | ".join(cells) + " |")
-    retuned = {
-      (v, x): data["sweep_rates"][sweep_rate_key(v, axis, x)]
-      for v in variants
-      for x in values
-      if sweep_rate_key(v, axis, x) in data.get("sweep_rates", {})
-    }
-    if retuned:  # the rates behind the table, re-tuned at each point on seed 0
-      lines += [
-        "",
+      values,
+      [
+        (
+          labels[v],
+          [_cell(_chosen_runs(data, v, {"axis": axis, "value": x}), metric) for x in values],
+        )
+        for v in variants
+      ],
+    )
+    rates = data.get("sweep_rates", {})
+    if any(sweep_rate_key(v, axis, x) in rates for v in variants for x in values):
+      chosen = data["chosen_learning_rates"]  # the base point's rate
+      lines += _variant_table(
         f"Rates re-tuned at each `{axis}` point (validation {METRIC_NAMES[study.select]}, "
         "seed 0; the base point's is the chosen rate above):",
-        "",
-        "| variant | " + " | ".join(str(v) for v in values) + " |",
-        "|" + " --- |" * (len(values) + 1),
-      ]
-      for v in variants:
-        rates = [
-          f"{retuned[v, x]:g}" if (v, x) in retuned else f"{data['chosen_learning_rates'][v]:g}"
-          for x in values
-        ]
-        lines.append(f"| {labels[v]} | " + " | ".join(rates) + " |")
+        values,
+        [
+          (labels[v], [f"{rates.get(sweep_rate_key(v, axis, x), chosen[v]):g}" for x in values])
+          for v in variants
+        ],
+      )
 
   for axis, points in _transfer_points(study, data).items():
     metric = metrics[0]
-    lines += [
-      "",
+    means = {  # variant -> mean test metric per point (None: no runs)
+      v: [
+        np.mean([metric_value(r["test"], metric) for r in runs]) if runs else None
+        for runs in (_transfer_runs(data, v, axis, x) for x in points)
+      ]
+      for v in variants
+    }
+    lines += _variant_table(
       f"Trained at `{axis}` = {data['transfer_bases'][axis]}, tested at every `{axis}` "
       f"(test {METRIC_NAMES[metric]} %, the runs above, no further training):",
-      "",
-      "| variant | " + " | ".join(str(x) for x in points) + " |",
-      "|" + " --- |" * (len(points) + 1),
-    ]
-    for v in variants:
-      cells = [_cell(_transfer_runs(data, v, axis, x), metric) for x in points]
-      lines.append(f"| {labels[v]} | " + " | ".join(cells) + " |")
+      points,
+      [
+        (labels[v], [_cell(_transfer_runs(data, v, axis, x), metric) for x in points])
+        for v in variants
+      ],
+    )
     reference = study.reference
     if reference in variants:
-      lines += [
-        "",
+      lines += _variant_table(
         f"Relative to {labels[reference]} (ratio of the means minus 1, as the paper reports it):",
-        "",
-        "| variant | " + " | ".join(str(x) for x in points) + " |",
-        "|" + " --- |" * (len(points) + 1),
-      ]
-      for v in variants:
-        if v == reference:
-          continue
-        cells = []
-        for x in points:
-          ours = [metric_value(r["test"], metric) for r in _transfer_runs(data, v, axis, x)]
-          theirs = [
-            metric_value(r["test"], metric) for r in _transfer_runs(data, reference, axis, x)
-          ]
-          if not ours or not theirs or np.mean(theirs) == 0:
-            cells.append("-")
-          else:
-            cells.append(f"{100 * (np.mean(ours) / np.mean(theirs) - 1):+.0f}%")
-        lines.append(f"| {labels[v]} | " + " | ".join(cells) + " |")
+        points,
+        [
+          (
+            labels[v],
+            [
+              "-" if ours is None or not theirs else f"{100 * (ours / theirs - 1):+.0f}%"
+              for ours, theirs in zip(means[v], means[reference])
+            ],
+          )
+          for v in variants
+          if v != reference
+        ],
+      )
 
   lines += ["", f"The paper: {study.paper}", ""]
   return "\n".join(lines)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -22,6 +23,12 @@ SEEDS = 2
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> str:
   return str(tmp_path_factory.mktemp("data"))
+
+
+def _tiny_args(study: str, out: str, data_dir: str, variants: Sequence[str] = ()) -> list[str]:
+  """`experiments.run` arguments of a quiet `--scale tiny` run (all variants by default)."""
+  args = [study, "--scale", "tiny", "--seeds", str(SEEDS), "--out", out, "--data_dir", data_dir]
+  return [*args, "--quiet", *(["--variants", ",".join(variants)] if variants else [])]
 
 
 def _check_outputs(
@@ -83,20 +90,7 @@ def _check_outputs(
 
 def test_relcomp_binary_tiny_every_variant(tmp_path, data_dir):
   out = str(tmp_path)
-  run.main(
-    [
-      "relcomp_binary",
-      "--scale",
-      "tiny",
-      "--seeds",
-      str(SEEDS),
-      "--out",
-      out,
-      "--data_dir",
-      data_dir,
-      "--quiet",
-    ]
-  )
+  run.main(_tiny_args("relcomp_binary", out, data_dir))
   _check_outputs(out, "relcomp_binary", [v.name for v in STUDIES["relcomp_binary"].variants])
 
 
@@ -107,20 +101,7 @@ MQAR_VARIANTS = ["iha", "global_local"]
 
 def test_mqar_tiny_with_sweep_and_resume(tmp_path, data_dir, monkeypatch):
   out = str(tmp_path)
-  args = [
-    "mqar",
-    "--scale",
-    "tiny",
-    "--seeds",
-    str(SEEDS),
-    "--out",
-    out,
-    "--data_dir",
-    data_dir,
-    "--quiet",
-    "--variants",
-    ",".join(MQAR_VARIANTS),
-  ]
+  args = _tiny_args("mqar", out, data_dir, MQAR_VARIANTS)
   run.main(args)
   data = _check_outputs(out, "mqar", MQAR_VARIANTS)
   sweep = [r for r in data["runs"].values() if r["sweep"]]
@@ -140,22 +121,7 @@ def test_mqar_tiny_with_sweep_and_resume(tmp_path, data_dir, monkeypatch):
 
 def test_relcomp_ternary_tiny_subset(tmp_path, data_dir):
   out = str(tmp_path)
-  run.main(
-    [
-      "relcomp_ternary",
-      "--scale",
-      "tiny",
-      "--seeds",
-      str(SEEDS),
-      "--out",
-      out,
-      "--data_dir",
-      data_dir,
-      "--quiet",
-      "--variants",
-      "iha",
-    ]
-  )
+  run.main(_tiny_args("relcomp_ternary", out, data_dir, ["iha"]))
   _check_outputs(out, "relcomp_ternary", ["iha"])
   with pytest.raises(ValueError, match="no variant"):
     run.main(["relcomp_ternary", "--scale", "tiny", "--out", out, "--variants", "gpt"])
@@ -163,9 +129,8 @@ def test_relcomp_ternary_tiny_subset(tmp_path, data_dir):
 
 def test_cpm3_tiny_sweeps_the_heads(tmp_path, data_dir):
   out = str(tmp_path)
-  args = ["cpm3", "--scale", "tiny", "--seeds", str(SEEDS), "--out", out, "--data_dir", data_dir]
   # Attention-only blocks; the control is IHA's (MHA shares its code path, see the study).
-  run.main([*args, "--quiet", "--variants", "iha_n2"])
+  run.main(_tiny_args("cpm3", out, data_dir, ["iha_n2"]))
   data = _check_outputs(out, "cpm3", ["iha_n2"])
   # The head count is swept with a rate re-tuned at each point: the grid on seed 0 there,
   # then every seed at the point's best rate.
@@ -188,7 +153,7 @@ def test_cpm3_tiny_sweeps_the_heads(tmp_path, data_dir):
     assert r["params"] < base[r["variant"]]["params"]
     assert r["attention_flops_per_token"] < base[r["variant"]]["attention_flops_per_token"]
   with pytest.raises(ValueError, match="at scale tiny"):  # variants are per scale
-    run.main([*args, "--variants", "iha_n8"])
+    run.main(_tiny_args("cpm3", out, data_dir, ["iha_n8"]))
   # `cpm3_mlp` is the same study with an MLP in the block: more parameters, same data.
   mlp = STUDIES["cpm3_mlp"].scales["tiny"].variants[0]
   plain = STUDIES["cpm3"].scales["tiny"].variants[0]
@@ -198,22 +163,7 @@ def test_cpm3_tiny_sweeps_the_heads(tmp_path, data_dir):
 def test_multikey_tiny_tests_at_longer_contexts(tmp_path, data_dir):
   out = str(tmp_path)
   variants = ["mha", "diff"]  # the reference and one other (every kind shares the path)
-  run.main(
-    [
-      "multikey_retrieval",
-      "--scale",
-      "tiny",
-      "--seeds",
-      str(SEEDS),
-      "--out",
-      out,
-      "--data_dir",
-      data_dir,
-      "--quiet",
-      "--variants",
-      ",".join(variants),
-    ]
-  )
+  run.main(_tiny_args("multikey_retrieval", out, data_dir, variants))
   data = _check_outputs(out, "multikey_retrieval", variants)
   assert data["transfer_bases"] == {"context_length": 24}
   for r in data["runs"].values():  # every trained model is tested at 2x its length too
@@ -244,8 +194,7 @@ def test_multikey_tiny_tests_at_longer_contexts(tmp_path, data_dir):
 
 def test_polynomial_filter_tiny_regresses_the_powers(tmp_path, data_dir):
   out = str(tmp_path)
-  args = ["polynomial_filter", "--scale", "tiny", "--seeds", str(SEEDS), "--out", out]
-  run.main([*args, "--data_dir", data_dir, "--quiet"])
+  run.main(_tiny_args("polynomial_filter", out, data_dir))
   variants = ["mha_k2", "iha_k2"]  # the control: [X, AX] on 6 nodes
   data = _check_outputs(out, "polynomial_filter", variants, control=("r_squared", 0.95))
   sweep = [r for r in data["runs"].values() if r["sweep"]]

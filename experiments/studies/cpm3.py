@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from configs import default
-from experiments.protocol import Scale, Study, Sweep, Variant
+from experiments.protocol import Scale, Study, Variant
+from experiments.studies.common import heads_sweep, mha_iha_pairs, probe_model, study_config
 from iha_jax import data
 
 PAPER = (
@@ -76,7 +76,7 @@ _SIZES = {
 
 def _config(scale: str, length: int, mlp: bool) -> ml_collections.ConfigDict:
   size = _SIZES[scale]
-  config = default.get_config()
+  config = study_config(size["batch"], size["warmup"])
   config.data.name = "cpm3/len8"
   config.data.seq_len = length
   config.data.packing = False
@@ -90,52 +90,20 @@ def _config(scale: str, length: int, mlp: bool) -> ml_collections.ConfigDict:
     "num_test": test,
   }
   config.data.options = options
-  config.model.update(
-    num_layers=1,
-    model_dim=size["width"],
-    num_heads=size["heads"],
+  probe_model(
+    config,
+    width=size["width"],
     head_dim=size["head_dim"],
-    mlp_dim=4 * size["width"],
-    attention_schedule="M",
-    window=None,
-    causal=False,
+    heads=size["heads"],
     num_outputs=data.builder_config("cpm3/len8", options).num_classes,
     mlp_type="swiglu" if mlp else "none",
   )
-  config.model.num_pseudo = None  # IHA's P = H
-  config.train.update(
-    batch_size=size["batch"],
-    warmup_steps=size["warmup"],
-    final_learning_rate=1e-5,
-    loss="cross_entropy",
-  )
-  config.train.learning_rate = 1e-3  # every run sets its own; final rate keeps the ratio
-  config.eval_every = 0
   return config
-
-
-def _heads(config: ml_collections.ConfigDict, heads: int) -> None:
-  config.model.num_heads = heads  # IHA's P follows (num_pseudo None: P = H)
 
 
 def _variants(scale: str, mlp: bool) -> tuple[Variant, ...]:
   """An MHA and an IHA variant per sequence length of `scale`."""
-  variants = []
-  for length in _SIZES[scale]["lengths"]:
-    for letter, kind, label in (("M", "mha", "MHA"), ("I", "iha", "IHA, P = H")):
-
-      def edit(config: ml_collections.ConfigDict, letter=letter) -> None:
-        config.model.attention_schedule = letter
-
-      variants.append(
-        Variant(
-          f"{kind}_n{length}",
-          f"{label}, n = {length}",
-          edit,
-          base=lambda scale, length=length: _config(scale, length, mlp),
-        )
-      )
-  return tuple(variants)
+  return mha_iha_pairs(_SIZES[scale]["lengths"], "n", lambda s, n: _config(s, n, mlp))
 
 
 def _scale(name: str, mlp: bool, **budget) -> Scale:
@@ -144,7 +112,7 @@ def _scale(name: str, mlp: bool, **budget) -> Scale:
     lambda: _config(name, size["lengths"][0], mlp),
     # Re-tuned per head count: IHA's P = H changes with it, and one rate for every H left
     # most of IHA's attention-only runs untrained (measured).
-    sweeps=(Sweep("num_heads", size["heads"], size["sweep"], _heads, retune=True),),
+    sweeps=(heads_sweep(size["heads"], size["sweep"], retune=True),),
     variants=_variants(name, mlp),
     **budget,
   )

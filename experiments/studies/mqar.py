@@ -15,7 +15,7 @@ import ml_collections
 
 from configs import default
 from experiments.protocol import Scale, Study, Sweep, Variant
-from experiments.studies.schedules import schedule_edit
+from experiments.studies.common import schedule_edit, study_config
 
 PAPER = (
   "The paper reports no MQAR results (its retrieval evidence is RULER multi-key, "
@@ -63,7 +63,7 @@ _SIZES = {  # length, pairs, keys/values, width, heads, P, batch, examples, warm
 
 def _config(scale: str) -> ml_collections.ConfigDict:
   size = _SIZES[scale]
-  config = default.get_config()
+  config = study_config(size["batch"], size["warmup"])
   config.data.name = "mqar/kv4_len64"
   config.data.seq_len = size["length"]
   train, validation, test = size["examples"]
@@ -86,11 +86,6 @@ def _config(scale: str) -> ml_collections.ConfigDict:
     window="auto",
   )
   config.model.num_pseudo = size["pseudo"]
-  config.train.update(
-    batch_size=size["batch"], warmup_steps=size["warmup"], final_learning_rate=1e-5
-  )
-  config.train.learning_rate = 1e-3  # every run sets its own; final rate keeps the ratio
-  config.eval_every = 0
   return config
 
 

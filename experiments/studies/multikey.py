@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from configs import default
 from experiments.protocol import Scale, Study, Transfer, Variant
-from experiments.studies.schedules import schedule_edit
+from experiments.studies.common import schedule_edit, study_config
 
 PAPER = (
   "RULER multi-key retrieval (needles among distractor needles), 2.4B models: IHA "
@@ -79,7 +78,7 @@ _SIZES = {
 
 def _config(scale: str) -> ml_collections.ConfigDict:
   size = _SIZES[scale]
-  config = default.get_config()
+  config = study_config(size["batch"], size["warmup"])
   config.data.name = "multikey_retrieval/cpu_demo"
   config.data.seq_len = size["length"]
   train, validation, test = size["examples"]
@@ -106,11 +105,6 @@ def _config(scale: str) -> ml_collections.ConfigDict:
     window="auto",
   )
   config.model.num_pseudo = size["pseudo"]
-  config.train.update(
-    batch_size=size["batch"], warmup_steps=size["warmup"], final_learning_rate=1e-5
-  )
-  config.train.learning_rate = 1e-3  # every run sets its own; final rate keeps the ratio
-  config.eval_every = 0
   return config
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from configs import default
-from experiments.protocol import Scale, Study, Sweep, Variant
+from experiments.protocol import Scale, Study, Variant
+from experiments.studies.common import heads_sweep, mha_iha_pairs, probe_model, study_config
 from iha_jax import data
 
 PAPER = (
@@ -71,7 +71,7 @@ _SIZES = {
 
 def _config(scale: str, powers: int) -> ml_collections.ConfigDict:
   size = _SIZES[scale]
-  config = default.get_config()
+  config = study_config(size["batch"], size["warmup"], loss="mean_squared_error")
   config.data.name = "polynomial_filter/k4"
   config.data.seq_len = size["nodes"]
   config.data.packing = False
@@ -85,59 +85,27 @@ def _config(scale: str, powers: int) -> ml_collections.ConfigDict:
     "num_test": test,
   }
   config.data.options = options
-  config.model.update(
-    num_layers=1,
-    model_dim=size["width"],
-    num_heads=size["heads"],
+  probe_model(
+    config,
+    width=size["width"],
     head_dim=size["head_dim"],
-    mlp_dim=4 * size["width"],
-    attention_schedule="M",
-    window=None,
-    causal=False,
+    heads=size["heads"],
     num_outputs=data.builder_config("polynomial_filter/k4", options).num_values,
   )
   config.model.input_features = size["features"]
-  config.model.num_pseudo = None  # IHA's P = H
-  config.train.update(
-    batch_size=size["batch"],
-    warmup_steps=size["warmup"],
-    final_learning_rate=1e-5,
-    loss="mean_squared_error",
-  )
-  config.train.learning_rate = 1e-3  # every run sets its own; final rate keeps the ratio
-  config.eval_every = 0
   return config
-
-
-def _heads(config: ml_collections.ConfigDict, heads: int) -> None:
-  config.model.num_heads = heads  # IHA's P follows (num_pseudo None: P = H)
 
 
 def _variants(scale: str) -> tuple[Variant, ...]:
   """An MHA and an IHA variant per number of powers of `scale`."""
-  variants = []
-  for powers in _SIZES[scale]["powers"]:
-    for letter, kind, label in (("M", "mha", "MHA"), ("I", "iha", "IHA, P = H")):
-
-      def edit(config: ml_collections.ConfigDict, letter=letter) -> None:
-        config.model.attention_schedule = letter
-
-      variants.append(
-        Variant(
-          f"{kind}_k{powers}",
-          f"{label}, k = {powers}",
-          edit,
-          base=lambda scale, powers=powers: _config(scale, powers),
-        )
-      )
-  return tuple(variants)
+  return mha_iha_pairs(_SIZES[scale]["powers"], "k", _config)
 
 
 def _scale(name: str, **budget) -> Scale:
   size = _SIZES[name]
   return Scale(
     lambda: _config(name, size["powers"][0]),
-    sweeps=(Sweep("num_heads", size["heads"], size["sweep"], _heads),),
+    sweeps=(heads_sweep(size["heads"], size["sweep"]),),
     variants=_variants(name),
     **budget,
   )

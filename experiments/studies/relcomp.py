@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from configs import default
 from experiments.protocol import Scale, Study, Variant
+from experiments.studies.common import study_config
 
 PAPER = (
   "IHA beats MHA and 2-simplicial attention on binary and ternary relation "
@@ -42,7 +42,8 @@ _SIZES = {
 
 def _config(hops: int, scale: str, decoder: bool = False) -> ml_collections.ConfigDict:
   size = _SIZES[scale]
-  config = default.get_config()
+  loss = "cross_entropy" if decoder else "binary_cross_entropy"
+  config = study_config(size["batch"], size["warmup"], loss=loss)
   name = "binary" if hops == 2 else "ternary"
   config.data.name = f"relation_composition/{name}{'' if decoder else '_encoder'}"
   max_side = size["sides"][1] if size["sides"] else (10 if hops == 2 else 8)
@@ -64,14 +65,6 @@ def _config(hops: int, scale: str, decoder: bool = False) -> ml_collections.Conf
     num_outputs=None if decoder else 1,
   )
   config.model.num_pseudo = size["pseudo"]
-  config.train.update(
-    batch_size=size["batch"],
-    warmup_steps=size["warmup"],
-    final_learning_rate=1e-5,
-    loss="cross_entropy" if decoder else "binary_cross_entropy",
-  )
-  config.train.learning_rate = 1e-3  # every run sets its own; final rate keeps the ratio
-  config.eval_every = 0
   return config
 
 
