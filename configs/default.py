@@ -51,8 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data = data.default_config()
   # MQAR (Zoology): 64-token examples, 8 key-value pairs (64 keys, 64 values) then every
   # key queried once at a random later position; exact match needs all 8 values right
-  # (chance (1/64)^8). The IHA demo learns it in ~1000 steps; on multikey_retrieval
-  # (1 query, 3 distractor needles) both IHA and the MHA twin plateau at ~30%.
+  # (chance (1/64)^8). The IHA demo learns it in ~1000 steps (docs/results.md: MQAR).
   config.data.name = "mqar/cpu_demo"
   config.data.data_dir = placeholder(str)  # None: $IHA_DATA_DIR or <workdir>/../data
   config.data.packing = placeholder(bool)

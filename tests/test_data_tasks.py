@@ -115,8 +115,7 @@ def test_multikey_retrieval_answers_come_from_the_needles(data_dir):
     value_of = {}
     for s in starts:
       key = tuple(haystack[s + 1 : s + 1 + k].tolist())
-      assert haystack[s + 1 + k] == mkr.IS
-      value = haystack[s + 2 + k : s + 2 + k + v]
+      value = haystack[s + 1 + k : s + 1 + k + v]
       assert all(config.key_offset <= t < config.value_offset for t in key)
       assert np.all(value >= config.value_offset)
       assert key not in value_of
@@ -131,8 +130,9 @@ def test_multikey_retrieval_answers_come_from_the_needles(data_dir):
     for q in range(config.num_queries):
       block = inputs[first_query + q * config.query_len :][: config.query_len]
       assert block[0] == mkr.QUERY
-      slots = first_query + q * config.query_len + 1 + k + np.arange(v)
-      np.testing.assert_array_equal(inputs[slots], mkr.ANSWER_OFFSET + np.arange(v))
+      # The first value token is due at the key's last token, the others at placeholders.
+      slots = first_query + q * config.query_len + k + np.arange(v)
+      np.testing.assert_array_equal(inputs[slots[1:]], mkr.ANSWER_OFFSET + np.arange(v - 1))
       np.testing.assert_array_equal(targets[slots], value_of[tuple(block[1 : 1 + k])])
       scored.append(slots)
     scored = np.concatenate(scored)
@@ -264,6 +264,6 @@ def test_options_rename_the_config_and_are_validated():
   with pytest.raises(ValueError, match="query positions"):
     data.builder_config("mqar/kv8_len128", {"length": 20})
   with pytest.raises(ValueError, match="too short"):
-    data.builder_config("multikey_retrieval/cpu_demo", {"length": 30})
+    data.builder_config("multikey_retrieval/cpu_demo", {"length": 28})
   with pytest.raises(ValueError, match="min_size"):
     data.builder_config("relation_composition/binary", {"min_size": 11})
