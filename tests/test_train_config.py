@@ -37,6 +37,11 @@ from iha_jax.train.optimizer import decay_mask, make_optimizer
   "overrides, message",
   [
     ({"mesh.fsdp": 1, "mesh.tensor": 3}, "model.num_heads=4 is not divisible by mesh.tensor=3"),
+    (
+      {"mesh.fsdp": 1, "mesh.tensor": 4, "model.vocab_size": -1},  # the data's 86
+      "vocabulary (86, model.vocab_size or the data's) is not divisible by mesh.tensor=4: "
+      "set model.vocab_size=88",
+    ),
     ({"mesh.fsdp": 16}, "needs 16 devices, only 8"),
     ({"mesh.fsdp": 8, "train.batch_size": 12}, "not divisible by mesh.data * mesh.fsdp = 8"),
     ({"train.grad_accum_steps": 3}, "train.grad_accum_steps=3 does not divide train.batch_size=8"),

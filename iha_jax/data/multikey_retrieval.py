@@ -71,7 +71,7 @@ class MultikeyRetrievalConfig(builder_base.SyntheticConfig):
 
   @property
   def query_len(self) -> int:
-    return 1 + self.key_len + self.value_len - 1
+    return 1 + self.key_len + (self.value_len - 1)  # QUERY, the key, placeholders
 
   @property
   def haystack_len(self) -> int:

@@ -223,6 +223,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
     raise ConfigError(str(e)) from e
   if model.num_heads % tensor:
     raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}")
+  if model.num_outputs is None and model.vocab_size % tensor:
+    # The embedding and output head shard the vocabulary over the tensor axis.
+    padded = -(-model.vocab_size // tensor) * tensor
+    raise ConfigError(
+      f"the vocabulary ({model.vocab_size}, model.vocab_size or the data's) is not divisible "
+      f"by mesh.tensor={tensor}: set model.vocab_size={padded} (ids the data never uses are "
+      "harmless)"
+    )
   if t.batch_size % t.grad_accum_steps:
     raise ConfigError(
       f"train.grad_accum_steps={t.grad_accum_steps} does not divide train.batch_size={t.batch_size}"
