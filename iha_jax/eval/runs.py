@@ -67,8 +67,9 @@ def _mesh_problem(sizes: dict[str, int], model: TransformerConfig, num_devices: 
     data, fsdp, tensor = parallel.resolve_mesh_shape(sizes, num_devices)
   except ValueError as e:
     return str(e)
-  if model.num_heads % tensor:
-    return f"num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}"
+  problem = config_lib.tensor_axis_problem(model, tensor)
+  if problem:
+    return problem
   if jax.process_count() > 1 and data * fsdp * tensor != num_devices:
     return f"a multi-process mesh must use all {num_devices} devices"
   return None

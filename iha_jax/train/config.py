@@ -151,6 +151,24 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     raise ConfigError(f"model: {e}") from e
 
 
+def tensor_axis_problem(model: TransformerConfig, tensor: int) -> str | None:
+  """Why `model`'s parameters cannot be split over `mesh.tensor = tensor` (None: they can).
+
+  The tensor axis splits the heads and the vocabulary axis of the embedding (and of an
+  untied output head); Orbax cannot restore a checkpoint onto an uneven split.
+  """
+  if model.num_heads % tensor:
+    return f"model.num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}"
+  if model.vocab_size % tensor:
+    padded = -(-model.vocab_size // tensor) * tensor
+    return (
+      f"the vocabulary ({model.vocab_size}, model.vocab_size or the data's) is not divisible "
+      f"by mesh.tensor={tensor}: set model.vocab_size={padded} (ids the data never uses are "
+      "harmless)"
+    )
+  return None
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> TransformerConfig:
   """Checks `config` against itself and `num_devices`; returns the model config.
 
@@ -221,16 +239,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
     data, fsdp, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)
   except ValueError as e:
     raise ConfigError(str(e)) from e
-  if model.num_heads % tensor:
-    raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}")
-  if model.num_outputs is None and model.vocab_size % tensor:
-    # The embedding and output head shard the vocabulary over the tensor axis.
-    padded = -(-model.vocab_size // tensor) * tensor
-    raise ConfigError(
-      f"the vocabulary ({model.vocab_size}, model.vocab_size or the data's) is not divisible "
-      f"by mesh.tensor={tensor}: set model.vocab_size={padded} (ids the data never uses are "
-      "harmless)"
-    )
+  problem = tensor_axis_problem(model, tensor)
+  if problem:
+    raise ConfigError(problem)
   if t.batch_size % t.grad_accum_steps:
     raise ConfigError(
       f"train.grad_accum_steps={t.grad_accum_steps} does not divide train.batch_size={t.batch_size}"
