@@ -20,7 +20,6 @@ def get_config() -> ml_collections.ConfigDict:
     attention_schedule="IM",
   )
   config.data.name = "multikey_retrieval/cpu_demo"  # short retrieval examples
-  config.model.vocab_size = 88  # the data's 86 padded, so the tests' tensor=4 meshes shard it
   config.data.seq_len = 48
   config.data.options = {
     "length": 48,

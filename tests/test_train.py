@@ -122,7 +122,10 @@ def test_resume_reproduces_uninterrupted_run(reference_run, tmp_path):
 
 def test_restore_onto_another_mesh(data_dir, tmp_path):
   """fsdp=8 -> data=2 x tensor=4: same values, new shardings, same continued losses."""
-  config = make_config(data_dir, train__total_steps=6, checkpoint__every=3, mesh__fsdp=8)
+  # Vocabulary 88: the data's 86 padded, so that tensor=4 splits it.
+  config = make_config(
+    data_dir, train__total_steps=6, checkpoint__every=3, mesh__fsdp=8, model__vocab_size=88
+  )
   first = str(tmp_path / "fsdp8")
   train(config, first)
   other = str(tmp_path / "dp2_tp4")
