@@ -6,7 +6,8 @@ train the remaining seeds at that rate, evaluate every run on test. Only when ev
 variant has its chosen rate and seeds: at each variant's chosen rate and for every seed,
 the study's sweep points (e.g. more key-value pairs, another width). Every finished run
 is written to `DIR/STUDY.json` at once, so a rerun skips it (resumable); the report is
-rewritten at the end.
+rewritten at the end. Parts of one study run apart (e.g. `--variants` split over
+processes or hosts) are joined by `merge_studies`.
 """
 
 from __future__ import annotations
@@ -325,3 +326,44 @@ def run_study(
           run(variant, chosen, seed, "sweep", (sweep, value))
   runs_bar.close()
   return store.data
+
+
+def merge_studies(
+  study: Study, scale_name: str, sources: Sequence[str], out: str
+) -> dict[str, Any]:
+  """Joins the `STUDY.json` files in the directories `sources` into `out/STUDY.json`
+  (created or extended) and returns its data; trains nothing.
+
+  Runs are ordered by the study's variants (so tables read the same however the work was
+  split); a run or chosen rate found twice must agree, else ValueError names the key.
+  """
+  header = {"study": study.name, "scale": scale_name, "select": study.select}
+  os.makedirs(out, exist_ok=True)
+  target = Store(os.path.join(out, f"{study.name}.json"), header)
+  parts = [target.data]
+  for source in sources:
+    path = os.path.join(source, f"{study.name}.json")
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"--merge: no {path}; every source must hold {study.name}.json")
+    parts.append(Store(path, header).data)  # Store checks study, scale and selection
+  merged: dict[str, dict[str, Any]] = {"runs": {}, "chosen_learning_rates": {}, "sweep_rates": {}}
+  for part in parts:
+    for field, entries in merged.items():
+      for key, value in part.get(field, {}).items():
+        if key in entries and entries[key] != value:
+          raise ValueError(f"--merge: {field} {key!r} differs between the sources")
+        entries[key] = value
+  contenders = study.scales[scale_name].variants or study.variants
+  order = {v.name: i for i, v in enumerate(contenders)}
+  runs = sorted(merged["runs"].items(), key=lambda kv: order.get(kv[1]["variant"], len(order)))
+  target.data.update(
+    runs=dict(runs),  # sorted() is stable: each variant's runs keep their order
+    chosen_learning_rates=merged["chosen_learning_rates"],
+    seeds=max(part.get("seeds", 0) for part in parts),
+  )
+  for field in ("sweep_bases", "transfer_bases"):
+    target.data[field] = next((p[field] for p in parts if field in p), {})
+  if merged["sweep_rates"]:
+    target.data["sweep_rates"] = merged["sweep_rates"]
+  target.save()
+  return target.data

@@ -216,27 +216,58 @@ def test_choose_rate_prefers_the_metric_then_the_lower_loss():
   assert np.isclose(protocol.choose_rate(runs[:2], "token_accuracy"), 3e-3)
 
 
-def test_grid_extends_past_an_edge(monkeypatch, tmp_path):
-  """A best rate on the grid's edge is followed one step further (same rule for all)."""
-  calls = []
+class _FakeVariant:
+  """Stands in for a CompiledVariant: no training; validation best at rate 3e-2."""
 
-  class Fake:
-    def __init__(self, config):
-      self.config, self.params, self.attention_flops_per_token = config, 1, 1.0
-      self.train_flops_per_step = 6.0
+  calls: list[tuple[float, int]] = []
 
-    def run(self, learning_rate, seed, **kwargs):
-      calls.append((learning_rate, seed))
-      score = -abs(learning_rate - 0.03)  # best at 3e-2: above the grid's top 1e-2
-      metrics = {"token_accuracy": score, "exact_match": 0.0, "loss": 1.0}
-      return RunResult(steps=1, best_step=1, validation=metrics, test=metrics, curve=[], wall_s=0.0)
+  def __init__(self, config):
+    self.config, self.params, self.attention_flops_per_token = config, 1, 1.0
+    self.train_flops_per_step = 6.0
 
-  monkeypatch.setattr(protocol, "CompiledVariant", Fake)
+  def run(self, learning_rate, seed, **kwargs):
+    self.calls.append((learning_rate, seed))
+    score = -abs(learning_rate - 0.03)  # best at 3e-2: above the grid's top 1e-2
+    metrics = {"token_accuracy": score, "exact_match": 0.0, "loss": 1.0}
+    return RunResult(steps=1, best_step=1, validation=metrics, test=metrics, curve=[], wall_s=0.0)
+
+
+def _fake_mqar(monkeypatch, num_variants: int):
+  """mqar at tiny, without sweeps, its first `num_variants` variants, trained by fakes."""
+  monkeypatch.setattr(protocol, "CompiledVariant", _FakeVariant)
   monkeypatch.setattr(protocol.inputs, "prepare", lambda config: None)
+  monkeypatch.setattr(_FakeVariant, "calls", [])
   study = STUDIES["mqar"]
   scale = dataclasses.replace(study.scales["tiny"], sweeps=(), grid_extensions=2)
-  study = dataclasses.replace(study, variants=study.variants[:1], scales={"tiny": scale})
+  return dataclasses.replace(study, variants=study.variants[:num_variants], scales={"tiny": scale})
+
+
+def test_grid_extends_past_an_edge(monkeypatch, tmp_path):
+  """A best rate on the grid's edge is followed one step further (same rule for all)."""
+  study = _fake_mqar(monkeypatch, 1)
   data = protocol.run_study(study, "tiny", 2, str(tmp_path), str(tmp_path), progress=False)
+  calls = _FakeVariant.calls
   assert [lr for lr, seed in calls if seed == 0] == [1e-3, 3e-3, 1e-2, 0.03, 0.1]
   assert data["chosen_learning_rates"]["iha"] == 0.03
   assert (0.03, 1) in calls
+
+
+def test_parts_run_apart_merge_into_the_whole(monkeypatch, tmp_path):
+  """Variants run in separate directories, merged, equal the study run in one (order too)."""
+  study = _fake_mqar(monkeypatch, 3)
+  names = [v.name for v in study.variants]
+  whole = protocol.run_study(study, "tiny", 2, str(tmp_path / "whole"), "", progress=False)
+  parts = []
+  for i, part in enumerate((names[2:], names[:2])):  # out of order on purpose
+    parts.append(str(tmp_path / f"part{i}"))
+    protocol.run_study(study, "tiny", 2, parts[-1], "", progress=False, variants=part)
+  merged = protocol.merge_studies(study, "tiny", parts, str(tmp_path / "merged"))
+  assert list(merged["runs"]) == list(whole["runs"])
+  assert merged == whole
+  with open(tmp_path / "part0" / "mqar.json") as f:
+    conflicting = json.load(f)
+  next(iter(conflicting["runs"].values()))["steps"] = 2
+  with open(tmp_path / "part0" / "mqar.json", "w") as f:
+    json.dump(conflicting, f)
+  with pytest.raises(ValueError, match="runs .* differs"):
+    protocol.merge_studies(study, "tiny", parts, str(tmp_path / "merged"))
