@@ -271,3 +271,7 @@ def test_parts_run_apart_merge_into_the_whole(monkeypatch, tmp_path):
     json.dump(conflicting, f)
   with pytest.raises(ValueError, match="runs .* differs"):
     protocol.merge_studies(study, "tiny", parts, str(tmp_path / "merged"))
+  with pytest.raises(FileNotFoundError, match="every source must hold"):
+    protocol.merge_studies(study, "tiny", [str(tmp_path)], str(tmp_path / "merged"))
+  with pytest.raises(SystemExit):  # argparse: --merge takes no --variants
+    run.main(["mqar", "--scale", "tiny", "--merge", parts[0], "--variants", "iha"])
