@@ -101,6 +101,10 @@ class Study:
   # The variant others are compared with in relative terms (transfer tables), if any.
   reference: str | None = None
 
+  def contenders(self, scale_name: str) -> tuple[Variant, ...]:
+    """The variants compared at `scale_name`: the scale's own, else the study's."""
+    return self.scales[scale_name].variants or self.variants
+
 
 def half_decade_step(rate: float, up: bool) -> float:
   """The next rate of the 1-3-10 series above (or below) `rate`: 1e-2 -> 3e-2 -> 1e-1."""
@@ -200,7 +204,7 @@ def run_study(
   if seeds < 1:
     raise ValueError(f"--seeds must be >= 1, got {seeds}")
   scale = study.scales[scale_name]
-  contenders = scale.variants or study.variants
+  contenders = study.contenders(scale_name)
   names = [v.name for v in contenders]
   unknown = sorted(set(variants or ()) - set(names))
   if unknown:
@@ -353,8 +357,7 @@ def merge_studies(
         if key in entries and entries[key] != value:
           raise ValueError(f"--merge: {field} {key!r} differs between the sources")
         entries[key] = value
-  contenders = study.scales[scale_name].variants or study.variants
-  order = {v.name: i for i, v in enumerate(contenders)}
+  order = {v.name: i for i, v in enumerate(study.contenders(scale_name))}
   runs = sorted(merged["runs"].items(), key=lambda kv: order.get(kv[1]["variant"], len(order)))
   target.data.update(
     runs=dict(runs),  # sorted() is stable: each variant's runs keep their order

@@ -28,6 +28,7 @@ import ml_collections
 from iha_jax import data as data_lib
 from iha_jax.errors import UserError
 from iha_jax.models import TransformerConfig
+from iha_jax.ops.options import round_up
 from iha_jax.ops.validation import is_int
 from iha_jax.parallel import resolve_mesh_shape
 from iha_jax.train.step import LOSSES
@@ -160,7 +161,7 @@ def tensor_axis_problem(model: TransformerConfig, tensor: int) -> str | None:
   if model.num_heads % tensor:
     return f"model.num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}"
   if model.vocab_size % tensor:
-    padded = -(-model.vocab_size // tensor) * tensor
+    padded = round_up(model.vocab_size, tensor)
     return (
       f"the vocabulary ({model.vocab_size}, model.vocab_size or the data's) is not divisible "
       f"by mesh.tensor={tensor}: set model.vocab_size={padded} (ids the data never uses are "
