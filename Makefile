@@ -6,8 +6,11 @@ PY := $(VENV)/bin/python
 WORKDIR ?= workdirs/default
 TWIN_WORKDIR ?= workdirs/global_local_default
 TEST_MINUTES ?= 10
+# The targets' compilers (libtpu; the CUDA plugin + ptxas), outside the CPU venv so that
+# CPU runs never load them: compile checks put one directory on sys.path when asked.
+TARGETS_DIR ?= .targets
 
-.PHONY: test lint format train bench clean-venv
+.PHONY: test lint format train bench targets compile-matrix clean-venv
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +19,18 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
-# The whole suite on CPU (Pallas kernels in interpret mode), one worker per core.
-test: $(VENV)/.installed
+$(TARGETS_DIR)/.installed: requirements-targets-tpu.txt requirements-targets-cuda.txt $(VENV)/.installed
+	rm -rf $(TARGETS_DIR)/tpu $(TARGETS_DIR)/cuda
+	$(PY) -m pip install --quiet --no-deps --target $(TARGETS_DIR)/tpu -r requirements-targets-tpu.txt
+	$(PY) -m pip install --quiet --no-deps --target $(TARGETS_DIR)/cuda -r requirements-targets-cuda.txt
+	touch $@
+
+# Compile-only TPU and H100 targets (`train.py --compile_only`, benchmarks/compile_matrix.py).
+targets: $(TARGETS_DIR)/.installed
+
+# The whole suite on CPU (Pallas kernels in interpret mode, plus a few compiles for TPU and
+# H100 by their own compilers), one worker per core.
+test: $(VENV)/.installed $(TARGETS_DIR)/.installed
 	@echo "make test: about $(TEST_MINUTES) min on a 2-core CPU (measured); progress in % below"
 	$(PY) -m pytest -n auto -q
 
@@ -42,6 +55,10 @@ train: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/attention.py
+
+# Every kernel configuration compiled for TPU v5e/v5p/v6e and H100 (about an hour here).
+compile-matrix: $(TARGETS_DIR)/.installed
+	$(PY) benchmarks/compile_matrix.py --out docs/compile_matrix.md
 
 clean-venv:
 	rm -rf $(VENV)

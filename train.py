@@ -12,6 +12,11 @@ or IHA_DEBUG=1: the traceback).
 Multi-process: `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (or the
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables), or
 `--distributed` where JAX detects the cluster itself (TPU pod slices, SLURM, Open MPI).
+
+Before a pod run, from any CPU machine: `--compile_only --target=v5p-128` (or v5e-256,
+v6e-256, v4-128, h100, h100x8, ...) compiles this train step with the target's own
+compiler and prints its per-device memory and kernels, exiting 1 when it does not compile
+or fit (needs `make targets`; no workdir, no data; compiled, not run).
 """
 
 from absl import flags
@@ -31,18 +36,35 @@ flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of pr
 flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
 flags.DEFINE_bool(
+  "compile_only",
+  False,
+  "Compile the train step for --target without its hardware, print memory and kernels, exit.",
+)
+flags.DEFINE_string(
+  "target", None, "--compile_only target: v5p-128, v5e-256, v6e-256, v4-128, h100, h100x8, ..."
+)
+flags.DEFINE_bool(
   "distributed",
   False,
   "Call jax.distributed.initialize() with cluster "
   "auto-detection (TPU pod slices, SLURM, Open MPI, Kubernetes).",
 )
 cli.define_debug_flag()
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
   del argv
   metrics.quiet_library_logs()
+  if FLAGS.compile_only or FLAGS.target:
+    if not (FLAGS.compile_only and FLAGS.target):
+      cli.fail("--compile_only and --target go together (e.g. --compile_only --target=v5p-128)")
+    from iha_jax.train import compile_check  # pylint: disable=import-outside-toplevel
+
+    compile_check.compile_only(FLAGS.config, FLAGS.target)
+    return
+  if FLAGS.workdir is None:
+    cli.fail("--workdir is required (a local path or gs://...), unless --compile_only")
   # Before any JAX computation: joining a multi-process run must precede backend start.
   parallel.initialize(
     FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, auto=FLAGS.distributed

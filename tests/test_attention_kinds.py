@@ -120,9 +120,11 @@ def test_jit_and_eager_agree():
 
 def test_diff_through_mha_kernels():
   """Both differential maps as one Pallas MHA call (Triton, interpret mode), value width
-  2d. The MHA kernels themselves, both backends, are checked in tests/test_kernels.py."""
+  2d, over three 16-token tiles (GPU tiles are at least 16 rows). The MHA kernels
+  themselves, both backends, are checked in tests/test_kernels.py."""
   mask = MASKS["bidirectional_window_packed"]
-  cf.check(cf.diff(H, D), "pallas_gpu", b=B, n=N, mask=mask, blocks=ops.BlockSizes(8, 8), seed=5)
+  blocks = ops.BlockSizes(16, 16)
+  cf.check(cf.diff(H, D), "pallas_gpu", b=B, n=40, mask=mask, blocks=blocks, seed=5)
 
 
 @pytest.mark.parametrize("name", ["talking_heads", "diff"])

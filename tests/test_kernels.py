@@ -38,7 +38,8 @@ def _case(name, kind, implementation, n, mask, *, b=2, dtype=jnp.float32, blocks
 
 GPU, TPU = "pallas_gpu", "pallas_tpu"
 KERNEL_CASES = [
-  # Triton interpret: 8-token tiles over N = 20 (padded to 24: three tiles each way).
+  # Triton interpret: tiles of 16 virtual rows (GPU tiles count rows, powers of two) over
+  # N = 20: 8-token tiles at P = 2 (padded to 24: three tiles each way), 16 at P = 1.
   # P in {1, 2, 4}, global and windowed (with the bfloat16 cases below).
   *[
     _case(
@@ -47,7 +48,7 @@ KERNEL_CASES = [
       GPU,
       20,
       {**CAUSAL, "window": w},
-      blocks=BlockSizes(8 * p, 8 * p),
+      blocks=BlockSizes(max(16, 8 * p), max(16, 8 * p)),
     )
     for p, w in [(1, 13), (2, None), (4, 13)]
   ],
@@ -77,6 +78,7 @@ KERNEL_CASES = [
     for p, w in [(2, 13), (4, None)]
   ],
   # d = 15 is padded per lane half to the kernels' power-of-two width; default tiles.
+  # P = 3: each token owns 4 rows of a GPU tile, the 4th dead (segment 0).
   _case(
     "gpu-per-head-no-rope-d15",
     cf.iha(3, 15, 3, per_head=True, rope_theta=None),
@@ -85,8 +87,10 @@ KERNEL_CASES = [
     {**CAUSAL, "window": None},
     b=1,
   ),
-  # P = H = 20 (the paper's default): 400 piece pairs per tile, unrolled in the kernels;
-  # two 16-token tiles of 320 virtual rows.
+  # P = H = 20 (the paper's default): GPU tiles of 128 rows hold 4 tokens of 32 rows
+  # (12 dead), five tiles each way. TPU: P = 5 > H = 3 (P not a power of two) stacks
+  # 8 tokens x 5 pseudo-heads per tile (P = 20 costs ten minutes in Mosaic's interpreter;
+  # the TPU compiler checks it in tests/test_compile_targets.py).
   _case(
     "gpu-p20-h20",
     cf.iha(20, 16, 20),
@@ -94,13 +98,16 @@ KERNEL_CASES = [
     20,
     {**CAUSAL, "window": 150},
     b=1,
-    blocks=BlockSizes(16 * 20, 16 * 20),
+    blocks=BlockSizes(128, 128),
   ),
-  # Mosaic interpret: key tiles are multiples of 128 tokens, so N = 136 gives two key
-  # tiles and eight query tiles (padded to 256; five hold tokens). Bidirectional window
-  # 100 at P = 2: query tiles 0-1 see key tile 0 only, 2-5 both, and key tile 0 is seen
-  # by query tiles 0-5 only; row 1 is one document across both key tiles (row 0's
-  # second key tile is padding).
+  _case(
+    "tpu-p5-h3", cf.iha(3, 16, 5), TPU, 20, {**CAUSAL, "window": 40}, blocks=BlockSizes(40, 40)
+  ),
+  # Mosaic interpret: N = 136 with 128-token key tiles gives two key tiles and eight
+  # query tiles (padded to 256; five hold tokens). Bidirectional window 100 at P = 2:
+  # query tiles 0-1 see key tile 0 only, 2-5 both, and key tile 0 is seen by query tiles
+  # 0-5 only; row 1 is one document across both key tiles (row 0's second key tile is
+  # padding).
   *[
     _case(
       f"tpu-multi-tile-{name}",
@@ -117,7 +124,7 @@ KERNEL_CASES = [
   # MHA (P = 1 through the same kernels), v twice as wide as q/k (differential
   # attention's MHA call): dq, dk `[.., d]`, dv `[.., 2d]`.
   _case(
-    "mha-gpu-causal", cf.mha(3, 16, 32), GPU, 20, {**CAUSAL, "window": 5}, blocks=BlockSizes(8, 8)
+    "mha-gpu-causal", cf.mha(3, 16, 32), GPU, 20, {**CAUSAL, "window": 5}, blocks=BlockSizes(16, 16)
   ),
   _case("mha-tpu-bidirectional", cf.mha(3, 16, 32), TPU, 20, {**BIDIRECTIONAL, "window": 5}),
 ]
@@ -128,12 +135,18 @@ def test_kernels_match_reference(kind, implementation, b, n, mask, dtype, blocks
   cf.check(kind, implementation, b=b, n=n, mask=mask, dtype=dtype, blocks=blocks)
 
 
-def test_blocks_must_hold_whole_tokens():
-  args = random_iha_inputs(jax.random.key(0), 1, 16, 2, 16, 2)
+def test_block_sizes_are_checked():
+  args = random_iha_inputs(jax.random.key(0), 1, 16, 2, 16, 4)
+  # TPU tiles hold whole tokens (multiples of P virtual tokens) of 8 sublanes (f32).
   with pytest.raises(ValueError, match="multiple of P"):
-    iha_attention(*args, implementation="pallas_gpu", block_sizes=BlockSizes(15, 16))
+    iha_attention(*args, implementation="pallas_tpu", block_sizes=BlockSizes(30, 32))
+  with pytest.raises(ValueError, match="multiples of 8 tokens"):
+    iha_attention(*args, implementation="pallas_tpu", block_sizes=BlockSizes(16, 32))
+  # GPU tiles are powers of two of at least 16 rows and at least one token's Pr rows.
   with pytest.raises(ValueError, match="power-of-two"):
     iha_attention(*args, implementation="pallas_gpu", block_sizes=BlockSizes(24, 16))
+  with pytest.raises(ValueError, match="power-of-two"):
+    iha_attention(*args, implementation="pallas_gpu", block_sizes=BlockSizes(8, 16))
 
 
 def test_auto_is_xla_on_cpu():
@@ -147,8 +160,12 @@ B, N, H, D, P = 1, 20, 2, 16, 2
 
 
 def _grad_fn(implementation):
+  # 16-row GPU tiles: interpreted on CPU, a kernel's tiles appear in the program as arrays
+  # ([rows, lanes]), which must stay below the whole-sequence size the check looks for.
+  blocks = BlockSizes(16, 16) if implementation == "pallas_gpu" else None
+
   def loss(*args):
-    out = iha_attention(*args, window=13, implementation=implementation)
+    out = iha_attention(*args, window=13, implementation=implementation, block_sizes=blocks)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   return jax.grad(loss, argnums=tuple(range(7)))
@@ -186,13 +203,15 @@ def test_saved_residuals_hold_nothing_p_sized(capsys):
 
 
 def _lowered_shapes(implementation, platform):
+  """Shapes of the float arrays of the lowered gradient program (pseudo q/k/v would be
+  float; on CPU the interpreted kernels' gathers add int32 index arrays of tile size)."""
   args = random_iha_inputs(jax.random.key(0), B, N, H, D, P)
   text = (
     jax.jit(_grad_fn(implementation)).trace(*args).lower(lowering_platforms=(platform,)).as_text()
   )
   return [
     tuple(int(x) for x in dims.split("x")[:-1])
-    for dims in re.findall(r"tensor<([\dx]+x(?:f32|bf16|i32))>", text)
+    for dims in re.findall(r"tensor<([\dx]+x(?:f32|bf16))>", text)
   ]
 
 
@@ -246,5 +265,5 @@ def test_pseudo_outputs_layout():
     platform="gpu",
     block_sizes=None,
   )
-  assert o.shape == (1, 2, 2, 32, 32)  # [B, H, P, Np, W]
+  assert o.shape == (1, 2, 32, 2, 32)  # GPU: [B, H, Np, Pr, W]
   assert restore(jnp.zeros((1, 32, 5, 32))).shape == (1, 20, 5, 16)

@@ -1,30 +1,25 @@
 """Tile math shared by the Mosaic TPU and Triton GPU kernels.
 
-Everything here works on values already loaded from refs (2-D tiles), using
-only ops both Pallas backends lower: 2-D dots, elementwise math, last-axis
-reductions and scalar reads. The backends differ only in how tiles reach the
-chip (TPU: grid axes + BlockSpec DMAs + VMEM scratch; GPU: loops + pointer
-loads), so the numerics live in one place.
+Everything here works on values already loaded from refs (2-D tiles), using only ops
+both Pallas backends lower: 2-D dots, elementwise math, last-axis reductions and scalar
+reads. The backends differ in how tiles reach the chip (TPU: grid axes + BlockSpec DMAs
++ VMEM scratch; GPU: loops + pointer loads) and in how a tile's virtual rows are ordered
+(TPU: P pieces of `block` tokens stacked pseudo-major in scratch; GPU: token-major rows
+gathered from the source heads, see `iha_jax.kernels.gpu`). Both attend with ONE
+`[Rq, W] x [W, Rk]` matmul per tile pair, masked by `iha_jax.ops.masking.visible` on the
+true virtual index `t = n * P + p`, over the tiles of the mask's band (`kv_range`,
+`q_range`), so the numerics live in one place.
 
-Kernel layouts (built by `iha_jax.kernels.fused` outside the kernels):
-- source q/k: `[B, H, Np, W]`, `W = 2 * half`: each RoPE half padded to
-  `half` lanes (rotate-half pairs lane e with lane e + half, and Triton needs
-  power-of-two tile widths), tokens padded to `Np` (segment 0 = padding).
-- source v: `[B, H, Np, Wv]`, `Wv = 2 * value_half`, split and padded the same
-  way (MHA's v may be wider than q/k, e.g. `dv = 2d` for differential attention).
-- mixing: `alpha_*` flattened to `[H_target * H_source * P]` float32, so a
-  coefficient is one scalar read at `(h * H + m) * P + p`.
-- output / its cotangent: `[B, H, P, Np, Wv]` (de-interleaved); lse / delta:
-  `[B, H, P, Np, 1]` float32.
-
-A tile covers `block` tokens, i.e. `block * P` virtual tokens, kept as P
-"pieces" of `[block, ...]` (piece p holds pseudo-token p of every token, i.e.
-pseudo-major inside the tile). Attention is invariant to the order of rows
-within a tile as long as every mask uses the true virtual index
-`t = n * P + p`, so no in-kernel reshape/interleave is ever needed, and any P
-works (Triton tiles must be powers of two; P need not be). The mask is
-`iha_jax.ops.masking.visible` (causal or bidirectional, global or window), and
-the kernels visit only the tiles of its band (`kv_range`, `q_range`).
+Source layouts (built by `iha_jax.kernels.fused` outside the kernels):
+- q/k: `[B, H, Np, W]`, `W = 2 * half`: each RoPE half padded to `half` lanes
+  (rotate-half pairs lane e with lane e + half; Triton needs power-of-two widths),
+  tokens padded to `Np` (segment 0 = padding). q and k arrive rotated by `R(pos * P)`;
+  the kernels apply the rest of virtual RoPE, `R(p)`, from `[P, half]` cos/sin tables.
+- v: `[B, H, Np, Wv]`, `Wv = 2 * value_half`, split and padded the same way (MHA's v may
+  be wider than q/k, e.g. `dv = 2d` for differential attention).
+- mixing: `alpha_*` flattened to `[H_target * H_source * P]` float32, so a coefficient
+  is one scalar read at `(h * H + m) * P + p`.
+- pseudo outputs, their cotangent, lse and delta: per backend (`OUTPUT_SPEC`).
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from iha_jax.ops.masking import MASK_VALUE, visible
+from iha_jax.ops.masking import MASK_VALUE
 
 Parts = tuple[jax.Array, ...]  # one tile split along lanes: (x1, x2) for q/k, (x,) for v
 
@@ -62,7 +57,9 @@ class Config:
     block_q, block_k: tile edges in TOKENS (virtual rows = block * P).
     seq_len: padded token count Np, a multiple of both blocks.
     window: sliding window in virtual tokens, or None.
-    rope: whether RoPE is applied at virtual positions.
+    rope: whether the kernels rotate pseudo-heads by their pseudo index p (RoPE at virtual
+      position `pos * P + p` is `R(p) R(pos * P)`: the caller rotates the source heads by
+      `R(pos * P)`, the kernels apply `R(p)` from a `[P, half]` table; false for P = 1).
     causal: virtual query t sees keys s <= t (and `t - s < window`); False:
       bidirectional, every key of its segment (and `|t - s| < window`).
   """
@@ -80,6 +77,7 @@ class Config:
   window: int | None
   rope: bool
   causal: bool
+  launch: tuple | None = None  # GPU: (forward, dQ, dK/dV) `gpu_tiles.Launch`; TPU: None
 
   @property
   def flat_alpha(self) -> int:
@@ -213,27 +211,20 @@ def pseudo_tile(load: Callable[[jax.Array | int], Parts], alpha_ref, h, cfg: Con
   return list(lax.fori_loop(1, cfg.num_heads, add_source, pieces))
 
 
-def virtual_position(pos_col: jax.Array, p: int, cfg: Config) -> jax.Array:
-  """RoPE position `pos * P + p` of pseudo piece p, float32 `[rows, 1]`."""
-  return (pos_col * cfg.num_pseudo + p).astype(jnp.float32)
-
-
-def rope(parts: Parts, vpos: jax.Array, inv_freq: jax.Array, *, transpose: bool = False) -> Parts:
-  """Rotate-half RoPE on lane halves `(x1, x2)`; `transpose` applies R^T (the VJP)."""
-  angles = vpos * inv_freq  # [rows, 1] * [1, half]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
+def rotate(parts: Parts, cos: jax.Array, sin: jax.Array, *, transpose: bool = False) -> Parts:
+  """Rotate-half RoPE on lane halves `(x1, x2)` by float32 tables broadcastable to them;
+  `transpose` applies R^T (the VJP)."""
   sin = -sin if transpose else sin
   x1, x2 = parts
   return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
-def rotated_pieces(load, alpha_ref, h, pos_col, inv_freq, cfg: Config, dtype) -> list[Parts]:
-  """Pseudo q or k pieces at virtual positions, cast to the matmul dtype."""
+def rotated_pieces(load, alpha_ref, h, rotation, cfg: Config, dtype) -> list[Parts]:
+  """Pseudo q or k pieces, each rotated by its pseudo index p (`rotation(p)` -> cos, sin
+  `[1, half]`), cast to the matmul dtype."""
   pieces = pseudo_tile(load, alpha_ref, h, cfg)
   if cfg.rope:
-    pieces = [
-      rope(piece, virtual_position(pos_col, p, cfg), inv_freq) for p, piece in enumerate(pieces)
-    ]
+    pieces = [rotate(piece, *rotation(p)) for p, piece in enumerate(pieces)]
   return [tuple(x.astype(dtype) for x in piece) for piece in pieces]
 
 
@@ -266,43 +257,19 @@ def scores(q: Parts, k: Parts, cfg: Config) -> jax.Array:
   return sum(dot(a, b, (1, 1)) for a, b in zip(q, k)) * cfg.scale
 
 
-def tile_mask(
-  q_tok: jax.Array,
-  k_tok: jax.Array,
-  pq: int,
-  pk: int,
-  seg_q: jax.Array,
-  seg_k: jax.Array,
-  cfg: Config,
-) -> jax.Array:
-  """`ops.masking.visible` on virtual indices t = n * P + p.
-
-  `q_tok, seg_q: [bq, 1]` and `k_tok, seg_k: [1, bk]` (token indices, segment ids).
-  """
-  t = q_tok * cfg.num_pseudo + pq
-  s = k_tok * cfg.num_pseudo + pk
-  return visible(t, s, seg_q, seg_k, cfg.window, cfg.causal)
-
-
-def token_index(start, rows: int, axis: int) -> jax.Array:
-  """Absolute token indices of a tile as a column (axis 0) or row (axis 1)."""
-  shape = (rows, 1) if axis == 0 else (1, rows)
-  return start + lax.broadcasted_iota(jnp.int32, shape, axis)
-
-
 MaskFn = Callable[[int, int], jax.Array]
 SoftmaxState = list[tuple[jax.Array, jax.Array, jax.Array]]  # per query piece: (m, l, acc)
 
 
-def init_state(cfg: Config) -> SoftmaxState:
-  rows = cfg.block_q
+def init_state(pieces: int, rows: int, width: int) -> SoftmaxState:
+  """Empty online-softmax state of `pieces` query pieces of `[rows, width]`."""
   return [
     (
       jnp.full((rows, 1), MASK_VALUE, jnp.float32),
       jnp.zeros((rows, 1), jnp.float32),
-      jnp.zeros((rows, cfg.value_width), jnp.float32),
+      jnp.zeros((rows, width), jnp.float32),
     )
-    for _ in range(cfg.num_pseudo)
+    for _ in range(pieces)
   ]
 
 
@@ -317,7 +284,7 @@ def forward_tile(
   """One online-softmax step of every query piece against every key piece."""
   out = []
   for pq, (m_prev, l_prev, acc_prev) in enumerate(state):
-    masks = [mask(pq, pk) for pk in range(cfg.num_pseudo)]
+    masks = [mask(pq, pk) for pk in range(len(k))]
     s = [jnp.where(mk, scores(q[pq], k[pk], cfg), MASK_VALUE) for pk, mk in enumerate(masks)]
     m_new = m_prev
     for s_pk in s:

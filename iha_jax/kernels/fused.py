@@ -36,7 +36,7 @@ from jax import lax
 from iha_jax.kernels import gpu, tpu
 from iha_jax.kernels.common import Config
 from iha_jax.ops.options import BlockSizes
-from iha_jax.ops.rope import rope_frequencies
+from iha_jax.ops.rope import apply_rope, rope_frequencies
 
 _BACKENDS = {"gpu": gpu, "tpu": tpu}
 
@@ -53,68 +53,84 @@ def _run(platform: str, name: str, cfg: Config, *args):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(platform, cfg, alphas, inv_freq, seg, pos, q, k, v):
-  return _attend_fwd(platform, cfg, alphas, inv_freq, seg, pos, q, k, v)[0]
+def _attend(platform, cfg, alphas, rotation, seg, q, k, v):
+  return _attend_fwd(platform, cfg, alphas, rotation, seg, q, k, v)[0]
 
 
-def _attend_fwd(platform, cfg, alphas, inv_freq, seg, pos, q, k, v):
-  o, lse = _run(platform, "forward", cfg, alphas, inv_freq, seg, pos, q, k, v)
-  return o, (alphas, inv_freq, seg, pos, q, k, v, o, lse)
+def _attend_fwd(platform, cfg, alphas, rotation, seg, q, k, v):
+  o, lse = _run(platform, "forward", cfg, alphas, rotation, seg, q, k, v)
+  return o, (alphas, rotation, seg, q, k, v, o, lse)
 
 
 def _attend_bwd(platform, cfg, residuals, do, delta=None):
-  alphas, inv_freq, seg, pos, q, k, v, o, lse = residuals
+  alphas, rotation, seg, q, k, v, o, lse = residuals
   if delta is None:
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+  backend = _BACKENDS[platform]
   dq, dk, dv, dalpha = _run(
-    platform, "backward", cfg, alphas, inv_freq, seg, pos, q, k, v, do.astype(q.dtype), lse, delta
+    platform, "backward", cfg, alphas, rotation, seg, q, k, v, do.astype(q.dtype), lse, delta
   )
   # Per-(batch, tile) partial dalpha -> the flat alpha layout.
-  dalphas = tuple(x.reshape(-1, x.shape[-1]).sum(axis=0) for x in dalpha) if cfg.mixing else ()
-  return (dalphas, None, None, None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+  dalphas = tuple(backend.dalpha_flat(x, cfg) for x in dalpha) if cfg.mixing else ()
+  return (dalphas, None, None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _collapse_spec(collapse: jax.Array) -> str:
-  return "bgpnd,hgp->bnhd" if collapse.ndim == 3 else "bhpnd,hp->bnhd"
+def _collapse_spec(platform: str, collapse: jax.Array) -> str:
+  """einsum of the pseudo view (`backend.OUTPUT_SPEC`: b, target h, p, n, d) and collapse."""
+  o_spec = _BACKENDS[platform].OUTPUT_SPEC
+  if collapse.ndim == 3:  # full: every output head h reads every target head g
+    return f"{o_spec.replace('h', 'g')},hgp->bnhd"
+  return f"{o_spec},hp->bnhd"
 
 
-def collapse_outputs(o: jax.Array, collapse: jax.Array) -> jax.Array:
-  """docs/design.md §1.6 on the kernel layout: `[B, Ht, P, Np, W]` -> `[B, Np, H, W]` float32."""
+def collapse_outputs(platform: str, cfg: Config, o: jax.Array, collapse: jax.Array) -> jax.Array:
+  """docs/design.md §1.6 on the kernel layout: pseudo outputs -> `[B, Np, H', W]` float32."""
+  backend = _BACKENDS[platform]
+  weights = backend.collapse_weights(collapse, cfg).astype(o.dtype)
   return jnp.einsum(
-    _collapse_spec(collapse), o, collapse.astype(o.dtype), preferred_element_type=jnp.float32
+    _collapse_spec(platform, collapse),
+    backend.pseudo_view(o, cfg),
+    weights,
+    preferred_element_type=jnp.float32,
   )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend_collapse(platform, cfg, alphas, inv_freq, seg, pos, q, k, v, collapse):
+def _attend_collapse(platform, cfg, alphas, rotation, seg, q, k, v, collapse):
   """Fused attention, then collapse: `[B, Np, H', W]` float32 (H' = H full, Ht per_head)."""
-  o, _ = _run(platform, "forward", cfg, alphas, inv_freq, seg, pos, q, k, v)
-  return collapse_outputs(o, collapse)
+  o, _ = _run(platform, "forward", cfg, alphas, rotation, seg, q, k, v)
+  return collapse_outputs(platform, cfg, o, collapse)
 
 
-def _attend_collapse_fwd(platform, cfg, alphas, inv_freq, seg, pos, q, k, v, collapse):
-  o, lse = _run(platform, "forward", cfg, alphas, inv_freq, seg, pos, q, k, v)
+def _attend_collapse_fwd(platform, cfg, alphas, rotation, seg, q, k, v, collapse):
+  o, lse = _run(platform, "forward", cfg, alphas, rotation, seg, q, k, v)
   # o is dropped here: the backward recomputes it (the only P-sized activation).
-  return collapse_outputs(o, collapse), (alphas, inv_freq, seg, pos, q, k, v, collapse, lse)
+  out = collapse_outputs(platform, cfg, o, collapse)
+  return out, (alphas, rotation, seg, q, k, v, collapse, lse)
 
 
 def _attend_collapse_bwd(platform, cfg, residuals, dy):
-  alphas, inv_freq, seg, pos, q, k, v, collapse, lse = residuals
-  o, _ = _run(platform, "forward", cfg, alphas, inv_freq, seg, pos, q, k, v)
-  inputs, output = _collapse_spec(collapse).split("->")
+  alphas, rotation, seg, q, k, v, collapse, lse = residuals
+  backend = _BACKENDS[platform]
+  o, _ = _run(platform, "forward", cfg, alphas, rotation, seg, q, k, v)
+  inputs, output = _collapse_spec(platform, collapse).split("->")
   o_spec, c_spec = inputs.split(",")
-  d_collapse = jnp.einsum(f"{output},{o_spec}->{c_spec}", dy, o, preferred_element_type=jnp.float32)
-  do = jnp.einsum(
-    f"{output},{c_spec}->{o_spec}",
-    dy,
-    collapse.astype(jnp.float32),
-    preferred_element_type=jnp.float32,
+  weights = backend.collapse_weights(collapse, cfg).astype(jnp.float32)
+  o5 = backend.pseudo_view(o, cfg)
+  d_weights = jnp.einsum(f"{output},{o_spec}->{c_spec}", dy, o5, preferred_element_type=jnp.float32)
+  do = jnp.einsum(f"{output},{c_spec}->{o_spec}", dy, weights, preferred_element_type=jnp.float32)
+  delta = jnp.sum(o5.astype(jnp.float32) * do, axis=-1, keepdims=True)
+  grads = _attend_bwd(
+    platform,
+    cfg,
+    (alphas, rotation, seg, q, k, v, o, lse),
+    backend.kernel_view(do, cfg),
+    delta=backend.kernel_view(delta, cfg),
   )
-  delta = jnp.sum(o.astype(jnp.float32) * do, axis=-1, keepdims=True)
-  grads = _attend_bwd(platform, cfg, (alphas, inv_freq, seg, pos, q, k, v, o, lse), do, delta=delta)
+  d_collapse = d_weights[..., : collapse.shape[-1]]  # drop the tile's dead pseudo rows
   return (*grads, d_collapse.astype(collapse.dtype))
 
 
@@ -139,22 +155,6 @@ def _from_kernel(y: jax.Array, n: int, d: int, half: int) -> jax.Array:
   return jnp.concatenate([y[:, :n, :, :s], y[:, :n, :, half : half + d - s]], axis=-1)
 
 
-def _tiles(
-  platform: str, n: int, num_pseudo: int, dtype, block_sizes: BlockSizes | None
-) -> tuple[int, int, int]:
-  """(block_q, block_k, Np) in tokens from BlockSizes in virtual tokens (multiples of P)."""
-  blocks = []
-  for name in ("block_q", "block_k"):
-    value = getattr(block_sizes, name, None) if block_sizes is not None else None
-    if value is not None and value % num_pseudo:
-      raise ValueError(
-        f"{name} = {value} virtual tokens must be a multiple of P = "
-        f"{num_pseudo} for the fused kernels (a tile holds whole tokens)."
-      )
-    blocks.append(None if value is None else value // num_pseudo)
-  return _BACKENDS[platform].tiles(n, num_pseudo, jnp.dtype(dtype), *blocks)
-
-
 def _config(
   platform: str,
   q: jax.Array,
@@ -168,23 +168,24 @@ def _config(
   block_sizes: BlockSizes | None,
 ) -> Config:
   _, n, h, d = q.shape
-  block_q, block_k, seq_len = _tiles(platform, n, num_pseudo, q.dtype, block_sizes)
-  half_width = _BACKENDS[platform].half_width
-  return Config(
+  backend = _BACKENDS[platform]
+  shape = Config(
     num_heads=h,
     num_targets=num_targets,
     num_pseudo=num_pseudo,
     mixing=mixing,
     head_dim=d,
-    half=half_width(d),
-    value_half=half_width(v.shape[3]),
-    block_q=block_q,
-    block_k=block_k,
-    seq_len=seq_len,
+    half=backend.half_width(d),
+    value_half=backend.half_width(v.shape[3]),
+    block_q=0,
+    block_k=0,
+    seq_len=0,
     window=window,
-    rope=rope_theta is not None,
+    rope=rope_theta is not None and num_pseudo > 1,  # R(0) is the identity
     causal=causal,
   )
+  blocks = [getattr(block_sizes, name, None) for name in ("block_q", "block_k")]
+  return backend.tiled(shape, n, q.dtype, *blocks)
 
 
 def _prepare(
@@ -222,17 +223,21 @@ def _prepare(
     if alphas is None
     else tuple(jnp.swapaxes(a, 0, 1).reshape(-1).astype(jnp.float32) for a in alphas)
   )
-  freq = jnp.zeros((1, cfg.half), jnp.float32)
+  rows = _BACKENDS[platform].pseudo_rows(num_pseudo)
+  angles = jnp.zeros((rows, cfg.half), jnp.float32)
   if rope_theta is not None:
-    freq = freq.at[0, : d // 2].set(rope_frequencies(d, rope_theta))
+    # RoPE at virtual position pos * P + p is R(p) R(pos * P): the source heads turn by
+    # R(pos * P) here (N*H*d work), the kernels by R(p) (a [P, half] table), so no
+    # trigonometry runs per tile.
+    q, k = (apply_rope(x, positions * num_pseudo, rope_theta) for x in (q, k))
+    frequencies = rope_frequencies(d, rope_theta)
+    angles = angles.at[:, : d // 2].set(jnp.arange(rows, dtype=jnp.float32)[:, None] * frequencies)
   if segment_ids is None:  # one unpadded sequence per row
     segment_ids = jnp.ones((b, n), jnp.int32)
-  pad = lambda x: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, cfg.seq_len - n)))
   args = (
     flat,
-    freq,
-    pad(segment_ids),
-    pad(positions),
+    (jnp.cos(angles), jnp.sin(angles)),
+    jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, cfg.seq_len - n))),
     _to_kernel(q, cfg.half, cfg.seq_len),
     _to_kernel(k, cfg.half, cfg.seq_len),
     _to_kernel(v, cfg.value_half, cfg.seq_len),
@@ -262,9 +267,11 @@ def pseudo_outputs(
   plain MHA (Ht = H, P = 1). `segment_ids` None: one unpadded sequence per row.
   `causal=False` attends bidirectionally (`ops.masking.visible`).
 
-  Returns `(o, restore)`: o `[B, Ht, P, Np, Wv]` (padded tokens and lanes) and
-  `restore`, mapping a collapsed `[B, Np, H', Wv]` to `[B, N, H', dv]`. The VJP saves
-  o; IHA layers use `collapsed_outputs`, which saves nothing P-sized.
+  Returns `(o, restore)`: o the pseudo outputs, 5-D in the backend's `OUTPUT_SPEC` order
+  (TPU `[B, Ht, P, Np, Wv]`, GPU `[B, Ht, Np, Pr, Wv]`; padded tokens, lanes and, on GPU,
+  pseudo rows Pr = next_pow2(P)) and `restore`, mapping a collapsed `[B, Np, H', Wv]` to
+  `[B, N, H', dv]`. The VJP saves o; IHA layers use `collapsed_outputs`, which saves
+  nothing P-sized.
   """
   cfg, args, restore = _prepare(
     q,
@@ -279,7 +286,7 @@ def pseudo_outputs(
     platform=platform,
     block_sizes=block_sizes,
   )
-  return _attend(platform, cfg, *args), restore
+  return _BACKENDS[platform].pseudo_view(_attend(platform, cfg, *args), cfg), restore
 
 
 def collapsed_outputs(
@@ -390,4 +397,6 @@ def mha_attention(
     block_sizes=block_sizes,
     causal=causal,
   )
-  return restore(jnp.swapaxes(o[:, :, 0], 1, 2))
+  # The pseudo view's P axis has one entry (GPU tiles may pad it: take entry 0).
+  o = jnp.take(o, 0, axis=_BACKENDS[platform].OUTPUT_SPEC.index("p"))
+  return restore(jnp.swapaxes(o, 1, 2))

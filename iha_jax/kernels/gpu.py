@@ -1,23 +1,35 @@
-"""Fused IHA attention for GPU: Pallas Triton kernels (forward, dQ, dK/dV).
+"""Fused IHA attention for GPU: Pallas Triton kernels (forward, dQ, dK/dV) on virtual-row tiles.
 
-Layouts are those of `iha_jax.kernels.common`. Triton blocks are pointer
-offsets, not copies, so every kernel sees whole `[H, Np, W]` source rows of its
-batch element and loads `[block, half]` (q/k) and `[block, Wv]` (v) tiles at
-dynamic offsets inside its own loops (the pattern of FlashAttention-2 on GPU):
-- forward, grid (query tiles, B, target heads): builds the pseudo-q pieces once,
-  then walks exactly the key tiles of its band (causal or bidirectional, global or
-  window: `common.kv_range`), rebuilding pseudo k/v pieces per tile (mixing + RoPE
-  on chip) with an online softmax.
-- dQ, grid (query tiles, B): loops over target heads (they all add into the same
-  source-head dq rows, so one program owns them: no atomics) and over the key
-  band; contracts d(pseudo q) with alpha on chip into float32 dq and a per-tile
-  partial dalpha_q.
-- dK/dV, grid (key tiles, B): the same over the query band for dk, dv, dalpha_k/v.
-`interpret=True` runs the same kernels through Pallas' HLO interpreter (CPU).
+A tile is `R` consecutive rows of one target head's virtual sequence, in the interleaved
+order of docs/design.md §1.3: each token owns `Pr = next_pow2(P)` rows, row `r` of tile i
+is pseudo-head `p = r % Pr` of token `i * b + r // Pr` (`b = R / Pr` tokens per tile), and
+rows with `p >= P` are dead (segment 0: never seen, output zero; only when P is not a power
+of two). So every dot is one `[Rq, W] x [W, Rk]` tensor-core matmul (Hopper `wgmma` from
+64 rows), the mask is `ops.masking.visible` on virtual indices `t = n * P + p`, and the
+kernels never unroll over P. Tiles are built on chip: a source head's `[R, W]` rows are a
+gather of its token rows (each token read Pr times, from L1), mixed with the coefficient
+column `alpha[m, h, p(r)]`, then rotated by R(p) (the caller rotated the source heads by
+R(pos * P): RoPE at virtual position `pos * P + p`, see `iha_jax.kernels.common`).
+
+Layouts (besides `iha_jax.kernels.common`'s source layouts): the pseudo output, its
+cotangent, lse and delta are `[B, Ht, Np, Pr, ·]` (a tile's rows are `[b, Pr]` of it);
+dalpha partials `[B, tiles, Ht * H, Pr]`.
+
+- forward, grid (query tiles, B, target heads): walks the key tiles of its band
+  (`common.kv_range`) with an online softmax.
+- dQ, grid (query tiles, B): loops over target heads (they all add into the same source
+  rows of dq, so one program owns them: no atomics) and over the key band; the pseudo
+  gradient goes back to the source heads on chip (`_scatter`).
+- dK/dV, grid (key tiles, B): the same over the query band for dk, dv.
+
+Tiles, warps and pipeline stages per kernel come from `iha_jax.kernels.gpu_tiles`, chosen
+by compiling candidates for H100 (`benchmarks/tune_gpu_tiles.py`). `interpret=True` runs
+the same kernels through Pallas' HLO interpreter (CPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,14 +38,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from iha_jax.kernels import common
+from iha_jax.kernels import common, gpu_tiles
 from iha_jax.kernels.common import Config
+from iha_jax.kernels.gpu_tiles import Launch
+from iha_jax.ops.masking import visible
 from iha_jax.ops.options import round_up
 
-
-def default_block(num_pseudo: int) -> int:
-  """Token tile: ~128 virtual rows per tile, >= 16 (Triton's smallest dot edge)."""
-  return max(16, 1 << ((128 // num_pseudo).bit_length() - 1))
+# The pseudo output's axes in einsum letters: [B, Ht, Np, Pr, W] (see `pseudo_view`).
+OUTPUT_SPEC = "bhnpd"
 
 
 def half_width(head_dim: int) -> int:
@@ -41,161 +53,262 @@ def half_width(head_dim: int) -> int:
   return max(16, common.next_pow2(-(-head_dim // 2)))
 
 
-def tiles(
-  n: int, num_pseudo: int, dtype, block_q: int | None, block_k: int | None
-) -> tuple[int, int, int]:
-  """(block_q, block_k, padded tokens) in tokens; tiles never exceed the padded sequence."""
-  del dtype  # Triton tiles depend on the element type only through tuning.
-  cap = max(16, common.next_pow2(n))
-  block_q = min(block_q or default_block(num_pseudo), cap)
-  block_k = min(block_k or default_block(num_pseudo), cap)
-  return block_q, block_k, round_up(n, max(block_q, block_k))
+def pseudo_rows(num_pseudo: int) -> int:
+  """Rows per token inside a tile: P rounded up to a power of two."""
+  return common.next_pow2(num_pseudo)
 
 
-def check_blocks(cfg: Config) -> None:
-  """Triton tiles must be powers of two (and >= 16 for tensor-core dots when compiled)."""
-  for name, block in (
-    ("block_q", cfg.block_q),
-    ("block_k", cfg.block_k),
-    ("half", cfg.half),
-    ("value_half", cfg.value_half),
-  ):
-    if block & (block - 1):
-      raise ValueError(
-        f"GPU kernels need power-of-two tiles; {name} is {block} tokens "
-        f"(virtual block = tokens * P)."
-      )
+def tiled(cfg: Config, n: int, dtype, block_q: int | None, block_k: int | None) -> Config:
+  """cfg with its tiles: the (forward, dQ, dK/dV) `launch`, the forward's block_q and
+  block_k in tokens, and padded tokens `seq_len` (a multiple of every kernel's tiles).
 
-
-def _params(cfg: Config) -> plgpu.CompilerParams:
+  `block_q`, `block_k`: tile rows (virtual tokens, powers of two >= 16 and >= Pr) for all
+  three kernels, or None for the tuned table (`gpu_tiles.launches`).
+  """
+  rows = pseudo_rows(cfg.num_pseudo)
   width = max(cfg.width, cfg.value_width)
-  return plgpu.CompilerParams(num_warps=4 if width <= 64 else 8, num_stages=2)
+  launches = gpu_tiles.launches(cfg.num_pseudo, width, jnp.dtype(dtype))
+  for name, value in (("block_q", block_q), ("block_k", block_k)):
+    if value is not None and (value & (value - 1) or value < max(16, rows)):
+      raise ValueError(
+        f"GPU kernels need power-of-two tiles of >= {max(16, rows)} virtual rows "
+        f"(16, and P = {cfg.num_pseudo} rounded up to a power of two); {name} is {value}."
+      )
+  # Tiles no longer than the (power-of-two padded) sequence.
+  cap = max(16, rows * common.next_pow2(max(1, n)))
+  launches = tuple(
+    dataclasses.replace(
+      launch, rows_q=min(block_q or launch.rows_q, cap), rows_k=min(block_k or launch.rows_k, cap)
+    )
+    for launch in launches
+  )
+  # Powers of two: the largest token tile is a multiple of the others.
+  tokens = max(max(launch.rows_q, launch.rows_k) for launch in launches) // rows
+  return dataclasses.replace(
+    cfg,
+    block_q=launches[0].rows_q // rows,
+    block_k=launches[0].rows_k // rows,
+    seq_len=round_up(n, tokens),
+    launch=launches,
+  )
 
 
-def _halves(ref, rows, cfg: Config):
-  """Loader of source head m's `[rows, half]` lane halves (for q and k)."""
-  return lambda m: (ref[m, rows, pl.ds(0, cfg.half)], ref[m, rows, pl.ds(cfg.half, cfg.half)])
+def _kernel_config(cfg: Config, launch: Launch) -> Config:
+  """cfg with this kernel's tiles (tokens per tile) for the band arithmetic."""
+  rows = pseudo_rows(cfg.num_pseudo)
+  return dataclasses.replace(cfg, block_q=launch.rows_q // rows, block_k=launch.rows_k // rows)
 
 
-def _whole(ref, rows):
-  """Loader of source head m's full-width `[rows, Wv]` tile (for v)."""
-  return lambda m: (ref[m, rows, :],)
+def _params(launch: Launch) -> plgpu.CompilerParams:
+  return plgpu.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
-def _adder(ref, rows, cfg: Config, halves: bool):
-  """`add(m, parts)`: read-modify-write of source head m's float32 gradient rows."""
+# --- Rows of a tile. --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """Tile `index` of `block` tokens: per row (`[R]` int32 / bool) its token, pseudo index,
+  virtual index `t = token * P + p` and whether it is live (`p < P`)."""
+
+  index: jax.Array
+  block: int
+  token: jax.Array
+  pseudo: jax.Array
+  virtual: jax.Array
+  live: jax.Array
+
+  @property
+  def size(self) -> int:
+    return self.token.shape[0]
+
+  @property
+  def tokens(self) -> pl.Slice:
+    """This tile's tokens in the `[.., Np, ..]` layouts."""
+    return pl.ds(self.index * self.block, self.block)
+
+  def load(self, ref, head) -> jax.Array:
+    """This tile's rows of head `head` of a pseudo-layout ref `[Ht, Np, Pr, w]`, `[R, w]`."""
+    x = ref[head, self.tokens, :, :]
+    return x.reshape(self.size, x.shape[-1])
+
+  def store(self, ref, x: jax.Array) -> None:
+    """Writes `[R, w]` rows into this tile's part of a per-head block `[Np, Pr, w]`."""
+    ref[self.tokens, :, :] = x.reshape(self.block, self.size // self.block, x.shape[-1])
+
+
+def _rows(index, block: int, cfg: Config) -> _Rows:
+  pr = pseudo_rows(cfg.num_pseudo)
+  r = lax.broadcasted_iota(jnp.int32, (block * pr,), 0)
+  token = index * block + lax.div(r, jnp.int32(pr))
+  pseudo = lax.rem(r, jnp.int32(pr))
+  live = pseudo < cfg.num_pseudo
+  return _Rows(index, block, token, pseudo, token * cfg.num_pseudo + pseudo, live)
+
+
+def _segments(seg_ref, rows: _Rows) -> jax.Array:
+  """`[R]` segment ids, 0 on dead rows."""
+  return jnp.where(rows.live, seg_ref[rows.token], 0)
+
+
+def _lanes(start: int, width: int) -> jax.Array:
+  return start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+
+
+def _loader(ref, rows: _Rows, widths: tuple[int, ...]):
+  """`load(m)`: source head m's rows of the tile as lane parts (`[R, w]` each, a gather)."""
+  starts = [sum(widths[:c]) for c in range(len(widths))]
+  return lambda m: tuple(ref[m, rows.token[:, None], _lanes(s, w)] for s, w in zip(starts, widths))
+
+
+def _coefficients(alpha_ref, h, m, rows: _Rows, cfg: Config) -> jax.Array:
+  """`[R, 1]` column alpha[m, h, p(r)] (the last pseudo index on dead rows)."""
+  p = jnp.minimum(rows.pseudo, cfg.num_pseudo - 1)
+  return alpha_ref[(h * cfg.num_heads + m) * cfg.num_pseudo + p][:, None]
+
+
+def _pseudo(load, alpha_ref, h, rows: _Rows, cfg: Config) -> tuple[jax.Array, ...]:
+  """Target head h's pseudo rows `sum_m alpha[m, h, p(r)] * source[m]`, float32 parts."""
+  if not cfg.mixing:  # MHA: head h itself
+    return tuple(x.astype(jnp.float32) for x in load(h))
+
+  def add_source(m, acc):
+    c = _coefficients(alpha_ref, h, m, rows, cfg)
+    return tuple(a + c * x.astype(jnp.float32) for a, x in zip(acc, load(m)))
+
+  first = _coefficients(alpha_ref, h, 0, rows, cfg)
+  init = tuple(first * x.astype(jnp.float32) for x in load(0))
+  return lax.fori_loop(1, cfg.num_heads, add_source, init)
+
+
+def _rotation(cos_ref, sin_ref, rows: _Rows, cfg: Config) -> tuple[jax.Array, jax.Array]:
+  """`[R, half]` cos and sin of each row's pseudo index (a gather from the `[Pr, half]`
+  tables)."""
+  index = (rows.pseudo[:, None], _lanes(0, cfg.half))
+  return cos_ref[index], sin_ref[index]
+
+
+def _qk_tile(ref, alpha_ref, h, rows, rotation, cfg: Config, dtype):
+  """Pseudo q or k rows of target head h, rotated by R(p), as lane halves in `dtype`."""
+  parts = _pseudo(_loader(ref, rows, (cfg.half, cfg.half)), alpha_ref, h, rows, cfg)
+  if cfg.rope:
+    parts = common.rotate(parts, *_rotation(*rotation, rows, cfg))
+  return tuple(x.astype(dtype) for x in parts)
+
+
+def _v_tile(ref, alpha_ref, h, rows, cfg: Config, dtype):
+  (v,) = _pseudo(_loader(ref, rows, (cfg.value_width,)), alpha_ref, h, rows, cfg)
+  return v.astype(dtype)
+
+
+def _mask(q_rows: _Rows, seg_q, k_rows: _Rows, seg_k, cfg: Config) -> jax.Array:
+  return visible(
+    q_rows.virtual[:, None], k_rows.virtual[None, :], seg_q, seg_k, cfg.window, cfg.causal
+  )
+
+
+# --- Scatter of pseudo gradients back to the source heads. ---------------------------
+
+
+def _token_sum(x: jax.Array, rows: _Rows) -> jax.Array:
+  """`[R, ...]` -> `[b, ...]`: sum over each token's Pr rows."""
+  return jnp.sum(x.reshape(rows.block, x.shape[0] // rows.block, *x.shape[1:]), axis=1)
+
+
+def _scatter(grads, load, ref, alpha_ref, dalpha_ref, h, rows: _Rows, cfg: Config, widths):
+  """Adds target head h's pseudo gradient (float32 lane parts, `[R, w]`, before RoPE) into
+  the source rows of `ref` (`[H, Np, W]` float32): `sum_p alpha[m, h, p] * grad[p]` for
+  every source head m, and writes the partial `dalpha[m, h, p]` of this tile."""
+  starts = [sum(widths[:c]) for c in range(len(widths))]
+  tokens = pl.ds(rows.index * rows.block, rows.block)
 
   def add(m, parts):
-    if halves:
-      for c, part in enumerate(parts):
-        ref[m, rows, pl.ds(c * cfg.half, cfg.half)] += part
-    else:
-      ref[m, rows, :] += parts[0]
+    for s, w, part in zip(starts, widths, parts):
+      ref[m, tokens, pl.ds(s, w)] += part
 
-  return add
+  if not cfg.mixing:
+    add(h, grads)
+    return
+
+  def body(m, carry):
+    c = _coefficients(alpha_ref, h, m, rows, cfg)
+    add(m, tuple(_token_sum(c * g, rows) for g in grads))
+    src = load(m)
+    dot = sum(jnp.sum(x.astype(jnp.float32) * g, axis=1) for x, g in zip(src, grads))
+    dalpha_ref[h * cfg.num_heads + m, :] = jnp.sum(dot.reshape(rows.block, -1), axis=0)
+    return carry
+
+  lax.fori_loop(0, cfg.num_heads, body, 0)
 
 
-def _column(ref, rows):
-  return ref[rows][:, None]
-
-
-def _row(ref, rows):
-  return ref[rows][None, :]
-
-
-def _key_tile(j, h, k_ref, v_ref, seg_ref, pos_ref, ak, av, inv_freq, cfg: Config):
-  """Key tile j of target head h: (rotated pseudo k pieces, pseudo v pieces,
-  key segment ids `[1, bk]`, key token indices `[1, bk]`)."""
-  bk = cfg.block_k
-  k_rows = pl.ds(j * bk, bk)
-  k = common.rotated_pieces(
-    _halves(k_ref, k_rows, cfg), ak, h, _column(pos_ref, k_rows), inv_freq, cfg, k_ref.dtype
-  )
-  v = common.plain_pieces(_whole(v_ref, k_rows), av, h, cfg, v_ref.dtype)
-  return k, v, _row(seg_ref, k_rows), common.token_index(j * bk, bk, 1)
+# --- Kernels. ------------------------------------------------------------------------
 
 
 def _forward_kernel(*refs, cfg: Config):
-  (aq, ak, av), (freq_ref, seg_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref) = (
+  (aq, ak, av), (cos_ref, sin_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref) = (
     common.split_alpha(refs, cfg)
   )
   i, h = pl.program_id(0), pl.program_id(2)
-  bq = cfg.block_q
-  q_rows = pl.ds(i * bq, bq)
-  inv_freq = freq_ref[...]
-  seg_q, q_tok = _column(seg_ref, q_rows), common.token_index(i * bq, bq, 0)
-  q = common.rotated_pieces(
-    _halves(q_ref, q_rows, cfg), aq, h, _column(pos_ref, q_rows), inv_freq, cfg, q_ref.dtype
-  )
+  rotation = (cos_ref, sin_ref)
+  q_rows = _rows(i, cfg.block_q, cfg)
+  seg_q = _segments(seg_ref, q_rows)[:, None]
+  q = _qk_tile(q_ref, aq, h, q_rows, rotation, cfg, q_ref.dtype)
 
   def body(j, state):
-    k, v, seg_k, k_tok = _key_tile(j, h, k_ref, v_ref, seg_ref, pos_ref, ak, av, inv_freq, cfg)
-    mask = lambda pq, pk: common.tile_mask(q_tok, k_tok, pq, pk, seg_q, seg_k, cfg)
-    return common.forward_tile(state, q, k, v, mask, cfg)
+    k_rows = _rows(j, cfg.block_k, cfg)
+    k = _qk_tile(k_ref, ak, h, k_rows, rotation, cfg, k_ref.dtype)
+    v = _v_tile(v_ref, av, h, k_rows, cfg, v_ref.dtype)
+    mask = _mask(q_rows, seg_q, k_rows, _segments(seg_ref, k_rows)[None, :], cfg)
+    [state] = common.forward_tile([state], [q], [k], [(v,)], lambda *_: mask, cfg)
+    return state
 
   lo, hi = common.kv_range(i, cfg)
-  state = lax.fori_loop(lo, hi, body, common.init_state(cfg))
-  for p, (out, lse) in enumerate(common.finalize(state, seg_q)):
-    o_ref[p, q_rows, :] = out.astype(o_ref.dtype)
-    lse_ref[p, q_rows, :] = lse
+  [state] = common.init_state(1, q_rows.size, cfg.value_width)
+  [(out, lse)] = common.finalize([lax.fori_loop(lo, hi, body, state)], seg_q)
+  q_rows.store(o_ref, out.astype(o_ref.dtype))
+  q_rows.store(lse_ref, lse)
 
 
-def _zero_rows(refs, rows, cfg: Config) -> None:
+def _zero_rows(refs, rows: _Rows, cfg: Config) -> None:
+  tokens = pl.ds(rows.index * rows.block, rows.block)
   for ref in refs:
     for m in range(cfg.num_heads):
-      ref[m, rows, :] = jnp.zeros((rows.size, ref.shape[-1]), ref.dtype)
+      ref[m, tokens, :] = jnp.zeros((rows.block, ref.shape[-1]), ref.dtype)
+
+
+def _cotangents(do_ref, lse_ref, delta_ref, h, rows: _Rows):
+  return tuple(rows.load(ref, h) for ref in (do_ref, lse_ref, delta_ref))
 
 
 def _dq_kernel(*refs, cfg: Config):
   (
     (aq, ak, av),
-    (freq_ref, seg_ref, pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *dalpha),
+    (cos_ref, sin_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *dalpha),
   ) = common.split_alpha(refs, cfg)
-  i = pl.program_id(0)
-  bq = cfg.block_q
-  q_rows = pl.ds(i * bq, bq)
-  inv_freq = freq_ref[...]
-  seg_q, pos_q = _column(seg_ref, q_rows), _column(pos_ref, q_rows)
-  q_tok = common.token_index(i * bq, bq, 0)
-  load_q = _halves(q_ref, q_rows, cfg)
+  rotation = (cos_ref, sin_ref)
+  q_rows = _rows(pl.program_id(0), cfg.block_q, cfg)
+  seg_q = _segments(seg_ref, q_rows)[:, None]
+  load_q = _loader(q_ref, q_rows, (cfg.half, cfg.half))
   _zero_rows([dq_ref], q_rows, cfg)
-  lo, hi = common.kv_range(i, cfg)
+  lo, hi = common.kv_range(q_rows.index, cfg)
 
   def head(h, carry):
-    q = common.rotated_pieces(load_q, aq, h, pos_q, inv_freq, cfg, q_ref.dtype)
-    do = [do_ref[h, p, q_rows, :] for p in range(cfg.num_pseudo)]
-    lse = [lse_ref[h, p, q_rows, :] for p in range(cfg.num_pseudo)]
-    delta = [delta_ref[h, p, q_rows, :] for p in range(cfg.num_pseudo)]
+    q = _qk_tile(q_ref, aq, h, q_rows, rotation, cfg, q_ref.dtype)
+    do, lse, delta = _cotangents(do_ref, lse_ref, delta_ref, h, q_rows)
 
     def body(j, dq):
-      k, v, seg_k, k_tok = _key_tile(j, h, k_ref, v_ref, seg_ref, pos_ref, ak, av, inv_freq, cfg)
-      dq = [list(piece) for piece in dq]
-      for pq in range(cfg.num_pseudo):
-        for pk in range(cfg.num_pseudo):
-          mask = common.tile_mask(q_tok, k_tok, pq, pk, seg_q, seg_k, cfg)
-          _, ds = common.probs_and_grads(q[pq], k[pk], v[pk], do[pq], lse[pq], delta[pq], mask, cfg)
-          for c, part in enumerate(k[pk]):
-            dq[pq][c] += common.dot(ds.astype(part.dtype), part, (1, 0))
-      return [tuple(piece) for piece in dq]
+      k_rows = _rows(j, cfg.block_k, cfg)
+      k = _qk_tile(k_ref, ak, h, k_rows, rotation, cfg, k_ref.dtype)
+      v = _v_tile(v_ref, av, h, k_rows, cfg, v_ref.dtype)
+      mask = _mask(q_rows, seg_q, k_rows, _segments(seg_ref, k_rows)[None, :], cfg)
+      _, ds = common.probs_and_grads(q, k, (v,), do, lse, delta, mask, cfg)
+      return tuple(acc + common.dot(ds.astype(x.dtype), x, (1, 0)) for acc, x in zip(dq, k))
 
-    zeros = [
-      tuple(jnp.zeros((bq, cfg.half), jnp.float32) for _ in range(2)) for _ in range(cfg.num_pseudo)
-    ]
+    zeros = tuple(jnp.zeros((q_rows.size, cfg.half), jnp.float32) for _ in range(2))
     dq = lax.fori_loop(lo, hi, body, zeros)
     if cfg.rope:
-      dq = [
-        common.rope(g, common.virtual_position(pos_q, p, cfg), inv_freq, transpose=True)
-        for p, g in enumerate(dq)
-      ]
-    common.scatter_to_sources(
-      dq,
-      load_q,
-      _adder(dq_ref, q_rows, cfg, halves=True),
-      aq,
-      dalpha[0] if dalpha else None,
-      h,
-      cfg,
-    )
+      dq = common.rotate(dq, *_rotation(*rotation, q_rows, cfg), transpose=True)
+    _scatter(dq, load_q, dq_ref, aq, dalpha[0] if dalpha else None, h, q_rows, cfg, (cfg.half,) * 2)
     return carry
 
   lax.fori_loop(0, cfg.num_targets, head, 0)
@@ -205,9 +318,9 @@ def _dkv_kernel(*refs, cfg: Config):
   (
     (aq, ak, av),
     (
-      freq_ref,
+      cos_ref,
+      sin_ref,
       seg_ref,
-      pos_ref,
       q_ref,
       k_ref,
       v_ref,
@@ -219,76 +332,49 @@ def _dkv_kernel(*refs, cfg: Config):
       *dalpha,
     ),
   ) = common.split_alpha(refs, cfg)
-  j = pl.program_id(0)
-  bq, bk = cfg.block_q, cfg.block_k
-  k_rows = pl.ds(j * bk, bk)
-  inv_freq = freq_ref[...]
-  seg_k, pos_k = _row(seg_ref, k_rows), _column(pos_ref, k_rows)
-  k_tok = common.token_index(j * bk, bk, 1)
-  load_k, load_v = _halves(k_ref, k_rows, cfg), _whole(v_ref, k_rows)
+  rotation = (cos_ref, sin_ref)
+  k_rows = _rows(pl.program_id(0), cfg.block_k, cfg)
+  seg_k = _segments(seg_ref, k_rows)[None, :]
+  load_k = _loader(k_ref, k_rows, (cfg.half, cfg.half))
+  load_v = _loader(v_ref, k_rows, (cfg.value_width,))
   _zero_rows([dk_ref, dv_ref], k_rows, cfg)
-  lo, hi = common.q_range(j, cfg)
+  lo, hi = common.q_range(k_rows.index, cfg)
 
   def head(h, carry):
-    k = common.rotated_pieces(load_k, ak, h, pos_k, inv_freq, cfg, k_ref.dtype)
-    v = common.plain_pieces(load_v, av, h, cfg, v_ref.dtype)
+    k = _qk_tile(k_ref, ak, h, k_rows, rotation, cfg, k_ref.dtype)
+    v = _v_tile(v_ref, av, h, k_rows, cfg, v_ref.dtype)
 
     def body(i, grads):
-      dk, dv = [list(piece) for piece in grads[0]], list(grads[1])
-      q_rows = pl.ds(i * bq, bq)
-      q = common.rotated_pieces(
-        _halves(q_ref, q_rows, cfg), aq, h, _column(pos_ref, q_rows), inv_freq, cfg, q_ref.dtype
-      )
-      seg_q, q_tok = _column(seg_ref, q_rows), common.token_index(i * bq, bq, 0)
-      for pq in range(cfg.num_pseudo):
-        do = do_ref[h, pq, q_rows, :]
-        lse, delta = lse_ref[h, pq, q_rows, :], delta_ref[h, pq, q_rows, :]
-        for pk in range(cfg.num_pseudo):
-          mask = common.tile_mask(q_tok, k_tok, pq, pk, seg_q, seg_k, cfg)
-          p, ds = common.probs_and_grads(q[pq], k[pk], v[pk], do, lse, delta, mask, cfg)
-          dv[pk] += common.dot(p.astype(do.dtype), do, (0, 0))
-          for c, part in enumerate(q[pq]):
-            dk[pk][c] += common.dot(ds.astype(part.dtype), part, (0, 0))
-      return [tuple(piece) for piece in dk], dv
+      dk, dv = grads
+      q_rows = _rows(i, cfg.block_q, cfg)
+      q = _qk_tile(q_ref, aq, h, q_rows, rotation, cfg, q_ref.dtype)
+      do, lse, delta = _cotangents(do_ref, lse_ref, delta_ref, h, q_rows)
+      mask = _mask(q_rows, _segments(seg_ref, q_rows)[:, None], k_rows, seg_k, cfg)
+      p, ds = common.probs_and_grads(q, k, (v,), do, lse, delta, mask, cfg)
+      dv = dv + common.dot(p.astype(do.dtype), do, (0, 0))
+      dk = tuple(acc + common.dot(ds.astype(x.dtype), x, (0, 0)) for acc, x in zip(dk, q))
+      return dk, dv
 
     zeros = (
-      [
-        tuple(jnp.zeros((bk, cfg.half), jnp.float32) for _ in range(2))
-        for _ in range(cfg.num_pseudo)
-      ],
-      [jnp.zeros((bk, cfg.value_width), jnp.float32) for _ in range(cfg.num_pseudo)],
+      tuple(jnp.zeros((k_rows.size, cfg.half), jnp.float32) for _ in range(2)),
+      jnp.zeros((k_rows.size, cfg.value_width), jnp.float32),
     )
     dk, dv = lax.fori_loop(lo, hi, body, zeros)
     if cfg.rope:
-      dk = [
-        common.rope(g, common.virtual_position(pos_k, p, cfg), inv_freq, transpose=True)
-        for p, g in enumerate(dk)
-      ]
-    common.scatter_to_sources(
-      dk,
-      load_k,
-      _adder(dk_ref, k_rows, cfg, halves=True),
-      ak,
-      dalpha[0] if dalpha else None,
-      h,
-      cfg,
-    )
-    common.scatter_to_sources(
-      [(g,) for g in dv],
-      load_v,
-      _adder(dv_ref, k_rows, cfg, False),
-      av,
-      dalpha[1] if dalpha else None,
-      h,
-      cfg,
-    )
+      dk = common.rotate(dk, *_rotation(*rotation, k_rows, cfg), transpose=True)
+    halves, whole = (cfg.half,) * 2, (cfg.value_width,)
+    _scatter(dk, load_k, dk_ref, ak, dalpha[0] if dalpha else None, h, k_rows, cfg, halves)
+    _scatter((dv,), load_v, dv_ref, av, dalpha[1] if dalpha else None, h, k_rows, cfg, whole)
     return carry
 
   lax.fori_loop(0, cfg.num_targets, head, 0)
 
 
+# --- pallas_call wrappers. -----------------------------------------------------------
+
+
 def _whole_spec(x: jax.Array) -> pl.BlockSpec:
-  """All of a small array (alpha, inv_freq) for every program."""
+  """All of a small array (alpha, rotation tables) for every program."""
   return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
@@ -297,67 +383,90 @@ def _batch_spec(x: jax.Array, batch_axis: int) -> pl.BlockSpec:
   return pl.BlockSpec((None, *x.shape[1:]), lambda *g: (g[batch_axis],) + (0,) * (x.ndim - 1))
 
 
-def _dalpha_shape(cfg: Config, batch: int, tiles: int) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct((batch, tiles, cfg.flat_alpha), jnp.float32)
+def pseudo_view(o: jax.Array, cfg: Config) -> jax.Array:
+  """The pseudo outputs in `OUTPUT_SPEC` order (the kernel layout already is)."""
+  del cfg
+  return o
 
 
-def forward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, *, interpret: bool):
-  """-> (o `[B, H, P, Np, Wv]` in q.dtype, lse `[B, H, P, Np, 1]` float32)."""
-  check_blocks(cfg)
+kernel_view = pseudo_view
+
+
+def collapse_weights(collapse: jax.Array, cfg: Config) -> jax.Array:
+  """Collapse padded with zeros along P to the tile's Pr rows per token."""
+  pad = pseudo_rows(cfg.num_pseudo) - cfg.num_pseudo
+  return jnp.pad(collapse, [(0, 0)] * (collapse.ndim - 1) + [(0, pad)])
+
+
+def forward(cfg: Config, alphas, rotation, seg, q, k, v, *, interpret: bool):
+  """-> (o `[B, Ht, Np, Pr, Wv]` in q.dtype, lse `[B, Ht, Np, Pr, 1]` float32)."""
+  launch = cfg.launch[0]
+  kcfg = _kernel_config(cfg, launch)
   b = q.shape[0]
-  small = [*alphas, inv_freq]
-  batch = [seg, pos, q, k, v]
+  small = [*alphas, *rotation]
+  batch = [seg, q, k, v]
+  rows = (cfg.seq_len, pseudo_rows(cfg.num_pseudo))
   out_shape = (
-    jax.ShapeDtypeStruct(
-      (b, cfg.num_targets, cfg.num_pseudo, cfg.seq_len, cfg.value_width), q.dtype
-    ),
-    jax.ShapeDtypeStruct((b, cfg.num_targets, cfg.num_pseudo, cfg.seq_len, 1), jnp.float32),
+    jax.ShapeDtypeStruct((b, cfg.num_targets, *rows, cfg.value_width), q.dtype),
+    jax.ShapeDtypeStruct((b, cfg.num_targets, *rows, 1), jnp.float32),
   )
   per_head = lambda s: pl.BlockSpec((None, None, *s.shape[2:]), lambda i, bb, h: (bb, h, 0, 0, 0))
   return pl.pallas_call(
-    functools.partial(_forward_kernel, cfg=cfg),
-    grid=(cfg.num_q_blocks, b, cfg.num_targets),
+    functools.partial(_forward_kernel, cfg=kcfg),
+    grid=(kcfg.num_q_blocks, b, cfg.num_targets),
     in_specs=[_whole_spec(x) for x in small] + [_batch_spec(x, 1) for x in batch],
     out_specs=tuple(per_head(s) for s in out_shape),
     out_shape=out_shape,
-    compiler_params=_params(cfg),
+    compiler_params=_params(launch),
     interpret=interpret,
     name="iha_forward",
   )(*small, *batch)
 
 
-def backward(cfg: Config, alphas, inv_freq, seg, pos, q, k, v, do, lse, delta, *, interpret: bool):
+def _dalpha_shape(cfg: Config, batch: int, tiles: int) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(
+    (batch, tiles, cfg.num_targets * cfg.num_heads, pseudo_rows(cfg.num_pseudo)), jnp.float32
+  )
+
+
+def dalpha_flat(x: jax.Array, cfg: Config) -> jax.Array:
+  """Partials `[B, tiles, Ht * H, Pr]` -> the flat (target, source, pseudo) layout."""
+  return x[..., : cfg.num_pseudo].sum(axis=(0, 1)).reshape(-1)
+
+
+def backward(cfg: Config, alphas, rotation, seg, q, k, v, do, lse, delta, *, interpret: bool):
   """-> (dq, dk `[B, H, Np, W]`, dv `[B, H, Np, Wv]` float32, dalpha partials
-  `[B, tiles, H*H*P]` x3 or None)."""
-  check_blocks(cfg)
+  `[B, tiles, Ht * H, Pr]` x3 or None)."""
   b = q.shape[0]
-  small = [*alphas, inv_freq]
-  batch = [seg, pos, q, k, v, do, lse, delta]
+  small = [*alphas, *rotation]
+  batch = [seg, q, k, v, do, lse, delta]
   in_specs = [_whole_spec(x) for x in small] + [_batch_spec(x, 1) for x in batch]
   grad = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-  dq_out = [grad] + ([_dalpha_shape(cfg, b, cfg.num_q_blocks)] if cfg.mixing else [])
+
+  dq_launch, dkv_launch = cfg.launch[1], cfg.launch[2]
+  dq_cfg, dkv_cfg = _kernel_config(cfg, dq_launch), _kernel_config(cfg, dkv_launch)
+  dq_out = [grad] + ([_dalpha_shape(cfg, b, dq_cfg.num_q_blocks)] if cfg.mixing else [])
   dkv_out = [grad, jax.ShapeDtypeStruct(v.shape, jnp.float32)] + (
-    [_dalpha_shape(cfg, b, cfg.num_k_blocks)] * 2 if cfg.mixing else []
+    [_dalpha_shape(cfg, b, dkv_cfg.num_k_blocks)] * 2 if cfg.mixing else []
   )
-  tile_spec = lambda s: pl.BlockSpec((None, None, s.shape[2]), lambda t, bb: (bb, t, 0))
-  out_spec = lambda s: tile_spec(s) if s.ndim == 3 else _batch_spec(s, 1)
+  tile_spec = lambda s: pl.BlockSpec((None, None, *s.shape[2:]), lambda t, bb: (bb, t, 0, 0))
   dq, *dalpha_q = pl.pallas_call(
-    functools.partial(_dq_kernel, cfg=cfg),
-    grid=(cfg.num_q_blocks, b),
+    functools.partial(_dq_kernel, cfg=dq_cfg),
+    grid=(dq_cfg.num_q_blocks, b),
     in_specs=in_specs,
-    out_specs=[out_spec(s) for s in dq_out],
+    out_specs=[_batch_spec(dq_out[0], 1)] + [tile_spec(s) for s in dq_out[1:]],
     out_shape=dq_out,
-    compiler_params=_params(cfg),
+    compiler_params=_params(dq_launch),
     interpret=interpret,
     name="iha_backward_dq",
   )(*small, *batch)
   dk, dv, *dalpha_kv = pl.pallas_call(
-    functools.partial(_dkv_kernel, cfg=cfg),
-    grid=(cfg.num_k_blocks, b),
+    functools.partial(_dkv_kernel, cfg=dkv_cfg),
+    grid=(dkv_cfg.num_k_blocks, b),
     in_specs=in_specs,
-    out_specs=[out_spec(s) for s in dkv_out],
+    out_specs=[_batch_spec(s, 1) for s in dkv_out[:2]] + [tile_spec(s) for s in dkv_out[2:]],
     out_shape=dkv_out,
-    compiler_params=_params(cfg),
+    compiler_params=_params(dkv_launch),
     interpret=interpret,
     name="iha_backward_dkv",
   )(*small, *batch)

@@ -17,11 +17,11 @@ import re
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from iha_jax import parallel
 from iha_jax.models import LanguageModel, TransformerConfig
+from iha_jax.train.lowering import abstract_batch
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import abstract_state
 from iha_jax.train.step import make_train_step
@@ -55,14 +55,7 @@ def export_train_step(
   tx = make_optimizer(train_cfg)
   target, shardings = abstract_state(model, tx, mesh)
   rows = parallel.batch_sharding(mesh)
-  tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=rows)
-  batch = {
-    "inputs": tokens,
-    "targets": tokens,
-    "segment_ids": tokens,
-    "positions": tokens,
-    "weights": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32, sharding=rows),
-  }
+  batch = abstract_batch(model_cfg, batch_size, seq_len, "cross_entropy", rows)
   step = make_train_step(model, tx, learning_rate_schedule(train_cfg), accum_steps)
   with parallel.activate(mesh):
     jitted = jax.jit(step, in_shardings=(shardings, rows), donate_argnums=0)

@@ -33,12 +33,11 @@ from iha_jax.models import LanguageModel
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train import flops as flops_lib
-from iha_jax.train import inputs
+from iha_jax.train import inputs, lowering
 from iha_jax.train.evaluate import Evaluator
 from iha_jax.train.metrics import MetricsWriter
-from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
+from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import TrainState, abstract_state, create_state
-from iha_jax.train.step import make_train_step
 
 
 class NonFiniteLossError(UserError, RuntimeError):
@@ -206,46 +205,17 @@ class Trainer:
 
   def compile_step(self) -> Any:
     """The train step, jitted with shardings and a donated state, compiled ahead."""
-    config, mesh = self.config, self.mesh
-    rows = parallel.batch_sharding(mesh)
-    step_fn = make_train_step(
+    config = self.config
+    compiled = lowering.lower_train_step(
       self.model,
       self.tx,
-      learning_rate_schedule(config.train),
-      config.train.grad_accum_steps,
+      config.train,
       self.loss,
-    )
-    shape = (config.train.batch_size, config.data.seq_len)
-    abstract_batch = {
-      k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-      for k, dtype in (
-        ("inputs", np.int32),
-        ("targets", np.int32),
-        ("segment_ids", np.int32),
-        ("positions", np.int32),
-        ("weights", np.float32),
-      )
-    }
-    model_cfg = self.model.config
-    if model_cfg.input_features is not None:  # continuous inputs [B, N, F]
-      abstract_batch["features"] = jax.ShapeDtypeStruct(
-        (*shape, model_cfg.input_features), np.float32, sharding=rows
-      )
-    if self.loss == "mean_squared_error":  # regression values [B, N, O]
-      abstract_batch["values"] = jax.ShapeDtypeStruct(
-        (*shape, model_cfg.num_outputs), np.float32, sharding=rows
-      )
-    with parallel.activate(mesh):
-      compiled = (
-        jax.jit(
-          step_fn,
-          in_shardings=(self.shardings, rows),
-          out_shardings=(self.shardings, parallel.replicated(mesh)),
-          donate_argnums=0,
-        )
-        .lower(self.target, abstract_batch)
-        .compile()
-      )
+      self.mesh,
+      self.target,
+      self.shardings,
+      config.data.seq_len,
+    ).compile()
     _log_memory(compiled)
     return compiled
 

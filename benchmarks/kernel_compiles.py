@@ -1,0 +1,127 @@
+"""Compiles the fused attention kernels for a target (TPU or H100) without its hardware.
+
+The shared harness of `compile_matrix.py`, `tune_gpu_tiles.py` and the compile tests:
+a `Case` is one kernel configuration a layer can produce (kind, heads, P, d, tokens,
+mask, dtype, forward or forward+backward); `compile_case` lowers it through the public
+kernel entry points (`iha_jax.kernels`) on one compile-only device of the target and
+compiles it with the target's own compiler, returning its static report
+(`iha_jax.parallel.compiled`). Compiled, not run: nothing here measures speed.
+
+Call `iha_jax.parallel.targets.use_compile_packages(platform)` (or `devices`) before any
+other JAX call in the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from iha_jax import kernels
+from iha_jax.ops.options import BlockSizes
+from iha_jax.parallel import compiled, targets
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One kernel configuration (`kind` "iha", or "mha": P = 1 without mixing; differential
+  attention is MHA with `value_dim = 2 * head_dim`)."""
+
+  kind: str = "iha"
+  heads: int = 8
+  pseudo: int = 2
+  head_dim: int = 128
+  value_dim: int | None = None  # MHA only; None = head_dim
+  tokens: int = 4096
+  window: int | None = None  # virtual tokens (tokens for MHA)
+  causal: bool = True
+  segments: bool = False  # packed segment ids given
+  dtype: str = "bfloat16"
+  backward: bool = True  # forward+backward (else forward only)
+  collapse: str = "full"  # or "per_head"
+  blocks: tuple[int, int] | None = None  # BlockSizes (virtual tokens); None: the defaults
+
+  @property
+  def label(self) -> str:
+    reach = f"w{self.window}" if self.window else "global"
+    mask = f"{'causal' if self.causal else 'bidir'}/{reach}"
+    p = (
+      f"P={self.pseudo}"
+      if self.kind == "iha"
+      else "MHA" + (f" dv={self.value_dim}" if self.value_dim else "")
+    )
+    blocks = f" blocks={self.blocks[0]}x{self.blocks[1]}" if self.blocks else ""
+    return (
+      f"{p} H={self.heads} d={self.head_dim} N={self.tokens} {mask}"
+      f"{' seg' if self.segments else ''} {self.dtype} {'fwd+bwd' if self.backward else 'fwd'}"
+      f"{blocks}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  case: Case
+  ok: bool
+  error: str  # first line of the compiler's error ("" when it compiled)
+  seconds: float
+  report: compiled.Report | None
+
+
+def _inputs(case: Case, device: jax.Device) -> tuple[jax.ShapeDtypeStruct, ...]:
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  dtype = jnp.dtype(case.dtype)
+  b, n, h, d = 1, case.tokens, case.heads, case.head_dim
+  qk = spec((b, n, h, d), dtype)
+  tokens = spec((b, n), jnp.int32)
+  if case.kind == "mha":
+    return qk, qk, spec((b, n, h, case.value_dim or d), dtype), tokens, tokens
+  alpha = spec((h, h, case.pseudo), jnp.float32)
+  collapse = spec(
+    (h, case.pseudo) if case.collapse == "per_head" else (h, h, case.pseudo), jnp.float32
+  )
+  return qk, qk, qk, alpha, alpha, alpha, collapse, tokens, tokens
+
+
+def kernels_block_sizes(blocks: tuple[int, int] | None) -> BlockSizes | None:
+  return None if blocks is None else BlockSizes(*blocks)
+
+
+def _function(case: Case, platform: str):
+  blocks = kernels_block_sizes(case.blocks)
+  options = dict(window=case.window, rope_theta=10000.0, causal=case.causal, block_sizes=blocks)
+
+  def attend(*args):
+    *arrays, segment_ids, positions = args
+    entry = kernels.mha_attention if case.kind == "mha" else kernels.iha_attention
+    out = entry(
+      *arrays,
+      segment_ids=segment_ids if case.segments else None,
+      positions=positions,
+      platform=platform,
+      **options,
+    )
+    return jnp.sum(out.astype(jnp.float32))
+
+  if not case.backward:
+    return attend
+  differentiable = 3 if case.kind == "mha" else 7
+  return jax.grad(attend, argnums=tuple(range(differentiable)))
+
+
+def compile_case(case: Case, target: targets.Target, device: jax.Device) -> Result:
+  """Lowers and compiles `case` for `target` on `device` (one of `targets.devices`)."""
+  start = time.perf_counter()
+  try:
+    lowered = jax.jit(_function(case, target.kernel_platform)).lower(*_inputs(case, device))
+    _, report = compiled.compile_with_report(lowered)
+  except Exception as error:  # a compiler rejection is this harness's result, not a crash
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    message = next(
+      (line for line in lines if "vmem" in line.lower() or "memory" in line.lower()),
+      lines[0] if lines else type(error).__name__,
+    )
+    return Result(case, False, message[:300], time.perf_counter() - start, None)
+  return Result(case, True, "", time.perf_counter() - start, report)

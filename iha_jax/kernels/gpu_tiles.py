@@ -1,0 +1,71 @@
+"""Launch parameters of the GPU (Triton) kernels: tile rows, warps and pipeline stages.
+
+`TABLE` was chosen by compiling candidates for an H100 (SXM, sm_90a) without the GPU,
+with XLA's deviceless compiler and ptxas 12.9: per kernel and shape, the largest tiles
+(then the most warps) that compile with zero register spill bytes. Regenerate with
+`python benchmarks/tune_gpu_tiles.py --write` (README "Compile checks"). These are static
+choices, not timings: no kernel here has been timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """One kernel's launch: tile rows (virtual tokens, powers of two), warps, stages."""
+
+  rows_q: int
+  rows_k: int
+  num_warps: int
+  num_stages: int
+
+
+KERNELS = ("forward", "dq", "dkv")
+
+# (kernel, rows per token Pr, lanes W, dtype) -> Launch. Lanes W = 2 * half width of the
+# kernels' q/k layout (64 for d <= 64, 128 for d <= 128, ...).
+TABLE: dict[tuple[str, int, int, str], Launch] = {
+  ("dkv", 1, 64, "bfloat16"): Launch(128, 64, 8, 2),
+  ("dkv", 1, 128, "bfloat16"): Launch(128, 32, 8, 2),
+  ("dkv", 2, 64, "bfloat16"): Launch(64, 64, 8, 2),
+  ("dkv", 2, 128, "bfloat16"): Launch(32, 64, 8, 2),
+  ("dkv", 4, 64, "bfloat16"): Launch(128, 64, 8, 2),
+  ("dkv", 4, 128, "bfloat16"): Launch(32, 64, 8, 2),
+  ("dkv", 8, 64, "bfloat16"): Launch(128, 64, 8, 2),
+  ("dkv", 8, 128, "bfloat16"): Launch(32, 64, 8, 2),
+  ("dq", 1, 64, "bfloat16"): Launch(128, 64, 8, 2),
+  ("dq", 1, 128, "bfloat16"): Launch(128, 64, 8, 2),
+  ("dq", 2, 64, "bfloat16"): Launch(128, 64, 8, 2),
+  ("dq", 2, 128, "bfloat16"): Launch(128, 32, 8, 2),
+  ("dq", 4, 64, "bfloat16"): Launch(128, 64, 8, 2),
+  ("dq", 4, 128, "bfloat16"): Launch(128, 32, 8, 2),
+  ("dq", 8, 64, "bfloat16"): Launch(128, 64, 8, 2),
+  ("dq", 8, 128, "bfloat16"): Launch(128, 32, 8, 2),
+  ("forward", 1, 64, "bfloat16"): Launch(128, 128, 8, 2),
+  ("forward", 1, 128, "bfloat16"): Launch(128, 128, 8, 2),
+  ("forward", 2, 64, "bfloat16"): Launch(128, 128, 8, 2),
+  ("forward", 2, 128, "bfloat16"): Launch(128, 64, 8, 2),
+  ("forward", 4, 64, "bfloat16"): Launch(128, 128, 8, 2),
+  ("forward", 4, 128, "bfloat16"): Launch(128, 64, 8, 2),
+  ("forward", 8, 64, "bfloat16"): Launch(128, 128, 8, 2),
+  ("forward", 8, 128, "bfloat16"): Launch(128, 64, 8, 2),
+}
+
+# Outside the table: small tiles, which compile without spills for every shape tried.
+FALLBACK = Launch(rows_q=64, rows_k=32, num_warps=8, num_stages=2)
+
+
+def launches(num_pseudo: int, width: int, dtype) -> tuple[Launch, Launch, Launch]:
+  """(forward, dQ, dK/dV) launches for P = num_pseudo, q/k lanes `width` and `dtype`."""
+  pr = 1 << max(0, (num_pseudo - 1).bit_length())
+  name = jnp.dtype(dtype).name
+  chosen = (TABLE.get((kernel, pr, width, name), FALLBACK) for kernel in KERNELS)
+  # A tile holds at least one token's Pr rows.
+  return tuple(
+    dataclasses.replace(launch, rows_q=max(launch.rows_q, pr), rows_k=max(launch.rows_k, pr))
+    for launch in chosen
+  )

@@ -1,0 +1,128 @@
+"""`train.py --compile_only --target=v5p-128`: the real train step compiled for a TPU slice
+or H100s this machine does not have, as a pod user's first check.
+
+The step is `train.py`'s (`iha_jax.train.lowering`: same model, optimizer, shardings,
+remat, scan and gradient accumulation) on the config's mesh over the target's
+compile-only devices (`iha_jax.parallel.targets`), with the config's global batch.
+Nothing is read: no data, no tokenizer (`model.vocab_size` must be given). It prints the
+per-device memory the compiler assigned against the chip's HBM and each Pallas kernel's
+static resources, and raises a one-line `CompileCheckError` when the step does not
+compile or does not fit. Compiled, not run: no speed is measured.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import ml_collections
+
+from iha_jax import parallel
+from iha_jax.errors import UserError
+from iha_jax.models import LanguageModel
+from iha_jax.parallel import compiled as compiled_lib
+from iha_jax.parallel import targets
+from iha_jax.train import config as config_lib
+from iha_jax.train import lowering
+from iha_jax.train.optimizer import make_optimizer
+from iha_jax.train.state import abstract_state
+
+GiB = 2**30
+
+
+def _size(nbytes: int) -> str:
+  return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.1f} MiB"
+
+
+class CompileCheckError(UserError, RuntimeError):
+  """The train step does not compile for the target, or does not fit its memory."""
+
+
+def _compiler_message(error: Exception) -> str:
+  """The compiler's own first meaningful line (XLA errors run to hundreds of lines)."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  for line in lines:
+    if any(word in line for word in ("RESOURCE_EXHAUSTED", "Ran out of memory", "exceeded")):
+      return line[:400]
+  return (lines[0] if lines else type(error).__name__)[:400]
+
+
+def _target_config(config: ml_collections.ConfigDict, target: targets.Target):
+  config = ml_collections.ConfigDict(config.to_dict())
+  if config.model.vocab_size == -1:
+    raise config_lib.ConfigError(
+      "--compile_only reads no data: model.vocab_size is -1 (the tokenizer's); set it, e.g. "
+      "--config.model.vocab_size=128256 for Llama 3's tokenizer"
+    )
+  if config.model.implementation == "auto":  # the target's kernels, not this host's
+    config.model.implementation = f"pallas_{target.kernel_platform}"
+  return config
+
+
+def compile_only(config: ml_collections.ConfigDict, target_name: str, *, log=print):
+  """Compiles `config`'s train step for `target_name`; returns `(target, report)`.
+
+  Raises:
+    TargetError: unknown target or its compiler packages missing (`make targets`).
+    ConfigError: the config does not suit the target's device count.
+    CompileCheckError: the compiler rejects the step, or it needs more memory than a chip
+      has.
+  """
+  target = targets.parse(target_name)
+  devices = targets.devices(target)
+  config = _target_config(config, target)
+  model_cfg = config_lib.validate(config, len(devices))
+  mesh = parallel.create_mesh(dict(config.mesh), devices)
+  model = LanguageModel(
+    model_cfg, remat=config.model.remat_policy, scan_layers=config.model.scan_layers
+  )
+  tx = make_optimizer(config.train)
+  target_state, shardings = abstract_state(model, tx, mesh)
+  batch, seq_len = config.train.batch_size, config.data.seq_len
+  rows_per_device = batch // (mesh.shape["data"] * mesh.shape["fsdp"])
+  log(
+    f"compile-only: {target.name} ({target.chips} x {devices[0].device_kind}, "
+    f"{target.hbm_bytes / GiB:.1f} GiB HBM each), mesh {dict(mesh.shape)}, batch {batch} x "
+    f"{seq_len} tokens ({rows_per_device} per data shard, grad_accum_steps "
+    f"{config.train.grad_accum_steps}), remat {config.model.remat_policy}, scan_layers "
+    f"{config.model.scan_layers}, attention {config.model.implementation}"
+  )
+  start = time.perf_counter()
+  try:
+    lowered = lowering.lower_train_step(
+      model,
+      tx,
+      config.train,
+      config.train.get("loss", "cross_entropy"),
+      mesh,
+      target_state,
+      shardings,
+      seq_len,
+    )
+    _, report = compiled_lib.compile_with_report(lowered)
+  except jax.errors.JaxRuntimeError as error:
+    raise CompileCheckError(
+      f"{target.name}: the compiler rejects the train step: {_compiler_message(error)} "
+      "(smaller train.batch_size or data.seq_len, model.remat_policy='full', or a smaller "
+      "model.num_pseudo shrink it; --debug shows the whole message)"
+    ) from error
+  log(
+    f"compiled in {time.perf_counter() - start:.0f} s by the target's own compiler "
+    "(compiled, not run: memory and static kernel resources, never speed)"
+  )
+  log(
+    f"per-device memory: arguments {_size(report.argument_bytes)}, outputs "
+    f"{_size(report.output_bytes)} ({_size(report.alias_bytes)} donated), temporaries "
+    f"{_size(report.temp_bytes)}; total {_size(report.total_bytes)} of "
+    f"{target.hbm_bytes / GiB:.1f} GiB HBM ({report.total_bytes / target.hbm_bytes:.0%})"
+  )
+  log(f"Pallas kernel calls: {report.kernel_calls}")
+  for line in compiled_lib.kernel_table(report):
+    log(line)
+  if report.total_bytes > target.hbm_bytes:
+    raise CompileCheckError(
+      f"{target.name}: the train step needs {report.total_bytes / GiB:.1f} GiB per device, "
+      f"a chip has {target.hbm_bytes / GiB:.1f} GiB: lower train.batch_size (or raise "
+      "train.grad_accum_steps), use model.remat_policy='full', or a larger mesh.fsdp"
+    )
+  return target, report

@@ -1,0 +1,126 @@
+"""The kernels and the train step compiled by TPU's and H100's own compilers, no hardware.
+
+XLA:TPU with Mosaic and XLA:GPU with Triton and ptxas run here on compile-only devices
+(`iha_jax.parallel.targets`): unlike interpret mode or `jax.export`, they enforce scoped
+VMEM, shared memory and register budgets. Each platform compiles in a subprocess with its
+compiler packages (`make targets`, which `make test` runs), so this process stays on the
+CPU. Each check has a control the compiler must flag. Compiled, not run: no speed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from iha_jax.parallel import targets
+
+ROOT = Path(__file__).resolve().parents[1]
+SCOPED_VMEM_LIMIT = 16 * 2**20
+
+
+def _installed(platform: str) -> bool:
+  return targets.packages_dir(platform).is_dir()
+
+
+def _needs(platform: str):
+  return pytest.mark.skipif(
+    not _installed(platform),
+    reason=f"{platform} compiler packages missing: `make targets` (make test installs them)",
+  )
+
+
+def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)  # no fake host devices: the targets bring their own
+  return subprocess.run(
+    [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout
+  )
+
+
+def _smoke(platform: str) -> dict[str, dict]:
+  proc = _run("benchmarks/compile_matrix.py", "--worker", platform, "--cases", "smoke")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(line) for line in proc.stdout.splitlines()]
+  assert rows, proc.stderr[-3000:]
+  return {row["case"]: row for row in rows}
+
+
+@_needs("tpu")
+def test_tpu_kernels_compile_within_scoped_vmem():
+  rows = _smoke("tpu")
+  paper = rows["2.4B L layer as shipped (P = H = 20)"]
+  assert paper["ok"], paper["error"]
+  assert paper["target"] == "v5p-8"
+  assert set(paper["kernels"]) == {"iha_forward", "iha_backward_dq", "iha_backward_dkv"}
+  for name, kernel in paper["kernels"].items():
+    assert 0 < kernel["vmem_bytes"] <= SCOPED_VMEM_LIMIT, (name, kernel)
+  # Control: tiles of 2560 virtual rows each way break Mosaic's scoped-VMEM limit.
+  control = rows["control: 2560-row tiles at P = H = 20"]
+  assert not control["ok"]
+  assert "vmem" in control["error"].lower(), control["error"]
+
+
+@_needs("cuda")
+def test_h100_kernels_compile_without_spills_at_default_tiles():
+  rows = _smoke("cuda")
+  for case in ("P = 2", "P = 4, d = 64"):
+    row = rows[case]
+    assert row["ok"], row["error"]
+    assert set(row["kernels"]) >= {"iha_forward", "iha_backward_dq", "iha_backward_dkv"}
+    for name, kernel in row["kernels"].items():
+      assert kernel["spill_bytes"] == 0, (case, name, kernel)
+      assert kernel["shared_bytes"] <= 232448, (case, name, kernel)  # H100 opt-in maximum
+      assert "wgmma" in kernel["tensor_cores"], (case, name, kernel)
+  # Control: 128 x 128 tiles at P = 2, d = 128 do not fit the register file.
+  control = rows["control: 128 x 128 tiles at P = 2"]
+  assert control["ok"], control["error"]
+  assert max(k["spill_bytes"] for k in control["kernels"].values()) > 0, control
+
+
+def _compile_only(target: str, *overrides: str) -> subprocess.CompletedProcess:
+  return _run(
+    "train.py",
+    "--config=configs/tiny.py",
+    "--compile_only",
+    f"--target={target}",
+    "--config.model.vocab_size=88",
+    *overrides,
+  )
+
+
+@pytest.mark.parametrize(
+  "target, platform", [("v5p-8", "tpu"), ("h100", "cuda")], ids=["v5p-8", "h100"]
+)
+def test_train_step_compiles_for_target(target, platform):
+  if not _installed(platform):
+    pytest.skip(f"{platform} compiler packages missing: `make targets`")
+  proc = _compile_only(target)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert "compiled, not run" in out
+  calls = int(out.split("Pallas kernel calls: ")[1].split()[0])
+  assert calls >= 3, out  # forward, dQ, dK/dV of the IHA layer at least
+  assert "per-device memory" in out and "iha_backward_dkv" in out
+
+
+@_needs("cuda")
+def test_compile_only_refuses_a_step_that_does_not_fit():
+  # 2^22 rows of 48 tokens on one H100: the float32 logits alone exceed its 79 GiB.
+  proc = _compile_only("h100", "--config.train.batch_size=4194304")
+  assert proc.returncode == 1
+  last = proc.stderr.strip().splitlines()[-1]
+  assert "GiB per device" in last and "train.batch_size" in last, proc.stderr[-2000:]
+
+
+def test_compile_only_names_a_bad_target_in_one_line():
+  proc = _compile_only("v5x-9")
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [
+    "train.py: error: TargetError: unknown --target='v5x-9'; known kinds: v4-N, v5p-N, "
+    "v5e-N, v6e-N, h100, h100xN (e.g. v5p-8, v5p-128, v5e-256, v6e-256, v4-128, h100, h100x8)"
+  ]
