@@ -78,8 +78,8 @@ SMOKE = {
   "tpu": [
     ("2.4B L layer as shipped (P = H = 20)", dataclasses.replace(CASES[0][1], tokens=2048)),
     (
-      "control: 2560-row tiles at P = H = 20",
-      Case(heads=20, pseudo=20, tokens=2048, window=204, blocks=(2560, 2560)),
+      "control: 2048-row tiles at P = 4, forward",
+      Case(pseudo=4, tokens=2048, window=512, blocks=(2048, 2048), backward=False),
     ),
   ],
   "cuda": [
