@@ -4,24 +4,25 @@
 tensors to the Pallas kernels, which build every pseudo q/k/v tile on chip.
 Attention is causal or bidirectional (`causal=False`), global or windowed, with
 the mask of `iha_jax.ops.masking.visible`; `mha_attention`'s v may be wider than
-q and k (`[B, N, H, dv]`, e.g. dv = 2d for differential attention).
+q and k (`[B, N, H, dv]`, e.g. dv = 2d for differential attention). RoPE at virtual
+position `pos * P + p` is split as `R(p) R(pos * P)`: q and k are rotated by
+`R(pos * P)` here, the kernels apply `R(p)` (`iha_jax.kernels.common`).
 What IHA's custom VJP (attention + collapse) saves for the backward:
-  q, k, v (source, `[B, H, Np, W]`), alpha_* (flat float32), collapse, segment
-  ids and positions (`[B, Np]` int32) and the float32 log-sum-exp
-  `[B, H, P, Np, 1]` (1/W of the output's elements).
-Nothing P-sized is saved: the de-interleaved output o `[B, H, P, Np, W]` (P times
-the MHA output) is recomputed in the backward by one more forward kernel, where it
-gives d(collapse) and the FlashAttention-2 `delta = rowsum(o * do)`. That trades
-one forward pass for P x less saved activation (see WORKSPACE_NOTES.md). No
-`[B, N*P, H, d]` pseudo q/k/v exists in the forward or the backward: the backward
-kernels recompute pseudo tiles and contract their gradients with alpha on chip.
-MHA (P = 1) saves its output, as any flash attention does.
+  q, k (rotated), v (source, `[B, H, Np, W]`), alpha_* (flat float32), the `[P, half]`
+  rotation tables, collapse, segment ids (`[B, Np]` int32) and the float32 log-sum-exp
+  (1/W of the pseudo output's elements).
+Nothing P-sized is saved: the pseudo output o (`backend.OUTPUT_SPEC`, P times the MHA
+output) is recomputed in the backward by one more forward kernel, where it gives
+d(collapse) and the FlashAttention-2 `delta = rowsum(o * do)`; o and its cotangent pass
+through HBM there (docs/compile_checks.md). No pseudo q/k/v exists in the forward or the
+backward: the backward kernels recompute pseudo tiles and contract their gradients with
+alpha on chip. MHA (P = 1) saves its output, as any flash attention does.
 
 Where the kernels run: `lax.platform_dependent` picks the compiled kernel when
 lowering for its platform (TPU: Mosaic; cuda/rocm: Triton) and the same kernel
 in Pallas interpret mode for any other platform (e.g. CPU), so
-`implementation="pallas_gpu"` works everywhere, and `jax.export` for "tpu" or
-"cuda" from a CPU host emits the real kernels.
+`implementation="pallas_gpu"` works everywhere, and `jax.export` or a compile-only
+device (`iha_jax.parallel.targets`) for "tpu" or "cuda" gets the real kernels.
 """
 
 from __future__ import annotations

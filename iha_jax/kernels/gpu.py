@@ -220,11 +220,10 @@ def _scatter(grads, load, ref, alpha_ref, dalpha_ref, h, rows: _Rows, cfg: Confi
   the source rows of `ref` (`[H, Np, W]` float32): `sum_p alpha[m, h, p] * grad[p]` for
   every source head m, and writes the partial `dalpha[m, h, p]` of this tile."""
   starts = [sum(widths[:c]) for c in range(len(widths))]
-  tokens = pl.ds(rows.index * rows.block, rows.block)
 
   def add(m, parts):
     for s, w, part in zip(starts, widths, parts):
-      ref[m, tokens, pl.ds(s, w)] += part
+      ref[m, rows.tokens, pl.ds(s, w)] += part
 
   if not cfg.mixing:
     add(h, grads)
@@ -270,10 +269,9 @@ def _forward_kernel(*refs, cfg: Config):
 
 
 def _zero_rows(refs, rows: _Rows, cfg: Config) -> None:
-  tokens = pl.ds(rows.index * rows.block, rows.block)
   for ref in refs:
     for m in range(cfg.num_heads):
-      ref[m, tokens, :] = jnp.zeros((rows.block, ref.shape[-1]), ref.dtype)
+      ref[m, rows.tokens, :] = jnp.zeros((rows.block, ref.shape[-1]), ref.dtype)
 
 
 def _cotangents(do_ref, lse_ref, delta_ref, h, rows: _Rows):

@@ -8,14 +8,18 @@ size is the widest band. Its index maps clamp past the band's end, so the block
 index repeats and no new DMA is issued for the skipped steps, which `pl.when`
 turns into no-ops: blocks outside the band are never loaded nor computed.
 Accumulators live in VMEM scratch across the band axis.
+- A tile of `block` tokens is built as P pieces `[block, W]` (piece p: pseudo-head p of
+  every token) into a `[P, block, W]` VMEM scratch and read back as ONE pseudo-major
+  `[P * block, W]` matrix (`_stacked`), so each tile pair is one matmul. The tile's
+  virtual indices `t = n * P + p` and segment ids arrive precomputed in the same stacked
+  order (`_token_layouts`), whole-array blocks of their last two dims.
 - forward: the pseudo-q pieces are built once per (tile, head) into scratch.
 - dQ / dK-dV: the target-head axis is "arbitrary" and the float32 source-gradient
   block stays resident in VMEM across it, so every target head adds its
   alpha-contracted pseudo gradient into the same block (no atomics, no
   P-sized gradient). Partial dalpha goes to an SMEM block per (batch, tile).
-Mosaic tiling: token tiles are multiples of 8 (16 for 2-byte types); key tiles
-are multiples of 128 tokens, since key segment ids sit on lanes, unless one
-key tile covers the whole padded sequence.
+Mosaic tiling: token tiles are multiples of 8 (16 for 2-byte types). Default tiles fit
+`VMEM_BUDGET_BYTES` of the default 16 MiB scoped VMEM (`tiled`, `vmem_estimate`).
 """
 
 from __future__ import annotations
