@@ -18,9 +18,11 @@ kind's public entry point) and computes the same function.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 
@@ -82,8 +84,25 @@ def _check_kind(kind: str) -> None:
     raise ValueError(f"attention kind must be one of {KINDS}, got {kind!r}")
 
 
+_AUTO_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+  "iha_auto_backend", default=None
+)
+
+
+@contextlib.contextmanager
+def auto_backend(backend: str) -> Iterator[None]:
+  """Resolves "auto" as on `backend` ("tpu", "gpu", "cpu") inside the block: for programs
+  lowered on this host for another platform (compile-only targets)."""
+  token = _AUTO_BACKEND.set(backend)
+  try:
+    yield
+  finally:
+    _AUTO_BACKEND.reset(token)
+
+
 def resolve(kind: str, implementation: str) -> str:
-  """ "auto" -> the Pallas kernels of the current backend where `kind` has them, else "xla".
+  """ "auto" -> the Pallas kernels of the current backend (or `auto_backend`'s) where
+  `kind` has them, else "xla".
 
   Any other name is returned as is after checking that `kind` has it.
   """
@@ -91,7 +110,8 @@ def resolve(kind: str, implementation: str) -> str:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":
-    kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend())
+    backend = _AUTO_BACKEND.get() or jax.default_backend()
+    kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend)
     return kernel if kernel in _TABLE[kind] else "xla"
   if implementation not in _TABLE[kind]:
     raise ValueError(
@@ -101,14 +121,18 @@ def resolve(kind: str, implementation: str) -> str:
   return implementation
 
 
-@functools.cache
 def lookup(kind: str, implementation: str) -> Callable[..., jax.Array]:
   """The callable of `kind`'s `implementation` ("auto" resolved first), imported lazily.
 
   It takes the kind's arrays and keyword options; what the table binds (a kernel's
   `platform`, the MHA implementation behind "diff") is already applied.
   """
-  reference, bound = _TABLE[kind][resolve(kind, implementation)]
+  return _load(kind, resolve(kind, implementation))
+
+
+@functools.cache
+def _load(kind: str, implementation: str) -> Callable[..., jax.Array]:
+  reference, bound = _TABLE[kind][implementation]
   module_name, function_name = reference.split(":")
   fn = getattr(importlib.import_module(module_name), function_name)
   return functools.partial(fn, **bound) if bound else fn

@@ -20,6 +20,7 @@ import ml_collections
 from iha_jax import parallel
 from iha_jax.errors import UserError
 from iha_jax.models import LanguageModel
+from iha_jax.ops import registry
 from iha_jax.parallel import compiled as compiled_lib
 from iha_jax.parallel import targets
 from iha_jax.train import config as config_lib
@@ -54,8 +55,6 @@ def _target_config(config: ml_collections.ConfigDict, target: targets.Target):
       "--compile_only reads no data: model.vocab_size is -1 (the tokenizer's); set it, e.g. "
       "--config.model.vocab_size=128256 for Llama 3's tokenizer"
     )
-  if config.model.implementation == "auto":  # the target's kernels, not this host's
-    config.model.implementation = f"pallas_{target.kernel_platform}"
   return config
 
 
@@ -86,19 +85,21 @@ def compile_only(config: ml_collections.ConfigDict, target_name: str, *, log=pri
     f"{seq_len} tokens ({rows_per_device} per data shard, grad_accum_steps "
     f"{config.train.grad_accum_steps}), remat {config.model.remat_policy}, scan_layers "
     f"{config.model.scan_layers}, attention {config.model.implementation}"
+    + (f" (as on {target.kernel_platform})" if config.model.implementation == "auto" else "")
   )
   start = time.perf_counter()
   try:
-    lowered = lowering.lower_train_step(
-      model,
-      tx,
-      config.train,
-      config.train.get("loss", "cross_entropy"),
-      mesh,
-      target_state,
-      shardings,
-      seq_len,
-    )
+    with registry.auto_backend(target.kernel_platform):  # "auto": the target's kernels
+      lowered = lowering.lower_train_step(
+        model,
+        tx,
+        config.train,
+        config.train.get("loss", "cross_entropy"),
+        mesh,
+        target_state,
+        shardings,
+        seq_len,
+      )
     _, report = compiled_lib.compile_with_report(lowered)
   except jax.errors.JaxRuntimeError as error:
     raise CompileCheckError(
