@@ -135,6 +135,8 @@ def use_compile_packages(platform: str, accelerator: str = "v5p-8") -> None:
   if platform == "tpu":
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator)
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # No TPU is opened: several compiling processes (test workers) may load libtpu at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   nvcc = directory / "nvidia" / "cuda_nvcc"
   if (
     platform == "cuda"
