@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdirs/default
 TWIN_WORKDIR ?= workdirs/global_local_default
-TEST_MINUTES ?= 10
+TEST_MINUTES ?= 10-25
 # The targets' compilers (libtpu; the CUDA plugin + ptxas), outside the CPU venv so that
 # CPU runs never load them: compile checks put one directory on sys.path when asked.
 TARGETS_DIR ?= .targets
