@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from iha_jax import kernels
-from iha_jax.ops.options import BlockSizes
+from iha_jax.ops.options import AttentionOptions, BlockSizes
 from iha_jax.parallel import compiled, targets
 
 
@@ -91,18 +91,17 @@ def kernels_block_sizes(blocks: tuple[int, int] | None) -> BlockSizes | None:
 
 def _function(case: Case, platform: str):
   blocks = kernels_block_sizes(case.blocks)
-  options = dict(window=case.window, rope_theta=10000.0, causal=case.causal, block_sizes=blocks)
+  options = AttentionOptions(
+    window=case.window, rope_theta=10000.0, causal=case.causal, block_sizes=blocks
+  )
 
   def attend(*args):
     *arrays, segment_ids, positions = args
-    entry = kernels.mha_attention if case.kind == "mha" else kernels.iha_attention
-    out = entry(
-      *arrays,
-      segment_ids=segment_ids if case.segments else None,
-      positions=positions,
-      platform=platform,
-      **options,
+    entry = kernels.fused_mha_attention if case.kind == "mha" else kernels.fused_iha_attention
+    call_options = options.replace(
+      segment_ids=segment_ids if case.segments else None, positions=positions
     )
+    out = entry(*arrays, call_options, platform=platform)
     return jnp.sum(out.astype(jnp.float32))
 
   if not case.backward:

@@ -23,7 +23,7 @@ import pytest
 
 from iha_jax.kernels import fused
 from iha_jax.kernels.sharded import sharded_iha_attention
-from iha_jax.ops import BlockSizes, iha_attention, resolve_implementation
+from iha_jax.ops import AttentionOptions, BlockSizes, iha_attention, resolve_implementation
 from tests import conformance as cf
 from tests.utils import assert_close, random_iha_inputs
 
@@ -255,15 +255,7 @@ def test_pseudo_outputs_layout():
   args = random_iha_inputs(jax.random.key(7), 1, 20, 2, 16, 2)
   seg = jnp.ones((1, 20), jnp.int32)
   pos = jnp.arange(20, dtype=jnp.int32)[None]
-  o, restore = fused.pseudo_outputs(
-    *args[:3],
-    args[3:6],
-    window=None,
-    segment_ids=seg,
-    positions=pos,
-    rope_theta=10000.0,
-    platform="gpu",
-    block_sizes=None,
-  )
+  options = AttentionOptions(segment_ids=seg, positions=pos)
+  o, restore = fused.pseudo_outputs(*args[:3], args[3:6], options, platform="gpu")
   assert o.shape == (1, 2, 32, 2, 32)  # GPU: [B, H, Np, Pr, W]
   assert restore(jnp.zeros((1, 32, 5, 32))).shape == (1, 20, 5, 16)

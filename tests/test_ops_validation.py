@@ -81,3 +81,42 @@ def test_errors_raise_before_tracing():
   fn = jax.jit(lambda *a: ops.iha_attention(*a, window=0))
   with pytest.raises(ValueError, match="window"):
     fn(*args)
+
+
+def test_options_object_and_keywords_are_one_call():
+  """`AttentionOptions` and the keywords are the same options: keywords override the
+  object, the object is a pytree (its arrays are jit arguments), unknown names fail."""
+  args = _args()
+  seg = jnp.array([[1, 1, 1, 2, 2], [1, 1, 1, 1, 0]], jnp.int32)
+  options = ops.AttentionOptions(window=4, segment_ids=seg, implementation="reference")
+  want = ops.iha_attention(*args, window=4, segment_ids=seg, implementation="reference")
+  assert float(jnp.abs(want).max()) > 0
+  assert jnp.array_equal(ops.iha_attention(*args, options), want)
+  jitted = jax.jit(lambda o, *a: ops.iha_attention(*a, o))(options, *args)
+  assert jnp.allclose(jitted, want, atol=1e-6)
+  bidirectional = ops.iha_attention(*args, options, causal=False)
+  assert not jnp.allclose(bidirectional, want)
+  assert jnp.array_equal(bidirectional, ops.iha_attention(*args, options.replace(causal=False)))
+  with pytest.raises(TypeError, match=r"unknown attention option\(s\) \['windows'\]"):
+    ops.iha_attention(*args, windows=4)
+  with pytest.raises(ValueError, match="window must be None"):
+    ops.mha_attention(*args[:3], ops.AttentionOptions(window=0))
+
+
+def test_old_kernel_names_are_deprecated_aliases():
+  from iha_jax import kernels  # pylint: disable=import-outside-toplevel
+
+  args = _args()
+  with pytest.warns(DeprecationWarning, match="fused_iha_attention"):
+    old = kernels.iha_attention
+  got = old(
+    *args,
+    window=None,
+    segment_ids=None,
+    positions=jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N)),
+    rope_theta=10000.0,
+    platform="gpu",
+    block_sizes=None,
+  )
+  want = ops.iha_attention(*args, implementation="reference")
+  assert jnp.allclose(got, want, atol=2e-5)

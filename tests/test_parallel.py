@@ -97,3 +97,21 @@ def test_iha_tensor_parallel_communicates_source_heads_not_pseudo_heads():
   # Gathered q/k/v are [B, N, H, d]; the only larger tensor is the output all-reduce
   # [B, N, D] of the row-parallel output projection (D = 32 = H*d here).
   assert max(sizes) <= b * n * max(h * d, d_model) < b * n * h * p * d, sizes
+
+
+def test_kernel_axes_follow_the_rules_and_skip_manual_axes():
+  """The axes the Pallas kernels' shard_map splits over: the rules' batch and head axes,
+  minus axes already manual (a caller's own shard_map); none left: call directly."""
+  from jax.sharding import AbstractMesh, AxisType  # pylint: disable=import-outside-toplevel
+
+  from iha_jax.parallel.sharding import kernel_axes  # pylint: disable=import-outside-toplevel
+
+  names = ("data", "fsdp", "tensor")
+  mesh = lambda *types: AbstractMesh((2, 2, 2), names, axis_types=types)
+  auto, manual = AxisType.Auto, AxisType.Manual
+  assert kernel_axes(mesh(auto, auto, auto)) == dict(
+    batch_axes=("data", "fsdp"), head_axis="tensor"
+  )
+  assert kernel_axes(mesh(manual, auto, manual)) == dict(batch_axes=("fsdp",), head_axis=None)
+  assert kernel_axes(mesh(manual, manual, manual)) is None
+  assert kernel_axes(AbstractMesh((), ())) is None

@@ -16,7 +16,6 @@ from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax import parallel
 from iha_jax.models import LanguageModel, TransformerConfig
-from iha_jax.nn import functional
 from iha_jax.train import export
 from iha_jax.train.evaluate import Evaluator
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
@@ -336,7 +335,7 @@ def test_exported_step_runs_every_kernel_inside_shard_map(monkeypatch):
       # No [B, N, H, d]-like operand (rank >= 4) taken whole over the batch axes; the
       # whole operands are mixing weights and constants.
       assert not [o for o in operands if o.count("{") >= 4 and o.startswith("{}")], region
-  monkeypatch.setattr(functional, "kernel_sharding", lambda cfg: None)
+  monkeypatch.setattr(parallel.sharding, "kernel_axes", lambda mesh: None)
   unrouted = placement("gpu")
   assert (unrouted.inside, unrouted.outside) == (0, 7), unrouted
   with pytest.raises(NotImplementedError, match="shard_map"):

@@ -49,7 +49,7 @@ _SIZES = {
   ),
   # Learnable on 2 CPU cores: every needle queried (4 answers per example) at batch 64,
   # 8 key tokens. Probes with 32 key tokens, one query or batch 16 stayed on the
-  # guessing plateau for thousands of steps (WORKSPACE_NOTES.md, sessions 7-8).
+  # guessing plateau for thousands of steps.
   "small": dict(
     length=32,
     needles=4,

@@ -192,7 +192,7 @@ class MultikeyRetrieval(builder_base.SyntheticBuilder):
   2-layer attention-only model (32 tokens, 4 needles all queried, 8 key
   tokens, batch 64): it left the plateau in ~500 steps with this layout, in
   ~2000 with a separator token, and not within 3000 with a separator and a
-  placeholder (WORKSPACE_NOTES.md, session 8).
+  placeholder.
   """
 
   BUILDER_CONFIGS = [

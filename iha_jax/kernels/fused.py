@@ -1,9 +1,9 @@
 """Fused IHA / MHA attention: layouts, custom VJP and platform dispatch.
 
-`iha_attention` feeds the SOURCE heads `[B, N, H, d]` and the `[H, H, P]` mixing
+`fused_iha_attention` feeds the SOURCE heads `[B, N, H, d]` and the `[H, H, P]` mixing
 tensors to the Pallas kernels, which build every pseudo q/k/v tile on chip.
 Attention is causal or bidirectional (`causal=False`), global or windowed, with
-the mask of `iha_jax.ops.masking.visible`; `mha_attention`'s v may be wider than
+the mask of `iha_jax.ops.masking.visible`; `fused_mha_attention`'s v may be wider than
 q and k (`[B, N, H, dv]`, e.g. dv = 2d for differential attention). RoPE at virtual
 position `pos * P + p` is split as `R(p) R(pos * P)`: q and k are rotated by
 `R(pos * P)` here, the kernels apply `R(p)` (`iha_jax.kernels.common`).
@@ -36,8 +36,9 @@ from jax import lax
 
 from iha_jax.kernels import gpu, tpu
 from iha_jax.kernels.common import Config
-from iha_jax.ops.options import BlockSizes
+from iha_jax.ops.options import AttentionOptions
 from iha_jax.ops.rope import apply_rope, rope_frequencies
+from iha_jax.ops.validation import default_positions
 
 _BACKENDS = {"gpu": gpu, "tpu": tpu}
 
@@ -163,10 +164,7 @@ def _config(
   num_targets: int,
   num_pseudo: int,
   mixing: bool,
-  window: int | None,
-  rope_theta: float | None,
-  causal: bool,
-  block_sizes: BlockSizes | None,
+  options: AttentionOptions,
 ) -> Config:
   _, n, h, d = q.shape
   backend = _BACKENDS[platform]
@@ -181,11 +179,11 @@ def _config(
     block_q=0,
     block_k=0,
     seq_len=0,
-    window=window,
-    rope=rope_theta is not None and num_pseudo > 1,  # R(0) is the identity
-    causal=causal,
+    window=options.window,
+    rope=options.rope_theta is not None and num_pseudo > 1,  # R(0) is the identity
+    causal=options.causal,
   )
-  blocks = [getattr(block_sizes, name, None) for name in ("block_q", "block_k")]
+  blocks = [getattr(options.block_sizes, name, None) for name in ("block_q", "block_k")]
   return backend.tiled(shape, n, q.dtype, *blocks)
 
 
@@ -194,30 +192,13 @@ def _prepare(
   k: jax.Array,
   v: jax.Array,
   alphas: tuple[jax.Array, jax.Array, jax.Array] | None,
-  *,
-  window: int | None,
-  segment_ids: jax.Array | None,
-  positions: jax.Array,
-  rope_theta: float | None,
-  causal: bool,
+  options: AttentionOptions,
   platform: str,
-  block_sizes: BlockSizes | None,
 ):
   """Kernel config and kernel-layout inputs, plus `restore` back to `[B, N, H', dv]`."""
   b, n, _, d = q.shape
   num_targets, num_pseudo = (q.shape[2], 1) if alphas is None else alphas[0].shape[1:]
-  cfg = _config(
-    platform,
-    q,
-    v,
-    num_targets,
-    num_pseudo,
-    alphas is not None,
-    window,
-    rope_theta,
-    causal,
-    block_sizes,
-  )
+  cfg = _config(platform, q, v, num_targets, num_pseudo, alphas is not None, options)
   # Flat (target h, source m, pseudo p) order: one scalar read per coefficient.
   flat = (
     ()
@@ -226,13 +207,15 @@ def _prepare(
   )
   rows = _BACKENDS[platform].pseudo_rows(num_pseudo)
   angles = jnp.zeros((rows, cfg.half), jnp.float32)
-  if rope_theta is not None:
+  if options.rope_theta is not None:
     # RoPE at virtual position pos * P + p is R(p) R(pos * P): the source heads turn by
     # R(pos * P) here (N*H*d work), the kernels by R(p) (a [P, half] table), so no
     # trigonometry runs per tile.
-    q, k = (apply_rope(x, positions * num_pseudo, rope_theta) for x in (q, k))
-    frequencies = rope_frequencies(d, rope_theta)
+    positions = default_positions(q, options.positions) * num_pseudo
+    q, k = (apply_rope(x, positions, options.rope_theta) for x in (q, k))
+    frequencies = rope_frequencies(d, options.rope_theta)
     angles = angles.at[:, : d // 2].set(jnp.arange(rows, dtype=jnp.float32)[:, None] * frequencies)
+  segment_ids = options.segment_ids
   if segment_ids is None:  # one unpadded sequence per row
     segment_ids = jnp.ones((b, n), jnp.int32)
   args = (
@@ -251,22 +234,18 @@ def pseudo_outputs(
   k: jax.Array,
   v: jax.Array,
   alphas: tuple[jax.Array, jax.Array, jax.Array] | None,
+  options: AttentionOptions,
   *,
-  window: int | None,
-  segment_ids: jax.Array | None,
-  positions: jax.Array,
-  rope_theta: float | None,
   platform: str,
-  block_sizes: BlockSizes | None,
-  causal: bool = True,
 ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
   """Fused attention over the virtual sequence, de-interleaved, in the kernel layout.
 
   q, k `[B, N, H, d]`; v `[B, N, H, dv]` (dv = d for IHA; MHA may use a wider v).
   `alphas = (alpha_q, alpha_k, alpha_v)` `[H, Ht, P]` (all H source heads of q, k, v
   feed the Ht target heads computed here: Ht = H, or a head shard), or None for
-  plain MHA (Ht = H, P = 1). `segment_ids` None: one unpadded sequence per row.
-  `causal=False` attends bidirectionally (`ops.masking.visible`).
+  plain MHA (Ht = H, P = 1). `options`: window, causal (`ops.masking.visible`), RoPE,
+  segment ids (None: one unpadded sequence per row), positions and tiles; its
+  `implementation` is not read (the platform is `platform`).
 
   Returns `(o, restore)`: o the pseudo outputs, 5-D in the backend's `OUTPUT_SPEC` order
   (TPU `[B, Ht, P, Np, Wv]`, GPU `[B, Ht, Np, Pr, Wv]`; padded tokens, lanes and, on GPU,
@@ -274,19 +253,7 @@ def pseudo_outputs(
   `[B, N, H', dv]`. The VJP saves o; IHA layers use `collapsed_outputs`, which saves
   nothing P-sized.
   """
-  cfg, args, restore = _prepare(
-    q,
-    k,
-    v,
-    alphas,
-    window=window,
-    segment_ids=segment_ids,
-    positions=positions,
-    rope_theta=rope_theta,
-    causal=causal,
-    platform=platform,
-    block_sizes=block_sizes,
-  )
+  cfg, args, restore = _prepare(q, k, v, alphas, options, platform)
   return _BACKENDS[platform].pseudo_view(_attend(platform, cfg, *args), cfg), restore
 
 
@@ -296,37 +263,20 @@ def collapsed_outputs(
   v: jax.Array,
   alphas: tuple[jax.Array, jax.Array, jax.Array],
   collapse: jax.Array,
+  options: AttentionOptions,
   *,
-  window: int | None,
-  segment_ids: jax.Array | None,
-  positions: jax.Array,
-  rope_theta: float | None,
   platform: str,
-  block_sizes: BlockSizes | None,
-  causal: bool = True,
 ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
   """Fused attention and collapse of the local target heads (see `pseudo_outputs`).
 
   Returns `(y, restore)`: y `[B, Np, H', Wv]` float32 (H' = H for a full `[H, Ht, P]`
   collapse: a partial sum over the local target heads; H' = Ht for per_head `[Ht, P]`).
   """
-  cfg, args, restore = _prepare(
-    q,
-    k,
-    v,
-    alphas,
-    window=window,
-    segment_ids=segment_ids,
-    positions=positions,
-    rope_theta=rope_theta,
-    causal=causal,
-    platform=platform,
-    block_sizes=block_sizes,
-  )
+  cfg, args, restore = _prepare(q, k, v, alphas, options, platform)
   return _attend_collapse(platform, cfg, *args, collapse), restore
 
 
-def iha_attention(
+def fused_iha_attention(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
@@ -334,70 +284,32 @@ def iha_attention(
   alpha_k: jax.Array,
   alpha_v: jax.Array,
   collapse: jax.Array,
+  options: AttentionOptions,
   *,
-  window: int | None,
-  segment_ids: jax.Array | None,
-  positions: jax.Array,
-  rope_theta: float | None,
   platform: str,
-  block_sizes: BlockSizes | None,
-  causal: bool = True,
 ) -> jax.Array:
   """Fused IHA core (docs/design.md §1.2-1.6) on source heads `[B, N, H, d]` -> `[B, N, H, d]`.
 
-  Mixing, RoPE at virtual positions and attention (causal, or bidirectional with
-  `causal=False`) run in the kernels; the collapse is an einsum on the kernel's
-  de-interleaved output `[B, H, P, Np, W]`, inside the custom VJP so that output is
-  recomputed, not saved, for backward. `segment_ids` None: one sequence per row.
+  The kernel behind `iha_jax.ops.iha_attention(implementation="pallas_<platform>")`
+  without its checks or mesh routing. Mixing, RoPE at virtual positions and attention
+  run in the kernels; the collapse is an einsum on the kernel's de-interleaved output,
+  inside the custom VJP so that output is recomputed, not saved, for backward.
   """
   y, restore = collapsed_outputs(
-    q,
-    k,
-    v,
-    (alpha_q, alpha_k, alpha_v),
-    collapse,
-    window=window,
-    segment_ids=segment_ids,
-    positions=positions,
-    rope_theta=rope_theta,
-    platform=platform,
-    block_sizes=block_sizes,
-    causal=causal,
+    q, k, v, (alpha_q, alpha_k, alpha_v), collapse, options, platform=platform
   )
   return restore(y).astype(q.dtype)
 
 
-def mha_attention(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  *,
-  window: int | None,
-  segment_ids: jax.Array | None,
-  positions: jax.Array,
-  rope_theta: float | None,
-  platform: str,
-  block_sizes: BlockSizes | None,
-  causal: bool = True,
+def fused_mha_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, options: AttentionOptions, *, platform: str
 ) -> jax.Array:
   """MHA (causal or bidirectional) through the same kernels without mixing (P = 1).
 
   q, k `[B, N, H, d]` (RoPE applies to these), v `[B, N, H, dv]` (dv may differ from d,
   e.g. 2d for differential attention) -> `[B, N, H, dv]`.
   """
-  o, restore = pseudo_outputs(
-    q,
-    k,
-    v,
-    None,
-    window=window,
-    segment_ids=segment_ids,
-    positions=positions,
-    rope_theta=rope_theta,
-    platform=platform,
-    block_sizes=block_sizes,
-    causal=causal,
-  )
+  o, restore = pseudo_outputs(q, k, v, None, options, platform=platform)
   # The pseudo view's P axis has one entry (GPU tiles may pad it: take entry 0).
   o = jnp.take(o, 0, axis=_BACKENDS[platform].OUTPUT_SPEC.index("p"))
   return restore(jnp.swapaxes(o, 1, 2))

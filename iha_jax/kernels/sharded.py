@@ -14,12 +14,19 @@ so each device attends over its own rows (and heads) only.
 
 `mesh=None` takes the mesh made current by `jax.set_mesh` (`iha_jax.parallel.activate`);
 `batch_axes` / `head_axis` name its axes (`()` / None: not split).
+
+`iha_on_current_mesh` / `mha_on_current_mesh` are what `iha_jax.ops.registry` calls for
+"pallas_tpu" / "pallas_gpu": under a mesh they run the wrappers with the axes the
+logical-axis rules give (`iha_jax.parallel.sharding.kernel_axes`), else the kernels
+directly, so a layer makes one call whatever the mesh.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +34,9 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from iha_jax.kernels import fused
-from iha_jax.ops.options import BlockSizes
+from iha_jax.ops.options import AttentionOptions, with_overrides
 from iha_jax.ops.validation import default_positions
+from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
 
@@ -87,17 +95,17 @@ def _prepare(
   mesh: MeshLike | None,
   batch_axes: Sequence[str],
   head_axis: str | None,
-  segment_ids: jax.Array | None,
-  positions: jax.Array | None,
+  options: AttentionOptions,
 ) -> tuple[MeshLike, tuple[str, ...], jax.Array, jax.Array]:
   """The mesh, batch axes and explicit `[B, N]` ids / positions of a sharded call (the
   kernels fill defaults themselves, but shard_map needs an array per in_spec)."""
   mesh = _current(mesh)
   batch = tuple(batch_axes)
   check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis)
+  segment_ids = options.segment_ids
   if segment_ids is None:
     segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-  return mesh, batch, segment_ids, default_positions(q, positions)
+  return mesh, batch, segment_ids, default_positions(q, options.positions)
 
 
 def sharded_iha_attention(
@@ -108,50 +116,35 @@ def sharded_iha_attention(
   alpha_k: jax.Array,
   alpha_v: jax.Array,
   collapse: jax.Array,
+  options: AttentionOptions | None = None,
   *,
   mesh: MeshLike | None = None,
   batch_axes: Sequence[str] = ("data",),
   head_axis: str | None = "tensor",
-  window: int | None = None,
-  segment_ids: jax.Array | None = None,
-  positions: jax.Array | None = None,
-  rope_theta: float | None = 10000.0,
-  causal: bool = True,
   platform: str = "gpu",
-  block_sizes: BlockSizes | None = None,
+  **overrides: Any,
 ) -> jax.Array:
-  """`iha_attention` (fused kernels) via `jax.shard_map` over `mesh`.
+  """`fused_iha_attention` via `jax.shard_map` over `mesh`.
 
   Args:
     q, k, v: `[B, N, H, d]`; B divisible by the product of `batch_axes` sizes.
     alpha_q, alpha_k, alpha_v: `[H, H, P]`; H divisible by the `head_axis` size.
     collapse: `[H, H, P]` (full) or `[H, P]` (per_head).
+    options, **overrides: `AttentionOptions` (ids / positions `[B, N]`, defaults
+      filled here); `implementation` is not read: the kernels of `platform` run.
     mesh: device mesh holding `batch_axes` and `head_axis` (None: the current mesh).
-    window, segment_ids, positions, rope_theta, causal, platform, block_sizes: as
-      `iha_jax.kernels.fused.iha_attention` (ids/positions `[B, N]`, defaults filled here).
 
   Returns:
     `[B, N, H, d]`: batch-sharded; per_head collapse also head-sharded.
   """
-  mesh, batch, segment_ids, positions = _prepare(
-    q, mesh, batch_axes, head_axis, segment_ids, positions
-  )
+  options = with_overrides(options, overrides)
+  mesh, batch, segment_ids, positions = _prepare(q, mesh, batch_axes, head_axis, options)
   full = collapse.ndim == 3
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions):
+    local_options = options.replace(segment_ids=segment_ids, positions=positions)
     y, restore = fused.collapsed_outputs(
-      q,
-      k,
-      v,
-      (alpha_q, alpha_k, alpha_v),
-      collapse,
-      window=window,
-      segment_ids=segment_ids,
-      positions=positions,
-      rope_theta=rope_theta,
-      causal=causal,
-      platform=platform,
-      block_sizes=block_sizes,
+      q, k, v, (alpha_q, alpha_k, alpha_v), collapse, local_options, platform=platform
     )
     if full and head_axis:  # every output head mixes every target head: sum the shares
       y = jax.lax.psum(y, head_axis)
@@ -185,43 +178,46 @@ def sharded_mha_attention(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
+  options: AttentionOptions | None = None,
   *,
   mesh: MeshLike | None = None,
   batch_axes: Sequence[str] = ("data",),
   head_axis: str | None = "tensor",
-  window: int | None = None,
-  segment_ids: jax.Array | None = None,
-  positions: jax.Array | None = None,
-  rope_theta: float | None = 10000.0,
-  causal: bool = True,
   platform: str = "gpu",
-  block_sizes: BlockSizes | None = None,
+  **overrides: Any,
 ) -> jax.Array:
-  """`mha_attention` (fused kernels) via `jax.shard_map`: heads are independent, so
-  q `[B, N, H, d]`, k, v `[B, N, H, dv]` and the output stay split over batch and heads.
+  """`fused_mha_attention` via `jax.shard_map`: heads are independent, so q
+  `[B, N, H, d]`, k, v `[B, N, H, dv]` and the output stay split over batch and heads.
 
   Args and returns as `sharded_iha_attention` without the mixing; `[B, N, H, dv]`.
   """
-  mesh, batch, segment_ids, positions = _prepare(
-    q, mesh, batch_axes, head_axis, segment_ids, positions
-  )
+  options = with_overrides(options, overrides)
+  mesh, batch, segment_ids, positions = _prepare(q, mesh, batch_axes, head_axis, options)
 
   def local(q, k, v, segment_ids, positions):
-    return fused.mha_attention(
-      q,
-      k,
-      v,
-      window=window,
-      segment_ids=segment_ids,
-      positions=positions,
-      rope_theta=rope_theta,
-      causal=causal,
-      platform=platform,
-      block_sizes=block_sizes,
-    )
+    local_options = options.replace(segment_ids=segment_ids, positions=positions)
+    return fused.fused_mha_attention(q, k, v, local_options, platform=platform)
 
   heads = P(batch, None, head_axis, None)
   tokens = P(batch, None)
   return _shard_map(
     local, mesh, (heads, heads, heads, tokens, tokens), heads, (q, k, v, segment_ids, positions)
   )
+
+
+def _on_current_mesh(direct: Callable, wrapped: Callable, *args: Any, platform: str) -> jax.Array:
+  """`wrapped(*args)` over the current mesh's kernel axes when a mesh is set (and not
+  all manual), else `direct(*args)`; args: the arrays, then the `AttentionOptions`."""
+  axes = sharding.kernel_axes(jax.sharding.get_abstract_mesh())
+  if axes is None:
+    return direct(*args, platform=platform)
+  return wrapped(*args, platform=platform, **axes)
+
+
+# The registry's kernel entries: one call, whatever the mesh.
+iha_on_current_mesh = functools.partial(
+  _on_current_mesh, fused.fused_iha_attention, sharded_iha_attention
+)
+mha_on_current_mesh = functools.partial(
+  _on_current_mesh, fused.fused_mha_attention, sharded_mha_attention
+)

@@ -72,7 +72,8 @@ class TransformerConfig:
     mlp_dim: F, hidden width of the MLP.
     num_pseudo: P for the IHA layers; None means P = H.
     attention_schedule: one letter per layer, repeated to `num_layers`: I (global IHA),
-      L (sliding-window IHA), M (global MHA), S (sliding-window MHA).
+      L (sliding-window IHA), M (global MHA), S (sliding-window MHA), T (Talking-Heads),
+      D (differential), X (2-simplicial); `SCHEDULE_LETTERS`.
     iha_window: window of the 'L' layers, in virtual tokens (N*P per sequence).
     mha_window: window of the 'S' layers, in tokens.
     rope_theta: RoPE base; None disables RoPE.

@@ -22,6 +22,7 @@ from iha_jax.nn.initializers import (
   identity_talking_init,
 )
 from iha_jax.ops import IMPLEMENTATIONS, KINDS, registry
+from iha_jax.ops.options import AttentionOptions
 from iha_jax.ops.validation import is_int
 from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS, HEADS_DST, HEADS_SRC, PSEUDO, QK_PAIR
 
@@ -105,6 +106,19 @@ class AttentionConfig:
       )
     if self.implementation != "auto":
       registry.resolve(self.kind, self.implementation)  # e.g. no kernel for talking_heads
+
+  def options(
+    self, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+  ) -> AttentionOptions:
+    """The layer's options for its attention call (`window` in the kind's units)."""
+    return AttentionOptions(
+      window=self.window,
+      causal=self.causal,
+      rope_theta=self.rope_theta,  # 2-simplicial attention ignores it
+      segment_ids=segment_ids,
+      positions=positions,
+      implementation=self.implementation,
+    )
 
   @property
   def interleaved(self) -> bool:

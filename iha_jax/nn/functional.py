@@ -3,19 +3,18 @@
 Both the NNX and the Linen modules call `attention_forward`, so the layer math exists
 once for every kind: projections, the kind's core from `iha_jax.ops`, output projection.
 
-Under a mesh (`jax.set_mesh`, e.g. `iha_jax.parallel.activate`), the Pallas kernels run
-inside `jax.shard_map` (`iha_jax.kernels.sharded`): a `pallas_call` has no partitioning
-rule, so XLA would otherwise gather the whole batch's q/k/v onto every device. The batch
-and head mesh axes come from the logical-axis rules (`activation_batch`,
-`activation_heads`); without a mesh the kernels are called directly.
+The layer makes one call per kind with one `AttentionOptions` (`cfg.options`); the ops
+registry picks the implementation, and under a mesh (`jax.set_mesh`, e.g.
+`iha_jax.parallel.activate`) the Pallas kernels run inside `jax.shard_map` over the
+logical-axis rules' batch and head axes (`iha_jax.kernels.sharded`): a `pallas_call`
+has no partitioning rule, so XLA would otherwise gather the whole batch's q/k/v onto
+every device.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen import with_logical_constraint
@@ -30,14 +29,12 @@ from iha_jax.ops import (
   interleave,
   mha_attention,
   pseudo_mix,
-  registry,
   simplicial_attention,
   talking_heads_attention,
   virtual_positions,
 )
-from iha_jax.ops.differential import diff_via_mha
-from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_HEADS, HEADS_AXES, SOURCE_HEADS_AXES
-from iha_jax.parallel.rules import LOGICAL_AXIS_RULES
+from iha_jax.ops.options import AttentionOptions
+from iha_jax.parallel.axes import HEADS_AXES, SOURCE_HEADS_AXES
 
 # Names for remat policies (e.g. `jax.checkpoint_policies.save_only_these_names`):
 # the q/k/v projections and the core's output are what a memory-efficient attention
@@ -80,29 +77,6 @@ def project_qkv(p: Mapping[str, jax.Array], x: jax.Array) -> tuple[jax.Array, ..
   )
 
 
-def kernel_sharding(cfg: AttentionConfig) -> dict | None:
-  """`{platform, batch_axes, head_axis}` when `cfg` runs a Pallas kernel under a mesh.
-
-  None without a kernel (an `xla`/`reference` implementation, or a kind without one) or
-  without a current mesh. The axes are the active logical-axis rules' mapping of
-  `activation_batch` and `activation_heads` (the project's rules when none are active),
-  kept to the axes the mesh has.
-  """
-  implementation = registry.resolve(cfg.kind, cfg.implementation)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not implementation.startswith("pallas_") or mesh.empty:
-    return None
-  rules = nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
-  batch, heads = nn.logical_to_mesh_axes((ACTIVATION_BATCH, ACTIVATION_HEADS), rules)
-  names = set(mesh.axis_names)
-  batch = tuple(a for a in ((batch,) if isinstance(batch, str) else batch or ()) if a in names)
-  return dict(
-    platform=implementation.removeprefix("pallas_"),
-    batch_axes=batch,
-    head_axis=heads if heads in names else None,
-  )
-
-
 def attention_forward(
   params: Mapping[str, jax.Array],
   x: jax.Array,
@@ -129,21 +103,14 @@ def attention_forward(
   """
   check_input(x, cfg)
   p, x = to_compute_dtype(params, x, cfg)
-  options = dict(
-    window=cfg.window,
-    segment_ids=segment_ids,
-    positions=positions,
-    causal=cfg.causal,
-    implementation=cfg.implementation,
-  )
-  sharding = kernel_sharding(cfg)
+  options = cfg.options(segment_ids=segment_ids, positions=positions)
   if cfg.kind == "diff":
-    y = _differential(p, x, cfg, options, cfg.layer if layer is None else layer, sharding)
+    y = _differential(p, x, options, cfg.layer if layer is None else layer)
   elif cfg.kind == "simplicial":
     q, k1, k2, v1, v2 = (
       jnp.einsum("bnD,Dhd->bnhd", x, p[w]) for w in ("wq", "wk1", "wk2", "wv1", "wv2")
     )
-    y = simplicial_attention(q, k1, k2, v1, v2, **options)
+    y = simplicial_attention(q, k1, k2, v1, v2, options)
   else:
     q, k, v = project_qkv(p, x)
     if cfg.kind in ("iha", "talking_heads"):
@@ -153,50 +120,17 @@ def attention_forward(
       q, k, v = (with_logical_constraint(t, SOURCE_HEADS_AXES) for t in (q, k, v))
     if cfg.interleaved:
       mixing = (p["alpha_q"], p["alpha_k"], p["alpha_v"], p["collapse"])
-      if sharding:
-        y = _sharded().sharded_iha_attention(
-          q,
-          k,
-          v,
-          *mixing,
-          rope_theta=cfg.rope_theta,
-          **_without_implementation(options),
-          **sharding,
-        )
-      else:
-        y = iha_attention(q, k, v, *mixing, rope_theta=cfg.rope_theta, **options)
+      y = iha_attention(q, k, v, *mixing, options)
     elif cfg.kind == "talking_heads":
-      y = talking_heads_attention(
-        q, k, v, p["talk_logits"], p["talk_weights"], rope_theta=cfg.rope_theta, **options
-      )
-    elif sharding:
-      y = _sharded().sharded_mha_attention(
-        q, k, v, rope_theta=cfg.rope_theta, **_without_implementation(options), **sharding
-      )
+      y = talking_heads_attention(q, k, v, p["talk_logits"], p["talk_weights"], options)
     else:
-      y = mha_attention(q, k, v, rope_theta=cfg.rope_theta, **options)
+      y = mha_attention(q, k, v, options)
   y = checkpoint_name(with_logical_constraint(y, HEADS_AXES), ATTENTION_OUT)
   return jnp.einsum("bnhd,hdD->bnD", y, p["wo"])
 
 
-def _sharded():
-  """The kernels' shard_map wrappers, imported on first use under a mesh."""
-  from iha_jax.kernels import sharded  # pylint: disable=import-outside-toplevel
-
-  return sharded
-
-
-def _without_implementation(options: dict) -> dict:
-  return {k: v for k, v in options.items() if k != "implementation"}
-
-
 def _differential(
-  p: Mapping[str, jax.Array],
-  x: jax.Array,
-  cfg: AttentionConfig,
-  options: dict,
-  layer: int | jax.Array,
-  sharding: dict | None,
+  p: Mapping[str, jax.Array], x: jax.Array, options: AttentionOptions, layer: int | jax.Array
 ) -> jax.Array:
   """Differential attention (Ye et al. 2024) up to the output projection: `[B, N, H, 2d]`.
 
@@ -214,19 +148,7 @@ def _differential(
     - jnp.exp(jnp.dot(f32("lambda_q2"), f32("lambda_k2")))
     + lambda_init
   )
-  if sharding:  # both maps through the kernels under shard_map, as one MHA call
-    y = diff_via_mha(
-      q,
-      k,
-      v,
-      lam,
-      rope_theta=cfg.rope_theta,
-      **options,
-      mha=functools.partial(_sharded().sharded_mha_attention, **sharding),
-    )
-  else:
-    y = diff_attention(q, k, v, lam, rope_theta=cfg.rope_theta, **options)
-  y = y.astype(jnp.float32)
+  y = diff_attention(q, k, v, lam, options).astype(jnp.float32)
   y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + DIFF_NORM_EPS)
   return (y * f32("norm_scale") * (1.0 - lambda_init)).astype(x.dtype)
 

@@ -1,8 +1,9 @@
 """Pure functions of the attention kinds (no Flax): IHA, MHA and the paper's baselines.
 
-Entry points (each takes `implementation=`, see `iha_jax.ops.registry`):
-`iha_attention`, `mha_attention`, `talking_heads_attention`, `diff_attention`,
-`simplicial_attention`.
+Entry points: `iha_attention`, `mha_attention`, `talking_heads_attention`,
+`diff_attention`, `simplicial_attention`. Each takes its arrays, then one
+`AttentionOptions` (window, causal, RoPE, segment ids, positions, tiles, implementation)
+and/or the same options as keywords; `iha_jax.ops.registry` picks the implementation.
 """
 
 from iha_jax.ops.attention import iha_attention, mha_attention, resolve_implementation
@@ -10,7 +11,7 @@ from iha_jax.ops.differential import diff_attention, diff_lambda_init
 from iha_jax.ops.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
 from iha_jax.ops.masking import visible
 from iha_jax.ops.mixing import collapse_heads, pseudo_mix
-from iha_jax.ops.options import IMPLEMENTATIONS, BlockSizes
+from iha_jax.ops.options import IMPLEMENTATIONS, AttentionOptions, BlockSizes
 from iha_jax.ops.reference import attention_probs, dense_attention
 from iha_jax.ops.registry import KINDS
 from iha_jax.ops.rope import apply_rope, rope_frequencies
@@ -18,6 +19,7 @@ from iha_jax.ops.simplicial import simplicial_attention
 from iha_jax.ops.talking_heads import talking_heads_attention
 
 __all__ = [
+  "AttentionOptions",
   "BlockSizes",
   "IMPLEMENTATIONS",
   "KINDS",

@@ -13,16 +13,15 @@ maps of a head on one device.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from iha_jax.ops import registry, validation
 from iha_jax.ops.attention import mha_attention
-from iha_jax.ops.options import BlockSizes
+from iha_jax.ops.options import AttentionOptions, with_overrides
 
 
 def diff_lambda_init(layer: int | jax.Array) -> jax.Array | float:
@@ -37,14 +36,8 @@ def diff_attention(
   k: jax.Array,
   v: jax.Array,
   lam: jax.Array | float,
-  *,
-  window: int | None = None,
-  segment_ids: jax.Array | None = None,
-  positions: jax.Array | None = None,
-  rope_theta: float | None = 10000.0,
-  causal: bool = True,
-  implementation: str = "auto",
-  block_sizes: BlockSizes | None = None,
+  options: AttentionOptions | None = None,
+  **overrides: Any,
 ) -> jax.Array:
   """Differential attention `A1 v - lam * A2 v` (before the layer's norm and scale).
 
@@ -52,9 +45,8 @@ def diff_attention(
     q, k: `[B, N, H, 2, d]` projections before RoPE (map i's queries / keys at index i).
     v: `[B, N, H, dv]` (the paper's layer uses dv = 2d).
     lam: a scalar or `[H]` (per head).
-    window, segment_ids, positions, rope_theta, causal, block_sizes: as `mha_attention`
-      (window in tokens).
-    implementation: any MHA implementation ("reference", "xla", "pallas_tpu",
+    options, **overrides: `AttentionOptions` as `mha_attention` (window in tokens);
+      `implementation` is any MHA implementation ("reference", "xla", "pallas_tpu",
       "pallas_gpu", "auto"): both maps run through it.
 
   Returns:
@@ -77,60 +69,18 @@ def diff_attention(
   h = q.shape[2]
   if jnp.ndim(lam) not in (0, 1) or (jnp.ndim(lam) == 1 and jnp.shape(lam)[0] != h):
     raise ValueError(f"lam must be a scalar or [H] = [{h}], got shape {tuple(jnp.shape(lam))}.")
-  validation.check_options(
-    q,
-    window=window,
-    segment_ids=segment_ids,
-    positions=positions,
-    rope_theta=rope_theta,
-    causal=causal,
-  )
-  fn = registry.lookup("diff", implementation)
-  return fn(
-    q,
-    k,
-    v,
-    lam,
-    window=window,
-    segment_ids=segment_ids,
-    positions=validation.default_positions(q, positions),
-    rope_theta=rope_theta,
-    causal=causal,
-    block_sizes=block_sizes,
-  )
+  options = validation.check_options(q, with_overrides(options, overrides))
+  fn = registry.lookup("diff", options.implementation)
+  return fn(q, k, v, lam, options)
 
 
-def diff_via_mha(
-  q,
-  k,
-  v,
-  lam,
-  *,
-  implementation,
-  window,
-  segment_ids,
-  positions,
-  rope_theta,
-  causal,
-  block_sizes=None,
-  mha: Callable[..., jax.Array] | None = None,
-):
-  """Both maps as one MHA call over 2H heads: `mha_attention(implementation=...)`, or
-  `mha(q, k, v, **options)` when given (e.g. the kernels under shard_map)."""
+def diff_via_mha(q, k, v, lam, options: AttentionOptions):
+  """Both maps as one `mha_attention` call over 2H heads (the same implementation, so the
+  kernels, under shard_map when a mesh is current, serve it too)."""
   b, n, h, _, d = q.shape
-  options = dict(
-    window=window,
-    segment_ids=segment_ids,
-    positions=positions,
-    rope_theta=rope_theta,
-    causal=causal,
-    block_sizes=block_sizes,
-  )
-  if mha is None:
-    mha = functools.partial(mha_attention, implementation=implementation)
   # [B, N, H, 2, d] -> [B, N, 2H, d]: head 2h + i is map i of head h.
-  out = mha(
-    q.reshape(b, n, 2 * h, d), k.reshape(b, n, 2 * h, d), jnp.repeat(v, 2, axis=2), **options
+  out = mha_attention(
+    q.reshape(b, n, 2 * h, d), k.reshape(b, n, 2 * h, d), jnp.repeat(v, 2, axis=2), options
   ).astype(jnp.float32)
   lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (h,))[:, None]
   return (out[:, :, 0::2] - lam * out[:, :, 1::2]).astype(q.dtype)

@@ -1,6 +1,10 @@
 """Option types and tile arithmetic shared by every attention kind and implementation
 (a leaf module).
 
+`AttentionOptions` is the one object for the keywords every kind shares: the layer
+builds it, `iha_jax.ops` checks it once, and the implementations, the Pallas kernels
+and their shard_map wrappers receive it as it is.
+
 `iha_jax.ops` (the public entry points) and `iha_jax.kernels` (the Pallas kernels)
 both import from here and from nowhere else in `ops` that could import them back,
 so the two packages form no import cycle.
@@ -9,6 +13,9 @@ so the two packages form no import cycle.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import jax
 
 # Every `implementation=` value the entry points accept. "auto" resolves per backend and
 # kind (`iha_jax.ops.registry.resolve`).
@@ -33,3 +40,49 @@ class BlockSizes:
 def round_up(x: int, multiple: int) -> int:
   """The smallest multiple of `multiple` that is >= `x` (tile padding)."""
   return -(-x // multiple) * multiple
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionOptions:
+  """The options every attention kind shares (a pytree: the arrays are its leaves).
+
+  Attributes:
+    window: sliding window in the kind's sequence units: VIRTUAL tokens for IHA (over
+      `T = N * P`), tokens for every other kind (`t - s < window`; `|t - s| < window`
+      when not causal); None = global.
+    causal: keys at or before the query only; False: bidirectional (encoders).
+    rope_theta: RoPE base; None disables RoPE (2-simplicial attention never rotates).
+    segment_ids: `[B, N]` int32 packed-sequence ids, 0 = padding (zero output); None:
+      one unpadded sequence per row.
+    positions: `[B, N]` int32 token positions; None: `arange(N)` per row.
+    block_sizes: tile sizes of the blockwise implementations (None: their defaults).
+    implementation: "reference", "xla", "pallas_tpu", "pallas_gpu" or "auto"
+      (`iha_jax.ops.registry.resolve`).
+  """
+
+  window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  rope_theta: float | None = dataclasses.field(default=10000.0, metadata=dict(static=True))
+  segment_ids: Any = None
+  positions: Any = None
+  block_sizes: BlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
+  implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+
+  def replace(self, **changes: Any) -> AttentionOptions:
+    """A copy with `changes` (keyword names checked)."""
+    return with_overrides(self, changes)
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(AttentionOptions))
+
+
+def with_overrides(options: AttentionOptions | None, overrides: dict[str, Any]) -> AttentionOptions:
+  """`options` (default `AttentionOptions()`) with the keyword `overrides` applied; an
+  unknown keyword is refused naming the known ones."""
+  unknown = sorted(set(overrides) - set(OPTION_NAMES))
+  if unknown:
+    raise TypeError(f"unknown attention option(s) {unknown}; the options are {OPTION_NAMES}")
+  if options is not None and not isinstance(options, AttentionOptions):
+    raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
+  return dataclasses.replace(options or AttentionOptions(), **overrides)

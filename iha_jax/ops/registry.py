@@ -4,8 +4,10 @@ Each kind maps implementation names to `"module:function"` references (with keyw
 arguments to bind), imported on first use. The table names the Pallas kernels without
 importing them, so `iha_jax.ops` sits below `iha_jax.kernels` in the layering and this
 is the only place that reaches up into it. Every entry of one kind takes the same
-arguments (the kind's arrays, then keyword options already checked and defaulted by the
-kind's public entry point) and computes the same function.
+arguments (the kind's arrays, then the `AttentionOptions` already checked and defaulted
+by the kind's public entry point) and computes the same function. The kernel entries
+run inside `shard_map` when a mesh is current (`iha_jax.kernels.sharded`), so callers
+never choose between the kernels and their sharded wrappers.
 
 | kind | entry point | implementations |
 | --- | --- | --- |
@@ -29,7 +31,7 @@ import jax
 from iha_jax.ops.options import IMPLEMENTATIONS
 
 _OPS = "iha_jax.ops"
-_KERNELS = "iha_jax.kernels.fused"
+_KERNELS = "iha_jax.kernels.sharded"  # the kernels, under shard_map when a mesh is current
 Entry = tuple[str, dict[str, str]]  # ("module:function", keyword arguments bound to it)
 
 
@@ -45,14 +47,14 @@ _TABLE: dict[str, dict[str, Entry]] = {
   "iha": {
     "reference": _local("attention", "iha_reference"),
     "xla": _local("attention", "iha_xla"),
-    "pallas_tpu": _kernel("iha_attention", "tpu"),
-    "pallas_gpu": _kernel("iha_attention", "gpu"),
+    "pallas_tpu": _kernel("iha_on_current_mesh", "tpu"),
+    "pallas_gpu": _kernel("iha_on_current_mesh", "gpu"),
   },
   "mha": {
     "reference": _local("attention", "mha_reference"),
     "xla": _local("attention", "mha_xla"),
-    "pallas_tpu": _kernel("mha_attention", "tpu"),
-    "pallas_gpu": _kernel("mha_attention", "gpu"),
+    "pallas_tpu": _kernel("mha_on_current_mesh", "tpu"),
+    "pallas_gpu": _kernel("mha_on_current_mesh", "gpu"),
   },
   "talking_heads": {
     "reference": _local("talking_heads", "talking_heads_reference"),
@@ -61,7 +63,7 @@ _TABLE: dict[str, dict[str, Entry]] = {
   # Differential attention runs its two maps as one MHA call over 2H heads, so every
   # MHA implementation, the kernels included, serves it.
   "diff": {
-    name: (f"{_OPS}.differential:diff_via_mha", {"implementation": name})
+    name: _local("differential", "diff_via_mha")
     for name in ("reference", "xla", "pallas_tpu", "pallas_gpu")
   },
   "simplicial": {

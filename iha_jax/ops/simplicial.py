@@ -15,12 +15,14 @@ shapes whose scores in flight exceed `MAX_SCORES` float32 elements.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from iha_jax.ops import registry, validation
 from iha_jax.ops.masking import MASK_VALUE
-from iha_jax.ops.options import BlockSizes
+from iha_jax.ops.options import AttentionOptions, with_overrides
 from iha_jax.ops.query_blocks import (
   QueryBlocks,
   block_mask,
@@ -42,25 +44,17 @@ def simplicial_attention(
   k2: jax.Array,
   v1: jax.Array,
   v2: jax.Array,
-  *,
-  window: int | None = None,
-  segment_ids: jax.Array | None = None,
-  positions: jax.Array | None = None,
-  causal: bool = True,
-  implementation: str = "auto",
-  block_sizes: BlockSizes | None = None,
+  options: AttentionOptions | None = None,
+  **overrides: Any,
 ) -> jax.Array:
   """2-simplicial attention over `[B, N, H, d]` inputs.
 
   Args:
     q, k1, k2, v1, v2: `[B, N, H, d]`, one shape and dtype.
-    window: sliding window in tokens (`t - s < window`; `|t - s| < window` when not
-      causal), None = global.
-    segment_ids: `[B, N]` int32 packed-sequence ids; 0 = padding (zero output).
-    positions: `[B, N]` int32, accepted for a uniform signature and unused (no RoPE).
-    causal: keys at or before the query only; False: bidirectional.
-    implementation: "reference", "xla" or "auto" (= "xla").
-    block_sizes: `block_q`, the most queries per block of the XLA path.
+    options, **overrides: `AttentionOptions` as `iha_attention` (window in tokens);
+      `positions` and `rope_theta` are unused (2-simplicial attention has no RoPE);
+      `implementation` "reference", "xla" or "auto" (= "xla"); `block_sizes.block_q`,
+      the most queries per block of the XLA path.
 
   Returns:
     `[B, N, H, d]` in q.dtype.
@@ -72,21 +66,9 @@ def simplicial_attention(
   """
   names = ("q", "k1", "k2", "v1", "v2")
   validation.check_arrays(names, (q, k1, k2, v1, v2), 4, "[B, N, H, d]")
-  validation.check_options(
-    q, window=window, segment_ids=segment_ids, positions=positions, rope_theta=None, causal=causal
-  )
-  fn = registry.lookup("simplicial", implementation)
-  return fn(
-    q,
-    k1,
-    k2,
-    v1,
-    v2,
-    window=window,
-    segment_ids=segment_ids,
-    causal=causal,
-    block_sizes=block_sizes,
-  )
+  options = validation.check_options(q, with_overrides(options, overrides).replace(rope_theta=None))
+  fn = registry.lookup("simplicial", options.implementation)
+  return fn(q, k1, k2, v1, v2, options)
 
 
 def _attend(q, k1, k2, v1, v2, mask, precision):
@@ -114,9 +96,9 @@ def _refuse(what: str, elements: int, shape: tuple[int, ...], hint: str) -> None
     )
 
 
-def simplicial_reference(q, k1, k2, v1, v2, *, window, segment_ids, causal, block_sizes=None):
+def simplicial_reference(q, k1, k2, v1, v2, options: AttentionOptions):
   """Dense `[B, H, N, N, N]` math in float32 at highest precision (the test oracle)."""
-  del block_sizes
+  segment_ids, window, causal = options.segment_ids, options.window, options.causal
   b, n, h, _ = q.shape
   _refuse(
     "the dense reference",
@@ -146,10 +128,11 @@ def _plan(shape: tuple[int, ...], block: int, window: int | None, causal: bool) 
   return plan
 
 
-def simplicial_xla(q, k1, k2, v1, v2, *, window, segment_ids, causal, block_sizes=None):
+def simplicial_xla(q, k1, k2, v1, v2, options: AttentionOptions):
   """Query-blocked math: `[B, H, block, slab, slab]` scores at a time, recomputed in
   backward."""
-  block = (block_sizes.block_q if block_sizes else None) or DEFAULT_BLOCK
+  segment_ids, window, causal = options.segment_ids, options.window, options.causal
+  block = (options.block_sizes.block_q if options.block_sizes else None) or DEFAULT_BLOCK
   plan = _plan(q.shape, block, window, causal)
 
   def attend(q_side, k_side, q_index, k_index):

@@ -16,12 +16,14 @@ a time (`iha_jax.ops.query_blocks`), never a `[B, H, N, N]` tensor.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from iha_jax.ops import registry, validation
 from iha_jax.ops.masking import MASK_VALUE
-from iha_jax.ops.options import BlockSizes
+from iha_jax.ops.options import AttentionOptions, with_overrides
 from iha_jax.ops.query_blocks import block_mask, map_query_blocks, plan_query_blocks, zero_padding
 from iha_jax.ops.rope import apply_rope
 
@@ -35,14 +37,8 @@ def talking_heads_attention(
   v: jax.Array,
   talk_logits: jax.Array,
   talk_weights: jax.Array,
-  *,
-  window: int | None = None,
-  segment_ids: jax.Array | None = None,
-  positions: jax.Array | None = None,
-  rope_theta: float | None = 10000.0,
-  causal: bool = True,
-  implementation: str = "auto",
-  block_sizes: BlockSizes | None = None,
+  options: AttentionOptions | None = None,
+  **overrides: Any,
 ) -> jax.Array:
   """Talking-Heads attention over `[B, N, H, ·]` inputs.
 
@@ -50,14 +46,9 @@ def talking_heads_attention(
     q, k: `[B, N, H, d]` projections before RoPE; v: `[B, N, H, dv]`.
     talk_logits, talk_weights: `[H, H]`, axes (source head, target head); identity
       matrices give plain multi-head attention.
-    window: sliding window in tokens (`t - s < window`; `|t - s| < window` when not
-      causal), None = global.
-    segment_ids: `[B, N]` int32 packed-sequence ids; 0 = padding (zero output).
-    positions: `[B, N]` int32 token positions (default `arange(N)`).
-    rope_theta: RoPE base, None disables RoPE.
-    causal: keys at or before the query only; False: bidirectional.
-    implementation: "reference", "xla" or "auto" (= "xla": no kernel exists).
-    block_sizes: `block_q`, queries per block of the XLA path.
+    options, **overrides: `AttentionOptions` as `iha_attention` (window in tokens);
+      `implementation` "reference", "xla" or "auto" (= "xla": no kernel exists);
+      `block_sizes.block_q`, queries per block of the XLA path.
 
   Returns:
     `[B, N, H, dv]` in q.dtype.
@@ -69,28 +60,9 @@ def talking_heads_attention(
       raise ValueError(
         f"{name} must have shape [H, H] = [{h}, {h}] (H from q), got {tuple(jnp.shape(x))}."
       )
-  validation.check_options(
-    q,
-    window=window,
-    segment_ids=segment_ids,
-    positions=positions,
-    rope_theta=rope_theta,
-    causal=causal,
-  )
-  fn = registry.lookup("talking_heads", implementation)
-  return fn(
-    q,
-    k,
-    v,
-    talk_logits,
-    talk_weights,
-    window=window,
-    segment_ids=segment_ids,
-    positions=validation.default_positions(q, positions),
-    rope_theta=rope_theta,
-    causal=causal,
-    block_sizes=block_sizes,
-  )
+  options = validation.check_options(q, with_overrides(options, overrides))
+  fn = registry.lookup("talking_heads", options.implementation)
+  return fn(q, k, v, talk_logits, talk_weights, options)
 
 
 def _attend(q, k, v, talk_logits, talk_weights, mask, precision):
@@ -113,54 +85,33 @@ def _attend(q, k, v, talk_logits, talk_weights, mask, precision):
   )
 
 
+def _unpack(options: AttentionOptions):
+  return options.segment_ids, options.positions, options.window, options.causal
+
+
 def _rotate(q, k, positions, rope_theta):
   if rope_theta is None:
     return q, k
   return apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
 
 
-def talking_heads_reference(
-  q,
-  k,
-  v,
-  talk_logits,
-  talk_weights,
-  *,
-  window,
-  segment_ids,
-  positions,
-  rope_theta,
-  causal,
-  block_sizes=None,
-):
+def talking_heads_reference(q, k, v, talk_logits, talk_weights, options: AttentionOptions):
   """Dense `[B, H, N, N]` math in float32 at highest precision (the test oracle)."""
-  del block_sizes
+  segment_ids, positions, window, causal = _unpack(options)
   dtype = q.dtype
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  q, k = _rotate(q, k, positions, rope_theta)
+  q, k = _rotate(q, k, positions, options.rope_theta)
   index = jnp.arange(q.shape[1])
   mask = block_mask(index, index, segment_ids, segment_ids, window, causal)
   out = _attend(q, k, v, talk_logits, talk_weights, mask, _HIGHEST)
   return zero_padding(out, segment_ids).astype(dtype)
 
 
-def talking_heads_xla(
-  q,
-  k,
-  v,
-  talk_logits,
-  talk_weights,
-  *,
-  window,
-  segment_ids,
-  positions,
-  rope_theta,
-  causal,
-  block_sizes=None,
-):
+def talking_heads_xla(q, k, v, talk_logits, talk_weights, options: AttentionOptions):
   """Query-blocked math: `[B, H, block, slab]` scores at a time, recomputed in backward."""
-  q, k = _rotate(q, k, positions, rope_theta)
-  block = (block_sizes.block_q if block_sizes else None) or DEFAULT_BLOCK
+  segment_ids, positions, window, causal = _unpack(options)
+  q, k = _rotate(q, k, positions, options.rope_theta)
+  block = (options.block_sizes.block_q if options.block_sizes else None) or DEFAULT_BLOCK
   plan = plan_query_blocks(q.shape[1], block, window, causal)
 
   def attend(q_side, k_side, q_index, k_index):

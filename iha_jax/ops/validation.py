@@ -6,11 +6,14 @@ message naming the argument before anything is traced or compiled.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from iha_jax.ops.options import AttentionOptions, BlockSizes
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -91,22 +94,19 @@ def check_mixing(
   return num_pseudo
 
 
-def check_options(
-  q: jax.Array,
-  *,
-  window: int | None,
-  segment_ids: jax.Array | None,
-  positions: jax.Array | None,
-  rope_theta: float | None,
-  causal: bool,
-) -> None:
-  """window, segment_ids, positions, rope_theta and causal against q `[B, N, H, ...]`."""
+def check_options(q: jax.Array, options: AttentionOptions) -> AttentionOptions:
+  """`options` checked against q `[B, N, H, ...]`, with `positions` defaulted (`arange(N)`
+  per row): what every implementation receives."""
+  window, causal, rope_theta = options.window, options.causal, options.rope_theta
   if window is not None and not is_int(window, 1):
     raise ValueError(f"window must be None (global) or an int >= 1, got {window!r}.")
   if not isinstance(causal, bool):
     raise ValueError(f"causal must be a bool (True: causal, False: bidirectional), got {causal!r}.")
+  if options.block_sizes is not None and not isinstance(options.block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a BlockSizes or None, got {options.block_sizes!r}.")
   batch_tokens = _shape(q)[:2]
-  for name, x in (("segment_ids", segment_ids), ("positions", positions)):
+  for name in ("segment_ids", "positions"):
+    x = getattr(options, name)
     if x is None:
       continue
     if _shape(x) != batch_tokens:
@@ -120,6 +120,7 @@ def check_options(
       raise ValueError(
         f"RoPE needs an even head_dim d, got d = {_shape(q)[-1]}; use an even d or rope_theta=None."
       )
+  return dataclasses.replace(options, positions=default_positions(q, options.positions))
 
 
 def default_positions(q: jax.Array, positions: jax.Array | None) -> jax.Array:

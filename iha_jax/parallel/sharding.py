@@ -9,8 +9,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_HEADS
 from iha_jax.parallel.rules import BATCH_AXES, LOGICAL_AXIS_RULES, logical_to_mesh_spec
 
 
@@ -53,3 +54,22 @@ def shard_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, 
     global_shape = (value.shape[0] * jax.process_count(),) + value.shape[1:]
     out[key] = jax.make_array_from_process_local_data(sharding, value, global_shape)
   return out
+
+
+def kernel_axes(mesh: Mesh | AbstractMesh) -> dict[str, Any] | None:
+  """`{batch_axes, head_axis}`: the axes of `mesh` a Pallas kernel splits q/k/v over.
+
+  The active logical-axis rules' mapping of `activation_batch` and `activation_heads`
+  (the project's rules when none are active), kept to the axes the mesh has and is not
+  already inside a `shard_map` over (manual axes). None for an empty mesh or one whose
+  axes are all manual: the kernel is called directly.
+  """
+  if mesh.empty:
+    return None
+  rules = nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
+  batch, heads = nn.logical_to_mesh_axes((ACTIVATION_BATCH, ACTIVATION_HEADS), rules)
+  free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
+  if not free:
+    return None
+  batch = tuple(a for a in ((batch,) if isinstance(batch, str) else batch or ()) if a in free)
+  return dict(batch_axes=batch, head_axis=heads if heads in free else None)
