@@ -3,6 +3,8 @@
     python benchmarks/compile_matrix.py                       # every case, TPU and H100
     python benchmarks/compile_matrix.py --out docs/compile_matrix.md
     python benchmarks/compile_matrix.py --platform tpu --cases smoke --json
+    python benchmarks/compile_matrix.py --platform cuda --out docs/compile_matrix.md
+        # one platform: rewrites that platform's section of the page, keeps the other's
 
 A covering set of kernel configurations (`CASES`: every value of every axis appears, and
 every combination a shipped config produces), forward+backward unless marked, each
@@ -182,6 +184,21 @@ def render(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _sections(text: str) -> dict[str, str]:
+  """The page's "### " sections by platform ("tpu", "cuda"), each up to the next one."""
+  parts = text.split("### ")[1:]
+  return {"tpu" if part.startswith("TPU") else "cuda": "### " + part for part in parts}
+
+
+def _merged(path: Path, table: str) -> str:
+  """`table`, plus the sections of the other platform kept from the page at `path`."""
+  if not path.exists():
+    return table
+  old, new = _sections(path.read_text()), _sections(table)
+  preamble = table.split("### ")[0]
+  return preamble + "".join(new.get(p) or old.get(p, "") for p in ("tpu", "cuda"))
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--platform", choices=("tpu", "cuda", "both"), default="both")
@@ -223,7 +240,7 @@ def main() -> int:
     table = render(rows)
     print(table)
     if args.out:
-      Path(args.out).write_text(table)
+      Path(args.out).write_text(_merged(Path(args.out), table))
   return 0 if all(r["ok"] for r in rows) else 1
 
 
