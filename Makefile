@@ -32,7 +32,7 @@ targets: $(TARGETS_DIR)/.installed
 # H100 by their own compilers), one worker per core.
 test: $(VENV)/.installed $(TARGETS_DIR)/.installed
 	@echo "make test: about $(TEST_MINUTES) min on a 2-core CPU (measured); progress in % below"
-	$(PY) -m pytest -n auto -q
+	IHA_REQUIRE_TARGETS=1 $(PY) -m pytest -n auto -q
 
 # Style (pyproject.toml): ruff's lint rules, and ruff format's 2-space, 100-column layout.
 lint: $(VENV)/.installed
