@@ -158,7 +158,8 @@ def test_registry_entries_resolve_and_auto_falls_back_to_xla():
     if jax.default_backend() == "cpu":
       assert registry.resolve(kind, "auto") == "xla"
   assert set(registry.implementations("talking_heads")) == {"reference", "xla"}
-  assert set(registry.implementations("diff")) == set(registry.implementations("mha"))
+  # Differential attention runs through MHA with values 2d wide, which cuDNN's path lacks.
+  assert set(registry.implementations("diff")) == set(registry.implementations("mha")) - {"cudnn"}
 
 
 def test_ops_does_not_import_the_kernels():

@@ -26,7 +26,10 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def resolve_implementation(implementation: str, kind: str = "iha") -> str:
-  """ "auto" -> the fused Pallas kernels on TPU / GPU where `kind` has them, else "xla"."""
+  """ "auto" -> the fused Pallas kernels on TPU / GPU where `kind` has them, else "xla".
+
+  This is the answer without a call's arrays: on GPU a call may pick "cudnn" or
+  "pallas_gpu_mha" instead (`registry.resolve`)."""
   return registry.resolve(kind, implementation)
 
 
@@ -59,7 +62,7 @@ def iha_attention(
   validation.check_qkv(q, k, v)
   validation.check_mixing(q.shape[2], alpha_q, alpha_k, alpha_v, collapse)
   options = validation.check_options(q, options)
-  fn = registry.lookup("iha", options.implementation)
+  fn = registry.lookup("iha", options.implementation, q, v, options, alpha_q.shape[2])
   return fn(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options)
 
 
@@ -78,7 +81,7 @@ def mha_attention(
   options = with_overrides(options, overrides)
   validation.check_qkv(q, k, v, value_width=True)
   options = validation.check_options(q, options)
-  fn = registry.lookup("mha", options.implementation)
+  fn = registry.lookup("mha", options.implementation, q, v, options)
   return fn(q, k, v, options)
 
 
@@ -138,6 +141,22 @@ def iha_xla(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: AttentionOpti
   qv, kv, vv = (mix_to_virtual(x, a) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
   out = _xla_core(qv, kv, vv, options, *_virtual(options, num_pseudo))
   return collapse_from_virtual(out, collapse, num_pseudo)
+
+
+def iha_via_mha(
+  q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: AttentionOptions, *, mha: str
+):
+  """IHA as materialised pseudo q/k/v `[B, N * P, H, d]` and the MHA implementation `mha`
+  over the virtual sequence (virtual segment ids and positions; the window, in virtual
+  tokens, and the block sizes carry over). Faster on GPU than the fused kernels, which
+  rebuild every pseudo tile from all H source heads per tile pair (docs/performance.md
+  §12), for P-times larger activations."""
+  num_pseudo = alpha_q.shape[2]
+  qv, kv, vv = (interleave(pseudo_mix(x, a)) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
+  segment_ids, positions = _virtual(options, num_pseudo)
+  inner = options.replace(segment_ids=segment_ids, positions=positions, implementation=mha)
+  out = mha_attention(qv, kv, vv, inner)
+  return collapse_heads(deinterleave(out, num_pseudo), collapse)
 
 
 def mha_reference(q, k, v, options: AttentionOptions):

@@ -19,7 +19,15 @@ import jax
 
 # Every `implementation=` value the entry points accept. "auto" resolves per backend and
 # kind (`iha_jax.ops.registry.resolve`).
-IMPLEMENTATIONS = ("reference", "xla", "pallas_tpu", "pallas_gpu", "auto")
+IMPLEMENTATIONS = (
+  "reference",
+  "xla",
+  "pallas_tpu",
+  "pallas_gpu",
+  "pallas_gpu_mha",
+  "cudnn",
+  "auto",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +65,8 @@ class AttentionOptions:
       one unpadded sequence per row.
     positions: `[B, N]` int32 token positions; None: `arange(N)` per row.
     block_sizes: tile sizes of the blockwise implementations (None: their defaults).
-    implementation: "reference", "xla", "pallas_tpu", "pallas_gpu" or "auto"
+    implementation: "reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha"
+      (IHA only), "cudnn" or "auto"
       (`iha_jax.ops.registry.resolve`).
   """
 

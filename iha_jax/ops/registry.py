@@ -11,8 +11,8 @@ never choose between the kernels and their sharded wrappers.
 
 | kind | entry point | implementations |
 | --- | --- | --- |
-| iha | `iha_attention` | reference, xla, pallas_tpu, pallas_gpu |
-| mha | `mha_attention` | reference, xla, pallas_tpu, pallas_gpu |
+| iha | `iha_attention` | reference, xla, pallas_tpu, pallas_gpu, pallas_gpu_mha, cudnn |
+| mha | `mha_attention` | reference, xla, pallas_tpu, pallas_gpu, cudnn |
 | talking_heads | `talking_heads_attention` | reference, xla |
 | diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu (through mha) |
 | simplicial | `simplicial_attention` | reference, xla |
@@ -24,10 +24,12 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import math
 from collections.abc import Callable, Iterator
 
 import jax
 
+from iha_jax.ops import cudnn_attention
 from iha_jax.ops.options import IMPLEMENTATIONS
 
 _OPS = "iha_jax.ops"
@@ -37,6 +39,10 @@ Entry = tuple[str, dict[str, str]]  # ("module:function", keyword arguments boun
 
 def _local(module: str, function: str) -> Entry:
   return f"{_OPS}.{module}:{function}", {}
+
+
+def _via_mha(mha: str) -> Entry:
+  return f"{_OPS}.attention:iha_via_mha", {"mha": mha}
 
 
 def _kernel(function: str, platform: str) -> Entry:
@@ -49,12 +55,16 @@ _TABLE: dict[str, dict[str, Entry]] = {
     "xla": _local("attention", "iha_xla"),
     "pallas_tpu": _kernel("iha_on_current_mesh", "tpu"),
     "pallas_gpu": _kernel("iha_on_current_mesh", "gpu"),
+    # Materialised pseudo q/k/v + an MHA implementation over the virtual sequence.
+    "pallas_gpu_mha": _via_mha("pallas_gpu"),
+    "cudnn": _via_mha("cudnn"),
   },
   "mha": {
     "reference": _local("attention", "mha_reference"),
     "xla": _local("attention", "mha_xla"),
     "pallas_tpu": _kernel("mha_on_current_mesh", "tpu"),
     "pallas_gpu": _kernel("mha_on_current_mesh", "gpu"),
+    "cudnn": _local("cudnn_attention", "mha_cudnn"),
   },
   "talking_heads": {
     "reference": _local("talking_heads", "talking_heads_reference"),
@@ -102,9 +112,46 @@ def auto_backend(backend: str) -> Iterator[None]:
     _AUTO_BACKEND.reset(token)
 
 
-def resolve(kind: str, implementation: str) -> str:
-  """ "auto" -> the Pallas kernels of the current backend (or `auto_backend`'s) where
-  `kind` has them, else "xla".
+# "auto" materialises IHA's pseudo q/k/v (P times q, k and v) only below this many bytes
+# per device for one call: a model saves them per layer for its backward pass, and the
+# paper's 2.4B step at P = 20 would need 508 GiB per H100 that way (the fused kernels
+# need 43). The ~350M benchmark model (configs/iha_350m.py) uses 0.75 GiB.
+MATERIALISE_LIMIT_BYTES = 2**30
+
+
+def _devices_sharing() -> int:
+  """Devices the arrays being traced are split over: the current mesh's axes that are not
+  manual (inside `shard_map` the arrays are already per-device)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  free = [
+    size
+    for size, axis_type in zip(mesh.axis_sizes, mesh.axis_types)
+    if axis_type != jax.sharding.AxisType.Manual
+  ]
+  return math.prod(free)
+
+
+def materialised_bytes(q, v, expansion: int) -> int:
+  """Bytes per device of the q, k and v a call materialises `expansion` (P) times."""
+  return expansion * (2 * q.size + v.size) * q.dtype.itemsize // _devices_sharing()
+
+
+def resolve(
+  kind: str, implementation: str, q=None, v=None, options=None, expansion: int = 1
+) -> str:
+  """ "auto" -> the fastest path measured on the current backend (or `auto_backend`'s):
+  - GPU, given the call's `q`, `v`, `options` (and IHA's P as `expansion`): cuDNN's
+    attention where the call allows it (`cudnn_attention.unsupported` finds nothing);
+    else, for IHA, materialised pseudo q/k/v + the Pallas MHA kernel ("pallas_gpu_mha");
+    IHA takes either only while `materialised_bytes` stays within
+    `MATERIALISE_LIMIT_BYTES`; else the fused Pallas kernels;
+  - TPU: the fused Pallas kernels;
+  - elsewhere, or where a kind has none of these: "xla".
+  On an H100 the fused IHA kernels ran 4 to 9 times slower than "pallas_gpu_mha" and 6
+  to 41 times slower than "cudnn" (docs/performance.md §12): they stay for the memory
+  they save ("pallas_gpu" by name).
 
   Any other name is returned as is after checking that `kind` has it.
   """
@@ -113,6 +160,12 @@ def resolve(kind: str, implementation: str) -> str:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":
     backend = _AUTO_BACKEND.get() or jax.default_backend()
+    if backend == "gpu" and q is not None:
+      small = expansion == 1 or materialised_bytes(q, v, expansion) <= MATERIALISE_LIMIT_BYTES
+      if small and "cudnn" in _TABLE[kind] and cudnn_attention.unsupported(q, v, options) is None:
+        return "cudnn"
+      if small and "pallas_gpu_mha" in _TABLE[kind]:
+        return "pallas_gpu_mha"
     kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend)
     return kernel if kernel in _TABLE[kind] else "xla"
   if implementation not in _TABLE[kind]:
@@ -123,13 +176,16 @@ def resolve(kind: str, implementation: str) -> str:
   return implementation
 
 
-def lookup(kind: str, implementation: str) -> Callable[..., jax.Array]:
-  """The callable of `kind`'s `implementation` ("auto" resolved first), imported lazily.
+def lookup(
+  kind: str, implementation: str, q=None, v=None, options=None, expansion: int = 1
+) -> Callable[..., jax.Array]:
+  """The callable of `kind`'s `implementation` ("auto" resolved first, from the call's
+  `q`, `v`, `options` and `expansion` where given), imported lazily.
 
   It takes the kind's arrays and keyword options; what the table binds (a kernel's
   `platform`, the MHA implementation behind "diff") is already applied.
   """
-  return _load(kind, resolve(kind, implementation))
+  return _load(kind, resolve(kind, implementation, q, v, options, expansion))
 
 
 @functools.cache

@@ -45,8 +45,10 @@ def loss_terms(
     params,
     batch["inputs"],
     features=batch.get("features"),
-    segment_ids=batch["segment_ids"],
-    positions=batch["positions"],
+    # Absent: one unpadded document per row (what cuDNN's attention needs, see
+    # iha_jax.ops.cudnn_attention); the input pipelines always give both.
+    segment_ids=batch.get("segment_ids"),
+    positions=batch.get("positions"),
   )  # [B, N, V] float32
   targets = batch["targets"]
   extra = {}
