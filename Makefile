@@ -10,7 +10,7 @@ TEST_MINUTES ?= 10-25
 # CPU runs never load them: compile checks put one directory on sys.path when asked.
 TARGETS_DIR ?= .targets
 
-.PHONY: test lint format train bench targets compile-matrix clean-venv
+.PHONY: test lint format train bench targets compile-matrix clean-venv gpu-wheels
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,3 +62,12 @@ compile-matrix: $(TARGETS_DIR)/.installed
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Wheels for a lent GPU machine (Python 3.12, no registry): benchmarks/gpu_session.sh
+# installs what .whl/ holds. promise has no wheel: built here (pure Python).
+GPU_WHEEL_PLATFORMS := $(foreach n,17 24 27 28 31,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+gpu-wheels: $(VENV)/.installed
+	grep -v '^promise' requirements-gpu-machine.txt | $(PY) -m pip download --quiet --no-deps \
+	  --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_WHEEL_PLATFORMS) \
+	  -d .whl -r /dev/stdin
+	$(PY) -m pip wheel --quiet --no-deps -w .whl $$(grep '^promise' requirements-gpu-machine.txt)

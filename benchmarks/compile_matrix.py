@@ -92,6 +92,16 @@ SMOKE = {
 }
 
 
+# The shapes benchmarks/kernels.py times (B = 1, N = 8192, H = 20, d = 128, bf16,
+# forward+backward): what a lent GPU compiles to set beside its timings (`--cases timed`).
+TIMED = [
+  ("timed: window IHA, P = 2", Case(heads=20, pseudo=2, window=2048, tokens=8192)),
+  ("timed: window IHA, P = 4", Case(heads=20, pseudo=4, window=1024, tokens=8192)),
+  ("timed: global IHA, P = 4", Case(heads=20, pseudo=4, tokens=8192)),
+  ("timed: global MHA", Case(kind="mha", heads=20, tokens=8192)),
+]
+
+
 def _summary(result) -> dict:
   out = {"ok": result.ok, "error": result.error, "seconds": round(result.seconds, 1)}
   if result.ok:
@@ -101,19 +111,26 @@ def _summary(result) -> dict:
   return out
 
 
-def worker(platform: str, which: str) -> None:
-  """Compiles the cases for every target of `platform`; one JSON line per result."""
+def worker(platform: str, which: str, on_device: bool = False) -> None:
+  """Compiles the cases for every target of `platform` (or, `on_device`, for this
+  process's own GPU); one JSON line per result."""
+  import jax  # pylint: disable=import-outside-toplevel
+
   from benchmarks import kernel_compiles  # pylint: disable=import-outside-toplevel
   from iha_jax.parallel import targets  # pylint: disable=import-outside-toplevel
 
   names = TPU_TARGETS if platform == "tpu" else GPU_TARGETS
-  cases = SMOKE[platform] if which == "smoke" else CASES
+  cases = {"smoke": SMOKE[platform], "timed": TIMED}.get(which, CASES)
   if which == "smoke" and platform == "tpu":
     names = ("v5p-8",)
-  targets.use_compile_packages(platform)
+  if on_device:
+    # A lent GPU: the same cases compiled by its own jax/Triton/ptxas for the real device.
+    names = ("h100",)
+  else:
+    targets.use_compile_packages(platform)
   for name in names:
     target = targets.parse(name)
-    device = targets.devices(target)[0]
+    device = jax.devices()[0] if on_device else targets.devices(target)[0]
     for label, case in cases:
       result = kernel_compiles.compile_case(case, target, device)
       line = {"target": name, "case": label, "spec": case.label, **_summary(result)}
@@ -202,13 +219,21 @@ def _merged(path: Path, table: str) -> str:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--platform", choices=("tpu", "cuda", "both"), default="both")
-  parser.add_argument("--cases", choices=("all", "smoke"), default="all")
+  parser.add_argument("--cases", choices=("all", "smoke", "timed"), default="all")
   parser.add_argument("--json", action="store_true", help="print JSON lines, no table")
   parser.add_argument("--out", help="also write the markdown table here")
   parser.add_argument("--worker", choices=("tpu", "cuda"), help=argparse.SUPPRESS)
+  parser.add_argument(
+    "--on_device",
+    action="store_true",
+    help="on a GPU machine: compile the cases for its own GPU, print JSON lines",
+  )
   args = parser.parse_args()
   if args.worker:
     worker(args.worker, args.cases)
+    return 0
+  if args.on_device:
+    worker("cuda", args.cases, on_device=True)
     return 0
   platforms = ("tpu", "cuda") if args.platform == "both" else (args.platform,)
   rows, start = [], time.perf_counter()

@@ -1,4 +1,4 @@
-"""Fused IHA kernels vs the XLA path vs materialised pseudo q/k/v + cuDNN attention.
+"""Fused IHA kernels vs the XLA path vs materialised pseudo q/k/v + MHA kernels / cuDNN.
 
 Rows: layer kind (window IHA, global IHA, global MHA) x implementation x pass
 (forward, forward+backward). Reports median milliseconds, TFLOP/s with the
@@ -9,8 +9,11 @@ x 4d FLOPs forward, x3 for training) and the compiled peak memory
 Implementations:
 - pallas_gpu / pallas_tpu: the fused kernels (pseudo tiles built on chip).
 - xla: the pure-JAX blockwise path (materialises pseudo q/k/v).
+- pallas_gpu_mha: materialised pseudo q/k/v + the Pallas MHA kernel over the virtual
+  sequence, given segment ids (the packed-data case, which cuDNN's path does not take).
 - cudnn: materialised pseudo q/k/v + `jax.nn.dot_product_attention(
-  implementation="cudnn", is_causal=True, local_window_size=...)`.
+  implementation="cudnn", is_causal=True, local_window_size=...)` (the library's
+  `implementation="cudnn"`, iha_jax/ops/cudnn_attention.py).
 Rows that cannot run here print one "skip" line saying why. `--small` runs a
 tiny shape on any backend (Pallas rows in interpret mode off their platform).
 
@@ -31,19 +34,10 @@ import jax
 import jax.numpy as jnp
 from timing import call_times
 
-from iha_jax.ops import (
-  apply_rope,
-  collapse_heads,
-  deinterleave,
-  iha_attention,
-  interleave,
-  mha_attention,
-  pseudo_mix,
-  virtual_positions,
-)
+from iha_jax.ops import iha_attention, mha_attention
 from iha_jax.train.flops import causal_pairs
 
-IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "xla", "cudnn")
+IMPLEMENTATIONS = ("pallas_gpu", "pallas_gpu_mha", "pallas_tpu", "xla", "cudnn")
 
 
 def attention_flops(
@@ -53,51 +47,29 @@ def attention_flops(
   return b * h * causal_pairs(n * p, window) * 4 * d * (3 if train else 1)
 
 
-def cudnn_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *, window, rope_theta=10000.0):
-  """Materialised pipeline: pseudo q/k/v `[B, N*P, H, d]` + cuDNN flash attention."""
-  p = alpha_q.shape[-1]
-  qv, kv, vv = (interleave(pseudo_mix(x, a)) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
-  b, n = q.shape[:2]
-  vpos = virtual_positions(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)), p)
-  qv, kv = apply_rope(qv, vpos, rope_theta), apply_rope(kv, vpos, rope_theta)
-  out = jax.nn.dot_product_attention(
-    qv,
-    kv,
-    vv,
-    is_causal=True,
-    implementation="cudnn",
-    local_window_size=None if window is None else (window - 1, 0),
-  )
-  return collapse_heads(deinterleave(out, p), collapse)
+def _one_document(q):
+  return jnp.ones(q.shape[:2], jnp.int32)
 
 
 def layer_fn(kind: str, implementation: str, window: int | None):
   """f(q, k, v, alphas..., collapse) -> [B, N, H, d] for one layer kind."""
-  if implementation == "cudnn":
-    if kind == "mha":
-      return lambda q, k, v, *_: jax.nn.dot_product_attention(
-        apply_rope(q, _positions(q), 10000.0),
-        apply_rope(k, _positions(q), 10000.0),
-        v,
-        is_causal=True,
-        implementation="cudnn",
-      )
-    return lambda *a: cudnn_iha(*a, window=window)
+  if implementation == "pallas_gpu_mha":
+    if kind == "mha":  # MHA has nothing to materialise: its Pallas kernel
+      return lambda q, k, v, *_: mha_attention(q, k, v, implementation="pallas_gpu")
+    # With segment ids (one document per row): the packed-data case "auto" picks it for.
+    return lambda *a: iha_attention(
+      *a, window=window, implementation=implementation, segment_ids=_one_document(a[0])
+    )
   if kind == "mha":
     return lambda q, k, v, *_: mha_attention(q, k, v, implementation=implementation)
   return lambda *a: iha_attention(*a, window=window, implementation=implementation)
-
-
-def _positions(q):
-  b, n = q.shape[:2]
-  return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
 
 
 def skip_reason(implementation: str, small: bool) -> str | None:
   backend = jax.default_backend()
   if implementation == "cudnn" and backend != "gpu":
     return "cuDNN attention needs a CUDA GPU"
-  native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(implementation)
+  native = {"pallas_gpu": "gpu", "pallas_gpu_mha": "gpu", "pallas_tpu": "tpu"}.get(implementation)
   if native and backend != native and not small:
     return f"{implementation} off its platform runs interpreted (use --small)"
   return None
@@ -135,6 +107,8 @@ def main() -> None:
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--pseudo", type=int, default=4, help="P (docs/design.md §4: 4 or H = 20)")
+  parser.add_argument("--layers", default="window_iha,global_iha,global_mha")
+  parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
   cli = parser.parse_args()
   b, n, h, d, p = (
     (1, 64, 2, 32, min(cli.pseudo, 4)) if cli.small else (1, 8192, 20, 128, cli.pseudo)
@@ -152,17 +126,18 @@ def main() -> None:
     f"matmul={peak:.2f} TFLOP/s"
   )
   print(
-    f"{'layer':<11} {'impl':<11} {'pass':<9} {'ms':>9} {'TFLOP/s':>8} {'% mm':>5} {'peak MiB':>9}"
+    f"{'layer':<11} {'impl':<18} {'pass':<9} {'ms':>9} {'TFLOP/s':>8} {'% mm':>5} {'peak MiB':>9}"
   )
+  layers = {name: layers[name] for name in cli.layers.split(",")}
   for layer, (pseudo, window) in layers.items():
     kind = "mha" if layer.endswith("mha") else "iha"
     args = qkv + ([m[..., :pseudo] for m in mixing] if kind == "iha" else [])
-    for implementation in IMPLEMENTATIONS:
+    for implementation in cli.impls.split(","):
       reason = skip_reason(implementation, cli.small)
       for train in (False, True):
         name = "fwd+bwd" if train else "fwd"
         if reason:
-          print(f"{layer:<11} {implementation:<11} {name:<9} skip: {reason}")
+          print(f"{layer:<11} {implementation:<18} {name:<9} skip: {reason}")
           continue
         f = layer_fn(kind, implementation, window)
         if train:
@@ -173,14 +148,14 @@ def main() -> None:
         except Exception as error:  # pylint: disable=broad-except
           # One row failing to compile or run (e.g. out of memory) must not hide the rest.
           print(
-            f"{layer:<11} {implementation:<11} {name:<9} failed: "
+            f"{layer:<11} {implementation:<18} {name:<9} failed: "
             f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
           )
           continue
         tflops = attention_flops(b, n, h, d, pseudo, window, train) / (ms * 1e-3) / 1e12
         mib = "n/a" if memory is None else f"{memory / 2**20:.1f}"
         print(
-          f"{layer:<11} {implementation:<11} {name:<9} {ms:9.3f} {tflops:8.2f} "
+          f"{layer:<11} {implementation:<18} {name:<9} {ms:9.3f} {tflops:8.2f} "
           f"{100 * tflops / peak:5.1f} {mib:>9}"
         )
 

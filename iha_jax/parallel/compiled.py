@@ -148,19 +148,21 @@ def _gpu_kernels(dump: Path) -> list[Kernel]:
     for entry in re.findall(r"\.entry (\w+)\(", path.read_text()):
       if entry.startswith(KERNEL_PREFIX):
         ptx_files[entry] = path
-  names = sorted(ptx_files)
+  # A GPU machine's own compile may dump no PTX: its kernels still show in the launches.
+  names = sorted(set(ptx_files) | {n for n in launches if n.startswith(KERNEL_PREFIX)})
   # ptxas takes seconds per kernel: run them side by side.
   with concurrent.futures.ThreadPoolExecutor() as pool:
-    stats = list(pool.map(lambda n: _ptxas(ptx_files[n], n), names))
+    stats = list(pool.map(lambda n: _ptxas(ptx_files[n], n) if n in ptx_files else {}, names))
   kernels = []
   for name, resources in zip(names, stats):
     threads, shared = launches.get(name, (None, None))
+    ptx = ptx_files.get(name)
     kernels.append(
       Kernel(
         name,
         threads=threads,
         shared_bytes=shared,
-        tensor_cores=_tensor_cores(ptx_files[name].read_text()),
+        tensor_cores=_tensor_cores(ptx.read_text()) if ptx else None,
         **resources,
       )
     )

@@ -21,6 +21,7 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -158,11 +159,17 @@ def use_compile_packages(platform: str, accelerator: str = "v5p-8") -> None:
 
 
 def ptxas() -> Path:
-  """The ptxas that XLA runs for deviceless GPU compiles (nvidia-cuda-nvcc-cu12)."""
+  """The ptxas that XLA runs for deviceless GPU compiles (nvidia-cuda-nvcc-cu12), else
+  the CUDA toolkit's on PATH (a GPU machine's own compiles)."""
   for root in [packages_dir("cuda"), *map(Path, sys.path)]:
     candidate = root / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"
     if candidate.is_file():
       return candidate
+  found = shutil.which("ptxas") or next(
+    (str(p) for p in [Path("/usr/local/cuda/bin/ptxas")] if p.is_file()), None
+  )
+  if found:
+    return Path(found)
   raise TargetError("ptxas not found: run `make targets`")
 
 

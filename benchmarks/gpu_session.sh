@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# A lent GPU's measurements, stage by stage (docs/performance.md §12 says what each gives).
+#
+#   bash benchmarks/gpu_session.sh STAGE[:SECONDS] ...     (on the GPU machine, repo root)
+#
+# Stages: env (versions, devices); tests (kernel, attention-kind and GPU-path tests on the
+# real GPU, not interpret mode); static (the timed kernel shapes compiled for this GPU:
+# threads and shared memory, to set beside the deviceless H100 compile); kernels2 /
+# kernels4 / kernels20 (benchmarks/kernels.py at P = 2, 4, 20); train / train_nosegs
+# (benchmarks/train_step.py, the ~350M LLLLM against its M twin, with packed-style segment
+# ids / without). Each stage's log goes to $OUT/<stage>.log; a stage stops at its SECONDS
+# (default 300) without stopping the next. The machine reaches no registry: wheels for
+# what its image lacks travel in .whl/ (WORKSPACE_NOTES.md, "On a lent GPU").
+set -u
+OUT=${OUT:-/tmp/iha_gpu_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+if [ -d .whl ] && [ -z "${IHA_WHEELS_DONE:-}" ]; then
+  rm -rf /tmp/site  # a warm machine keeps the last call's installs
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export IHA_WHEELS_DONE=1
+
+run_stage() {
+  local stage=$1 seconds=$2
+  case $stage in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm \
+        --format=csv
+      python3 -c "import sys, jax, jaxlib, flax, optax, chex, orbax.checkpoint as o; \
+print(sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, \
+'flax', flax.__version__, 'optax', optax.__version__, 'chex', chex.__version__); \
+print(jax.devices()); import iha_jax.train, iha_jax.data; print('iha_jax imports ok')"
+      which ptxas && ptxas --version | tail -1 ;;
+    tests)
+      timeout "$seconds" python3 -m pytest -q -n 4 -p no:cacheprovider \
+        tests/test_kernels.py tests/test_attention_kinds.py tests/test_gpu_paths.py \
+        -k "not tpu" ;;
+    static)
+      timeout "$seconds" python3 benchmarks/compile_matrix.py --on_device --cases timed ;;
+    kernels*)
+      timeout "$seconds" python3 benchmarks/kernels.py --pseudo "${stage#kernels}" ;;
+    train|train_nosegs)
+      timeout "$seconds" python3 benchmarks/train_step.py --steps 10 \
+        --configs configs/iha_350m.py,configs/mha_350m.py \
+        $([ "$stage" = train_nosegs ] && echo --no_segments) ;;
+    *) echo "unknown stage $stage"; return 2 ;;
+  esac
+}
+
+for spec in "$@"; do
+  stage=${spec%%:*}
+  seconds=300
+  [ "$spec" != "$stage" ] && seconds=${spec#*:}
+  echo "=== $stage (limit ${seconds}s) $(date +%T)"
+  run_stage "$stage" "$seconds" 2>&1 | tee "$OUT/$stage.log" | grep -v "^\s*$" | tail -n 60
+  echo "=== $stage exit ${PIPESTATUS[0]} $(date +%T)"
+done
