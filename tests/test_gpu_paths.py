@@ -113,3 +113,14 @@ def test_explicit_cudnn_names_what_it_lacks():
   q = q.astype(jnp.bfloat16)
   with pytest.raises(ValueError, match="packed-segment"):
     ops.mha_attention(q, q, q, implementation="cudnn", segment_ids=jnp.ones((B, N), jnp.int32))
+
+
+def test_model_wide_pallas_gpu_mha_serves_every_kernel_kind():
+  """`model.implementation="pallas_gpu_mha"` must build an LLLLM (IHA + MHA layers) and a
+  differential layer: for MHA it names the MHA kernel itself."""
+  for kind in ("iha", "mha", "diff"):
+    assert registry.resolve(kind, "pallas_gpu_mha") == "pallas_gpu_mha"
+  same, kernel = (registry.lookup("mha", name) for name in ("pallas_gpu_mha", "pallas_gpu"))
+  assert (same.func, same.keywords) == (kernel.func, kernel.keywords)
+  with pytest.raises(ValueError, match="talking_heads attention has no 'pallas_gpu_mha'"):
+    registry.resolve("talking_heads", "pallas_gpu_mha")

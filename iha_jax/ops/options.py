@@ -66,7 +66,7 @@ class AttentionOptions:
     positions: `[B, N]` int32 token positions; None: `arange(N)` per row.
     block_sizes: tile sizes of the blockwise implementations (None: their defaults).
     implementation: "reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha"
-      (IHA only), "cudnn" or "auto"
+      (for MHA the same as "pallas_gpu"), "cudnn" or "auto"
       (`iha_jax.ops.registry.resolve`).
   """
 

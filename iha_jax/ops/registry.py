@@ -12,9 +12,9 @@ never choose between the kernels and their sharded wrappers.
 | kind | entry point | implementations |
 | --- | --- | --- |
 | iha | `iha_attention` | reference, xla, pallas_tpu, pallas_gpu, pallas_gpu_mha, cudnn |
-| mha | `mha_attention` | reference, xla, pallas_tpu, pallas_gpu, cudnn |
+| mha | `mha_attention` | reference, xla, pallas_tpu, pallas_gpu (= pallas_gpu_mha), cudnn |
 | talking_heads | `talking_heads_attention` | reference, xla |
-| diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu (through mha) |
+| diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu, pallas_gpu_mha (through mha) |
 | simplicial | `simplicial_attention` | reference, xla |
 """
 
@@ -64,6 +64,9 @@ _TABLE: dict[str, dict[str, Entry]] = {
     "xla": _local("attention", "mha_xla"),
     "pallas_tpu": _kernel("mha_on_current_mesh", "tpu"),
     "pallas_gpu": _kernel("mha_on_current_mesh", "gpu"),
+    # MHA has nothing to materialise: the same kernel, so that a model-wide
+    # implementation="pallas_gpu_mha" also serves its MHA and differential layers.
+    "pallas_gpu_mha": _kernel("mha_on_current_mesh", "gpu"),
     "cudnn": _local("cudnn_attention", "mha_cudnn"),
   },
   "talking_heads": {
@@ -74,7 +77,7 @@ _TABLE: dict[str, dict[str, Entry]] = {
   # MHA implementation, the kernels included, serves it.
   "diff": {
     name: _local("differential", "diff_via_mha")
-    for name in ("reference", "xla", "pallas_tpu", "pallas_gpu")
+    for name in ("reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha")
   },
   "simplicial": {
     "reference": _local("simplicial", "simplicial_reference"),
@@ -164,7 +167,7 @@ def resolve(
       small = expansion == 1 or materialised_bytes(q, v, expansion) <= MATERIALISE_LIMIT_BYTES
       if small and "cudnn" in _TABLE[kind] and cudnn_attention.unsupported(q, v, options) is None:
         return "cudnn"
-      if small and "pallas_gpu_mha" in _TABLE[kind]:
+      if small and kind == "iha":
         return "pallas_gpu_mha"
     kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend)
     return kernel if kernel in _TABLE[kind] else "xla"
