@@ -53,9 +53,7 @@ def _one_document(q):
 
 def layer_fn(kind: str, implementation: str, window: int | None):
   """f(q, k, v, alphas..., collapse) -> [B, N, H, d] for one layer kind."""
-  if implementation == "pallas_gpu_mha":
-    if kind == "mha":  # MHA has nothing to materialise: its Pallas kernel
-      return lambda q, k, v, *_: mha_attention(q, k, v, implementation="pallas_gpu")
+  if implementation == "pallas_gpu_mha" and kind == "iha":
     # With segment ids (one document per row): the packed-data case "auto" picks it for.
     return lambda *a: iha_attention(
       *a, window=window, implementation=implementation, segment_ids=_one_document(a[0])
