@@ -92,20 +92,6 @@ def benchmark(path: str, steps: int, peak: float, segments: bool = True) -> dict
   }
 
 
-def measured_matmul_tflops(size: int = 8192, repeats: int = 10) -> float:
-  """This device's dense bf16 matmul rate: the median of `repeats` `[size, size]` products
-  on random data."""
-  a, b = (jax.random.normal(jax.random.key(i), (size, size), jnp.bfloat16) for i in range(2))
-  product = jax.jit(jnp.matmul).lower(a, b).compile()
-  jax.block_until_ready(product(a, b))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(product(a, b))
-    times.append(time.perf_counter() - start)
-  return 2 * size**3 / float(np.median(times)) / 1e12
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--configs", default="configs/default.py,configs/mha_default.py")
@@ -118,7 +104,8 @@ def main() -> None:
   args = parser.parse_args()
   peak, source = flops.peak_tflops_per_device()
   if jax.default_backend() in ("gpu", "tpu"):
-    peak, source = measured_matmul_tflops(), "measured: 8192^3 bf16 matmul"
+    rate = flops.measured_matmul_tflops(size=8192, dtype=jnp.bfloat16, repeats=10)
+    peak, source = rate, "measured: 8192^3 bf16 matmul, best of 10"
   print(
     f"backend {jax.default_backend()}, {jax.device_count()} device(s), "
     f"peak {peak:.4g} TFLOP/s per device ({source}); MFU is against it"

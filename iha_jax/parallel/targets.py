@@ -165,9 +165,7 @@ def ptxas() -> Path:
     candidate = root / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"
     if candidate.is_file():
       return candidate
-  found = shutil.which("ptxas") or next(
-    (str(p) for p in [Path("/usr/local/cuda/bin/ptxas")] if p.is_file()), None
-  )
+  found = shutil.which("ptxas") or shutil.which("ptxas", path="/usr/local/cuda/bin")
   if found:
     return Path(found)
   raise TargetError("ptxas not found: run `make targets`")
