@@ -82,6 +82,9 @@ def get_config() -> ml_collections.ConfigDict:
       # cross_entropy (softmax over the outputs) | binary_cross_entropy (needs
       # model.num_outputs=1: one sigmoid logit per position, 0/1 targets).
       loss="cross_entropy",
+      # Sequence positions per chunk of the cross-entropy over the vocabulary: the float32
+      # [B, N, V] logits never exist whole (iha_jax/train/losses.py); 0: whole logits.
+      loss_chunk_tokens=1024,
     )
   )
 

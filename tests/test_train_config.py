@@ -227,6 +227,7 @@ def _replace(config: ml_collections.ConfigDict, key: str, value) -> None:
     ("train.loss", "binary_cross_entropy", "needs model.num_outputs=1"),
     ("train.loss", "mean_squared_error", "needs model.num_outputs (the number of"),
     ("model.input_features", 0, "model.input_features must be None (tokens only)"),
+    ("train.loss_chunk_tokens", -1, "train.loss_chunk_tokens must be an integer >= 0"),
   ],
 )
 def test_new_keys_reject_bad_values(key, value, message):

@@ -18,9 +18,10 @@ from iha_jax import parallel
 from iha_jax.models import LanguageModel, TransformerConfig
 from iha_jax.train import export
 from iha_jax.train.evaluate import Evaluator
+from iha_jax.train.losses import loss_terms
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
-from iha_jax.train.step import loss_terms, make_train_step
+from iha_jax.train.step import make_train_step
 
 MODEL = TransformerConfig(
   vocab_size=40,

@@ -33,6 +33,7 @@ from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train import inputs
 from iha_jax.train.evaluate import Evaluator
+from iha_jax.train.losses import loss_chunk_tokens
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
 
@@ -127,7 +128,11 @@ class RestoredRun:
     # One jit: each new sequence length (sweep) retraces it, with the same shardings.
     # Checkpoints saved before `train.loss` existed trained with cross-entropy.
     return Evaluator(
-      self.model, self.mesh, self.param_shardings, self.config.train.get("loss", "cross_entropy")
+      self.model,
+      self.mesh,
+      self.param_shardings,
+      self.config.train.get("loss", "cross_entropy"),
+      loss_chunk_tokens(self.config.train),
     )
 
   def evaluate(self, config: ml_collections.ConfigDict, split: str) -> dict[str, float]:

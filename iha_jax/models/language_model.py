@@ -138,6 +138,22 @@ class LanguageModel:
   ) -> jax.Array:
     """`tokens: [B, N]` int32 (+ `features: [B, N, F]`) -> float32 logits `[B, N, V]` (or
     `[B, N, num_outputs]`), as `TransformerLM.__call__`."""
+    hidden = self.hidden_states(
+      params, tokens, features=features, segment_ids=segment_ids, positions=positions
+    )
+    return output_logits(hidden, params, self.config)
+
+  def hidden_states(
+    self,
+    params: Params,
+    tokens: jax.Array,
+    *,
+    features: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
+    """As `apply`, but stops before the output head: the final normalised `[B, N, D]` in
+    `config.dtype` (the chunked loss builds the logits from it a chunk at a time)."""
     x = embed_tokens(params["embedding"], tokens, self.config.dtype)
     x = add_input_features(x, features, params.get("input_proj"), self.config)
     if self.repeats:
@@ -152,5 +168,4 @@ class LanguageModel:
       x, _ = jax.lax.scan(period_body, x, (params["scanned"], jnp.arange(self.repeats)))
     for key, block_params in sorted(params["layers"].items(), key=lambda kv: int(kv[0])):
       x = self._block(int(key))(block_params, x, segment_ids, positions)
-    x = nnx.merge(self._norm_def, params["final_norm"])(x)
-    return output_logits(x, params, self.config)
+    return nnx.merge(self._norm_def, params["final_norm"])(x)

@@ -14,6 +14,9 @@ Model variants: `model.causal` (False: encoder, every layer bidirectional),
 `features` field, e.g. `polynomial_filter`).
 `train.decay_mixing`: decoupled weight decay on the head-mixing coefficients
 (`iha_jax.nn.MIXING_PARAMS`); off by default, see `iha_jax.train.optimizer`.
+`train.loss_chunk_tokens`: sequence positions per chunk of the chunked cross-entropy
+(`iha_jax.train.losses`; any N, the remainder is one shorter chunk); 0 or None: whole
+logits.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from iha_jax.models import TransformerConfig
 from iha_jax.ops.options import round_up
 from iha_jax.ops.validation import is_int
 from iha_jax.parallel import resolve_mesh_shape
-from iha_jax.train.step import LOSSES
+from iha_jax.train.losses import LOSSES, chunk_tokens_problem
 
 REMAT_POLICIES = ("none", "full", "save_projections")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -236,6 +239,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
       "train.loss='mean_squared_error' needs model.num_outputs (the number of "
       "regression values per position, e.g. the data's num_values)"
     )
+  problem = chunk_tokens_problem(t.get("loss_chunk_tokens"))
+  if problem:
+    raise ConfigError(problem)
   try:
     data, fsdp, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)
   except ValueError as e:

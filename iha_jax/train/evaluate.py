@@ -12,19 +12,27 @@ from jax.sharding import Mesh
 
 from iha_jax import parallel
 from iha_jax.models import LanguageModel
+from iha_jax.train.losses import DEFAULT_LOSS_CHUNK_TOKENS
 from iha_jax.train.step import make_eval_step
 
 
 class Evaluator:
-  """Compiles the eval step once for a model, mesh and parameter shardings."""
+  """Compiles the eval step once for a model, mesh and parameter shardings; the loss
+  path is the train step's (`loss_chunk_tokens`: `iha_jax.train.losses.loss_chunk_tokens`
+  of the run's train config)."""
 
   def __init__(
-    self, model: LanguageModel, mesh: Mesh, param_shardings: Any, loss: str = "cross_entropy"
+    self,
+    model: LanguageModel,
+    mesh: Mesh,
+    param_shardings: Any,
+    loss: str = "cross_entropy",
+    loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
   ):
     self.mesh = mesh
     with parallel.activate(mesh):
       self._step = jax.jit(
-        make_eval_step(model, loss),
+        make_eval_step(model, loss, loss_chunk_tokens),
         in_shardings=(param_shardings, parallel.batch_sharding(mesh)),
         out_shardings=parallel.replicated(mesh),
       )

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from iha_jax import parallel
 from iha_jax.models import LanguageModel, TransformerConfig
+from iha_jax.train.losses import loss_chunk_tokens
 from iha_jax.train.optimizer import learning_rate_schedule
 from iha_jax.train.step import make_train_step
 
@@ -46,7 +47,12 @@ def jit_train_step(
   """The jitted train step: state sharded by `shardings` and donated, batch rows over the
   mesh's batch axes, metrics replicated."""
   step_fn = make_train_step(
-    model, tx, learning_rate_schedule(train_cfg), train_cfg.grad_accum_steps, loss
+    model,
+    tx,
+    learning_rate_schedule(train_cfg),
+    train_cfg.grad_accum_steps,
+    loss,
+    loss_chunk_tokens(train_cfg),
   )
   return jax.jit(
     step_fn,

@@ -1,76 +1,26 @@
-"""Loss, the train step (with gradient accumulation and a non-finite guard), the eval step."""
+"""The train step (with gradient accumulation and a non-finite guard) and the eval step;
+the losses are in `iha_jax.train.losses`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from iha_jax.models.language_model import LanguageModel, Params
+from iha_jax.train.losses import DEFAULT_LOSS_CHUNK_TOKENS, Batch, check_loss, loss_terms
 from iha_jax.train.state import TrainState
-
-# inputs, targets, segment_ids, positions, weights: [B, N]; with continuous inputs also
-# features [B, N, F]; for regression, values [B, N, num_outputs].
-Batch = Mapping[str, jax.Array]
-
-# "cross_entropy": softmax over the outputs (vocabulary or num_outputs classes), integer
-# targets. "binary_cross_entropy": one sigmoid output per position (num_outputs=1),
-# targets 0/1 (e.g. per-cell labels of an encoder). "mean_squared_error": regression of
-# the num_outputs outputs on `values` (the squared error averaged over the outputs).
-LOSSES = ("cross_entropy", "binary_cross_entropy", "mean_squared_error")
-# A regression position counts as correct when every output is within this of its value.
-REGRESSION_TOLERANCE = 0.1
-
-
-def check_loss(loss: str) -> None:
-  if loss not in LOSSES:
-    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-
-
-def loss_terms(
-  model: LanguageModel, params: Params, batch: Batch, loss: str = "cross_entropy"
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Summed weighted loss (float32) and per-position correctness.
-
-  Returns:
-    `loss_sum` (scalar), and `{"weight_sum": scalar, "correct": [B, N] bool}` (+ for
-    mean_squared_error `"errors": [B, N, O]`, output minus value); the mean loss is
-    `loss_sum / weight_sum`. A position is correct when the argmax output
-    (cross_entropy) or the sign of the logit (binary_cross_entropy) matches its target,
-    or every output is within `REGRESSION_TOLERANCE` of its value (mean_squared_error).
-  """
-  logits = model.apply(
-    params,
-    batch["inputs"],
-    features=batch.get("features"),
-    # Absent: one unpadded document per row (what cuDNN's attention needs, see
-    # iha_jax.ops.cudnn_attention); the input pipelines always give both.
-    segment_ids=batch.get("segment_ids"),
-    positions=batch.get("positions"),
-  )  # [B, N, V] float32
-  targets = batch["targets"]
-  extra = {}
-  if loss == "mean_squared_error":
-    errors = logits - batch["values"].astype(jnp.float32)
-    per_position = jnp.mean(jnp.square(errors), axis=-1)
-    correct = jnp.all(jnp.abs(errors) <= REGRESSION_TOLERANCE, axis=-1)
-    extra["errors"] = errors
-  elif loss == "binary_cross_entropy":
-    logit = logits[..., 0]
-    per_position = optax.sigmoid_binary_cross_entropy(logit, targets.astype(jnp.float32))
-    correct = (logit > 0) == (targets > 0)
-  else:
-    per_position = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    correct = jnp.argmax(logits, axis=-1) == targets
-  weights = batch["weights"].astype(jnp.float32)
-  aux = {"weight_sum": jnp.sum(weights), "correct": correct, **extra}
-  return jnp.sum(per_position * weights), aux
 
 
 def _grads(
-  model: LanguageModel, params: Params, batch: Batch, accum_steps: int, loss: str
+  model: LanguageModel,
+  params: Params,
+  batch: Batch,
+  accum_steps: int,
+  loss: str,
+  chunk_tokens: int | None,
 ) -> tuple[jax.Array, jax.Array, Params]:
   """(loss_sum, weight_sum, grads of loss_sum) over `accum_steps` microbatches.
 
@@ -79,7 +29,7 @@ def _grads(
   """
 
   def micro(params, micro_batch):
-    loss_sum, aux = loss_terms(model, params, micro_batch, loss)
+    loss_sum, aux = loss_terms(model, params, micro_batch, loss, chunk_tokens)
     return loss_sum, aux["weight_sum"]
 
   grad_fn = jax.value_and_grad(micro, has_aux=True)
@@ -107,10 +57,12 @@ def make_train_step(
   schedule: optax.Schedule,
   accum_steps: int,
   loss: str = "cross_entropy",
+  loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
   """`(state, batch) -> (new_state, metrics)`; jit it with shardings and donation.
 
-  `loss` is one of `LOSSES`.
+  `loss` is one of `iha_jax.train.losses.LOSSES`; `loss_chunk_tokens` the sequence
+  positions per chunk of the chunked cross-entropy (None or 0: whole logits).
 
   The loss is the weighted mean over all (micro)batches, identical to one big batch.
   A non-finite loss or gradient leaves the state unchanged (`metrics["finite"]` is
@@ -118,7 +70,9 @@ def make_train_step(
   """
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    loss_sum, weight_sum, grads = _grads(model, state.params, batch, accum_steps, loss)
+    loss_sum, weight_sum, grads = _grads(
+      model, state.params, batch, accum_steps, loss, loss_chunk_tokens
+    )
     denom = jnp.maximum(weight_sum, 1.0)
     mean_loss = loss_sum / denom
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
@@ -143,7 +97,9 @@ def make_train_step(
 
 
 def make_eval_step(
-  model: LanguageModel, loss: str = "cross_entropy"
+  model: LanguageModel,
+  loss: str = "cross_entropy",
+  loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> Callable[[Params, Batch], dict[str, jax.Array]]:
   """`(params, batch) -> sums`: loss_sum, weight_sum, exact-match count and examples
   (+ for mean_squared_error, per output column over the weighted positions:
@@ -151,10 +107,11 @@ def make_eval_step(
 
   An example is a row with any weighted position (tasks are one example per row);
   it is exactly matched when every weighted target position is predicted right.
+  The loss path is the train step's (`loss_chunk_tokens` alike).
   """
 
   def step(params: Params, batch: Batch) -> dict[str, jax.Array]:
-    loss_sum, aux = loss_terms(model, params, batch, loss)
+    loss_sum, aux = loss_terms(model, params, batch, loss, loss_chunk_tokens)
     scored = batch["weights"] > 0
     has_target = jnp.any(scored, axis=-1)
     all_right = jnp.all(aux["correct"] | ~scored, axis=-1) & has_target
