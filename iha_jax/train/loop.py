@@ -35,6 +35,7 @@ from iha_jax.train import config as config_lib
 from iha_jax.train import flops as flops_lib
 from iha_jax.train import inputs, lowering
 from iha_jax.train.evaluate import Evaluator
+from iha_jax.train.losses import loss_chunk_tokens
 from iha_jax.train.metrics import MetricsWriter
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import TrainState, abstract_state, create_state
@@ -165,7 +166,9 @@ class Trainer:
     self.start, self.state = self.restore_or_init()
     self.compiled = self.compile_step()
     self.evaluator = (
-      Evaluator(self.model, self.mesh, self.shardings.params, self.loss)
+      Evaluator(
+        self.model, self.mesh, self.shardings.params, self.loss, loss_chunk_tokens(config.train)
+      )
       if config.eval_every
       else None
     )
