@@ -44,9 +44,9 @@ def _tokens() -> jax.Array:
   return jax.random.randint(jax.random.key(1), (N,), 0, V, jnp.int32)
 
 
-@pytest.mark.parametrize("layer,t,window", [(0, N * P, 5), (1, N * P, None), (2, N, None)])
-def test_maps_are_causal_windowed_distributions(model, layer, t, window):
-  probs = attention_maps(model, _tokens(), layer=layer)
+@pytest.mark.parametrize("layer_number,t,window", [(1, N * P, 5), (2, N * P, None), (3, N, None)])
+def test_maps_are_causal_windowed_distributions(model, layer_number, t, window):
+  probs = attention_maps(model, _tokens(), layer_number=layer_number)
   assert probs.shape == (H, t, t)
   np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
   query, key = np.arange(t)[:, None], np.arange(t)[None, :]
@@ -58,7 +58,9 @@ def test_maps_are_causal_windowed_distributions(model, layer, t, window):
 def test_padding_rows_are_zero_and_segments_do_not_mix(model):
   segment_ids = jnp.asarray([1, 1, 1, 2, 2, 0, 0], jnp.int32)
   positions = jnp.asarray([0, 1, 2, 0, 1, 0, 0], jnp.int32)
-  probs = attention_maps(model, _tokens(), layer=1, segment_ids=segment_ids, positions=positions)
+  probs = attention_maps(
+    model, _tokens(), layer_number=2, segment_ids=segment_ids, positions=positions
+  )
   virtual_segments = np.repeat(np.asarray(segment_ids), P)
   rows = probs.sum(-1)
   np.testing.assert_allclose(rows[:, virtual_segments != 0], 1.0, rtol=1e-5)
@@ -87,9 +89,9 @@ def test_maps_reproduce_the_layer_output(model):
 
 
 def test_plot_writes_png(model, tmp_path):
-  probs = attention_maps(model, _tokens(), layer=0)
-  path = tmp_path / "layer0.png"
-  fig = plot_attention_maps(probs, P, path, title="layer 0 (L)")
+  probs = attention_maps(model, _tokens(), layer_number=1)
+  path = tmp_path / "layer1.png"
+  fig = plot_attention_maps(probs, P, path, title="layer 1 (L)")
   decode_png(path, dpi=120, figure=fig)
   panels = [ax for ax in fig.axes if ax.images]  # (the colour bar has none)
   assert len(panels) == H
@@ -110,10 +112,17 @@ def test_token_lines_never_crowd_out_the_band():
 
 
 def test_bad_arguments(model, tmp_path):
-  with pytest.raises(ValueError, match="layer"):
-    attention_maps(model, _tokens(), layer=3)
+  with pytest.raises(ValueError, match=r"layer_number must be an integer in 1\.\.3"):
+    attention_maps(model, _tokens(), layer_number=0)
   with pytest.raises(ValueError, match="tokens must be one sequence"):
-    attention_maps(model, jnp.zeros((2, N), jnp.int32), layer=0)
+    attention_maps(model, jnp.zeros((2, N), jnp.int32), layer_number=1)
+  # The deprecated 0-based `layer` converts (and warns), never shifts silently.
+  with pytest.warns(DeprecationWarning, match="layer_number=i \\+ 1"):
+    np.testing.assert_array_equal(
+      attention_maps(model, _tokens(), layer=2), attention_maps(model, _tokens(), layer_number=3)
+    )
+  with pytest.raises(ValueError, match=r"in \[0, 3\)"), pytest.warns(DeprecationWarning):
+    attention_maps(model, _tokens(), layer=3)
   with pytest.raises(ValueError, match="num_pseudo"):
     plot_attention_maps(np.zeros((H, 5, 5)), 2, tmp_path / "x.png")
   with pytest.raises(ValueError, match="probs"):

@@ -105,8 +105,9 @@ def test_cache_layouts_and_sizes():
   _, source = prefill(model, tokens, max_len=10, cache_mode="source")
   _, pseudo = prefill(model, tokens, max_len=10, cache_mode="pseudo")
   # Ring slots in tokens: L ceil((5-1)/2)+1 = 3, M 10, S 3, I 10.
-  assert [c.k.shape for c in source.layers] == [(B, s, H, HEAD_DIM) for s in (3, 10, 3, 10)]
-  assert [c.k.shape for c in pseudo.layers] == [(B, s, H, HEAD_DIM) for s in (6, 10, 3, 20)]
+  # Head-major ([B, H, slots, d]): the XLA attention core's layout.
+  assert [c.k.shape for c in source.layers] == [(B, H, s, HEAD_DIM) for s in (3, 10, 3, 10)]
+  assert [c.k.shape for c in pseudo.layers] == [(B, H, s, HEAD_DIM) for s in (6, 10, 3, 20)]
   source_iha = sum(source.layers[i].k.nbytes * 2 for i in (0, 3))
   pseudo_iha = sum(pseudo.layers[i].k.nbytes * 2 for i in (0, 3))
   assert pseudo_iha == P * source_iha

@@ -2,14 +2,17 @@
 
 An IHA layer attends over `T = N*P` virtual tokens (`t = n*P + p`, docs/design.md §1.3), so a
 head's map is `[T, T]` and shows P x P blocks: pseudo-query p of token n against the
-pseudo-keys of token m. The maps are a dense recomputation from the layer's parameters
-and its input (O(T^2) memory: for small N); MHA layers give `[N, N]` maps (P = 1).
+pseudo-keys of token m. The maps come from the same XLA attention core and mask as the
+training forward (`iha_jax.ops.attention_probabilities`: its log-sum-exp, then each
+query block's weights), dense in keys (O(T^2) output: for small N); MHA layers give
+`[N, N]` maps (P = 1). Layers are numbered from 1, as everywhere in the project.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import TYPE_CHECKING
 
 import jax
@@ -19,7 +22,8 @@ from flax import nnx
 
 from iha_jax.models import TransformerLM
 from iha_jax.nn import project_qkv, rotated_pseudo_heads, to_compute_dtype, virtual_per_token
-from iha_jax.ops import attention_probs, virtual_segment_ids
+from iha_jax.ops import attention_probabilities, virtual_segment_ids
+from iha_jax.ops.validation import default_positions, is_int
 
 if TYPE_CHECKING:
   from matplotlib.figure import Figure
@@ -35,7 +39,8 @@ def layer_attention_probs(
   """Attention probabilities of one attention module, float32 `[B, H, T, T]`.
 
   Args:
-    attn: an `InterleavedHeadAttention` or `MultiHeadAttention`.
+    attn: an attention module of a kind that reads as pseudo-head attention (IHA, MHA:
+      `AttentionKind.decodes`).
     x: the module's input `[B, N, D]`.
     segment_ids: optional `[B, N]` int32 (0 = padding: its rows are all zeros).
     positions: optional `[B, N]` int32 token positions (default `arange(N)`).
@@ -45,29 +50,38 @@ def layer_attention_probs(
     `T = N*P` (N for MHA); every non-padding row sums to 1.
   """
   cfg = attn.config
+  if not cfg.record.decodes:
+    raise ValueError(
+      f"attention maps need a kind that reads as pseudo-head attention (IHA, MHA); "
+      f"this layer is {cfg.kind!r}"
+    )
   params, x = to_compute_dtype(attn.param_values(), x, cfg)
   q, k, _ = project_qkv(params, x)
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
-  queries = rotated_pseudo_heads(q, params.get("alpha_q"), positions, cfg)
-  keys = rotated_pseudo_heads(k, params.get("alpha_k"), positions, cfg)
-  index = jnp.arange(queries.shape[1])
-  if segment_ids is None:
-    return attention_probs(queries, keys, index, index, window=cfg.window)
-  segments = virtual_segment_ids(segment_ids, virtual_per_token(cfg))
-  probs = attention_probs(
-    queries, keys, index, index, window=cfg.window, q_segment=segments, k_segment=segments
+  positions = default_positions(x, positions)
+  queries, keys = (
+    jnp.swapaxes(rotated_pseudo_heads(params, cfg, which, t, positions), 1, 2)
+    for which, t in (("q", q), ("k", k))
   )
-  return jnp.where((segments != 0)[:, None, :, None], probs, 0.0)
+  segments = None
+  if segment_ids is not None:
+    segments = virtual_segment_ids(segment_ids, virtual_per_token(cfg))
+  return attention_probabilities(
+    queries,
+    keys,
+    segment_ids=segments,
+    window=cfg.window,
+    causal=cfg.causal,
+    precision=jax.lax.Precision.HIGHEST,
+  )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "layer"))
-def _maps_jit(state, tokens, segment_ids, positions, *, graphdef, layer):
+@functools.partial(jax.jit, static_argnames=("graphdef", "layer_number"))
+def _maps_jit(state, tokens, segment_ids, positions, *, graphdef, layer_number):
   model = nnx.merge(graphdef, state)
   x = model.embed(tokens)
-  for block in model.layers[:layer]:
+  for block in model.layers[: layer_number - 1]:
     x = block(x, segment_ids=segment_ids, positions=positions)
-  block = model.layers[layer]
+  block = model.layers[layer_number - 1]
   return layer_attention_probs(
     block.attn, block.attn_norm(x), segment_ids=segment_ids, positions=positions
   )
@@ -77,24 +91,39 @@ def attention_maps(
   model: TransformerLM,
   tokens: jax.Array,
   *,
-  layer: int,
+  layer_number: int | None = None,
   segment_ids: jax.Array | None = None,
   positions: jax.Array | None = None,
+  layer: int | None = None,
 ) -> np.ndarray:
-  """Every head's attention probabilities in layer `layer` for one sequence.
+  """Every head's attention probabilities in one layer for one sequence.
 
   Args:
     model: the language model.
     tokens: `[N]` (or `[1, N]`) int token ids.
-    layer: index of the decoder block, `0 <= layer < num_layers`.
+    layer_number: the decoder block, counted from 1: `1 <= layer_number <= num_layers`.
     segment_ids, positions: optional `[N]` (or `[1, N]`) int32, as in the model's forward.
+    layer: deprecated, the block's 0-based index (`layer_number - 1`).
 
   Returns:
     float32 `[H, T, T]`, `T = N*P` for an IHA layer (N for MHA); padding rows are zero.
   """
   num_layers = model.config.num_layers
-  if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
-    raise ValueError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
+  if layer is not None:
+    if layer_number is not None:
+      raise ValueError("give layer_number (counted from 1) only, not also the deprecated layer")
+    warnings.warn(
+      "attention_maps(layer=i) counts from 0 and is deprecated; use layer_number=i + 1",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    if not is_int(layer, 0) or layer >= num_layers:
+      raise ValueError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
+    layer_number = layer + 1
+  if not is_int(layer_number, 1) or layer_number > num_layers:
+    raise ValueError(
+      f"layer_number must be an integer in 1..{num_layers} (counted from 1), got {layer_number!r}"
+    )
 
   def as_row(name, value):
     if value is None:
@@ -114,7 +143,7 @@ def attention_maps(
     as_row("segment_ids", segment_ids),
     as_row("positions", positions),
     graphdef=graphdef,
-    layer=layer,
+    layer_number=layer_number,
   )
   return np.asarray(probs[0])
 

@@ -7,29 +7,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from iha_jax.nn.config import AttentionConfig
+from iha_jax import kinds
+from iha_jax.kinds import AttentionConfig
 from iha_jax.ops.validation import is_int
 
-# Schedule letter -> the layer's attention.
-SCHEDULE_LETTERS = {
-  "I": "global IHA",
-  "L": "sliding-window IHA, window iha_window",
-  "M": "global MHA",
-  "S": "sliding-window MHA, window mha_window",
-  "T": "global Talking-Heads attention",
-  "D": "global differential attention, num_heads/2 heads with value width 2*head_dim",
-  "X": "global 2-simplicial attention (no RoPE)",
-}
-# Schedule letter -> (attention kind, windowed).
-LETTER_KINDS = {
-  "I": ("iha", False),
-  "L": ("iha", True),
-  "M": ("mha", False),
-  "S": ("mha", True),
-  "T": ("talking_heads", False),
-  "D": ("diff", False),
-  "X": ("simplicial", False),
-}
+# Schedule letter -> description, one entry per letter of every registered kind (a live
+# view: `iha_jax.kinds.register` adds a new kind's letters).
+SCHEDULE_LETTERS = kinds.LETTER_DESCRIPTIONS
 
 
 MLP_TYPES = ("swiglu", "gelu", "none")
@@ -73,9 +57,11 @@ class TransformerConfig:
     num_pseudo: P for the IHA layers; None means P = H.
     attention_schedule: one letter per layer, repeated to `num_layers`: I (global IHA),
       L (sliding-window IHA), M (global MHA), S (sliding-window MHA), T (Talking-Heads),
-      D (differential), X (2-simplicial); `SCHEDULE_LETTERS`.
-    iha_window: window of the 'L' layers, in virtual tokens (N*P per sequence).
-    mha_window: window of the 'S' layers, in tokens.
+      D (differential), X (2-simplicial), and those of kinds registered later
+      (`SCHEDULE_LETTERS`).
+    iha_window: window of the sliding-window layers of kinds over virtual tokens ('L'),
+      in VIRTUAL tokens (N*P per sequence).
+    mha_window: window of the other sliding-window layers ('S'), in tokens.
     rope_theta: RoPE base; None disables RoPE.
     collapse_mode: "full" or "per_head" collapse in the IHA layers.
     tie_embeddings: output head shares the token embedding; else an `lm_head [D, V]`.
@@ -143,21 +129,14 @@ class TransformerConfig:
       schedule = expand_schedule(self.attention_schedule, self.num_layers)
     except ValueError as e:
       raise ValueError(f"attention_schedule: {e}") from e
-    if "L" in schedule and self.iha_window is None:
-      raise ValueError(
-        "iha_window must be set: attention_schedule "
-        f"{self.attention_schedule!r} has 'L' (sliding-window IHA) layers"
-      )
-    if "S" in schedule and self.mha_window is None:
-      raise ValueError(
-        "mha_window must be set: attention_schedule "
-        f"{self.attention_schedule!r} has 'S' (sliding-window MHA) layers"
-      )
-    if "D" in schedule and self.num_heads % 2:
-      raise ValueError(
-        f"num_heads must be even for 'D' (differential) layers, which use "
-        f"num_heads/2 heads of value width 2*head_dim; got {self.num_heads}"
-      )
+    for letter in dict.fromkeys(schedule):
+      record, spec = kinds.for_letter(letter)
+      window = "iha_window" if record.virtual_tokens else "mha_window"
+      if spec.windowed and getattr(self, window) is None:
+        raise ValueError(
+          f"{window} must be set: attention_schedule {self.attention_schedule!r} has "
+          f"{letter!r} ({spec.description}) layers"
+        )
     for letter in set(schedule):  # Validates dims, windows, collapse_mode, RoPE, ...
       self.attention_config(letter)
 
@@ -169,24 +148,22 @@ class TransformerConfig:
   def attention_config(self, letter: str, layer: int = 1) -> AttentionConfig:
     """The `AttentionConfig` of a layer with schedule letter `letter`.
 
-    `layer` is the layer's index counted from 1 (it sets differential attention's
-    lambda_init; the other kinds ignore it).
+    `layer` is the layer's number, counted from 1 (it sets differential attention's
+    lambda_init; the other built-in kinds ignore it).
     """
-    if letter not in LETTER_KINDS:
-      raise ValueError(f"letter must be one of {tuple(SCHEDULE_LETTERS)}, got {letter!r}")
-    kind, windowed = LETTER_KINDS[letter]
-    window = (self.iha_window if kind == "iha" else self.mha_window) if windowed else None
+    record, spec = kinds.for_letter(letter)
+    window_field = "iha_window" if record.virtual_tokens else "mha_window"
+    shared = {"num_pseudo": self.num_pseudo, "collapse_mode": self.collapse_mode}
     return AttentionConfig(
       self.model_dim,
-      self.num_heads // 2 if kind == "diff" else self.num_heads,
+      record.layer_heads(self.num_heads),
       self.head_dim,
-      kind=kind,
-      num_pseudo=self.num_pseudo if kind == "iha" else None,
-      window=window,
-      rope_theta=None if kind == "simplicial" else self.rope_theta,
-      collapse_mode=self.collapse_mode,
+      kind=record.name,
+      window=getattr(self, window_field) if spec.windowed else None,
+      rope_theta=self.rope_theta,
       causal=self.causal,
       layer=layer,
       dtype=self.dtype,
       implementation=self.implementation,
+      **{name: shared[name] for name in record.config_fields if name in shared},
     )

@@ -2,30 +2,35 @@
 
 Every layer's cache is a ring buffer over token slots: token `n` lives in slot
 `n % C`. Global layers use `C = max_len` (the ring never wraps); window layers keep
-only the tokens a window can see (`window_tokens`). Two layouts for IHA layers:
+only the tokens a window can see (`window_tokens`). Caches are head-major, the layout of
+the XLA attention core that a decoding step runs (`iha_jax.ops.flash_attention_heads_major`,
+the same core and mask as the training forward on CPU). A kind decodes when its record
+says so (`AttentionKind.decodes`: it reads as pseudo-head attention, `pseudo_heads` and
+`collapse`). Two layouts for IHA layers:
 
-- "source": the SOURCE-head k and v before mixing and RoPE, `[B, C, H, d]` (the size
+- "source": the SOURCE-head k and v before mixing and RoPE, `[B, H, C, d]` (the size
   of an MHA cache). Every step rebuilds the pseudo-keys and pseudo-values from them
   (mix with alpha_k / alpha_v, RoPE at virtual positions `pos*P + p`).
-- "pseudo": the rotated pseudo-keys and the pseudo-values, `[B, C*P, H, d]` (P times
+- "pseudo": the rotated pseudo-keys and the pseudo-values, `[B, H, C*P, d]` (P times
   larger; slot c holds virtual tokens `c*P .. c*P+P-1`), so a step only mixes and
   rotates the new token.
 
-MHA layers (M, S) always store rotated keys and values, `[B, C, H, d]`, which is the
+MHA layers (M, S) always store rotated keys and values, `[B, H, C, d]`, which is the
 "pseudo" layout with P = 1 and no mixing. The new token's pseudo-queries sit at virtual
-indices `n*P + p` and see keys through `iha_jax.ops.visible` (flat causal over the
-virtual sequence, plus the window), so decoding computes the full forward's function.
+indices `n*P + p` and see the cached keys at their virtual indices under the training
+mask (flat causal over the virtual sequence, plus the window; empty slots are padding),
+so decoding computes the full forward's function.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from iha_jax import kinds
 from iha_jax.models.config import TransformerConfig
 from iha_jax.nn import (
   AttentionConfig,
@@ -35,7 +40,7 @@ from iha_jax.nn import (
   to_compute_dtype,
   virtual_per_token,
 )
-from iha_jax.ops import attention_probs, collapse_heads, deinterleave, virtual_positions
+from iha_jax.ops import flash_attention_heads_major, virtual_positions
 from iha_jax.ops.validation import default_positions
 
 CACHE_MODES = ("source", "pseudo")
@@ -43,7 +48,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class LayerCache(struct.PyTreeNode):
-  """One layer's ring buffer: `k, v: [B, C, H, d]` ("source" IHA or MHA) or `[B, C*P, H, d]`."""
+  """One layer's ring buffer: `k, v: [B, H, C, d]` ("source" IHA or MHA) or `[B, H, C*P, d]`."""
 
   k: jax.Array
   v: jax.Array
@@ -106,16 +111,20 @@ def init_layer_cache(
 ) -> LayerCache:
   """An empty ring buffer for a layer (zeros; slots are masked until written)."""
   per_token = 1 if _stores_source(cfg, mode) else virtual_per_token(cfg)
-  shape = (batch, window_tokens(cfg, max_len) * per_token, cfg.num_heads, cfg.head_dim)
+  shape = (batch, cfg.num_heads, window_tokens(cfg, max_len) * per_token, cfg.head_dim)
   return LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
-DECODABLE_LETTERS = "ILMS"
+def decodable_letters() -> str:
+  """Schedule letters whose kinds decode with a KV cache (I, L, M, S built in)."""
+  return "".join(
+    letter for letter in kinds.LETTER_DESCRIPTIONS if kinds.for_letter(letter)[0].decodes
+  )
 
 
 def check_decodable(config: TransformerConfig) -> None:
   """Raises ValueError unless a KV cache can decode a model with `config`: a causal LM
-  (no encoder, no per-token output head) of I, L, M and S layers."""
+  (no encoder, no per-token output head) whose layers' kinds decode."""
   if not config.causal:
     raise ValueError(
       "KV-cache decoding needs a causal model; this one has causal=False "
@@ -127,12 +136,13 @@ def check_decodable(config: TransformerConfig) -> None:
       f"KV-cache decoding needs next-token logits; this model has a per-token "
       f"head (num_outputs={config.num_outputs})."
     )
-  other = sorted(set(config.schedule) - set(DECODABLE_LETTERS))
+  other = sorted(set(config.schedule) - set(decodable_letters()))
   if other:
+    names = sorted({kinds.for_letter(letter)[0].name for letter in other})
     raise ValueError(
-      f"KV-cache decoding supports schedule letters {DECODABLE_LETTERS!r}; "
-      f"attention_schedule {config.attention_schedule!r} has {other}. Run the "
-      f"full forward for Talking-Heads, differential or 2-simplicial layers."
+      f"KV-cache decoding supports schedule letters {decodable_letters()!r}; "
+      f"attention_schedule {config.attention_schedule!r} has {other} ({', '.join(names)} "
+      f"attention, which does not decode). Run the full forward for those models."
     )
 
 
@@ -150,29 +160,30 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int, mode: str) -
 def _write(buf: jax.Array, new: jax.Array, start: jax.Array, per_token: int) -> jax.Array:
   """Writes tokens `start .. start+n-1` into a ring buffer, keeping the last C of them.
 
-  `buf: [B, C*per_token, H, d]`, `new: [B, n*per_token, H, d]`; token t goes to slot t % C.
+  `buf: [B, H, C*per_token, d]`, `new: [B, n*per_token, H, d]`; token t goes to slot t % C.
   """
-  b, size, h, d = buf.shape
+  b, h, size, d = buf.shape
   capacity, n = size // per_token, new.shape[1] // per_token
   kept = min(n, capacity)  # Older tokens would be overwritten anyway; keeps slots unique.
   new = new[:, (n - kept) * per_token :].reshape(b, kept, per_token, h, d).astype(buf.dtype)
+  new = jnp.transpose(new, (0, 3, 1, 2, 4))  # [B, H, kept, per_token, d]
   slots = jnp.mod(start + n - kept + jnp.arange(kept, dtype=jnp.int32), capacity)
-  return buf.reshape(b, capacity, per_token, h, d).at[:, slots].set(new).reshape(buf.shape)
+  ring = buf.reshape(b, h, capacity, per_token, d)
+  return ring.at[:, :, slots].set(new).reshape(buf.shape)
 
 
 def _cache_entries(
-  params: Mapping[str, jax.Array],
+  params: dict[str, jax.Array],
   cfg: AttentionConfig,
   mode: str,
   k: jax.Array,
   v: jax.Array,
   positions: jax.Array,
-) -> tuple[jax.Array, ...]:
+) -> tuple[jax.Array, jax.Array]:
   """What a layer caches for source k, v `[B, n, H, d]` at token `positions: [B, n]`."""
   if _stores_source(cfg, mode):
     return k, v
-  alpha_k, alpha_v = (params.get(name) for name in ("alpha_k", "alpha_v"))
-  return rotated_pseudo_heads(k, alpha_k, positions, cfg), pseudo_heads(v, alpha_v)
+  return (rotated_pseudo_heads(params, cfg, "k", k, positions), pseudo_heads(params, cfg, "v", v))
 
 
 def prefill_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, mode: str) -> LayerCache:
@@ -190,13 +201,17 @@ def prefill_layer(attn: nnx.Module, x: jax.Array, cache: LayerCache, mode: str) 
   return LayerCache(k=_write(cache.k, k, start, per_token), v=_write(cache.v, v, start, per_token))
 
 
+def _heads_major(x: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x, 1, 2)
+
+
 def decode_layer(
   attn: nnx.Module, x: jax.Array, cache: LayerCache, position: jax.Array, mode: str
 ) -> tuple[jax.Array, LayerCache]:
   """Attention output of one new token at `position`, and the cache with it written.
 
   Args:
-    attn: the layer's `InterleavedHeadAttention` or `MultiHeadAttention`.
+    attn: the layer's attention module (a kind that decodes: IHA or MHA built in).
     x: the token's normalised layer input `[B, 1, D]`.
     cache: the layer's cache holding tokens `< position`.
     position: int32 scalar, the token's position.
@@ -208,7 +223,6 @@ def decode_layer(
   cfg = attn.config
   params, x = to_compute_dtype(attn.param_values(), x, cfg)
   p = virtual_per_token(cfg)
-  alpha = {name: params.get(name) for name in ("alpha_q", "alpha_k", "alpha_v")}
   q, k, v = project_qkv(params, x)
   pos = jnp.full(x.shape[:2], position, jnp.int32)
   k_new, v_new = _cache_entries(params, cfg, mode, k, v, pos)
@@ -216,23 +230,25 @@ def decode_layer(
   cache = LayerCache(
     k=_write(cache.k, k_new, position, per_token), v=_write(cache.v, v_new, position, per_token)
   )
-  tokens = slot_tokens(position, cache.k.shape[1] // per_token)  # [C]
+  tokens = slot_tokens(position, cache.k.shape[2] // per_token)  # [C], negative = empty
   if _stores_source(cfg, mode):
     # Rebuild every cached token's pseudo-keys/values: less memory, more work per step.
     slot_pos = jnp.broadcast_to(tokens, (x.shape[0], tokens.shape[0]))
-    keys = rotated_pseudo_heads(cache.k, alpha["alpha_k"], slot_pos, cfg)
-    values = pseudo_heads(cache.v, alpha["alpha_v"])
+    keys = _heads_major(rotated_pseudo_heads(params, cfg, "k", _heads_major(cache.k), slot_pos))
+    values = _heads_major(pseudo_heads(params, cfg, "v", _heads_major(cache.v)))
   else:
     keys, values = cache.k, cache.v
-  queries = rotated_pseudo_heads(q, alpha["alpha_q"], pos, cfg)  # [B, P, H, d]
-  q_index = virtual_positions(pos[:1], p)[0]
-  k_index = virtual_positions(tokens[None], p)[0]
-  probs = attention_probs(
-    queries, keys, q_index, k_index, window=cfg.window, k_valid=jnp.repeat(tokens >= 0, p)
+  queries = _heads_major(rotated_pseudo_heads(params, cfg, "q", q, pos))  # [B, H, P, d]
+  filled = jnp.repeat((tokens >= 0).astype(jnp.int32), p)  # empty slots: padding segments
+  out = flash_attention_heads_major(
+    queries,
+    keys,
+    values,
+    segment_ids=jnp.ones((x.shape[0], p), jnp.int32),
+    kv_segment_ids=jnp.broadcast_to(filled, (x.shape[0], filled.shape[0])),
+    q_index=virtual_positions(pos[:1], p)[0],
+    k_index=virtual_positions(tokens[None], p)[0],
+    window=cfg.window,
   )
-  out = jnp.einsum("bhqk,bkhd->bqhd", probs, values.astype(jnp.float32), precision=_HIGHEST).astype(
-    x.dtype
-  )
-  if cfg.interleaved:
-    out = collapse_heads(deinterleave(out, p), params["collapse"], precision=_HIGHEST)
+  out = cfg.record.collapse(params, cfg, _heads_major(out))  # [B, 1, H, d]
   return jnp.einsum("bnhd,hdD->bnD", out, params["wo"]), cache

@@ -11,14 +11,7 @@ from flax import nnx
 from flax.linen import with_logical_constraint
 
 from iha_jax.models.config import TransformerConfig
-from iha_jax.nn import (
-  DifferentialAttention,
-  InterleavedHeadAttention,
-  MultiHeadAttention,
-  SimplicialAttention,
-  TalkingHeadsAttention,
-  logical_param,
-)
+from iha_jax.nn import Attention, logical_param
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT
 from iha_jax.parallel.axes import EMBED, MLP, RESIDUAL_AXES
 
@@ -87,47 +80,17 @@ class FeedForward(nnx.Module):
     return jnp.einsum("bnF,FD->bnD", hidden, self.w_down[...].astype(self.dtype))
 
 
-Attention = (
-  InterleavedHeadAttention
-  | MultiHeadAttention
-  | TalkingHeadsAttention
-  | DifferentialAttention
-  | SimplicialAttention
-)
-
-
 def make_attention(
   config: TransformerConfig, letter: str, *, layer: int = 1, rngs: nnx.Rngs
 ) -> Attention:
-  """The attention module of layer `layer` (counted from 1) with schedule letter `letter`."""
-  cfg = config.attention_config(letter, layer)
-  common = dict(
-    window=cfg.window,
-    causal=cfg.causal,
-    dtype=cfg.dtype,
+  """The attention module of layer number `layer` (counted from 1) with schedule letter
+  `letter`, whatever its kind (`iha_jax.kinds`)."""
+  return Attention.from_config(
+    config.attention_config(letter, layer),
     param_dtype=config.param_dtype,
-    implementation=cfg.implementation,
+    mixing_noise_std=config.mixing_noise_std,
     rngs=rngs,
   )
-  dims = (cfg.model_dim, cfg.num_heads, cfg.head_dim)
-  if cfg.kind == "iha":
-    return InterleavedHeadAttention(
-      *dims,
-      num_pseudo=cfg.num_pseudo,
-      collapse_mode=cfg.collapse_mode,
-      rope_theta=cfg.rope_theta,
-      mixing_noise_std=config.mixing_noise_std,
-      **common,
-    )
-  if cfg.kind == "talking_heads":
-    return TalkingHeadsAttention(
-      *dims, rope_theta=cfg.rope_theta, mixing_noise_std=config.mixing_noise_std, **common
-    )
-  if cfg.kind == "diff":
-    return DifferentialAttention(*dims, layer=layer, rope_theta=cfg.rope_theta, **common)
-  if cfg.kind == "simplicial":
-    return SimplicialAttention(*dims, **common)
-  return MultiHeadAttention(*dims, rope_theta=cfg.rope_theta, **common)
 
 
 class DecoderBlock(nnx.Module):
@@ -164,13 +127,14 @@ class DecoderBlock(nnx.Module):
   ) -> jax.Array:
     """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32.
 
-    `layer` (counted from 1, may be traced) overrides the depth the block was built with;
-    only differential attention depends on it (a scan over layers passes it).
+    `layer` (the layer's number, counted from 1, may be traced) overrides the one the
+    block was built with (a scan over layers passes it; of the built-in kinds only
+    differential attention reads it).
     """
-    depth = (
-      {} if layer is None or not isinstance(self.attn, DifferentialAttention) else {"layer": layer}
+    attend = lambda h: (
+      self.attn(h, segment_ids=segment_ids, positions=positions, layer=layer),
+      None,
     )
-    attend = lambda h: (self.attn(h, segment_ids=segment_ids, positions=positions, **depth), None)
     return self.apply_with(x, attend)[0]
 
   def apply_with(

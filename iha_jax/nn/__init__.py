@@ -1,6 +1,7 @@
 """Flax layers of every attention kind (IHA, MHA and the paper's baselines): NNX and Linen."""
 
 from iha_jax.nn.attention import (
+  Attention,
   DifferentialAttention,
   InterleavedHeadAttention,
   MultiHeadAttention,
@@ -23,6 +24,7 @@ from iha_jax.nn.initializers import (
   identity_talking_init,
 )
 from iha_jax.nn.linen import (
+  AttentionLinen,
   DifferentialAttentionLinen,
   InterleavedHeadAttentionLinen,
   MultiHeadAttentionLinen,
@@ -32,7 +34,9 @@ from iha_jax.nn.linen import (
 from iha_jax.nn.partitioning import logical_param
 
 __all__ = [
+  "Attention",
   "AttentionConfig",
+  "AttentionLinen",
   "DifferentialAttention",
   "DifferentialAttentionLinen",
   "InterleavedHeadAttention",

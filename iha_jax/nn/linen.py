@@ -15,7 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from iha_jax.nn.config import DEFAULT_KERNEL_INIT, AttentionConfig, param_specs
+from iha_jax.kinds import AttentionConfig
+from iha_jax.nn.config import DEFAULT_KERNEL_INIT, param_specs
 from iha_jax.nn.functional import attention_forward
 
 Initializer = jax.nn.initializers.Initializer
@@ -23,14 +24,13 @@ _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(AttentionConfig))
 
 
 class _AttentionLinen(nn.Module):
-  """Fields every kind shares; subclasses set `kind` and add the fields of their kind
-  (named as `AttentionConfig`'s, which validates them all).
+  """Fields every kind shares; subclasses set `kind` and add the fields only their kind
+  reads (named as `AttentionConfig`'s, which validates them all).
 
   `__call__(x: [B, N, D], *, segment_ids=None, positions=None) -> [B, N, D]`.
   """
 
   kind: ClassVar[str]
-  fixed: ClassVar[dict[str, Any]] = {}  # AttentionConfig fields the kind pins
   model_dim: int
   num_heads: int
   head_dim: int
@@ -47,7 +47,7 @@ class _AttentionLinen(nn.Module):
     fields = {
       f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _CONFIG_FIELDS
     }
-    return AttentionConfig(kind=self.kind, **fields, **self.fixed)
+    return AttentionConfig(kind=self.kind, **fields)
 
   @nn.compact
   def __call__(
@@ -112,4 +112,38 @@ class SimplicialAttentionLinen(_AttentionLinen):
   `SimplicialAttention`."""
 
   kind: ClassVar[str] = "simplicial"
-  fixed: ClassVar[dict[str, Any]] = {"rope_theta": None}
+
+
+class AttentionLinen(nn.Module):
+  """Linen layer of any registered kind (e.g. one a user registered), from its config.
+
+  `AttentionLinen(config)(x: [B, N, D], *, segment_ids=None, positions=None, layer=None)`;
+  the same parameter tree as `Attention.from_config(config, ...)` (NNX).
+  """
+
+  config: AttentionConfig
+  param_dtype: Any = jnp.float32
+  kernel_init: Initializer = DEFAULT_KERNEL_INIT
+  mixing_noise_std: float = 0.0
+
+  @nn.compact
+  def __call__(
+    self,
+    x: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    layer: int | jax.Array | None = None,
+  ) -> jax.Array:
+    specs = param_specs(
+      self.config, kernel_init=self.kernel_init, mixing_noise_std=self.mixing_noise_std
+    )
+    params = {
+      name: self.param(
+        name, nn.with_logical_partitioning(spec.init, spec.axes), spec.shape, self.param_dtype
+      )
+      for name, spec in specs.items()
+    }
+    return attention_forward(
+      params, x, self.config, segment_ids=segment_ids, positions=positions, layer=layer
+    )

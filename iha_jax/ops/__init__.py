@@ -17,6 +17,7 @@ from iha_jax.ops.registry import KINDS
 from iha_jax.ops.rope import apply_rope, rope_frequencies
 from iha_jax.ops.simplicial import simplicial_attention
 from iha_jax.ops.talking_heads import talking_heads_attention
+from iha_jax.ops.xla_attention import attention_probabilities, flash_attention_heads_major
 
 __all__ = [
   "AttentionOptions",
@@ -24,12 +25,14 @@ __all__ = [
   "IMPLEMENTATIONS",
   "KINDS",
   "apply_rope",
+  "attention_probabilities",
   "attention_probs",
   "collapse_heads",
   "deinterleave",
   "dense_attention",
   "diff_attention",
   "diff_lambda_init",
+  "flash_attention_heads_major",
   "iha_attention",
   "interleave",
   "mha_attention",

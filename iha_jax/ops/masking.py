@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Finite, so fully masked rows (padding queries) give no NaNs in softmax or its VJP.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -42,3 +43,25 @@ def visible(
   if q_segment is not None:
     mask &= (q_segment == k_segment) & (k_segment != 0)
   return mask
+
+
+def visible_keys(length: int, window: int | None, causal: bool = True) -> np.ndarray:
+  """`[length]` int64: the keys each query t of one head sees under `visible` (no
+  segments): causal `min(t+1, w)`; bidirectional `min(t, w-1) + min(L-1-t, w-1) + 1`."""
+  t = np.arange(length, dtype=np.int64)
+  w = length if window is None else min(window, length)
+  if causal:
+    return np.minimum(t + 1, w)
+  return np.minimum(t, w - 1) + np.minimum(length - 1 - t, w - 1) + 1
+
+
+def visible_pairs(length: int, window: int | None, causal: bool = True) -> int:
+  """Visible (query, key) pairs of one head over `length` positions (FLOP counting)."""
+  return int(visible_keys(length, window, causal).sum())
+
+
+def visible_triples(length: int, window: int | None, causal: bool = True) -> int:
+  """Visible (query, key j, key l) triples of one head (j and l both visible): the sum of
+  the squared key counts."""
+  keys = visible_keys(length, window, causal)
+  return int(np.dot(keys, keys))  # int64: exact below ~2e6 positions

@@ -1,13 +1,16 @@
-"""The one table of attention kinds and their implementations.
+"""Resolution and lookup of attention implementations.
 
-Each kind maps implementation names to `"module:function"` references (with keyword
-arguments to bind), imported on first use. The table names the Pallas kernels without
-importing them, so `iha_jax.ops` sits below `iha_jax.kernels` in the layering and this
-is the only place that reaches up into it. Every entry of one kind takes the same
-arguments (the kind's arrays, then the `AttentionOptions` already checked and defaulted
-by the kind's public entry point) and computes the same function. The kernel entries
-run inside `shard_map` when a mesh is current (`iha_jax.kernels.sharded`), so callers
-never choose between the kernels and their sharded wrappers.
+Every attention kind's record (`iha_jax.kinds`, one file per kind) declares its
+implementations, `{name: ("module:function" or callable, bound keyword arguments)}`, and
+registers them here (`register`). The built-in kinds register when `iha_jax.kinds` is
+imported; this module imports it on the first lookup of an unknown kind, so
+`iha_jax.ops`' entry points work without it having been imported (the kinds sit above
+ops and kernels in the layering; the table names kernels as strings, imported on first
+use). Every entry of one kind takes the same arguments (the kind's arrays, then the
+`AttentionOptions` already checked and defaulted by its public entry point) and computes
+the same function. Kernel entries run inside `shard_map` when a mesh is current
+(`iha_jax.kernels.sharded`), so callers never choose between the kernels and their
+sharded wrappers.
 
 | kind | entry point | implementations |
 | --- | --- | --- |
@@ -25,78 +28,49 @@ import contextvars
 import functools
 import importlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 
 from iha_jax.ops import cudnn_attention
 from iha_jax.ops.options import IMPLEMENTATIONS
 
-_OPS = "iha_jax.ops"
-_KERNELS = "iha_jax.kernels.sharded"  # the kernels, under shard_map when a mesh is current
-Entry = tuple[str, dict[str, str]]  # ("module:function", keyword arguments bound to it)
+# The built-in kinds (registered by `iha_jax.kinds`).
+KINDS = ("iha", "mha", "talking_heads", "diff", "simplicial")
+Entry = tuple[Any, dict[str, Any]]  # ("module:function" or callable, bound keyword arguments)
+
+_TABLE: dict[str, dict[str, Entry]] = {}
 
 
-def _local(module: str, function: str) -> Entry:
-  return f"{_OPS}.{module}:{function}", {}
+def register(kind: str, table: Mapping[str, Entry]) -> None:
+  """Declares `kind`'s implementations (`iha_jax.kinds.register` calls this)."""
+  unknown = sorted(set(table) - set(IMPLEMENTATIONS) - {"auto"})
+  if unknown or "auto" in table:
+    raise ValueError(
+      f"{kind}: implementation names must be among {IMPLEMENTATIONS[:-1]}, got {sorted(table)}"
+    )
+  _TABLE[kind] = dict(table)
+  _load.cache_clear()
 
 
-def _via_mha(mha: str) -> Entry:
-  return f"{_OPS}.attention:iha_via_mha", {"mha": mha}
+def unregister(kind: str) -> None:
+  """Forgets `kind`'s implementations (`iha_jax.kinds.unregister` calls this)."""
+  _TABLE.pop(kind, None)
+  _load.cache_clear()
 
 
-def _kernel(function: str, platform: str) -> Entry:
-  return f"{_KERNELS}:{function}", {"platform": platform}
-
-
-_TABLE: dict[str, dict[str, Entry]] = {
-  "iha": {
-    "reference": _local("attention", "iha_reference"),
-    "xla": _local("attention", "iha_xla"),
-    "pallas_tpu": _kernel("iha_on_current_mesh", "tpu"),
-    "pallas_gpu": _kernel("iha_on_current_mesh", "gpu"),
-    # Materialised pseudo q/k/v + an MHA implementation over the virtual sequence.
-    "pallas_gpu_mha": _via_mha("pallas_gpu"),
-    "cudnn": _via_mha("cudnn"),
-  },
-  "mha": {
-    "reference": _local("attention", "mha_reference"),
-    "xla": _local("attention", "mha_xla"),
-    "pallas_tpu": _kernel("mha_on_current_mesh", "tpu"),
-    "pallas_gpu": _kernel("mha_on_current_mesh", "gpu"),
-    # MHA has nothing to materialise: the same kernel, so that a model-wide
-    # implementation="pallas_gpu_mha" also serves its MHA and differential layers.
-    "pallas_gpu_mha": _kernel("mha_on_current_mesh", "gpu"),
-    "cudnn": _local("cudnn_attention", "mha_cudnn"),
-  },
-  "talking_heads": {
-    "reference": _local("talking_heads", "talking_heads_reference"),
-    "xla": _local("talking_heads", "talking_heads_xla"),
-  },
-  # Differential attention runs its two maps as one MHA call over 2H heads, so every
-  # MHA implementation, the kernels included, serves it.
-  "diff": {
-    name: _local("differential", "diff_via_mha")
-    for name in ("reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha")
-  },
-  "simplicial": {
-    "reference": _local("simplicial", "simplicial_reference"),
-    "xla": _local("simplicial", "simplicial_xla"),
-  },
-}
-
-KINDS = tuple(_TABLE)
+def _table(kind: str) -> dict[str, Entry]:
+  if kind not in _TABLE:
+    importlib.import_module("iha_jax.kinds")  # registers the built-in kinds
+  if kind not in _TABLE:
+    raise ValueError(f"attention kind must be one of {tuple(_TABLE)}, got {kind!r}")
+  return _TABLE[kind]
 
 
 def implementations(kind: str) -> tuple[str, ...]:
   """The concrete implementations of `kind` (without "auto")."""
-  _check_kind(kind)
-  return tuple(_TABLE[kind])
-
-
-def _check_kind(kind: str) -> None:
-  if kind not in _TABLE:
-    raise ValueError(f"attention kind must be one of {KINDS}, got {kind!r}")
+  return tuple(_table(kind))
 
 
 _AUTO_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -147,7 +121,8 @@ def resolve(
   """ "auto" -> the fastest path measured on the current backend (or `auto_backend`'s):
   - GPU, given the call's `q`, `v`, `options` (and IHA's P as `expansion`): cuDNN's
     attention where the call allows it (`cudnn_attention.unsupported` finds nothing);
-    else, for IHA, materialised pseudo q/k/v + the Pallas MHA kernel ("pallas_gpu_mha");
+    else, where a kind's "pallas_gpu_mha" is its own path (IHA: materialised pseudo
+    q/k/v + the Pallas MHA kernel), that;
     IHA takes either only while `materialised_bytes` stays within
     `MATERIALISE_LIMIT_BYTES`; else the fused Pallas kernels;
   - TPU: the fused Pallas kernels;
@@ -158,20 +133,21 @@ def resolve(
 
   Any other name is returned as is after checking that `kind` has it.
   """
-  _check_kind(kind)
+  table = _table(kind)
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":
     backend = _AUTO_BACKEND.get() or jax.default_backend()
     if backend == "gpu" and q is not None:
       small = expansion == 1 or materialised_bytes(q, v, expansion) <= MATERIALISE_LIMIT_BYTES
-      if small and "cudnn" in _TABLE[kind] and cudnn_attention.unsupported(q, v, options) is None:
+      if small and "cudnn" in table and cudnn_attention.unsupported(q, v, options) is None:
         return "cudnn"
-      if small and kind == "iha":
+      materialises = table.get("pallas_gpu_mha", table.get("pallas_gpu")) != table.get("pallas_gpu")
+      if small and materialises:
         return "pallas_gpu_mha"
     kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend)
-    return kernel if kernel in _TABLE[kind] else "xla"
-  if implementation not in _TABLE[kind]:
+    return kernel if kernel in table else "xla"
+  if implementation not in table:
     raise ValueError(
       f"{kind} attention has no {implementation!r} implementation; "
       f"choose one of {implementations(kind)} or 'auto'"
@@ -193,7 +169,8 @@ def lookup(
 
 @functools.cache
 def _load(kind: str, implementation: str) -> Callable[..., jax.Array]:
-  reference, bound = _TABLE[kind][implementation]
-  module_name, function_name = reference.split(":")
-  fn = getattr(importlib.import_module(module_name), function_name)
-  return functools.partial(fn, **bound) if bound else fn
+  reference, bound = _table(kind)[implementation]
+  if isinstance(reference, str):
+    module_name, function_name = reference.split(":")
+    reference = getattr(importlib.import_module(module_name), function_name)
+  return functools.partial(reference, **bound) if bound else reference

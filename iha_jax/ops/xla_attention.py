@@ -21,37 +21,35 @@ import jax.numpy as jnp
 from iha_jax.ops.masking import MASK_VALUE, visible
 from iha_jax.ops.options import round_up
 
-
-def _kv_block_range(
-  i, block_q: int, block_k: int, num_k_blocks: int, window: int | None, causal: bool
-):
-  """Key blocks [lo, hi) that query block i can see (i may be traced)."""
-  last_query = (i + 1) * block_q - 1
-  if causal:
-    hi = jnp.minimum(num_k_blocks, last_query // block_k + 1)
-  elif window is None:
-    hi = num_k_blocks
-  else:  # symmetric window: keys up to last_query + window - 1
-    hi = jnp.minimum(num_k_blocks, (last_query + window - 1) // block_k + 1)
-  if window is None:
-    return 0, hi
-  return jnp.maximum(0, i * block_q - window + 1) // block_k, hi
+# Keys padded onto a tile boundary get this index: after every query, so the causal rule
+# hides them (bidirectional calls also mark them as padding segments).
+_PAD_INDEX = 2**30
 
 
-def _q_block_range(
-  j, block_q: int, block_k: int, num_q_blocks: int, window: int | None, causal: bool
-):
-  """Query blocks [lo, hi) that can see key block j (j may be traced)."""
-  if causal:
-    lo = (j * block_k) // block_q
-  elif window is None:
-    lo = 0
-  else:  # symmetric window: queries from the block's first key - window + 1
-    lo = jnp.maximum(0, j * block_k - window + 1) // block_q
-  if window is None:
-    return lo, num_q_blocks
-  last_query = (j + 1) * block_k - 1 + window - 1
-  return lo, jnp.minimum(num_q_blocks, last_query // block_q + 1)
+def _block_ranges(q_index, k_index, block_q: int, block_k: int, window, causal: bool):
+  """Which tiles meet: key blocks `[kv_lo[i], kv_hi[i])` for query block i and query
+  blocks `[q_lo[j], q_hi[j])` for key block j, from the padded index vectors `[Tq]`,
+  `[Tk]` (each block's first..last needed tile, so any index order is correct and a
+  sorted one is tight; a block that needs none gets an empty range)."""
+  q_blocks = q_index.reshape(-1, block_q)
+  k_blocks = k_index.reshape(-1, block_k)
+  q_min, q_max = q_blocks.min(1)[:, None], q_blocks.max(1)[:, None]  # [nq, 1]
+  k_min, k_max = k_blocks.min(1)[None, :], k_blocks.max(1)[None, :]  # [1, nk]
+  needed = k_min <= q_max if causal else jnp.ones((q_min.shape[0], k_min.shape[1]), bool)
+  if window is not None:
+    needed &= k_max > q_min - window
+    if not causal:
+      needed &= k_min < q_max + window
+
+  def first_last(rows):  # bool [n, m] -> [n] first true, [n] one past the last true
+    any_true = rows.any(1)
+    first = jnp.argmax(rows, axis=1)
+    last = rows.shape[1] - jnp.argmax(rows[:, ::-1], axis=1)
+    return jnp.where(any_true, first, 0), jnp.where(any_true, last, 0)
+
+  kv_lo, kv_hi = first_last(needed)
+  q_lo, q_hi = first_last(needed.T)
+  return kv_lo, kv_hi, q_lo, q_hi
 
 
 def _pad_to(x: jax.Array, total: int, axis: int) -> jax.Array:
@@ -66,18 +64,16 @@ def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
 
 
 def _tile_mask(
-  i,
-  j,
-  block_q: int,
-  block_k: int,
+  q_index: jax.Array,
+  k_index: jax.Array,
   seg_q: jax.Array | None,
   seg_k: jax.Array | None,
   window: int | None,
   causal: bool,
 ) -> jax.Array:
-  """bool `[B or 1, 1, bq, bk]` visibility of one (query block i, key block j) tile."""
-  q_index = i * block_q + jnp.arange(block_q)[:, None]
-  k_index = j * block_k + jnp.arange(block_k)[None, :]
+  """bool `[B or 1, 1, bq, bk]` visibility of one tile, from its query / key indices
+  `[bq]`, `[bk]` and segment ids `[B, bq]`, `[B, bk]`."""
+  q_index, k_index = q_index[:, None], k_index[None, :]
   if seg_q is None:
     return visible(q_index, k_index, None, None, window, causal)
   return visible(q_index, k_index, seg_q[:, None, :, None], seg_k[:, None, None, :], window, causal)
@@ -87,30 +83,35 @@ def _slice_segments(seg: jax.Array | None, start, size: int) -> jax.Array | None
   return None if seg is None else _slice(seg, start, size, 1)
 
 
-def _forward(q, k, v, seg_q, seg_k, *, window, causal, block_q, block_k, precision):
-  """`q, k: [B, H, T, d]`, `v: [B, H, T, dv]` padded to block multiples
-  -> (out [B, H, Tq, dv], lse [B, H, Tq])."""
+def _forward(
+  q, k, v, seg_q, seg_k, q_index, k_index, *, window, causal, block_q, block_k, precision
+):
+  """`q, k: [B, H, T, d]`, `v: [B, H, T, dv]`, segments `[B, T]` and indices `[T]` padded
+  to block multiples -> (out [B, H, Tq, dv], lse [B, H, Tq])."""
   b, h, tq, d = q.shape
   dv = v.shape[-1]
-  num_q_blocks, num_k_blocks = tq // block_q, k.shape[2] // block_k
+  num_q_blocks = tq // block_q
   scale = d**-0.5
+  kv_lo, kv_hi, _, _ = _block_ranges(q_index, k_index, block_q, block_k, window, causal)
 
   def query_block(i):
     q_i = _slice(q, i * block_q, block_q, 2)
     sq_i = _slice_segments(seg_q, i * block_q, block_q)
+    qi_i = _slice(q_index, i * block_q, block_q, 0)
 
     def key_block(j, carry):
       m, l, acc = carry
       k_j = _slice(k, j * block_k, block_k, 2)
       v_j = _slice(v, j * block_k, block_k, 2)
       sk_j = _slice_segments(seg_k, j * block_k, block_k)
+      ki_j = _slice(k_index, j * block_k, block_k, 0)
       s = (
         jnp.einsum(
           "bhqd,bhkd->bhqk", q_i, k_j, precision=precision, preferred_element_type=jnp.float32
         )
         * scale
       )
-      s = jnp.where(_tile_mask(i, j, block_q, block_k, sq_i, sk_j, window, causal), s, MASK_VALUE)
+      s = jnp.where(_tile_mask(qi_i, ki_j, sq_i, sk_j, window, causal), s, MASK_VALUE)
       m_new = jnp.maximum(m, s.max(axis=-1))
       correction = jnp.exp(m - m_new)
       p = jnp.exp(s - m_new[..., None])
@@ -129,12 +130,12 @@ def _forward(q, k, v, seg_q, seg_k, *, window, causal, block_q, block_k, precisi
       jnp.zeros((b, h, block_q), jnp.float32),
       jnp.zeros((b, h, block_q, dv), jnp.float32),
     )
-    lo, hi = _kv_block_range(i, block_q, block_k, num_k_blocks, window, causal)
-    m, l, acc = jax.lax.fori_loop(lo, hi, key_block, init)
-    out = acc / l[..., None]
+    m, l, acc = jax.lax.fori_loop(kv_lo[i], kv_hi[i], key_block, init)
+    # A query that sees no key (a padding or out-of-range query) outputs zeros.
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     if sq_i is not None:
       out = jnp.where((sq_i != 0)[:, None, :, None], out, 0.0)
-    return out.astype(q.dtype), m + jnp.log(l)
+    return out.astype(q.dtype), m + jnp.log(jnp.where(l > 0, l, 1.0))
 
   out, lse = jax.lax.map(query_block, jnp.arange(num_q_blocks))  # [nq, B, H, bq, ...]
   out = jnp.moveaxis(out, 0, 2).reshape(b, h, tq, dv)
@@ -143,14 +144,30 @@ def _forward(q, k, v, seg_q, seg_k, *, window, causal, block_q, block_k, precisi
 
 
 def _backward(
-  q, k, v, seg_q, seg_k, out, lse, d_out, *, window, causal, block_q, block_k, precision
+  q,
+  k,
+  v,
+  seg_q,
+  seg_k,
+  q_index,
+  k_index,
+  out,
+  lse,
+  d_out,
+  *,
+  window,
+  causal,
+  block_q,
+  block_k,
+  precision,
 ):
   """FlashAttention-2 backward: loop over key blocks, recompute tiles, accumulate dq."""
   b, h, tq, d = q.shape
   dv = v.shape[-1]
   tk = k.shape[2]
-  num_q_blocks, num_k_blocks = tq // block_q, tk // block_k
+  num_k_blocks = tk // block_k
   scale = d**-0.5
+  _, _, q_lo, q_hi = _block_ranges(q_index, k_index, block_q, block_k, window, causal)
   if seg_q is not None:
     # Padding queries output constant zeros: nothing flows back through them.
     d_out = jnp.where((seg_q != 0)[:, None, :, None], d_out, 0)
@@ -161,6 +178,7 @@ def _backward(
     k_j = _slice(k, j * block_k, block_k, 2)
     v_j = _slice(v, j * block_k, block_k, 2)
     sk_j = _slice_segments(seg_k, j * block_k, block_k)
+    ki_j = _slice(k_index, j * block_k, block_k, 0)
 
     def query_block(i, carry):
       dq, dk_j, dv_j = carry
@@ -169,13 +187,14 @@ def _backward(
       lse_i = _slice(lse, i * block_q, block_q, 2)
       delta_i = _slice(delta, i * block_q, block_q, 2)
       sq_i = _slice_segments(seg_q, i * block_q, block_q)
+      qi_i = _slice(q_index, i * block_q, block_q, 0)
       s = (
         jnp.einsum(
           "bhqd,bhkd->bhqk", q_i, k_j, precision=precision, preferred_element_type=jnp.float32
         )
         * scale
       )
-      mask = _tile_mask(i, j, block_q, block_k, sq_i, sk_j, window, causal)
+      mask = _tile_mask(qi_i, ki_j, sq_i, sk_j, window, causal)
       p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
       dv_j += jnp.einsum(
         "bhqk,bhqd->bhkd",
@@ -199,8 +218,7 @@ def _backward(
 
     zeros_k = jnp.zeros((b, h, block_k, d), jnp.float32)
     zeros_v = jnp.zeros((b, h, block_k, dv), jnp.float32)
-    lo, hi = _q_block_range(j, block_q, block_k, num_q_blocks, window, causal)
-    dq, dk_j, dv_j = jax.lax.fori_loop(lo, hi, query_block, (dq, zeros_k, zeros_v))
+    dq, dk_j, dv_j = jax.lax.fori_loop(q_lo[j], q_hi[j], query_block, (dq, zeros_k, zeros_v))
     return dq, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
 
   dq = jnp.zeros((b, h, tq, d), jnp.float32)
@@ -210,47 +228,22 @@ def _backward(
   return dq.astype(q.dtype), dk, d_v
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _flash(q, k, v, segment_ids, window, causal, block_q, block_k, precision):
-  return _flash_fwd(q, k, v, segment_ids, window, causal, block_q, block_k, precision)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _flash(q, k, v, segments, indices, window, causal, block_q, block_k, precision):
+  return _flash_fwd(q, k, v, segments, indices, window, causal, block_q, block_k, precision)[0]
 
 
-def _flash_fwd(q, k, v, segment_ids, window, causal, block_q, block_k, precision):
-  seg_q, seg_k = segment_ids or (None, None)
-  out, lse = _forward(
-    q,
-    k,
-    v,
-    seg_q,
-    seg_k,
-    window=window,
-    causal=causal,
-    block_q=block_q,
-    block_k=block_k,
-    precision=precision,
-  )
-  return out, (q, k, v, segment_ids, out, lse)
+def _flash_fwd(q, k, v, segments, indices, window, causal, block_q, block_k, precision):
+  static = dict(window=window, causal=causal, block_q=block_q, block_k=block_k, precision=precision)
+  out, lse = _forward(q, k, v, *(segments or (None, None)), *indices, **static)
+  return out, (q, k, v, segments, indices, out, lse)
 
 
 def _flash_bwd(window, causal, block_q, block_k, precision, residuals, d_out):
-  q, k, v, segment_ids, out, lse = residuals
-  seg_q, seg_k = segment_ids or (None, None)
-  dq, dk, dv = _backward(
-    q,
-    k,
-    v,
-    seg_q,
-    seg_k,
-    out,
-    lse,
-    d_out,
-    window=window,
-    causal=causal,
-    block_q=block_q,
-    block_k=block_k,
-    precision=precision,
-  )
-  return dq, dk, dv, None
+  q, k, v, segments, indices, out, lse = residuals
+  static = dict(window=window, causal=causal, block_q=block_q, block_k=block_k, precision=precision)
+  dq, dk, dv = _backward(q, k, v, *(segments or (None, None)), *indices, out, lse, d_out, **static)
+  return dq, dk, dv, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -269,6 +262,54 @@ def default_block_size(seq_len: int, window: int | None) -> int:
   return round_up(-(-seq_len // num_blocks), 8)
 
 
+def _prepare(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array | None,
+  *,
+  segment_ids: jax.Array | None,
+  kv_segment_ids: jax.Array | None,
+  q_index: jax.Array | None,
+  k_index: jax.Array | None,
+  window: int | None,
+  causal: bool,
+  block_q: int | None,
+  block_k: int | None,
+):
+  """Everything padded to tile multiples, with the tile edges and the effective window."""
+  t_q, t_k = q.shape[2], k.shape[2]
+  if kv_segment_ids is None and segment_ids is not None:
+    if t_q != t_k:
+      raise ValueError("kv_segment_ids must be given when queries and keys differ in length")
+    kv_segment_ids = segment_ids
+  if q_index is None and k_index is None and window is not None and window >= max(t_q, t_k):
+    window = None  # the band covers everything: take the cheaper global path
+  block_q = block_q or default_block_size(t_q, window)
+  block_k = block_k or default_block_size(t_k, window)
+  tq, tk = round_up(t_q, block_q), round_up(t_k, block_k)
+  q, k = _pad_to(q, tq, 2), _pad_to(k, tk, 2)
+  v = None if v is None else _pad_to(v, tk, 2)
+  if kv_segment_ids is None and not causal and tk != t_k:
+    # Causality hides padded key slots (their indices lie after every query); without it
+    # they need segment id 0 like any padding. Padded queries are sliced off.
+    kv_segment_ids = jnp.ones((k.shape[0], t_k), jnp.int32)
+    segment_ids = jnp.ones((q.shape[0], t_q), jnp.int32)
+  if kv_segment_ids is not None and segment_ids is None:
+    segment_ids = jnp.ones((q.shape[0], t_q), jnp.int32)
+  segments = (
+    None if segment_ids is None else (_pad_to(segment_ids, tq, 1), _pad_to(kv_segment_ids, tk, 1))
+  )
+  if q_index is None:
+    q_index = jnp.arange(tq, dtype=jnp.int32)
+  else:  # padded queries repeat the last index: they add no tiles and are sliced off
+    q_index = jnp.pad(jnp.asarray(q_index, jnp.int32), (0, tq - t_q), mode="edge")
+  if k_index is None:
+    k_index = jnp.arange(tk, dtype=jnp.int32)
+  else:
+    k_index = jnp.pad(jnp.asarray(k_index, jnp.int32), (0, tk - t_k), constant_values=_PAD_INDEX)
+  return q, k, v, segments, (q_index, k_index), window, block_q, block_k
+
+
 def flash_attention_heads_major(
   q: jax.Array,
   k: jax.Array,
@@ -280,36 +321,97 @@ def flash_attention_heads_major(
   block_q: int | None = None,
   block_k: int | None = None,
   precision: jax.lax.PrecisionLike = None,
+  kv_segment_ids: jax.Array | None = None,
+  q_index: jax.Array | None = None,
+  k_index: jax.Array | None = None,
 ) -> jax.Array:
   """Blockwise attention over a flat sequence, head-major layout.
 
   Args:
-    q, k: `[B, H, T, d]`, already rotated; v: `[B, H, T, dv]`.
-    segment_ids: `[B, T]` int32 with 0 = padding (outputs zeros, never seen), or
+    q: `[B, H, Tq, d]` and k: `[B, H, Tk, d]`, already rotated; v: `[B, H, Tk, dv]`.
+    segment_ids: `[B, Tq]` int32 with 0 = padding (outputs zeros, never seen), or
       None for one unpadded sequence per row (no segment masking at all).
     window: sliding window (a query sees keys with `t - s < window`, or
       `|t - s| < window` when not causal) or None.
     causal: keys at or before the query only; False: bidirectional.
-    block_q, block_k: tile edges; T need not divide them (padded and masked).
+    block_q, block_k: tile edges; Tq, Tk need not divide them (padded and masked).
     precision: matmul precision of the score and value contractions.
+    kv_segment_ids: `[B, Tk]` segment ids of the keys (default: `segment_ids`, which
+      needs Tq == Tk); a key of segment 0 is never seen (e.g. an empty cache slot).
+    q_index, k_index: `[Tq]`, `[Tk]` int32 positions t and s of the queries and keys on
+      the flat sequence, for the causal and window rules (default `arange`): queries
+      and keys that are a slice of a longer sequence (a decoding step, a sequence
+      shard). Any order is correct; sorted indices skip the most tiles.
 
   Returns:
-    `[B, H, T, dv]` in q.dtype.
+    `[B, H, Tq, dv]` in q.dtype.
   """
-  t = q.shape[2]
-  if window is not None and window >= t:
-    window = None  # the band covers everything: take the cheaper global path
-  default = default_block_size(t, window)
-  block_q = block_q or default
-  block_k = block_k or default
-  tq, tk = round_up(t, block_q), round_up(t, block_k)
-  q, k, v = _pad_to(q, tq, 2), _pad_to(k, tk, 2), _pad_to(v, tk, 2)
-  if segment_ids is None and not causal and tk != t:
-    # Causality hides padded key slots (they lie after every real query); without it
-    # they need segment id 0 like any padding. Padded queries are sliced off.
-    segment_ids = jnp.ones((q.shape[0], t), jnp.int32)
-  segments = (
-    None if segment_ids is None else (_pad_to(segment_ids, tq, 1), _pad_to(segment_ids, tk, 1))
+  t_q = q.shape[2]
+  q, k, v, segments, indices, window, block_q, block_k = _prepare(
+    q,
+    k,
+    v,
+    segment_ids=segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    q_index=q_index,
+    k_index=k_index,
+    window=window,
+    causal=causal,
+    block_q=block_q,
+    block_k=block_k,
   )
-  out = _flash(q, k, v, segments, window, causal, block_q, block_k, precision)
-  return out if tq == t else out[:, :, :t]
+  out = _flash(q, k, v, segments, indices, window, causal, block_q, block_k, precision)
+  return out if out.shape[2] == t_q else out[:, :, :t_q]
+
+
+def attention_probabilities(
+  q: jax.Array,
+  k: jax.Array,
+  *,
+  segment_ids: jax.Array | None,
+  window: int | None,
+  causal: bool = True,
+  kv_segment_ids: jax.Array | None = None,
+  q_index: jax.Array | None = None,
+  k_index: jax.Array | None = None,
+  precision: jax.lax.PrecisionLike = None,
+) -> jax.Array:
+  """The attention weights `flash_attention_heads_major` applies, float32 `[B, H, Tq, Tk]`
+  (arguments as there): the blockwise forward's log-sum-exp, then each query block's
+  row of weights `exp(s - lse)` under the same tile mask. Rows of padding queries, and
+  of queries that see no key, are zeros. Dense in Tk: for attention maps."""
+  t_q, t_k = q.shape[2], k.shape[2]
+  v = jnp.zeros((*k.shape[:3], 1), q.dtype)
+  q, k, v, segments, (q_index, k_index), window, block_q, block_k = _prepare(
+    q,
+    k,
+    v,
+    segment_ids=segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    q_index=q_index,
+    k_index=k_index,
+    window=window,
+    causal=causal,
+    block_q=None,
+    block_k=None,
+  )
+  seg_q, seg_k = segments or (None, None)
+  static = dict(window=window, causal=causal, block_q=block_q, block_k=block_k, precision=precision)
+  _, lse = _forward(q, k, v, seg_q, seg_k, q_index, k_index, **static)
+  scale = q.shape[-1] ** -0.5
+
+  def query_block(i):
+    q_i = _slice(q, i * block_q, block_q, 2)
+    s = jnp.einsum(
+      "bhqd,bhkd->bhqk", q_i, k, precision=precision, preferred_element_type=jnp.float32
+    )
+    sq_i = _slice_segments(seg_q, i * block_q, block_q)
+    mask = _tile_mask(
+      _slice(q_index, i * block_q, block_q, 0), k_index, sq_i, seg_k, window, causal
+    )
+    lse_i = _slice(lse, i * block_q, block_q, 2)
+    return jnp.where(mask, jnp.exp(s * scale - lse_i[..., None]), 0.0)
+
+  probs = jax.lax.map(query_block, jnp.arange(q.shape[2] // block_q))  # [nq, B, H, bq, Tk]
+  probs = jnp.moveaxis(probs, 0, 2).reshape(*q.shape[:2], -1, k.shape[2])
+  return probs[:, :, :t_q, :t_k]

@@ -37,6 +37,9 @@ import numpy as np
 from iha_jax.models import TransformerConfig, count_params
 from iha_jax.nn import AttentionConfig, param_specs
 
+# The visible-pair counts live beside the mask they count (re-exported here).
+from iha_jax.ops.masking import visible_keys, visible_pairs, visible_triples  # noqa: F401
+
 # Dense bf16 peak TFLOP/s per device (per chip for TPU), by device_kind substring.
 PEAK_TFLOPS = (
   ("TPU v6", 918.0),  # v6e (Trillium)
@@ -49,26 +52,6 @@ PEAK_TFLOPS = (
   ("H100", 989.0),  # SXM, dense (no sparsity)
   ("A100", 312.0),
 )
-
-
-def visible_keys(length: int, window: int | None, causal: bool = True) -> np.ndarray:
-  """`[length]` int64: the keys each query t of one head sees (no segments)."""
-  t = np.arange(length, dtype=np.int64)
-  w = length if window is None else min(window, length)
-  if causal:
-    return np.minimum(t + 1, w)
-  return np.minimum(t, w - 1) + np.minimum(length - 1 - t, w - 1) + 1
-
-
-def visible_pairs(length: int, window: int | None, causal: bool = True) -> int:
-  """Visible (query, key) pairs of one head over `length` positions."""
-  return int(visible_keys(length, window, causal).sum())
-
-
-def visible_triples(length: int, window: int | None, causal: bool = True) -> int:
-  """Visible (query, key j, key l) triples of one 2-simplicial head: sum of keys^2."""
-  keys = visible_keys(length, window, causal)
-  return int(np.dot(keys, keys))  # int64: exact below ~2e6 positions
 
 
 def causal_pairs(length: int, window: int | None) -> int:
@@ -89,27 +72,15 @@ def projection_flops_per_token(acfg: AttentionConfig) -> int:
 
 
 def mixing_flops_per_token(acfg: AttentionConfig) -> int:
-  """IHA's pseudo-head mixing and collapse for one token (0 for the other kinds)."""
-  if not acfg.interleaved:
-    return 0
-  h, p, d = acfg.num_heads, acfg.pseudo, acfg.head_dim
-  collapse = h * h * p if acfg.collapse_mode == "full" else h * p
-  return 2 * 3 * h * h * p * d + 2 * collapse * d
+  """Head mixings outside the core for one token (IHA's mix and collapse; 0 for the
+  other built-in kinds), from the kind's record."""
+  return acfg.record.mixing_flops(acfg)
 
 
 def core_flops_per_sequence(acfg: AttentionConfig, seq_len: int) -> int:
-  """Forward FLOPs of the attention core of one `[seq_len]` sequence, all heads
-  (Talking-Heads' per-pair logit/weight mixings included)."""
-  h, d, dv = acfg.num_heads, acfg.head_dim, acfg.value_dim
-  length = seq_len * acfg.pseudo  # IHA: T = N*P virtual tokens
-  pairs = visible_pairs(length, acfg.window, acfg.causal)
-  if acfg.kind == "simplicial":
-    return h * (4 * d * visible_triples(length, acfg.window, acfg.causal) + 3 * d * pairs)
-  maps = 2 if acfg.kind == "diff" else 1
-  core = h * pairs * maps * (2 * d + 2 * dv)  # QK + PV per map
-  if acfg.kind == "talking_heads":
-    core += pairs * 2 * (2 * h * h)
-  return core
+  """Forward FLOPs of the attention core of one `[seq_len]` sequence, all heads, from
+  the kind's record (Talking-Heads' per-pair logit/weight mixings included)."""
+  return acfg.record.core_flops(acfg, seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +88,10 @@ class LayerBudget:
   """Parameters and forward FLOPs of the layers of one schedule letter.
 
   Attributes:
-    letter: schedule letter (I, L, M, S, T, D, X).
-    kind: attention kind of `iha_jax.ops`.
-    window: virtual tokens for iha, tokens otherwise; None is global.
+    letter: schedule letter (I, L, M, S, T, D, X, ...).
+    kind: attention kind (`iha_jax.kinds`).
+    window: in virtual tokens for kinds over virtual tokens (IHA), tokens otherwise;
+      None is global.
     causal: False for bidirectional (encoder) layers.
     count: layers of the model with this letter.
     params: attention parameters of one layer (`param_specs` shapes).
@@ -143,6 +115,7 @@ class LayerBudget:
   core_flops: int
   mlp_flops: int
   seq_len: int
+  virtual_tokens: bool = False
 
   @property
   def attention_flops_per_token(self) -> float:
@@ -182,6 +155,7 @@ def layer_budgets(config: TransformerConfig, seq_len: int) -> list[LayerBudget]:
         core_flops=core_flops_per_sequence(acfg, seq_len),
         mlp_flops=2 * mlp_params,
         seq_len=seq_len,
+        virtual_tokens=acfg.interleaved,
       )
     )
   return budgets
@@ -215,7 +189,7 @@ def _si(value: float) -> str:
 def _window_text(budget: LayerBudget) -> str:
   if budget.window is None:
     return "global"
-  return f"{budget.window} {'virtual' if budget.kind == 'iha' else 'tokens'}"
+  return f"{budget.window} {'virtual' if budget.virtual_tokens else 'tokens'}"
 
 
 def budget_table(config: TransformerConfig, seq_len: int, batch_size: int = 1) -> str:

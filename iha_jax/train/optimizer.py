@@ -3,7 +3,7 @@
 Weight decay (decoupled, AdamW) applies to the weight matrices only:
 - 1-D parameters (RMSNorm scales, differential attention's lambdas and norm) are never
   decayed;
-- the head-mixing coefficients `iha_jax.nn.MIXING_PARAMS` (IHA's `alpha_*`, `collapse`,
+- the head-mixing coefficients `iha_jax.kinds.mixing_params()` (IHA's `alpha_*`, `collapse`,
   Talking-Heads' `talk_*`) are decayed only with `train.decay_mixing=True`. Default off
   *(project)*: they are identity-initialised structural coefficients like norm gains;
   decoupled decay pulls them toward 0, not toward their identity init, which shrinks
@@ -20,7 +20,7 @@ import jax
 import ml_collections
 import optax
 
-from iha_jax.nn import MIXING_PARAMS
+from iha_jax import kinds
 
 SCANNED = "scanned"  # top-level key of the stacked (scan-over-layers) parameters
 
@@ -41,15 +41,18 @@ def decay_mask(params: Any, *, decay_mixing: bool = False) -> Any:
   """Bool pytree like `params` (nested dicts, string keys): True where AdamW decays.
 
   False for 1-D parameters (per layer: `scanned` leaves have one more axis) and, unless
-  `decay_mixing`, for every leaf whose key is in `MIXING_PARAMS`.
+  `decay_mixing`, for every leaf whose key names a kind's head mixing
+  (`iha_jax.kinds.mixing_params()`).
   """
+
+  mixing = kinds.mixing_params()
 
   def leaf(path: tuple, p: Any) -> bool:
     keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
     stacked = bool(keys) and keys[0] == SCANNED
     if p.ndim - stacked <= 1:
       return False
-    return decay_mixing or not (keys and keys[-1] in MIXING_PARAMS)
+    return decay_mixing or not (keys and keys[-1] in mixing)
 
   return jax.tree_util.tree_map_with_path(leaf, params)
 

@@ -1,0 +1,194 @@
+"""The record of an attention kind (`AttentionKind`) and what the records share.
+
+A kind's record says everything the layers, the models, decoding and the budgets need:
+its schedule letters, its parameters (shapes, logical axes, initialisers), the layer's
+core (projections to per-head outputs), its implementations (the ops registry's table,
+kernels and their `shard_map` wrappers included), its FLOP count, and whether and how it
+decodes. The base class holds the defaults of a plain attention layer (`wq, wk, wv: [D,
+H, d]`, `wo: [H, d, D]`, RoPE, one virtual token per token); each kind overrides what
+differs. Records are stateless singletons registered in `iha_jax.kinds.registry`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from iha_jax.kinds.initializers import fold_fan_in
+from iha_jax.ops.masking import visible_pairs
+from iha_jax.ops.options import AttentionOptions
+from iha_jax.ops.validation import is_int
+from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS
+
+if TYPE_CHECKING:
+  from iha_jax.kinds.config import AttentionConfig
+
+Initializer = jax.nn.initializers.Initializer
+Params = Mapping[str, jax.Array]
+# An implementation: "module:function" (imported on first use) or a callable, with keyword
+# arguments bound to it (e.g. a kernel's platform).
+Implementation = tuple[Any, dict[str, Any]]
+
+# Names for remat policies (e.g. `jax.checkpoint_policies.save_only_these_names`): the
+# q/k/v projections and the core's output are what a memory-efficient attention backward
+# needs, so saving them avoids recomputing the projections and the forward core.
+QUERY_PROJ = "query_proj"
+KEY_PROJ = "key_proj"
+VALUE_PROJ = "value_proj"
+ATTENTION_OUT = "attention_out"
+
+
+def check_positive(name: str, value: Any, *, optional: bool = False) -> None:
+  """Raises ValueError naming `name` unless `value` is a positive int (or None)."""
+  if optional and value is None:
+    return
+  if not is_int(value, 1):
+    raise ValueError(
+      f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}"
+    )
+
+
+class ParamSpec(NamedTuple):
+  """Shape, logical axis names and initializer of one parameter."""
+
+  shape: tuple[int, ...]
+  axes: tuple[str, ...]
+  init: Initializer
+
+
+@dataclasses.dataclass(frozen=True)
+class Letter:
+  """A schedule letter of `TransformerLM`: the kind's global or sliding-window layer."""
+
+  letter: str
+  windowed: bool
+  description: str
+
+
+def projection_spec(
+  cfg: AttentionConfig, kernel_init: Initializer, width: int | None = None
+) -> ParamSpec:
+  """An input projection `[D, H, width]` (default width d), fan-in D."""
+  shape = (cfg.model_dim, cfg.num_heads, width or cfg.head_dim)
+  return ParamSpec(shape, (EMBED, HEADS, HEAD_DIM), fold_fan_in(kernel_init, 1))
+
+
+def output_spec(cfg: AttentionConfig, kernel_init: Initializer) -> ParamSpec:
+  """The output projection `wo: [H, dv, D]`, fan-in H*dv."""
+  shape = (cfg.num_heads, cfg.value_dim, cfg.model_dim)
+  return ParamSpec(shape, (HEADS, HEAD_DIM, EMBED), fold_fan_in(kernel_init, 2))
+
+
+def project(x: jax.Array, w: jax.Array, name: str | None = None) -> jax.Array:
+  """`x: [B, N, D]` through `w: [D, ...]` -> `[B, N, ...]`, tagged `name` for remat."""
+  y = jnp.einsum("bnD,D...->bn...", x, w)
+  return y if name is None else checkpoint_name(y, name)
+
+
+def project_qkv(p: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Source-head projections `x: [B, N, D]` -> q, k, v `[B, N, H, d]`, tagged for remat."""
+  return (
+    project(x, p["wq"], QUERY_PROJ),
+    project(x, p["wk"], KEY_PROJ),
+    project(x, p["wv"], VALUE_PROJ),
+  )
+
+
+class AttentionKind:
+  """One attention kind: override what differs from plain multi-head attention.
+
+  Class attributes:
+    name: the kind's name (`AttentionConfig.kind`, the ops registry's key).
+    letters: its schedule letters (global and/or sliding-window layers).
+    implementations: `{name: ("module:function" or callable, bound kwargs)}`, each
+      taking the kind's arrays then one `AttentionOptions` (checked, positions
+      defaulted) and computing the same function; "reference" and "xla" at least.
+    config_fields: `AttentionConfig` fields only this kind reads (e.g. IHA's
+      `num_pseudo`); a model passes them to its layers of this kind only.
+    virtual_tokens: the kind attends over virtual tokens (P per token): its window is
+      in virtual tokens (`TransformerConfig.iha_window`), else in tokens (`mha_window`).
+    uses_rope: False: the model gives its layers `rope_theta=None`.
+    mixing_params: its identity-initialised head mixings (weight decay switch, noise).
+    decodes: KV-cache decoding and attention maps read the kind as pseudo-head
+      attention (`pseudo_heads`, `collapse`; wq, wk, wv and wo projections).
+  """
+
+  name: ClassVar[str]
+  letters: ClassVar[tuple[Letter, ...]] = ()
+  implementations: ClassVar[Mapping[str, Implementation]] = {}
+  config_fields: ClassVar[tuple[str, ...]] = ()
+  virtual_tokens: ClassVar[bool] = False
+  uses_rope: ClassVar[bool] = True
+  mixing_params: ClassVar[tuple[str, ...]] = ()
+  decodes: ClassVar[bool] = False
+
+  def __repr__(self) -> str:
+    return f"<attention kind {self.name!r}>"
+
+  # --- configuration ---------------------------------------------------------------
+
+  def validate(self, cfg: AttentionConfig) -> None:
+    """Raises ValueError naming the field for a configuration this kind cannot run."""
+
+  def layer_heads(self, num_heads: int) -> int:
+    """Heads of this kind's layer in a model of `num_heads` heads (parameter-matched)."""
+    return num_heads
+
+  def value_dim(self, cfg: AttentionConfig) -> int:
+    """Width of each head's value and output."""
+    return cfg.head_dim
+
+  def virtual_per_token(self, cfg: AttentionConfig) -> int:
+    """Virtual tokens per token (IHA's P; 1 for the others)."""
+    return 1
+
+  # --- parameters and the layer's core ---------------------------------------------
+
+  def param_specs(
+    self, cfg: AttentionConfig, kernel_init: Initializer, mixing_noise_std: float
+  ) -> dict[str, ParamSpec]:
+    """Every parameter of the layer, in creation order."""
+    in_proj = projection_spec(cfg, kernel_init)
+    return {"wq": in_proj, "wk": in_proj, "wv": in_proj, "wo": output_spec(cfg, kernel_init)}
+
+  def core(
+    self,
+    params: Params,
+    x: jax.Array,
+    cfg: AttentionConfig,
+    options: AttentionOptions,
+    layer: int | jax.Array,
+  ) -> jax.Array:
+    """`x: [B, N, D]` (computation dtype) -> per-head outputs `[B, N, H, dv]`, before
+    the output projection `wo`. `layer` counts from 1 (may be traced)."""
+    raise NotImplementedError
+
+  # --- budgets (forward FLOPs; docs/design.md §2) ----------------------------------
+
+  def core_flops(self, cfg: AttentionConfig, seq_len: int) -> int:
+    """Forward FLOPs of the attention core over one sequence of `seq_len` tokens, all
+    heads: `4d` per visible (query, key) pair and head (QK and PV), counted over the
+    kind's `seq_len * virtual_per_token` positions with its window."""
+    length = seq_len * self.virtual_per_token(cfg)
+    pairs = visible_pairs(length, cfg.window, cfg.causal)
+    return cfg.num_heads * pairs * (2 * cfg.head_dim + 2 * self.value_dim(cfg))
+
+  def mixing_flops(self, cfg: AttentionConfig) -> int:
+    """Forward FLOPs per token of head mixings outside the core (IHA's mix, collapse)."""
+    return 0
+
+  # --- pseudo-head view (decoding, attention maps; kinds with `decodes`) -------------
+
+  def pseudo_heads(self, params: Params, cfg: AttentionConfig, which: str, x: jax.Array):
+    """Source heads `x: [B, N, H, d]` of projection `which` ("q", "k", "v") -> the heads
+    the core attends with over virtual tokens, `[B, N * P, H, d]` (before RoPE)."""
+    return x
+
+  def collapse(self, params: Params, cfg: AttentionConfig, out: jax.Array) -> jax.Array:
+    """Attention outputs over virtual tokens `[B, N * P, H, d]` -> `[B, N, H, d]`."""
+    return out

@@ -1,0 +1,126 @@
+"""`AttentionConfig`: the static description of one attention layer, for every kind.
+
+Fields every kind reads are checked here; what only one kind reads is checked by its
+record (`AttentionKind.validate`), so a configuration fails on construction, naming the
+field, before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from iha_jax.kinds import registry
+from iha_jax.kinds.base import AttentionKind, check_positive
+from iha_jax.ops import IMPLEMENTATIONS
+from iha_jax.ops import registry as ops_registry
+from iha_jax.ops.options import AttentionOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Static description of one attention layer (validated on construction).
+
+  Attributes:
+    model_dim: D, width of the input and output `[B, N, D]`.
+    num_heads: H (for "diff": the differential heads, each with two maps and value
+      width 2d; H/2 of them match an MHA layer of H heads in parameters).
+    head_dim: d (even when RoPE is on).
+    kind: a registered kind (`iha_jax.kinds.names()`): "iha" (Interleaved Head
+      Attention), "mha", "talking_heads", "diff" (differential), "simplicial".
+    num_pseudo: P pseudo-heads per head (IHA only; None means P = H, the paper's default).
+    window: sliding window in the kind's sequence units: VIRTUAL tokens for IHA (`N * P`
+      per sequence), tokens for the other kinds; None is global.
+    rope_theta: RoPE base; None disables RoPE (kinds without RoPE, 2-simplicial, store
+      None whatever is given).
+    collapse_mode: "full" (`collapse: [H, H, P]`) or "per_head" (`[H, P]`), IHA only.
+    causal: causal attention; False: bidirectional (encoders).
+    layer: the layer's number, counted from 1; sets differential attention's
+      `lambda_init = 0.8 - 0.6 exp(-0.3 (layer - 1))`.
+    dtype: computation dtype; None promotes the input and parameter dtypes.
+    implementation: attention core backend passed to `iha_jax.ops`.
+  """
+
+  model_dim: int
+  num_heads: int
+  head_dim: int
+  kind: str = "iha"
+  num_pseudo: int | None = None
+  window: int | None = None
+  rope_theta: float | None = 10000.0
+  collapse_mode: str = "full"
+  causal: bool = True
+  layer: int = 1
+  dtype: Any = None
+  implementation: str = "auto"
+
+  def __post_init__(self):
+    record = registry.get(self.kind)  # names the registered kinds otherwise
+    check_positive("model_dim", self.model_dim)
+    check_positive("num_heads", self.num_heads)
+    check_positive("head_dim", self.head_dim)
+    check_positive("window", self.window, optional=True)
+    check_positive("layer", self.layer)
+    if not isinstance(self.causal, bool):
+      raise ValueError(f"causal must be a bool (False: bidirectional), got {self.causal!r}")
+    if self.rope_theta is not None and record.uses_rope:
+      if self.rope_theta <= 0:
+        raise ValueError(f"rope_theta must be positive or None, got {self.rope_theta!r}")
+      if self.head_dim % 2:
+        raise ValueError(
+          f"head_dim must be even with RoPE on (rope_theta={self.rope_theta}), got {self.head_dim}"
+        )
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(
+        f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
+      )
+    for name in registry.kind_fields():
+      default = _FIELD_DEFAULTS[name]
+      if name not in record.config_fields and getattr(self, name) != default:
+        raise ValueError(
+          f"{name} is not an option of {self.kind} attention (got {name}="
+          f"{getattr(self, name)!r}; leave it at {default!r})"
+        )
+    if not record.uses_rope:
+      object.__setattr__(self, "rope_theta", None)  # documented as ignored: stored as such
+    record.validate(self)
+    if self.implementation != "auto":
+      ops_registry.resolve(self.kind, self.implementation)  # e.g. no kernel for talking_heads
+
+  @property
+  def record(self) -> AttentionKind:
+    """The kind's record (`iha_jax.kinds.base.AttentionKind`)."""
+    return registry.get(self.kind)
+
+  def options(
+    self, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+  ) -> AttentionOptions:
+    """The layer's options for its attention call (`window` in the kind's units)."""
+    return AttentionOptions(
+      window=self.window,
+      causal=self.causal,
+      rope_theta=self.rope_theta if self.record.uses_rope else None,
+      segment_ids=segment_ids,
+      positions=positions,
+      implementation=self.implementation,
+    )
+
+  @property
+  def interleaved(self) -> bool:
+    """True for kinds over virtual tokens (IHA): the window counts virtual tokens."""
+    return self.record.virtual_tokens
+
+  @property
+  def pseudo(self) -> int:
+    """Virtual tokens per token: IHA's P with P = H resolved, 1 for every other kind."""
+    return self.record.virtual_per_token(self)
+
+  @property
+  def value_dim(self) -> int:
+    """Width of each head's value and output: 2d for "diff", d otherwise."""
+    return self.record.value_dim(self)
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AttentionConfig)}

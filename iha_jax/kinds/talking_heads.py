@@ -1,0 +1,45 @@
+"""Talking-Heads attention (`T`; Shazeer et al. 2020), a baseline of the paper."""
+
+from __future__ import annotations
+
+from flax.linen import with_logical_constraint
+
+from iha_jax.kinds.base import AttentionKind, Letter, ParamSpec, project_qkv
+from iha_jax.kinds.initializers import identity_talking_init
+from iha_jax.ops import talking_heads_attention
+from iha_jax.ops.masking import visible_pairs
+from iha_jax.parallel.axes import HEADS, HEADS_SRC, SOURCE_HEADS_AXES
+
+
+class TalkingHeads(AttentionKind):
+  """Logits mixed across heads before the softmax (`talk_logits: [H, H]`), probabilities
+  after it (`talk_weights: [H, H]`), identity at init (= MHA). No kernel: "auto" runs
+  the query-blocked XLA path."""
+
+  name = "talking_heads"
+  letters = (Letter("T", False, "global Talking-Heads attention"),)
+  implementations = {
+    "reference": ("iha_jax.ops.talking_heads:talking_heads_reference", {}),
+    "xla": ("iha_jax.ops.talking_heads:talking_heads_xla", {}),
+  }
+  mixing_params = ("talk_logits", "talk_weights")
+
+  def param_specs(self, cfg, kernel_init, mixing_noise_std):
+    specs = super().param_specs(cfg, kernel_init, mixing_noise_std)
+    h = cfg.num_heads
+    talk = ParamSpec((h, h), (HEADS_SRC, HEADS), identity_talking_init(mixing_noise_std))
+    specs.update(talk_logits=talk, talk_weights=talk)
+    return specs
+
+  def core(self, params, x, cfg, options, layer):
+    # Mixes [B, H, N, N] score maps across heads: gather the small q/k/v instead.
+    q, k, v = (with_logical_constraint(t, SOURCE_HEADS_AXES) for t in project_qkv(params, x))
+    return talking_heads_attention(q, k, v, params["talk_logits"], params["talk_weights"], options)
+
+  def core_flops(self, cfg, seq_len):
+    # Plus the two H x H mixings (logits and weights) of every visible pair, 2*H*H each.
+    pairs = visible_pairs(seq_len, cfg.window, cfg.causal)
+    return super().core_flops(cfg, seq_len) + pairs * 2 * (2 * cfg.num_heads**2)
+
+
+TALKING_HEADS = TalkingHeads()

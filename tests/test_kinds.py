@@ -1,0 +1,163 @@
+"""A new attention kind is one record plus one `register` call: a toy kind, defined in this
+test alone, builds in NNX and Linen, trains a step through `TransformerLM`'s trainer,
+counts in the budget and is refused by decoding, naming itself."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from iha_jax import kinds, parallel
+from iha_jax.kinds import AttentionConfig, AttentionKind, Letter, ParamSpec, project_qkv
+from iha_jax.models import LanguageModel, TransformerConfig, TransformerLM
+from iha_jax.models.generate import prefill
+from iha_jax.nn import Attention, AttentionLinen
+from iha_jax.ops import mha_attention
+from iha_jax.ops import registry as ops_registry
+from iha_jax.ops.validation import check_options
+from iha_jax.parallel.axes import HEADS
+from iha_jax.train import flops
+from iha_jax.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
+from iha_jax.train.state import create_state
+from iha_jax.train.step import make_train_step
+
+
+def _gated(q, k, v, gain, options, *, inner: str):
+  """MHA with a learned per-head output gain: `gain[h] * attention_h`."""
+  out = mha_attention(q, k, v, options.replace(implementation=inner))
+  return out * gain.astype(out.dtype)[:, None]
+
+
+class GatedHeads(AttentionKind):
+  """The toy kind: letters G (global) and W (window, tokens), one extra parameter."""
+
+  name = "gated_toy"
+  letters = (Letter("G", False, "toy gated heads"), Letter("W", True, "toy gated, windowed"))
+  implementations = {
+    "reference": (_gated, {"inner": "reference"}),
+    "xla": (_gated, {"inner": "xla"}),
+  }
+  mixing_params = ("head_gain",)
+
+  def param_specs(self, cfg, kernel_init, mixing_noise_std):
+    gain = ParamSpec((cfg.num_heads,), (HEADS,), jax.nn.initializers.ones)
+    return {**super().param_specs(cfg, kernel_init, mixing_noise_std), "head_gain": gain}
+
+  def core(self, params, x, cfg, options, layer):
+    q, k, v = project_qkv(params, x)
+    options = check_options(q, options)
+    fn = ops_registry.lookup(self.name, options.implementation)
+    return fn(q, k, v, params["head_gain"], options)
+
+
+@pytest.fixture
+def toy():
+  record = kinds.register(GatedHeads())
+  yield record
+  kinds.unregister(record.name)
+  assert "G" not in kinds.LETTER_DESCRIPTIONS and record.name not in ops_registry.KINDS
+
+
+CONFIG = dict(
+  vocab_size=32,
+  num_layers=3,
+  model_dim=16,
+  num_heads=2,
+  head_dim=8,
+  mlp_dim=32,
+  attention_schedule="GWM",
+  mha_window=3,
+  implementation="xla",
+)
+
+
+def test_toy_kind_builds_in_nnx_and_linen_alike(toy):
+  cfg = AttentionConfig(16, 2, 8, kind=toy.name, window=3)
+  layer = Attention.from_config(cfg, rngs=nnx.Rngs(0))
+  assert sorted(layer.param_values()) == ["head_gain", "wk", "wo", "wq", "wv"]
+  x = jax.random.normal(jax.random.key(1), (2, 6, 16))
+  linen = AttentionLinen(cfg)
+  variables = linen.init(jax.random.key(0), x)
+  params = {name: box.unbox() for name, box in variables["params"].items()}
+  nnx.update(layer, nnx.State({name: nnx.Param(value) for name, value in params.items()}))
+  np.testing.assert_allclose(linen.apply(variables, x), layer(x), rtol=1e-6, atol=1e-6)
+  # The gain does what the record says: zero gain on head 1 removes its output.
+  gain = jnp.asarray([1.0, 0.0])
+  expected = layer(x) - jnp.einsum(
+    "bnd,dD->bnD",
+    _gated(
+      *(jnp.einsum("bnD,Dhd->bnhd", x, layer.param_values()[w]) for w in ("wq", "wk", "wv")),
+      jnp.ones(2),
+      check_options(jnp.zeros((2, 6, 2, 8)), cfg.options()),
+      inner="xla",
+    )[:, :, 1],
+    layer.param_values()["wo"][1],
+  )
+  layer.head_gain[...] = gain
+  np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_toy_kind_trains_through_the_trainer(toy):
+  config = TransformerConfig(**CONFIG)
+  model_nnx = TransformerLM(config, rngs=nnx.Rngs(0))
+  assert [type(b.attn).__name__ for b in model_nnx.layers] == [
+    "Attention",
+    "Attention",
+    "MultiHeadAttention",
+  ]
+  assert model_nnx.layers[1].attn.config.window == 3  # 'W' reads mha_window (tokens)
+  model = LanguageModel(config)
+  train = ml_collections.ConfigDict(
+    dict(
+      learning_rate=1e-2,
+      final_learning_rate=1e-3,
+      warmup_steps=1,
+      total_steps=4,
+      weight_decay=0.1,
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      grad_clip=1.0,
+    )
+  )
+  tx = make_optimizer(train)
+  mesh = parallel.create_mesh(dict(data=1, fsdp=1, tensor=1))
+  state, _ = create_state(model, tx, mesh, seed=0)
+  mask = decay_mask(state.params)
+  assert not mask["layers"]["0"]["attn"]["head_gain"]  # a mixing param: not decayed
+  tokens = jax.random.randint(jax.random.key(3), (4, 9), 1, 32)
+  batch = {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "weights": jnp.ones((4, 8)),
+    "segment_ids": jnp.ones((4, 8), jnp.int32),
+    "positions": jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (4, 8)),
+  }
+  step = jax.jit(make_train_step(model, tx, learning_rate_schedule(train), 1))
+  gain_before = state.params["layers"]["0"]["attn"]["head_gain"]
+  for _ in range(2):  # the first step's rate is 0 (warm-up from 0)
+    state, metrics = step(state, batch)
+    assert bool(metrics["finite"]) and np.isfinite(float(metrics["loss"]))
+  assert not np.allclose(state.params["layers"]["0"]["attn"]["head_gain"], gain_before)
+  # The budget counts it (MHA-like core by default) and decoding refuses it by name.
+  table = flops.budget_table(config, seq_len=8)
+  assert "gated_toy" in table and "3 tokens" in table
+  with pytest.raises(ValueError, match="gated_toy attention, which does not decode"):
+    prefill(model_nnx, tokens[:1], max_len=12)
+
+
+def test_registration_refuses_taken_names_and_letters(toy):
+  class Clash(GatedHeads):
+    name = "clash_toy"
+    letters = (Letter("M", False, "steals MHA's letter"),)
+
+  with pytest.raises(ValueError, match="letter 'M' belongs to kind 'mha'"):
+    kinds.register(Clash())
+  with pytest.raises(ValueError, match="already registered"):
+    kinds.register(GatedHeads())
+  with pytest.raises(ValueError, match=r"kind must be one of .*gated_toy"):
+    AttentionConfig(16, 2, 8, kind="nope")
