@@ -1,7 +1,8 @@
 """Data for iha-jax: offline TFDS builders, tokenizers and Grain pipelines.
 
 Importing this package registers the TFDS builders `relation_composition`,
-`multikey_retrieval`, `mqar`, `cpm3`, `polynomial_filter` and `local_text`.
+`multikey_retrieval`, `mqar`, `cpm3`, `polynomial_filter`, `local_text` and
+`python_stdlib`.
 """
 
 from iha_jax.data.errors import DataError

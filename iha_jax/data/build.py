@@ -8,6 +8,7 @@ Usage::
       --option=num_train=1000 --option=seed=3
   python -m iha_jax.data.build --name=local_text/lines --data_dir=DIR \
       --manual_dir=DIR_WITH_TRAIN_TXT
+  python -m iha_jax.data.build --name=python_stdlib --data_dir=DIR
   python -m iha_jax.data.build --list
 """
 
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from iha_jax.data import registry
+from iha_jax.errors import UserError
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -51,9 +53,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     return
   if not args.name or not args.data_dir:
     parser.error("--name and --data_dir are required")
-  builder = registry.prepare(
-    args.name, args.data_dir, options=dict(args.option), manual_dir=args.manual_dir
-  )
+  try:
+    builder = registry.prepare(
+      args.name, args.data_dir, options=dict(args.option), manual_dir=args.manual_dir
+    )
+  except UserError as e:  # a missing directory, an unknown name: one line, no traceback
+    parser.exit(2, f"{parser.prog}: error: {e}\n")
   print(f"Prepared {args.name} in {builder.data_path}: {builder.info.splits}")
 
 

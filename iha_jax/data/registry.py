@@ -1,7 +1,7 @@
 """Dataset names, builders, preparation and the errors that explain them.
 
 Names are `builder/config` for the project's builders (`mqar/kv8_len128`,
-`relation_composition/binary`, `local_text/lines` ...; the config part may
+`relation_composition/binary`, `local_text/lines`, `python_stdlib/chunks` ...; the config part may
 be left out for the builder's first config) and `tfds:<tfds name>` for any
 TFDS text dataset the user has prepared as `array_record` (`tfds:lm1b`,
 `tfds:c4/en`).
@@ -33,6 +33,7 @@ from iha_jax.data import (
   mqar,
   multikey_retrieval,
   polynomial_filter,
+  python_stdlib,
   relation_composition,
 )
 from iha_jax.data.errors import DataError
@@ -47,7 +48,8 @@ TASK_BUILDERS: dict[str, type[builder_base.SyntheticBuilder]] = {
   "polynomial_filter": polynomial_filter.PolynomialFilter,
 }
 TEXT_BUILDERS: dict[str, type[builder_base.ArrayRecordBuilder]] = {
-  "local_text": local_text.LocalText
+  "local_text": local_text.LocalText,
+  "python_stdlib": python_stdlib.PythonStdlib,
 }
 _BUILDERS = {**TASK_BUILDERS, **TEXT_BUILDERS}
 # BuilderConfig fields that describe rather than define the data.
@@ -72,7 +74,8 @@ def build_command(
   """The shell command that prepares `name` into `data_dir`."""
   parts = ["python", "-m", "iha_jax.data.build", f"--name={name}"]
   parts.append(f"--data_dir={data_dir if data_dir else 'DATA_DIR'}")
-  if name.split("/")[0] in TEXT_BUILDERS:
+  builder = TEXT_BUILDERS.get(name.split("/")[0])
+  if builder is not None and builder.MANUAL_DOWNLOAD_INSTRUCTIONS:
     parts.append("--manual_dir=DIR_WITH_TRAIN_TXT_OR_JSONL")
   parts += [f"--option={key}={value!r}" for key, value in (options or {}).items()]
   return shlex.join(parts)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import sentencepiece as spm
 
-from iha_jax.data import registry, tokenizers
+from iha_jax.data import build, registry, tokenizers
 
 
 def iterate_texts(
@@ -30,11 +31,13 @@ def iterate_texts(
   split: str = "train",
   text_key: str = "text",
   max_documents: int | None = None,
+  options: Mapping[str, Any] | None = None,
 ) -> Iterator[str]:
-  """Yields the first `max_documents` texts of a prepared text dataset."""
+  """Yields the first `max_documents` texts of a prepared text dataset (with builder
+  `options`, e.g. `python_stdlib`'s `chunk_bytes`)."""
   if not registry.is_text(name):
     raise ValueError(f"{name!r} is not a text dataset.")
-  _, source = registry.open_split(name, split, data_dir)
+  _, source = registry.open_split(name, split, data_dir, options)
   count = len(source) if max_documents is None else min(max_documents, len(source))
   for index in range(count):
     text = source[index][text_key]
@@ -102,6 +105,13 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--split", default="train")
   parser.add_argument("--text_key", default="text")
   parser.add_argument("--max_documents", type=int, default=1_000_000)
+  parser.add_argument(
+    "--option",
+    type=build.parse_option,
+    action="append",
+    default=[],
+    help="builder-config override KEY=VALUE of the dataset (repeatable)",
+  )
   args = parser.parse_args(argv)
   texts = iterate_texts(
     args.name,
@@ -109,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     split=args.split,
     text_key=args.text_key,
     max_documents=args.max_documents,
+    options=dict(args.option),
   )
   if args.format == "tokenizer.json":
     path = train_bpe_json(texts, args.output, vocab_size=args.vocab_size)
