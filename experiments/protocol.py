@@ -13,6 +13,7 @@ processes or hosts) are joined by `merge_studies`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -21,7 +22,9 @@ from typing import Any
 import ml_collections
 import tqdm
 
-from experiments.trainer import CompiledVariant
+from experiments.trainer import CompiledVariant, selection_score
+from iha_jax import data as data_lib
+from iha_jax.data import registry, text_stats
 from iha_jax.train import inputs
 
 ConfigEdit = Callable[[ml_collections.ConfigDict], None]
@@ -95,11 +98,18 @@ class Study:
   description: str
   variants: tuple[Variant, ...]
   scales: dict[str, Scale]
-  select: str  # validation metric that picks the rate (higher wins)
+  # Validation metric that picks the rate: higher wins, except the loss and bits per byte.
+  select: str
   metrics: tuple[str, ...]  # test metrics reported, the first one plotted
   paper: str  # what the paper reports, verbatim, for the page
   # The variant others are compared with in relative terms (transfer tables), if any.
   reference: str | None = None
+  # Called with every variant's config and the scale's name before the variant is
+  # compiled (data_dir set): prepares what the data needs beyond the dataset (e.g. a
+  # tokenizer trained on the train split) and may edit `config.data` accordingly.
+  prepare: Callable[[ml_collections.ConfigDict, str], None] | None = None
+  # The x axes of the learning curves: "step", "tokens", "train_flops".
+  curves_against: tuple[str, ...] = ("step",)
 
   def contenders(self, scale_name: str) -> tuple[Variant, ...]:
     """The variants compared at `scale_name`: the scale's own, else the study's."""
@@ -139,7 +149,7 @@ def variant_config(
 
 def choose_rate(runs: Sequence[dict[str, Any]], select: str) -> float:
   """The grid rate with the best validation `select` (ties: lower validation loss)."""
-  best = max(runs, key=lambda r: (r["validation"][select], -r["validation"]["loss"]))
+  best = max(runs, key=lambda r: selection_score(r["validation"], select))
   return best["learning_rate"]
 
 
@@ -171,6 +181,28 @@ class Store:
     with open(tmp, "w") as f:
       json.dump(self.data, f, indent=1)
     os.replace(tmp, self.path)  # atomic: a killed run never leaves a torn file
+
+
+def describe_text_data(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """What a text corpus run read: the dataset's metadata (e.g. `python_stdlib`'s Python
+  version and file digest), its options, the tokenizer file's sha256 and the validation
+  split's bytes per scored token."""
+  builder = registry.get_builder(config.data.name, config.data.data_dir, dict(config.data.options))
+  tokenizer = config.data.tokenizer
+  digest = "builtin"
+  if tokenizer not in data_lib.BUILTIN_TOKENIZERS:
+    with open(tokenizer, "rb") as f:
+      digest = hashlib.sha256(f.read()).hexdigest()
+  metadata = {k: v for k, v in dict(builder.info.metadata or {}).items() if k != "skipped_files"}
+  return {
+    **metadata,
+    "config": builder.builder_config.name if builder.builder_config else None,
+    "options": dict(config.data.options),
+    "tokenizer": os.path.basename(tokenizer),
+    "tokenizer_sha256": digest,
+    "vocab_size": data_lib.vocab_size(config.data),
+    "validation_bytes_per_token": text_stats.scored_text(config.data, "validation").bytes_per_token,
+  }
 
 
 def sweep_rate_key(variant: str, axis: str, value: Any) -> str:
@@ -237,6 +269,9 @@ def run_study(
     if name not in prepared:
       inputs.prepare(config)
       prepared.add(name)
+      if data_lib.is_text(config.data.name):  # the result names its data
+        store.data.setdefault("data", {})[config.data.name] = describe_text_data(config)
+        store.save()
 
   def run(
     variant: Variant,
@@ -251,6 +286,8 @@ def run_study(
       return store.data["runs"][key]
     if (variant.name, point) not in compiled:
       config = variant_config(study, scale_name, variant, data_dir, sweep)
+      if study.prepare is not None:
+        study.prepare(config, scale_name)
       prepare(config)
       compiled.clear()  # one variant's compiled functions at a time
       compiled[variant.name, point] = CompiledVariant(config)
@@ -366,6 +403,9 @@ def merge_studies(
   )
   for field in ("sweep_bases", "transfer_bases"):
     target.data[field] = next((p[field] for p in parts if field in p), {})
+  datasets = {name: d for part in parts for name, d in part.get("data", {}).items()}
+  if datasets:
+    target.data["data"] = datasets
   if merged["sweep_rates"]:
     target.data["sweep_rates"] = merged["sweep_rates"]
   target.save()

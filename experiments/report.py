@@ -20,9 +20,24 @@ METRIC_NAMES = {
   "loss": "loss",
   "r_squared": "R^2",
   "normalized_error": "normalised error 1 - R^2",
+  "bits_per_byte": "bits per byte",
 }
 # Metrics the report derives from recorded ones (lower is better for these).
 _DERIVED = {"normalized_error": lambda m: 1.0 - m["r_squared"]}
+# Metrics shown as they are (nats per token, bits per byte); the others in percent.
+_ABSOLUTE = frozenset({"loss", "bits_per_byte"})
+# Learning-curve x axes: label and the value of a curve point of a run.
+CURVE_AXES = {
+  "step": ("training step", lambda run, point: point["step"]),
+  "tokens": (
+    "training tokens (batch x seq_len per step)",
+    lambda run, point: point["step"] * run["batch_size"] * run["seq_len"],
+  ),
+  "train_flops": (
+    "training FLOPs (whole model, forward + backward)",
+    lambda run, point: point["step"] * run["train_flops_per_step"],
+  ),
+}
 
 
 def metric_value(metrics: dict[str, float], name: str) -> float:
@@ -69,19 +84,31 @@ def _transfer_points(study: Study, data: dict[str, Any]) -> dict[str, list[Any]]
   return {t.axis: sorted({t.base, *t.values}) for t in scale.transfers}
 
 
+def scale_of(metric: str) -> float:
+  """The factor a metric is shown with: 100 (percent), or 1 for losses and bits."""
+  return 1.0 if metric in _ABSOLUTE else 100.0
+
+
+def metric_label(metric: str, prefix: str) -> str:
+  """E.g. "test accuracy %" or "validation loss"."""
+  unit = "" if metric in _ABSOLUTE else " %"
+  return f"{prefix} {METRIC_NAMES[metric]}{unit}"
+
+
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
   return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
 
 def _cell(runs: Sequence[dict[str, Any]], metric: str, split: str = "test") -> str:
-  """`mean +- std (v1, v2, ...)` in percent (loss as is)."""
+  """`mean +- std (v1, v2, ...)` in percent (loss and bits per byte as they are)."""
   if not runs:
     return "-"
-  scale = 1.0 if metric == "loss" else 100.0
-  values = [metric_value(r[split], metric) * scale for r in runs]
+  values = [metric_value(r[split], metric) * scale_of(metric) for r in runs]
   mean, std = _mean_std(values)
   # Errors near 0 keep three significant digits; percentages one decimal.
-  fmt = {"loss": "{:.3f}", "normalized_error": "{:.3g}"}.get(metric, "{:.1f}")
+  fmt = {"loss": "{:.3f}", "bits_per_byte": "{:.3f}", "normalized_error": "{:.3g}"}.get(
+    metric, "{:.1f}"
+  )
   seeds = ", ".join(fmt.format(v) for v in values)
   return f"{fmt.format(mean)} ± {fmt.format(std)} ({seeds})"
 
@@ -106,7 +133,7 @@ def _variant_table(
 def markdown(study: Study, data: dict[str, Any]) -> str:
   """The study's page section: results, grid, budgets, sweeps, the paper's numbers."""
   metrics = study.metrics
-  head = ["variant", *(f"test {METRIC_NAMES[m]} %" for m in metrics)]
+  head = ["variant", *(metric_label(m, "test") for m in metrics)]
   lines = [
     f"## {study.title} (`{study.name}`, scale `{data['scale']}`)",
     "",
@@ -116,10 +143,10 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
     f"--seeds {data['seeds']}`. Test metrics are mean ± std over "
     f"{data['seeds']} seeds (per-seed values in brackets) at each variant's own "
     f"learning rate, chosen on validation {METRIC_NAMES[study.select]}.",
-    "",
-    "| " + " | ".join(head) + " |",
-    "|" + " --- |" * len(head),
   ]
+  for name, described in data.get("data", {}).items():
+    lines += ["", f"Data `{name}`: " + ", ".join(f"{k} {v}" for k, v in described.items())]
+  lines += ["", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
   variants = list(dict.fromkeys(r["variant"] for r in data["runs"].values()))
   labels = {r["variant"]: r["label"] for r in data["runs"].values()}
   for v in variants:
@@ -129,7 +156,7 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
   rates = sorted({r["learning_rate"] for r in data["runs"].values() if r["phase"] == "grid"})
   lines += [
     "",
-    f"Learning-rate grid (validation {METRIC_NAMES[study.select]} %, seed 0; **bold** = chosen):",
+    f"Learning-rate grid ({metric_label(study.select, 'validation')}, seed 0; **bold** = chosen):",
     "",
     "| variant | " + " | ".join(f"{lr:g}" for lr in rates) + " |",
     "|" + " --- |" * (len(rates) + 1),
@@ -145,7 +172,9 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
         ),
         None,
       )
-      text = "-" if run is None else f"{100 * run['validation'][study.select]:.1f}"
+      fmt = "{:.3f}" if study.select in _ABSOLUTE else "{:.1f}"
+      value = None if run is None else run["validation"][study.select]
+      text = "-" if value is None else fmt.format(scale_of(study.select) * value)
       chosen = data["chosen_learning_rates"].get(v) == lr
       row.append(f"**{text}**" if chosen and run is not None else text)
     lines.append(f"| {labels[v]} | " + " | ".join(row) + " |")
@@ -262,41 +291,47 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
   labels = {r["variant"]: r["label"] for r in data["runs"].values()}
   sweeps = sorted({r["sweep"]["axis"] for r in data["runs"].values() if r["sweep"]})
   transfers = _transfer_points(study, data)
-  panels = 2 + len(sweeps) + len(transfers)
+  num_curves = len(study.curves_against)
+  panels = 1 + num_curves + len(sweeps) + len(transfers)
   fig = Figure(figsize=(5.5 * panels, 4.2))
   axes = fig.subplots(1, panels)
   colors = {v: matplotlib.colormaps["tab10"](i % 10) for i, v in enumerate(variants)}
 
   bars = axes[0]
+  lowest = []
   for i, v in enumerate(variants):
-    values = [100 * metric_value(r["test"], metric) for r in _chosen_runs(data, v)]
+    values = [scale_of(metric) * metric_value(r["test"], metric) for r in _chosen_runs(data, v)]
     if not values:
       continue
     mean, std = _mean_std(values)
     bars.bar(i, mean, yerr=std, color=colors[v], capsize=4, alpha=0.8)
     bars.scatter([i] * len(values), values, color="black", s=10, zorder=3)
+    lowest.append(min(values))
   bars.set_xticks(
     range(len(variants)), [labels[v] for v in variants], rotation=20, ha="right", fontsize=8
   )
-  bars.set_ylabel(f"test {METRIC_NAMES[metric]} (%)")
+  bars.set_ylabel(metric_label(metric, "test"))
   if metric in _DERIVED:  # errors: orders of magnitude apart
     bars.set_yscale("log")
+  elif metric in _ABSOLUTE and lowest:  # losses differ in the second decimal: zoom in
+    bars.set_ylim(bottom=0.95 * min(lowest))
   bars.set_title(f"{study.name}: mean ± std over seeds")
 
-  curves = axes[1]
-  for v in variants:
-    for j, run in enumerate(_chosen_runs(data, v)):
-      steps = [c["step"] for c in run["curve"]]
-      values = [100 * c[study.select] for c in run["curve"]]
-      curves.plot(
-        steps, values, color=colors[v], alpha=0.8, lw=1.2, label=labels[v] if j == 0 else None
-      )
-  curves.set_xlabel("training step")
-  curves.set_ylabel(f"validation {METRIC_NAMES[study.select]} (%)")
-  curves.set_title("learning curves (every seed, chosen rate)")
-  curves.legend(fontsize=7)
+  for curves, against in zip(axes[1 : 1 + num_curves], study.curves_against):
+    x_label, x_of = CURVE_AXES[against]
+    for v in variants:
+      for j, run in enumerate(_chosen_runs(data, v)):
+        xs = [x_of(run, c) for c in run["curve"]]
+        values = [scale_of(study.select) * c[study.select] for c in run["curve"]]
+        curves.plot(
+          xs, values, color=colors[v], alpha=0.8, lw=1.2, label=labels[v] if j == 0 else None
+        )
+    curves.set_xlabel(x_label)
+    curves.set_ylabel(metric_label(study.select, "validation"))
+    curves.set_title("learning curves (every seed, chosen rate)")
+    curves.legend(fontsize=7)
 
-  for ax, axis in zip(axes[2:], sweeps):
+  for ax, axis in zip(axes[1 + num_curves :], sweeps):
     points = sorted(
       {data["sweep_bases"][axis]}
       | {
@@ -325,7 +360,7 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
     ax.set_title(f"sweep: {axis}")
     ax.legend(fontsize=7)
 
-  for ax, (axis, points) in zip(axes[2 + len(sweeps) :], transfers.items()):
+  for ax, (axis, points) in zip(axes[1 + num_curves + len(sweeps) :], transfers.items()):
     for v in variants:
       xs, means, stds = [], [], []
       for x in points:

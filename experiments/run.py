@@ -8,7 +8,7 @@ attention FLOPs per token, validation and test metrics, learning curve, wall tim
 apart (`--variants` per process or host, each with its own `--out`) are joined with
 `--merge DIR1,DIR2 --out DIR`, which trains nothing and rewrites the report.
 Studies: relcomp_binary, relcomp_ternary, mqar, cpm3, cpm3_mlp, polynomial_filter,
-multikey_retrieval.
+multikey_retrieval, code_lm.
 """
 
 from __future__ import annotations

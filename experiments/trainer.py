@@ -10,12 +10,15 @@ of the init.
 
 A run evaluates on the validation split every `eval_every` steps, stops early after
 `patience` evaluations without improvement of the selection metric, and evaluates the
-best parameters on the test split. Runs use one device.
+best parameters on the test split. Runs use one device. On a text corpus every evaluation
+also reports bits per byte (`iha_jax.data.text_stats`), and a study may select on the
+loss itself (lower wins).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +29,9 @@ import ml_collections
 import numpy as np
 import optax
 
+from iha_jax import data as data_lib
 from iha_jax import parallel
+from iha_jax.data import text_stats
 from iha_jax.models import LanguageModel, count_params
 from iha_jax.train import config as config_lib
 from iha_jax.train import flops as flops_lib
@@ -35,6 +40,17 @@ from iha_jax.train.evaluate import Evaluator
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import make_init_fn, state_shardings
 from iha_jax.train.step import make_train_step
+
+# Selection metrics where lower is better; every other one is maximised.
+LOWER_IS_BETTER = frozenset({"loss", "bits_per_byte"})
+
+
+def selection_score(metrics: dict[str, float], select: str) -> tuple[float, float]:
+  """Orders validation results, higher is better: `select` (negated where lower is
+  better), ties broken by the lower loss; a non-finite value ranks last."""
+  value = -metrics[select] if select in LOWER_IS_BETTER else metrics[select]
+  loss = -metrics["loss"]
+  return (value if math.isfinite(value) else -math.inf, loss if math.isfinite(loss) else -math.inf)
 
 
 @dataclasses.dataclass
@@ -133,8 +149,9 @@ class CompiledVariant:
       total_steps: the schedule's length and the most steps taken.
       eval_every: steps between validation passes.
       patience: validation passes without a better `select` before stopping.
-      select: the validation metric to maximise ("token_accuracy", "exact_match",
-        "r_squared" for regression).
+      select: the validation metric that picks the best step ("token_accuracy",
+        "exact_match", "r_squared" for regression: maximised; "loss", "bits_per_byte":
+        minimised).
       on_step: called with the step count after every step (progress bars).
       transfer_tests: named configs of other test sets (same model, e.g. longer
         sequences) on which the best parameters are evaluated too.
@@ -163,7 +180,7 @@ class CompiledVariant:
           break  # diverged: the best parameters so far stand
         validation = self.evaluate(state.params, "validation")
         curve.append({"step": step, "loss": train_loss, **validation})
-        score = (validation[select], -validation["loss"])
+        score = selection_score(validation, select)
         if best is None or score > best[0]:
           params = jax.tree.map(lambda x: x.copy(), state.params)
           best, waited = (score, step, params, validation), 0
@@ -173,7 +190,7 @@ class CompiledVariant:
             break
     if best is None:  # diverged before the first evaluation: report these parameters
       validation = self.evaluate(state.params, "validation")
-      best = ((validation[select], -validation["loss"]), step, state.params, validation)
+      best = (selection_score(validation, select), step, state.params, validation)
     _, best_step, params, validation = best
     return RunResult(
       steps=step,
@@ -192,7 +209,12 @@ class CompiledVariant:
     self, params: Any, split: str, config: ml_collections.ConfigDict | None = None
   ) -> dict[str, float]:
     """Loss, token accuracy and exact match over one pass of `split` (of the variant's
-    data, or of `config`'s: another test set for the same model)."""
-    results = self.evaluator.evaluate(params, inputs.eval_iterator(config or self.config, split))
+    data, or of `config`'s: another test set for the same model); bits per byte on text."""
+    config = config or self.config
+    results = self.evaluator.evaluate(params, inputs.eval_iterator(config, split))
     keys = ("loss", "token_accuracy", "exact_match", "r_squared")  # R^2: regression only
-    return {k: results[k] for k in keys if k in results}
+    metrics = {k: results[k] for k in keys if k in results}
+    if data_lib.is_text(config.data.name):
+      scored = text_stats.scored_text(config.data, split)
+      metrics["bits_per_byte"] = scored.bits_per_byte(metrics["loss"])
+    return metrics

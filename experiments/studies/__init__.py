@@ -1,6 +1,6 @@
 """The registry of studies: `STUDIES[name]` is an `experiments.protocol.Study`."""
 
-from experiments.studies import cpm3, mqar, multikey, polyfilter, relcomp
+from experiments.studies import code_lm, cpm3, mqar, multikey, polyfilter, relcomp
 
 STUDIES = {
   study.name: study
@@ -12,6 +12,7 @@ STUDIES = {
     cpm3.CPM3_MLP,
     polyfilter.POLYFILTER,
     multikey.MULTIKEY,
+    code_lm.CODE_LM,
   )
 }
 
