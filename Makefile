@@ -5,12 +5,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdirs/default
 TWIN_WORKDIR ?= workdirs/global_local_default
+TEXT_WORKDIR ?= workdirs/text_iha
+TEXT_TWIN_WORKDIR ?= workdirs/text_global_local
+TEXT_DATA ?= workdirs/data
+TEXT_TOKENIZER := $(TEXT_DATA)/tokenizers/python_stdlib-chunks-bpe2048.json
 TEST_MINUTES ?= 10-25
 # The targets' compilers (libtpu; the CUDA plugin + ptxas), outside the CPU venv so that
 # CPU runs never load them: compile checks put one directory on sys.path when asked.
 TARGETS_DIR ?= .targets
 
-.PHONY: test lint format train bench targets compile-matrix clean-venv gpu-wheels
+.PHONY: test lint format train train-text bench targets compile-matrix clean-venv gpu-wheels
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +56,23 @@ train: $(VENV)/.installed
 	$(PY) eval.py --workdir $(WORKDIR) --workdir $(TWIN_WORKDIR)
 	$(PY) eval.py --workdir $(WORKDIR) --workdir $(TWIN_WORKDIR) --sweep_lengths=64,128,256 \
 	  --attention_layer=0 --out_dir $(WORKDIR)/pictures
+
+# The corpus every machine has (the interpreter's standard library source, test packages
+# excluded) and a 2048-piece byte-level BPE trained on its train split.
+$(TEXT_TOKENIZER): | $(VENV)/.installed
+	$(PY) -m iha_jax.data.build --name=python_stdlib/chunks --data_dir=$(TEXT_DATA)
+	$(PY) -m iha_jax.data.train_tokenizer --name=python_stdlib/chunks --data_dir=$(TEXT_DATA) \
+	  --format=tokenizer.json --vocab_size=2048 --output=$(basename $@)
+
+# Language modelling on real text: IHA ("LLLLM") and its Global+Local twin ("SSSSM") on
+# the Python standard library for a few minutes each, then their test perplexity and bits
+# per byte side by side and a greedy and a sampled completion of a Python prompt from each.
+train-text: $(VENV)/.installed $(TEXT_TOKENIZER)
+	$(PY) train.py --config configs/text_iha.py --workdir $(TEXT_WORKDIR) \
+	  --config.data.data_dir=$(TEXT_DATA) --config.data.tokenizer=$(TEXT_TOKENIZER)
+	$(PY) train.py --config configs/text_global_local.py --workdir $(TEXT_TWIN_WORKDIR) \
+	  --config.data.data_dir=$(TEXT_DATA) --config.data.tokenizer=$(TEXT_TOKENIZER)
+	$(PY) eval.py --workdir $(TEXT_WORKDIR) --workdir $(TEXT_TWIN_WORKDIR) --complete
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/attention.py

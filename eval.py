@@ -8,6 +8,10 @@
       OUT/length_sweep.json and OUT/length_sweep.png.
   python eval.py --workdir DIR --attention_layer=0 --out_dir OUT
       every head's attention in that layer for one test example: OUT/<run>_layer0.png.
+  python eval.py --workdir IHA --workdir TWIN --complete [--prompt='def f(x):\n']
+      runs trained on text: their test loss, perplexity and bits per byte side by side,
+      and a greedy and a sampled continuation of the prompt (a Python function header by
+      default; `\n` and `\t` in --prompt are newline and tab) through the KV cache.
 
 The mesh is --mesh, else the run's saved mesh when it fits the devices, else all devices
 on fsdp (checkpoints restore onto any mesh). Workdirs and --out_dir may be local or URLs
@@ -33,6 +37,11 @@ flags.DEFINE_integer("sweep_examples", 128, "Examples per length in the sweep.")
 flags.DEFINE_integer("attention_layer", None, "Layer whose attention maps to draw.")
 flags.DEFINE_integer("attention_example", 0, "Index of the example to draw.")
 flags.DEFINE_string("out_dir", None, "Output directory of the sweep and the pictures.")
+flags.DEFINE_bool("complete", False, "Text runs: metrics side by side and completions.")
+flags.DEFINE_string("prompt", None, "--complete: the prompt (default: a Python function).")
+flags.DEFINE_integer("max_new_tokens", 48, "--complete: tokens generated per completion.")
+flags.DEFINE_float("temperature", 0.8, "--complete: temperature of the sampled completion.")
+flags.DEFINE_integer("top_k", 40, "--complete: the sampled completion draws from the top k.")
 flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
@@ -79,9 +88,36 @@ def main(argv):
           mesh=mesh,
         )
       )
-  if not needs_out_dir:
+  if FLAGS.complete:
+    complete_runs(mesh)
+  elif not needs_out_dir:
     for workdir in FLAGS.workdir:
       print(json.dumps(evaluate_workdir(workdir, FLAGS.split, FLAGS.step, mesh), indent=2))
+
+
+def complete_runs(mesh):
+  """--complete: every run's continuations of the prompt, then their metrics side by side."""
+  from iha_jax.eval import complete  # pylint: disable=import-outside-toplevel
+
+  prompt = complete.DEFAULT_PROMPT
+  if FLAGS.prompt is not None:
+    prompt = FLAGS.prompt.replace("\\n", "\n").replace("\\t", "\t")
+  runs = []
+  for workdir in FLAGS.workdir:
+    run = complete.complete_run(
+      workdir,
+      prompt,
+      split=FLAGS.split,
+      max_new_tokens=FLAGS.max_new_tokens,
+      temperature=FLAGS.temperature,
+      top_k=FLAGS.top_k,
+      step=FLAGS.step,
+      mesh=mesh,
+    )
+    print(complete.describe(run, prompt, FLAGS.temperature, FLAGS.top_k))
+    runs.append(run)
+  print("-" * 60)
+  print(complete.side_by_side(runs, FLAGS.split))
 
 
 if __name__ == "__main__":
