@@ -8,13 +8,20 @@ made absolute here, URLs never are.
 Remote object stores cannot append to an object, so `TextLog` (metrics.jsonl) and the
 TensorBoard event files on remote storage are kept in memory and rewritten whole on each
 flush (they stay small: a few KB per thousand logged steps).
+
+Small files a reader must see whole or not at all (the workdir lock) use `create_new`
+(create-only: of two writers exactly one wins) and `replace_text` (readers see the old or
+the new text, never a mix).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
+import shutil
+import uuid
 from typing import IO
 
 from etils import epath
@@ -90,6 +97,108 @@ def write_text(path: PathLike, text: str) -> str:
   target.parent.mkdir(parents=True, exist_ok=True)
   target.write_text(text, encoding="utf-8")
   return str(target)
+
+
+def _temporary_sibling(path: str) -> str:
+  """A unique name next to `path` (same directory, so a link or rename stays local)."""
+  head, tail = os.path.split(path)
+  return os.path.join(head, f".{tail}.{uuid.uuid4().hex}.tmp")
+
+
+def create_new(path: PathLike, text: str) -> bool:
+  """Writes `text` to the file `path` unless a file is there; returns whether it did.
+
+  Atomic and exclusive: readers see no file or all of `text`, and of writers racing for
+  one path exactly one gets True. Locally a complete temporary file is hard-linked to
+  `path` (the link fails if `path` exists); on object stores the upload carries a
+  create-only precondition (GCS `ifGenerationMatch=0`, gcsfs's mode "xb").
+  """
+  target = as_path(path)
+  target.parent.mkdir(parents=True, exist_ok=True)
+  data = text.encode("utf-8")
+  if is_remote(target):
+    fs = epath.backend.fsspec_backend.fs(str(target))
+    try:
+      with fs.open(str(target), "xb") as f:
+        f.write(data)
+    except FileExistsError:
+      return False
+    return True
+  temporary = _temporary_sibling(str(target))
+  with open(temporary, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+  try:
+    os.link(temporary, target)
+  except FileExistsError:
+    return False
+  except OSError:  # a filesystem without hard links: exclusive, readers may see it grow
+    try:
+      descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+      return False
+    with os.fdopen(descriptor, "wb") as f:
+      f.write(data)
+  finally:
+    os.unlink(temporary)
+  return True
+
+
+def list_names(path: PathLike) -> list[str]:
+  """The names in the directory `path` (empty when it is missing), read afresh: fsspec
+  caches remote listings, which would hide what other processes wrote since."""
+  text = resolve(path)
+  try:
+    if not is_remote(text):
+      return sorted(os.listdir(text))
+    fs = epath.backend.fsspec_backend.fs(text)
+    fs.invalidate_cache()
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(text, detail=False))
+  except (FileNotFoundError, NotADirectoryError):
+    return []
+
+
+def replace_text(path: PathLike, text: str) -> None:
+  """Replaces the file `path` by `text` so that readers see the old or the new text whole
+  (locally a rename over it; an object store replaces an object in one upload)."""
+  target = as_path(path)
+  if is_remote(target):
+    target.write_text(text, encoding="utf-8")
+    return
+  temporary = _temporary_sibling(str(target))
+  with open(temporary, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(temporary, target)
+
+
+def remove(path: PathLike) -> None:
+  """Deletes the file `path`; a missing file is no error."""
+  with contextlib.suppress(FileNotFoundError):
+    as_path(path).unlink()
+
+
+def free_bytes(path: PathLike) -> int | None:
+  """Free bytes on the local filesystem holding `path` (its nearest existing parent);
+  None for remote storage."""
+  if is_remote(path):
+    return None
+  current = resolve(path)
+  while not os.path.exists(current) and os.path.dirname(current) != current:
+    current = os.path.dirname(current)
+  return shutil.disk_usage(current).free
+
+
+def tree_bytes(path: PathLike) -> int:
+  """Total size of the files under the local directory `path` (0 if missing or remote)."""
+  if is_remote(path):
+    return 0
+  total = 0
+  for root, _, files in os.walk(resolve(path)):
+    for name in files:
+      with contextlib.suppress(OSError):
+        total += os.path.getsize(os.path.join(root, name))
+  return total
 
 
 class WholeObjectWriter(io.RawIOBase):
