@@ -44,10 +44,15 @@ def iterate_texts(
     yield text.decode("utf-8") if isinstance(text, bytes) else text
 
 
+def _make_parent(output: str | os.PathLike[str]) -> None:
+  os.makedirs(os.path.dirname(os.fspath(output)) or ".", exist_ok=True)
+
+
 def train(
   texts: Iterator[str], output: str | os.PathLike[str], *, vocab_size: int, model_type: str = "bpe"
 ) -> str:
   """Trains a model on `texts`; returns the path of the `.model` file."""
+  _make_parent(output)
   spm.SentencePieceTrainer.train(
     sentence_iterator=texts,
     model_prefix=os.fspath(output),
@@ -82,6 +87,7 @@ def train_bpe_json(texts: Iterator[str], output: str | os.PathLike[str], *, voca
     show_progress=False,
   )
   tokenizer.train_from_iterator(texts, trainer)
+  _make_parent(output)
   path = f"{os.fspath(output)}.json"
   tokenizer.save(path)
   return path
