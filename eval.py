@@ -15,7 +15,8 @@
 
 The mesh is --mesh, else the run's saved mesh when it fits the devices, else all devices
 on fsdp (checkpoints restore onto any mesh). Workdirs and --out_dir may be local or URLs
-(gs://...). An unreadable latest checkpoint is skipped with a warning naming its step.
+(gs://...). A latest checkpoint that cannot be read or fails its checksums is skipped with
+a warning naming its step. eval.py takes no workdir lock: it may read a run that trains.
 The run's config is the one saved in its checkpoint (`python train.py --help` lists the
 keys). Errors a person can fix print one line (`--debug` or IHA_DEBUG=1: the traceback).
 """

@@ -6,9 +6,10 @@ attention FLOPs per token of every layer kind, and the train FLOPs per step.
 
 Override any config key with `--config.KEY=VALUE` (e.g. `--config.train.total_steps=100`);
 `--help` lists every key of the config with its value. The workdir may be local or a URL
-(`gs://BUCKET/run`). Re-running resumes from the newest readable checkpoint; SIGTERM and
-Ctrl-C save the current step and exit. Errors a person can fix print one line (`--debug`
-or IHA_DEBUG=1: the traceback).
+(`gs://BUCKET/run`). Re-running resumes from the newest checkpoint that reads and matches
+its checksums; SIGTERM and Ctrl-C save the current step and exit. One run writes a workdir
+at a time: a second one refuses, naming the first. Errors a person can fix print one line
+(`--debug` or IHA_DEBUG=1: the traceback).
 Multi-process: `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (or the
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables), or
 `--distributed` where JAX detects the cluster itself (TPU pod slices, SLURM, Open MPI).

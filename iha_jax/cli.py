@@ -113,6 +113,21 @@ def _override_error(argv: Sequence[str], error: Exception) -> str:
   return f"a --config override does not apply: {type(error).__name__}: {detail}"
 
 
+def _missing_config_file(argv: Sequence[str]) -> str | None:
+  """The one-line error of a `--config` file that does not exist (ml_collections would
+  report it at first use, in a traceback), else None."""
+  spec = _flag_value(argv, "config")
+  if spec is None:
+    return None
+  path = spec.partition(":")[0]
+  if os.path.isfile(path):
+    return None
+  return (
+    f"--config={spec}: no such file {path!r} (a relative path starts at {os.getcwd()}); "
+    f"pass a config file, e.g. --config={DEFAULT_CONFIG}"
+  )
+
+
 def parse_flags(
   argv: list[str], *, help_extra: Callable[[Sequence[str]], str] | None = None
 ) -> list[str]:
@@ -129,6 +144,9 @@ def parse_flags(
       + (help_extra(argv) if help_extra else "")
     )
     sys.exit(0)
+  missing = _missing_config_file(argv)
+  if missing and not debug_requested(argv):
+    fail(missing)
   try:
     return FLAGS(argv)
   except flags.Error as e:

@@ -67,3 +67,12 @@ def test_eval_without_checkpoints_is_one_line(tmp_path):
     f"eval.py: error: RunNotFoundError: --workdir '{tmp_path}': no checkpoint in"
   ), proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
+
+
+def test_missing_config_file_is_one_line(tmp_path):
+  proc = run("train.py", "--config=configs/nope.py", f"--workdir={tmp_path}")
+  assert proc.returncode == 2
+  assert proc.stderr.strip() == (
+    f"train.py: error: --config=configs/nope.py: no such file 'configs/nope.py' (a relative "
+    f"path starts at {REPO}); pass a config file, e.g. --config=configs/default.py"
+  )

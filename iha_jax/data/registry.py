@@ -145,7 +145,10 @@ def get_builder(
     )
   if name.startswith(TFDS_PREFIX):
     if options:
-      raise DataError(f"{name!r} takes no options, got {sorted(options)}.")
+      raise DataError(
+        f"{name!r} takes no options, got {sorted(options)} (data.options is meant for "
+        "the project's own datasets); clear them: --config.data.options={}"
+      )
     try:
       return tfds.builder(name[len(TFDS_PREFIX) :], data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError as e:

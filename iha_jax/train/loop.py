@@ -5,12 +5,19 @@ Guarantees:
   position) and reproduces the uninterrupted run loss for loss.
 - SIGTERM (preemption) and SIGINT (Ctrl-C) make a final checkpoint at the current step
   and return; a second Ctrl-C stops at once, without saving.
-- An unreadable latest checkpoint is skipped with a warning naming its step; the run
-  resumes from the newest step that restores and moves the bad ones to
-  `WORKDIR/checkpoints_unreadable/`.
-- A non-finite loss or gradient stops the run with `NonFiniteLossError`; the step
-  never updated the state and nothing is saved after it, so the latest checkpoint is
+- An unreadable latest checkpoint, or one whose values fail their checksums, is skipped
+  with a warning naming its step; the run resumes from the newest step that restores and
+  verifies, and moves the bad ones to `WORKDIR/checkpoints_unreadable/`.
+- A non-finite loss or gradient norm stops the run with `NonFiniteLossError` naming which
+  one, the step and what to try; the step never updated the state and nothing is saved
+  after it, so the newest checkpoint (verified when restored, or saved by this run) is
   the last good one.
+- One run writes a workdir: the run holds its lock (`iha_jax.workdir_lock`) from before it
+  writes anything until it returns; a second run on a busy workdir refuses, naming the
+  first. Bad configs, workdirs and vocabularies fail before anything is compiled
+  (`iha_jax.train.preflight`).
+- A full disk stops the run with `DiskFullError` (path, bytes needed, bytes free); the
+  partial step is deleted and the older checkpoints kept.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from iha_jax.models import LanguageModel
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train import flops as flops_lib
-from iha_jax.train import inputs, lowering
+from iha_jax.train import inputs, lowering, preflight
 from iha_jax.train.evaluate import Evaluator
 from iha_jax.train.losses import loss_chunk_tokens
 from iha_jax.train.metrics import MetricsWriter
@@ -42,7 +49,30 @@ from iha_jax.train.state import TrainState, abstract_state, create_state
 
 
 class NonFiniteLossError(UserError, RuntimeError):
-  """The loss or gradient norm of a step was NaN or infinite."""
+  """The loss or gradient norm of a step was NaN or infinite; the message says which."""
+
+
+def non_finite_message(
+  step: int, loss: float, grad_norm: float, config: ml_collections.ConfigDict, checkpoint: str
+) -> str:
+  """What went non-finite at `step`, that the state is unharmed, where a rerun resumes
+  (`checkpoint`) and the config keys to try."""
+  if not np.isfinite(loss):
+    what = f"the loss is {loss}" + (
+      "" if np.isfinite(grad_norm) else f" (and the gradient norm {grad_norm})"
+    )
+  else:
+    what = f"the gradient norm is {grad_norm} (the loss, {loss:.6g}, is finite)"
+  t, m = config.train, config.model
+  tries = [f"a lower train.learning_rate (now {t.learning_rate:g})"]
+  if not t.grad_clip:
+    tries.append("gradient clipping (train.grad_clip=1.0; now off)")
+  if m.dtype != "float32":
+    tries.append(f"model.dtype='float32' (now {m.dtype!r})")
+  return (
+    f"step {step}: {what}; stopped before this step changed the state. {checkpoint}. "
+    f"Try {', or '.join(tries)}"
+  )
 
 
 class _Preemption:
@@ -147,11 +177,25 @@ class Trainer:
     self.config = config = prepare_config(config, self.workdir)
     self.hooks = list(hooks)
     self.model_config = config_lib.validate(config, jax.device_count())
+    preflight.check_vocab(config, self.model_config)
     self.mesh = parallel.create_mesh(dict(config.mesh))
     self.model = LanguageModel(
       self.model_config, remat=config.model.remat_policy, scan_layers=config.model.scan_layers
     )
     self.tx = make_optimizer(config.train)
+    self.target, self.shardings = abstract_state(self.model, self.tx, self.mesh)
+    preflight.check_shardable(self.target, self.mesh, self.model_config)
+    self.lock = preflight.take_workdir(self.workdir)  # before anything writes the workdir
+    try:
+      self._build()
+    except BaseException:
+      if self.lock is not None:
+        self.lock.release()
+      raise
+
+  def _build(self) -> None:
+    """Everything after the workdir is locked: data, checkpoints, state, the compiled step."""
+    config = self.config
     self.loss = config.train.get("loss", "cross_entropy")
     logging.info("model: %s, mesh %s", self.model_config, dict(self.mesh.shape))
     if jax.process_index() == 0:  # every run states its parameters and attention FLOPs
@@ -162,8 +206,9 @@ class Trainer:
     inputs.prepare(config)
     self.train_it = inputs.train_iterator(config)
     self.manager = ckpt.make_manager(self.workdir, config)
-    self.target, self.shardings = abstract_state(self.model, self.tx, self.mesh)
     self.start, self.state = self.restore_or_init()
+    # The newest checkpoint known good: restored and verified, or saved by this run.
+    self.last_checkpoint: int | None = self.start or None
     self.compiled = self.compile_step()
     self.evaluator = (
       Evaluator(
@@ -230,17 +275,31 @@ class Trainer:
     return {f"eval_{k}": v for k, v in results.items()}
 
   def save(self, step: int) -> None:
+    """Checkpoints `step`, unless another run took the workdir over."""
+    preflight.check_lock(self.lock)
     ckpt.save(self.manager, step, self.state, self.train_it, self.config)
+    self.last_checkpoint = step
 
   def check_finite(self, step: int, host: Mapping[str, Any]) -> None:
     """Stops the run at a NaN/inf step; that step never updated the state."""
     if not bool(host["finite"]):
+      if self.last_checkpoint is None:
+        where = (
+          f"No checkpoint was saved yet (checkpoint.every={self.config.checkpoint.every}): "
+          "a rerun starts from step 0"
+        )
+      else:
+        where = (
+          f"Last good checkpoint: step {self.last_checkpoint} in "
+          f"{ckpt.checkpoint_dir(self.workdir)} (a rerun resumes there)"
+        )
       raise NonFiniteLossError(
-        f"step {step}: non-finite loss {float(host['loss'])} / grad_norm "
-        f"{float(host['grad_norm'])}; stopping. The state was not updated by this step; "
-        f"last good checkpoint: step {self.manager.latest_step()} in "
-        f"{ckpt.checkpoint_dir(self.workdir)}"
+        non_finite_message(step, float(host["loss"]), float(host["grad_norm"]), self.config, where)
       )
+
+  def state_bytes(self) -> int:
+    """Bytes of the whole train state (what a checkpoint holds, before compression)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.target))
 
   def log(
     self, step: int, host: Mapping[str, Any], step_time: float, extra: Mapping[str, float] | None
@@ -269,7 +328,7 @@ class Trainer:
     """
     config = self.config
     total, every = config.train.total_steps, config.checkpoint.every
-    writer = MetricsWriter(self.workdir, total_steps=total, initial_step=self.start)
+    writer: MetricsWriter | None = None
     preemption, clock = _Preemption(), _Clock(self.start)
     pending: tuple[int, Any] | None = None  # (step, device metrics)
 
@@ -283,6 +342,7 @@ class Trainer:
         writer.write(step, self.record)
 
     try:
+      writer = MetricsWriter(self.workdir, total_steps=total, initial_step=self.start)
       with parallel.activate(self.mesh):
         for step in range(self.start + 1, total + 1):
           batch = parallel.shard_batch(next(self.train_it), self.mesh)
@@ -310,12 +370,40 @@ class Trainer:
             break
         if pending is not None:
           finish(*pending)
-    finally:
-      self.manager.wait_until_finished()
-      self.manager.close()
-      preemption.close()
-      writer.close()
+      self.manager.wait_until_finished()  # an asynchronous save's error surfaces here
+    except Exception as e:
+      self.close(preemption, writer, quiet=True)  # Orbax's threads end before any cleanup
+      if ckpt.is_disk_full(e):
+        raise ckpt.disk_full_error(self.workdir, self.state_bytes(), e) from e
+      raise
+    except BaseException:  # KeyboardInterrupt (a second Ctrl-C), SystemExit
+      self.close(preemption, writer, quiet=True)
+      raise
+    try:
+      self.close(preemption, writer)
+    except Exception as e:
+      if ckpt.is_disk_full(e):
+        raise ckpt.disk_full_error(self.workdir, self.state_bytes(), e) from e
+      raise
     return self.record
+
+  def close(self, *sinks: Any, quiet: bool = False) -> None:
+    """Finishes pending saves, closes the manager and `sinks`, releases the lock. With
+    `quiet` (after another error) their errors are logged, not raised."""
+    closers = [self.manager.wait_until_finished, self.manager.close]
+    closers += [sink.close for sink in sinks if sink is not None]
+    if self.lock is not None:
+      closers.append(self.lock.release)
+    first = None
+    for close in closers:
+      try:
+        close()
+      except Exception as e:  # pylint: disable=broad-except
+        if first is None and not quiet:
+          first = e
+        logging.debug("closing after an error: %s", ckpt.describe(e))
+    if first is not None:
+      raise first
 
 
 def train(
