@@ -37,18 +37,21 @@ def check_arrays(
   layout: str,
   *,
   same_shape: bool = True,
+  prefix: int = 3,
 ) -> None:
   """Floating arrays of `rank` and one dtype; `same_shape`: all of one shape, else one
-  `[B, N, H]` prefix (the last axis may differ, e.g. v's width `dv`)."""
+  shape prefix of `prefix` axes (`[B, N, H]`: the last axis may differ, e.g. v's width
+  `dv`; `[B, N]`: the head counts may differ too, e.g. grouped-query k and v)."""
   for name, x in zip(names, arrays):
     if jnp.ndim(x) != rank:
       raise ValueError(f"{name} must have rank {rank} {layout}, got shape {_shape(x)}.")
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
       raise ValueError(f"{name} must be a floating dtype, got {jnp.result_type(x)}.")
   listed = f"{', '.join(names[:-1])} and {names[-1]}"
-  shapes = [_shape(x) if same_shape else _shape(x)[:3] for x in arrays]
+  shapes = [_shape(x) if same_shape else _shape(x)[:prefix] for x in arrays]
   if any(s != shapes[0] for s in shapes):
-    what = "the same shape" if same_shape else "the same [B, N, H]"
+    axes = ", ".join(layout.strip("[]").split(", ")[:prefix])
+    what = "the same shape" if same_shape else f"the same [{axes}]"
     got = ", ".join(f"{n} {_shape(x)}" for n, x in zip(names, arrays))
     raise ValueError(f"{listed} must have {what} {layout}, got {got}.")
   dtypes = [jnp.result_type(x) for x in arrays]
@@ -56,25 +59,53 @@ def check_arrays(
     raise ValueError(f"{listed} must share one dtype, got {', '.join(str(t) for t in dtypes)}.")
 
 
-def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, value_width: bool = False) -> None:
-  """q, k: floating `[B, N, H, d]` of one shape and dtype; v the same, or with
-  `value_width` only the same `[B, N, H]` (`[B, N, H, dv]`)."""
-  if not value_width:
-    check_arrays(("q", "k", "v"), (q, k, v), 4, "[B, N, H, d]")
-    return
-  check_arrays(("q", "k"), (q, k), 4, "[B, N, H, d]")
-  check_arrays(("q", "v"), (q, v), 4, "[B, N, H, dv]", same_shape=False)
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, value_width: bool = False) -> int:
+  """q: floating `[B, N, H, d]`; k: `[B, N, G, d]` and v `[B, N, G, d]` (with `value_width`
+  `[B, N, G, dv]`) of q's dtype, G dividing H (grouped-query attention: query head h reads
+  key/value head `h // (H // G)`; G = H is multi-head, G = 1 multi-query). Returns G."""
+  check_arrays(("q", "k", "v"), (q, k, v), 4, "[B, N, H, d]", same_shape=False, prefix=2)
+  what = "[B, N, G, dv]" if value_width else "[B, N, G, d]"
+  check_arrays(("k", "v"), (k, v), 4, what, same_shape=not value_width)
+  if _shape(k)[3] != _shape(q)[3]:
+    raise ValueError(
+      f"q and k must share the head width d, got q {_shape(q)} and k {_shape(k)} ([B, N, H, d], "
+      "[B, N, G, d])."
+    )
+  return check_kv_heads(_shape(q)[2], _shape(k)[2])
+
+
+def check_kv_heads(num_heads: int, num_kv_heads: int, names: str = "k and v") -> int:
+  """Raises ValueError unless `num_kv_heads` G divides `num_heads` H; returns G."""
+  if num_kv_heads < 1 or num_heads % num_kv_heads:
+    raise ValueError(
+      f"{names} have G = {num_kv_heads} key/value heads, which does not divide the H = "
+      f"{num_heads} query heads of q; use a G that divides H (G = H: multi-head, G = 1: "
+      "multi-query)."
+    )
+  return num_kv_heads
 
 
 def check_mixing(
-  num_heads: int, alpha_q: jax.Array, alpha_k: jax.Array, alpha_v: jax.Array, collapse: jax.Array
+  num_heads: int,
+  alpha_q: jax.Array,
+  alpha_k: jax.Array,
+  alpha_v: jax.Array,
+  collapse: jax.Array,
+  num_kv_heads: int | None = None,
 ) -> int:
-  """alpha_*: `[H, H, P]`, collapse `[H, H, P]` or `[H, P]`; returns P."""
-  for name, a in (("alpha_q", alpha_q), ("alpha_k", alpha_k), ("alpha_v", alpha_v)):
+  """alpha_q: `[H, H, P]`, alpha_k and alpha_v `[G, G, P]` (G = `num_kv_heads`, default H),
+  collapse `[H, H, P]` or `[H, P]`; returns P."""
+  g = num_heads if num_kv_heads is None else num_kv_heads
+  for name, a, heads, source in (
+    ("alpha_q", alpha_q, num_heads, "H from q"),
+    ("alpha_k", alpha_k, g, "G from k"),
+    ("alpha_v", alpha_v, g, "G from v"),
+  ):
     s = _shape(a)
-    if len(s) != 3 or s[0] != num_heads or s[1] != num_heads:
+    if len(s) != 3 or s[0] != heads or s[1] != heads:
+      axes = "H, H" if name == "alpha_q" else "G, G"
       raise ValueError(
-        f"{name} must have shape [H, H, P] = [{num_heads}, {num_heads}, P] (H from q), got {s}."
+        f"{name} must have shape [{axes}, P] = [{heads}, {heads}, P] ({source}), got {s}."
       )
   num_pseudo = _shape(alpha_q)[2]
   if num_pseudo < 1:
