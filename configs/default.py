@@ -88,7 +88,12 @@ def get_config() -> ml_collections.ConfigDict:
     )
   )
 
-  config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+  # context: sequence parallelism (the tokens of a sequence over devices,
+  # iha_jax/parallel/context.py); context_load_balance: the balanced token order that
+  # evens out causal attention's work per context shard.
+  config.mesh = ml_collections.ConfigDict(
+    dict(data=1, fsdp=-1, context=1, tensor=1, context_load_balance=False)
+  )
   config.checkpoint = ml_collections.ConfigDict({"every": 1000, "keep": 2, "async": True})
   config.log_every = 100
   config.eval_every = 1000

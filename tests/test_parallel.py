@@ -27,10 +27,11 @@ def test_rules_map_logical_names_to_mesh_axes():
 @pytest.mark.parametrize(
   "sizes, devices, expected",
   [
-    (dict(data=1, fsdp=-1, tensor=1), 8, (1, 8, 1)),
-    (dict(data=2, fsdp=-1, tensor=2), 8, (2, 2, 2)),
-    (dict(data=-1, fsdp=1, tensor=4), 8, (2, 1, 4)),
-    (dict(data=1, fsdp=2, tensor=1), 8, (1, 2, 1)),
+    (dict(data=1, fsdp=-1, tensor=1), 8, (1, 8, 1, 1)),  # context left out: 1
+    (dict(data=2, fsdp=-1, tensor=2), 8, (2, 2, 1, 2)),
+    (dict(data=-1, fsdp=1, tensor=4), 8, (2, 1, 1, 4)),
+    (dict(data=1, fsdp=2, tensor=1), 8, (1, 2, 1, 1)),
+    (dict(data=1, fsdp=1, context=-1, tensor=2), 8, (1, 1, 4, 2)),
   ],
 )
 def test_resolve_mesh_shape(sizes, devices, expected):
@@ -53,8 +54,8 @@ def test_resolve_mesh_shape_errors(sizes, message):
 
 def test_create_mesh_axes():
   mesh = parallel.create_mesh(dict(data=2, fsdp=2, tensor=2))
-  assert mesh.axis_names == ("data", "fsdp", "tensor")
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
 
 
 def _collective_sizes(hlo: str) -> list[int]:

@@ -68,6 +68,12 @@ class AttentionOptions:
     implementation: "reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha"
       (for MHA the same as "pallas_gpu"), "cudnn" or "auto"
       (`iha_jax.ops.registry.resolve`).
+    query_offset: queries that are a slice of a longer sequence than the keys (a sequence
+      shard, `iha_jax.parallel.context`): the token index of the first query minus that
+      of the first key, an int or an int32 scalar (may be traced); 0 with keys and
+      queries of one sequence. Keys and values may then hold `Nk != N` tokens.
+    kv_segment_ids: `[B, Nk]` segment ids of the keys (None: `segment_ids`, Nk = N).
+    kv_positions: `[B, Nk]` token positions of the keys (None: `positions`, Nk = N).
   """
 
   window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
@@ -77,6 +83,29 @@ class AttentionOptions:
   positions: Any = None
   block_sizes: BlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
   implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+  query_offset: Any = 0
+  kv_segment_ids: Any = None
+  kv_positions: Any = None
+
+  @property
+  def key_segment_ids(self) -> Any:
+    """`kv_segment_ids`, else `segment_ids` (keys and queries of one sequence)."""
+    return self.segment_ids if self.kv_segment_ids is None else self.kv_segment_ids
+
+  @property
+  def key_positions(self) -> Any:
+    """`kv_positions`, else `positions`."""
+    return self.positions if self.kv_positions is None else self.kv_positions
+
+  @property
+  def sliced(self) -> bool:
+    """True when the queries are a slice of the keys' sequence (a sequence shard)."""
+    return not (
+      isinstance(self.query_offset, int)
+      and self.query_offset == 0
+      and self.kv_segment_ids is None
+      and self.kv_positions is None
+    )
 
   def replace(self, **changes: Any) -> AttentionOptions:
     """A copy with `changes` (keyword names checked)."""

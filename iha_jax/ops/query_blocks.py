@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,37 +26,55 @@ class QueryBlocks:
   """Static plan: `num_blocks` query blocks of `block` tokens, each with a `slab` of keys.
 
   Attributes:
-    length: N, the sequence length.
+    length: N, the number of queries.
     block: queries per block (the last block is padded).
-    slab: keys per block: N (global), or the window band: `block + window - 1` causal,
-      `block + 2 * (window - 1)` bidirectional, capped at N.
+    slab: keys per block: all of them (global), or the window band: `block + window - 1`
+      causal, `block + 2 * (window - 1)` bidirectional, capped at the key count.
     window: sliding window in tokens, or None.
+    key_length: Nk, the number of keys (N unless the queries are a slice of the keys'
+      sequence).
+    q_offset: the first query's index on the keys' sequence (int or traced int32).
   """
 
   length: int
   block: int
   slab: int
   window: int | None
+  key_length: int
+  q_offset: Any = 0
 
   @property
   def num_blocks(self) -> int:
     return -(-self.length // self.block)
 
   def key_start(self, i: jax.Array) -> jax.Array | int:
-    """First key of query block i's slab (clamped so the slab stays inside [0, N))."""
-    if self.slab >= self.length:
+    """First key of query block i's slab (clamped so the slab stays inside [0, Nk))."""
+    if self.slab >= self.key_length:
       return 0
-    return jnp.clip(i * self.block - (self.window - 1), 0, self.length - self.slab)
+    first = self.q_offset + i * self.block - (self.window - 1)
+    return jnp.clip(first, 0, self.key_length - self.slab)
 
 
-def plan_query_blocks(length: int, block: int, window: int | None, causal: bool) -> QueryBlocks:
-  """The `QueryBlocks` for a sequence of `length` tokens (block capped at the length)."""
+def plan_query_blocks(
+  length: int,
+  block: int,
+  window: int | None,
+  causal: bool,
+  *,
+  key_length: int | None = None,
+  q_offset: Any = 0,
+) -> QueryBlocks:
+  """The `QueryBlocks` for `length` queries (block capped at it) over `key_length` keys
+  (default `length`), the first query at index `q_offset` of the keys' sequence."""
   block = max(1, min(block, length))
+  key_length = length if key_length is None else key_length
   if window is None:
-    slab = length
+    slab = key_length
   else:
-    slab = min(length, block + (window - 1) * (1 if causal else 2))
-  return QueryBlocks(length=length, block=block, slab=slab, window=window)
+    slab = min(key_length, block + (window - 1) * (1 if causal else 2))
+  return QueryBlocks(
+    length=length, block=block, slab=slab, window=window, key_length=key_length, q_offset=q_offset
+  )
 
 
 def _pad_tokens(x: jax.Array, total: int) -> jax.Array:
@@ -81,7 +100,8 @@ def map_query_blocks(
   Args:
     attend: `(query blocks, key slabs, q_index [block], k_index [slab]) -> [B, block, ...]`;
       query blocks are `queries` sliced to `[B, block, ...]`, key slabs `keys` sliced to
-      `[B, slab, ...]` (None entries stay None); indices are absolute token indices.
+      `[B, slab, ...]` (None entries stay None); indices are token indices on the keys'
+      sequence (queries shifted by `plan.q_offset`).
     plan: the static blocking.
     queries, keys: arrays `[B, N, ...]` (or None), sliced along axis 1.
   """
@@ -97,9 +117,8 @@ def map_query_blocks(
     k_slabs = [
       None if x is None else jax.lax.dynamic_slice_in_dim(x, k_start, plan.slab, 1) for x in keys
     ]
-    return attend(
-      q_blocks, k_slabs, q_start + jnp.arange(plan.block), k_start + jnp.arange(plan.slab)
-    )
+    q_index = plan.q_offset + q_start + jnp.arange(plan.block)
+    return attend(q_blocks, k_slabs, q_index, k_start + jnp.arange(plan.slab))
 
   # Remat: only the block index and the closed-over inputs are saved for backward.
   out = jax.lax.map(jax.checkpoint(one_block), jnp.arange(plan.num_blocks))

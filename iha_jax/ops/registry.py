@@ -35,28 +35,41 @@ import jax
 
 from iha_jax.ops import cudnn_attention
 from iha_jax.ops.options import IMPLEMENTATIONS
+from iha_jax.parallel import context
 
 # The built-in kinds (registered by `iha_jax.kinds`).
 KINDS = ("iha", "mha", "talking_heads", "diff", "simplicial")
 Entry = tuple[Any, dict[str, Any]]  # ("module:function" or callable, bound keyword arguments)
 
 _TABLE: dict[str, dict[str, Entry]] = {}
+_ROLES: dict[str, tuple[str, ...]] = {}
+# Implementations that take queries sliced from a longer key sequence
+# (`AttentionOptions.query_offset`, `kv_segment_ids`, `kv_positions`): the ones a
+# context-parallel call (`iha_jax.parallel.context`) can run on each shard.
+SLICED = frozenset({"reference", "xla"})
 
 
-def register(kind: str, table: Mapping[str, Entry]) -> None:
-  """Declares `kind`'s implementations (`iha_jax.kinds.register` calls this)."""
+def register(kind: str, table: Mapping[str, Entry], roles: tuple[str, ...] | None = None) -> None:
+  """Declares `kind`'s implementations (`iha_jax.kinds.register` calls this) and the roles
+  of their array arguments under sequence sharding ("q", "kv" or "-" each; None: the
+  kind cannot run on a `context` mesh axis)."""
   unknown = sorted(set(table) - set(IMPLEMENTATIONS) - {"auto"})
   if unknown or "auto" in table:
     raise ValueError(
       f"{kind}: implementation names must be among {IMPLEMENTATIONS[:-1]}, got {sorted(table)}"
     )
   _TABLE[kind] = dict(table)
+  if roles is None:
+    _ROLES.pop(kind, None)
+  else:
+    _ROLES[kind] = tuple(roles)
   _load.cache_clear()
 
 
 def unregister(kind: str) -> None:
   """Forgets `kind`'s implementations (`iha_jax.kinds.unregister` calls this)."""
   _TABLE.pop(kind, None)
+  _ROLES.pop(kind, None)
   _load.cache_clear()
 
 
@@ -111,8 +124,10 @@ def _devices_sharing() -> int:
 
 
 def materialised_bytes(q, v, expansion: int) -> int:
-  """Bytes per device of the q, k and v a call materialises `expansion` (P) times."""
-  return expansion * (2 * q.size + v.size) * q.dtype.itemsize // _devices_sharing()
+  """Bytes per device of the q, k and v a call materialises `expansion` (P) times: q
+  `[B, N, H, d]`, k `[B, N, G, d]` and v `[B, N, G, dv]` (G key/value heads, from v)."""
+  k_size = v.size // v.shape[-1] * q.shape[-1]
+  return expansion * (q.size + k_size + v.size) * q.dtype.itemsize // _devices_sharing()
 
 
 def resolve(
@@ -162,9 +177,27 @@ def lookup(
   `q`, `v`, `options` and `expansion` where given), imported lazily.
 
   It takes the kind's arrays and keyword options; what the table binds (a kernel's
-  `platform`, the MHA implementation behind "diff") is already applied.
+  `platform`, the MHA implementation behind "diff") is already applied. On a mesh with a
+  `context` axis (given `q`, whose length it divides), the callable runs the
+  implementation context-parallel (`iha_jax.parallel.context.attend`); "auto" then takes
+  the fastest implementation that can ("xla" until the kernels take query offsets).
   """
-  return _load(kind, resolve(kind, implementation, q, v, options, expansion))
+  name = resolve(kind, implementation, q, v, options, expansion)
+  if q is None or not context.applies(q.shape[1]):
+    return _load(kind, name)
+  if kind not in _ROLES:
+    raise ValueError(
+      f"{kind} attention declares no sequence roles (AttentionKind.sequence_roles), so it "
+      f"cannot run on a mesh with a 'context' axis; use context=1 for its layers"
+    )
+  if name not in SLICED:
+    if implementation != "auto":
+      raise ValueError(
+        f"implementation {implementation!r} cannot run sequence-sharded (mesh axis "
+        f"'context' > 1) yet; use one of {sorted(SLICED)} or 'auto'"
+      )
+    name = "xla"
+  return functools.partial(context.attend, _load(kind, name), _ROLES[kind], per_token=expansion)
 
 
 @functools.cache

@@ -67,7 +67,7 @@ def simplicial_attention(
   names = ("q", "k1", "k2", "v1", "v2")
   validation.check_arrays(names, (q, k1, k2, v1, v2), 4, "[B, N, H, d]")
   options = validation.check_options(q, with_overrides(options, overrides).replace(rope_theta=None))
-  fn = registry.lookup("simplicial", options.implementation)
+  fn = registry.lookup("simplicial", options.implementation, q)
   return fn(q, k1, k2, v1, v2, options)
 
 
@@ -98,27 +98,31 @@ def _refuse(what: str, elements: int, shape: tuple[int, ...], hint: str) -> None
 
 def simplicial_reference(q, k1, k2, v1, v2, options: AttentionOptions):
   """Dense `[B, H, N, N, N]` math in float32 at highest precision (the test oracle)."""
-  segment_ids, window, causal = options.segment_ids, options.window, options.causal
+  window, causal = options.window, options.causal
   b, n, h, _ = q.shape
   _refuse(
     "the dense reference",
-    b * h * n**3,
+    b * h * n * k1.shape[1] ** 2,
     q.shape,
     "use implementation='xla', which holds one block of queries at a time.",
   )
-  index = jnp.arange(n)
-  out = _attend(
-    q, k1, k2, v1, v2, block_mask(index, index, segment_ids, segment_ids, window, causal), _HIGHEST
+  q_index = options.query_offset + jnp.arange(n)
+  mask = block_mask(
+    q_index, jnp.arange(k1.shape[1]), options.segment_ids, options.key_segment_ids, window, causal
   )
-  return zero_padding(out, segment_ids).astype(q.dtype)
+  out = _attend(q, k1, k2, v1, v2, mask, _HIGHEST)
+  return zero_padding(out, options.segment_ids).astype(q.dtype)
 
 
-def _plan(shape: tuple[int, ...], block: int, window: int | None, causal: bool) -> QueryBlocks:
-  """The largest query block (<= `block`) whose scores fit `MAX_SCORES`; refuses if none."""
+def _plan(
+  shape: tuple[int, ...], block: int, window: int | None, causal: bool, **keys: Any
+) -> QueryBlocks:
+  """The largest query block (<= `block`) whose scores fit `MAX_SCORES`; refuses if none.
+  `keys`: `plan_query_blocks`' key_length and q_offset."""
   b, n, h, _ = shape
-  plan = plan_query_blocks(n, block, window, causal)
+  plan = plan_query_blocks(n, block, window, causal, **keys)
   while plan.block > 1 and b * h * plan.block * plan.slab**2 > MAX_SCORES:
-    plan = plan_query_blocks(n, plan.block // 2, window, causal)
+    plan = plan_query_blocks(n, plan.block // 2, window, causal, **keys)
   _refuse(
     "one query",
     b * h * plan.block * plan.slab**2,
@@ -133,12 +137,15 @@ def simplicial_xla(q, k1, k2, v1, v2, options: AttentionOptions):
   backward."""
   segment_ids, window, causal = options.segment_ids, options.window, options.causal
   block = (options.block_sizes.block_q if options.block_sizes else None) or DEFAULT_BLOCK
-  plan = _plan(q.shape, block, window, causal)
+  plan = _plan(
+    q.shape, block, window, causal, key_length=k1.shape[1], q_offset=options.query_offset
+  )
 
   def attend(q_side, k_side, q_index, k_index):
     (q_blk, q_seg), (k1_s, k2_s, v1_s, v2_s, k_seg) = q_side, k_side
     mask = block_mask(q_index, k_index, q_seg, k_seg, window, causal)
     return _attend(q_blk, k1_s, k2_s, v1_s, v2_s, mask, None).astype(q.dtype)
 
-  out = map_query_blocks(attend, plan, (q, segment_ids), (k1, k2, v1, v2, segment_ids))
+  keys = (k1, k2, v1, v2, options.key_segment_ids)
+  out = map_query_blocks(attend, plan, (q, segment_ids), keys)
   return zero_padding(out, segment_ids)

@@ -53,15 +53,19 @@ def talking_heads_attention(
   Returns:
     `[B, N, H, dv]` in q.dtype.
   """
-  validation.check_qkv(q, k, v, value_width=True)
   h = q.shape[2]
+  if validation.check_qkv(q, k, v, value_width=True) != h:
+    raise ValueError(
+      f"talking_heads_attention has no grouped-query form (it mixes whole heads): k and v "
+      f"need the H = {h} heads of q, got G = {k.shape[2]}."
+    )
   for name, x in (("talk_logits", talk_logits), ("talk_weights", talk_weights)):
     if tuple(jnp.shape(x)) != (h, h):
       raise ValueError(
         f"{name} must have shape [H, H] = [{h}, {h}] (H from q), got {tuple(jnp.shape(x))}."
       )
   options = validation.check_options(q, with_overrides(options, overrides))
-  fn = registry.lookup("talking_heads", options.implementation)
+  fn = registry.lookup("talking_heads", options.implementation, q)
   return fn(q, k, v, talk_logits, talk_weights, options)
 
 
@@ -85,39 +89,45 @@ def _attend(q, k, v, talk_logits, talk_weights, mask, precision):
   )
 
 
-def _unpack(options: AttentionOptions):
-  return options.segment_ids, options.positions, options.window, options.causal
-
-
-def _rotate(q, k, positions, rope_theta):
-  if rope_theta is None:
+def _rotate(q, k, options: AttentionOptions):
+  if options.rope_theta is None:
     return q, k
-  return apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+  theta = options.rope_theta
+  return apply_rope(q, options.positions, theta), apply_rope(k, options.key_positions, theta)
 
 
 def talking_heads_reference(q, k, v, talk_logits, talk_weights, options: AttentionOptions):
   """Dense `[B, H, N, N]` math in float32 at highest precision (the test oracle)."""
-  segment_ids, positions, window, causal = _unpack(options)
   dtype = q.dtype
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  q, k = _rotate(q, k, positions, options.rope_theta)
-  index = jnp.arange(q.shape[1])
-  mask = block_mask(index, index, segment_ids, segment_ids, window, causal)
+  q, k = _rotate(q, k, options)
+  q_index = options.query_offset + jnp.arange(q.shape[1])
+  mask = block_mask(
+    q_index,
+    jnp.arange(k.shape[1]),
+    options.segment_ids,
+    options.key_segment_ids,
+    options.window,
+    options.causal,
+  )
   out = _attend(q, k, v, talk_logits, talk_weights, mask, _HIGHEST)
-  return zero_padding(out, segment_ids).astype(dtype)
+  return zero_padding(out, options.segment_ids).astype(dtype)
 
 
 def talking_heads_xla(q, k, v, talk_logits, talk_weights, options: AttentionOptions):
   """Query-blocked math: `[B, H, block, slab]` scores at a time, recomputed in backward."""
-  segment_ids, positions, window, causal = _unpack(options)
-  q, k = _rotate(q, k, positions, options.rope_theta)
+  window, causal = options.window, options.causal
+  q, k = _rotate(q, k, options)
   block = (options.block_sizes.block_q if options.block_sizes else None) or DEFAULT_BLOCK
-  plan = plan_query_blocks(q.shape[1], block, window, causal)
+  plan = plan_query_blocks(
+    q.shape[1], block, window, causal, key_length=k.shape[1], q_offset=options.query_offset
+  )
 
   def attend(q_side, k_side, q_index, k_index):
     (q_blk, q_seg), (k_slab, v_slab, k_seg) = q_side, k_side
     mask = block_mask(q_index, k_index, q_seg, k_seg, window, causal)
     return _attend(q_blk, k_slab, v_slab, talk_logits, talk_weights, mask, None).astype(q.dtype)
 
-  out = map_query_blocks(attend, plan, (q, segment_ids), (k, v, segment_ids))
-  return zero_padding(out, segment_ids)
+  keys = (k, v, options.key_segment_ids)
+  out = map_query_blocks(attend, plan, (q, options.segment_ids), keys)
+  return zero_padding(out, options.segment_ids)

@@ -1,4 +1,4 @@
-"""Device mesh with axes ("data", "fsdp", "tensor") from the `mesh` config section."""
+"""Device mesh with axes ("data", "fsdp", "context", "tensor") from the `mesh` config section."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from iha_jax.parallel.rules import MESH_AXES
+from iha_jax.parallel.rules import MESH_AXES, OPTIONAL_AXES
 
 
-def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
-  """`{"data": a, "fsdp": b, "tensor": c}` with at most one -1 -> concrete `(a, b, c)`.
+def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+  """`{"data": a, "fsdp": b, "context": c, "tensor": t}` with at most one -1 -> concrete
+  `(a, b, c, t)`; `context` may be left out (1).
 
   -1 takes all devices the other axes leave. The product may be smaller than
   `num_devices` (the mesh then uses the first devices), never larger.
@@ -22,7 +23,7 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
   """
   shape = []
   for axis in MESH_AXES:
-    size = sizes[axis]
+    size = sizes[axis] if axis in sizes or axis not in OPTIONAL_AXES else OPTIONAL_AXES[axis]
     if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
       raise ValueError(f"mesh.{axis} must be a positive integer or -1, got {size!r}")
     shape.append(size)
@@ -43,7 +44,7 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
   if total > num_devices:
     raise ValueError(
       f"mesh {dict(zip(MESH_AXES, shape))} needs {total} devices, "
-      f"only {num_devices} available (mesh.data * mesh.fsdp * mesh.tensor)"
+      f"only {num_devices} available (mesh.data * mesh.fsdp * mesh.context * mesh.tensor)"
     )
   return tuple(shape)
 

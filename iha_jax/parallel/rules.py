@@ -6,6 +6,8 @@ rules and a mesh). Mesh axes:
 
 - `data`: pure data parallelism (parameters replicated).
 - `fsdp`: data parallelism with parameters and optimizer state sharded (ZeRO-3).
+- `context`: context (sequence) parallelism: activations split along the tokens; the
+  attention layers exchange source keys and values (`iha_jax.parallel.context`).
 - `tensor`: tensor parallelism over attention heads and the MLP width.
 
 IHA under tensor parallelism: the pseudo-head mixing contracts over SOURCE heads, so
@@ -41,8 +43,11 @@ from iha_jax.parallel.axes import (
   VOCAB,
 )
 
-DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
-MESH_AXES = (DATA, FSDP, TENSOR)
+DATA, FSDP, CONTEXT, TENSOR = "data", "fsdp", "context", "tensor"
+# Outermost first: tensor (most traffic) innermost, then context, as MaxText orders them.
+MESH_AXES = (DATA, FSDP, CONTEXT, TENSOR)
+# A mesh config may leave these out (size 1): configs and checkpoints from before them.
+OPTIONAL_AXES = {CONTEXT: 1}
 BATCH_AXES = (DATA, FSDP)
 
 LogicalRules = tuple[tuple[str, Any], ...]
@@ -62,7 +67,7 @@ LOGICAL_AXIS_RULES: LogicalRules = (
   (FEATURES, None),  # input features F of `input_proj: [F, D]`: few, kept whole.
   # Activations.
   (ACTIVATION_BATCH, BATCH_AXES),
-  (ACTIVATION_LENGTH, None),
+  (ACTIVATION_LENGTH, CONTEXT),
   (ACTIVATION_EMBED, None),
   (ACTIVATION_HEADS, TENSOR),
   (ACTIVATION_HEADS_SRC, None),  # q/k/v gathered before IHA mixing (see module doc).

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_HEADS
-from iha_jax.parallel.rules import BATCH_AXES, LOGICAL_AXIS_RULES, logical_to_mesh_spec
+from iha_jax.parallel.rules import BATCH_AXES, CONTEXT, LOGICAL_AXIS_RULES, logical_to_mesh_spec
 
 
 @contextlib.contextmanager
@@ -33,8 +33,10 @@ def named_shardings(mesh: Mesh, logical_specs: Any) -> Any:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """`[B, N]` batch arrays: rows over ("data", "fsdp"), tokens whole."""
-  return NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
+  """`[B, N]` batch arrays: rows over ("data", "fsdp"), tokens over "context" (when the
+  mesh has it)."""
+  tokens = CONTEXT if CONTEXT in mesh.axis_names else None
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES, tokens))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

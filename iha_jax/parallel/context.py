@@ -1,0 +1,263 @@
+"""Context (sequence) parallelism for every attention kind: the `context` mesh axis.
+
+Activations `[B, N, ...]` are split over the `context` axis along N (the logical rules map
+`activation_length` to it); every op of the model is token-wise except attention, which
+`attend` runs inside `jax.shard_map` over `context` only (the other axes stay automatic,
+so the kernels' own batch/head `shard_map` nests inside). Each device keeps its queries
+and fetches only the SOURCE keys and values it needs (before any head mixing and RoPE),
+so IHA moves exactly what MHA moves and no pseudo-head tensor crosses devices:
+
+- global layers: an all-gather of the key-side arrays (`[B, N, ...]` received per
+  device, the whole sequence's source k and v);
+- window layers: a halo, the `ceil((w - 1) / P)` tokens before each shard (and after it,
+  bidirectional), from the neighbouring shard(s) by `ppermute` (several hops when the
+  reach exceeds a shard); keys before the sequence start are padding (segment 0).
+
+Every device then calls the kind's own implementation on its queries against those keys
+(`AttentionOptions.query_offset`, `kv_segment_ids`, `kv_positions`), so positions and
+masks stay global: the result equals the unsharded computation.
+
+Causal load balancing (`layout("balanced")`): with a causal mask the last shard of a
+contiguous split does S times the work of the first. The balanced layout gives shard s
+the chunks s and 2S-1-s of 2S equal chunks (the data are permuted on the host:
+`balance_tokens`), so every shard does the same work; window layers then fetch each
+chunk's halo from an all-gather of every chunk's edge tokens (2 * S * 2 * halo tokens
+per device) instead of a neighbour exchange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec
+
+CONTEXT = "context"
+LAYOUTS = ("contiguous", "balanced")
+QUERY, KEY, OTHER = "q", "kv", "-"  # roles of an implementation's array arguments
+
+_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar(
+  "iha_context_layout", default=LAYOUTS[0]
+)
+
+
+@contextlib.contextmanager
+def layout(name: str) -> Iterator[None]:
+  """Traces attention under `name` ("contiguous" or "balanced": the data's token order,
+  see `balance_tokens`) inside the block."""
+  if name not in LAYOUTS:
+    raise ValueError(f"context layout must be one of {LAYOUTS}, got {name!r}")
+  token = _LAYOUT.set(name)
+  try:
+    yield
+  finally:
+    _LAYOUT.reset(token)
+
+
+def chunks_per_shard() -> int:
+  """2 under the balanced layout, else 1."""
+  return 2 if _LAYOUT.get() == "balanced" else 1
+
+
+def chunk_order(shards: int, chunks: int) -> np.ndarray:
+  """`[shards * chunks]`: the global chunk held at each local slot, shard-major (shard s
+  holds `order[s*K : (s+1)*K]`): identity, or `s, 2S-1-s` balanced."""
+  if chunks == 1:
+    return np.arange(shards)
+  return np.stack([np.arange(shards), 2 * shards - 1 - np.arange(shards)], 1).reshape(-1)
+
+
+def balance_tokens(x: np.ndarray, shards: int, axis: int = 1) -> np.ndarray:
+  """A `[B, N, ...]` batch array in the balanced layout (host side): the N tokens as 2S
+  chunks, reordered so that shard s's contiguous share holds chunks s and 2S-1-s."""
+  n = x.shape[axis]
+  if n % (2 * shards):
+    raise ValueError(f"sequence length {n} must divide into 2 x context = {2 * shards} chunks")
+  parts = np.split(x, 2 * shards, axis=axis)
+  return np.concatenate([parts[c] for c in chunk_order(shards, 2)], axis=axis)
+
+
+def context_shards(mesh: Any | None = None) -> int:
+  """Size of the current mesh's `context` axis when it is automatic (not already inside
+  a `shard_map` over it), else 1."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty or CONTEXT not in mesh.axis_names:
+    return 1
+  i = mesh.axis_names.index(CONTEXT)
+  return 1 if mesh.axis_types[i] == AxisType.Manual else mesh.axis_sizes[i]
+
+
+def applies(num_tokens: int) -> bool:
+  """Whether a call over `num_tokens` tokens runs context-parallel on the current mesh:
+  a context axis > 1 that the sequence divides into (chunks of) equal shards."""
+  shards = context_shards()
+  return shards > 1 and num_tokens % (shards * chunks_per_shard()) == 0
+
+
+def reach_tokens(window: int | None, per_token: int) -> int | None:
+  """Tokens before (and, bidirectional, after) a query that a window of `window` units
+  (virtual tokens when `per_token` = P > 1) can reach: `ceil((w - 1) / P)`; None: all."""
+  return None if window is None else -(-(window - 1) // per_token)
+
+
+def _shift(x: jax.Array, hops: int, shards: int) -> jax.Array:
+  """Shard s receives shard s - hops's `x` (zeros where that shard does not exist)."""
+  pairs = [(i, i + hops) for i in range(shards) if 0 <= i + hops < shards]
+  return jax.lax.ppermute(x, CONTEXT, pairs) if pairs else jnp.zeros_like(x)
+
+
+def _halo(x: jax.Array, reach: int, shards: int, after: bool) -> jax.Array:
+  """The `reach` tokens before (after) this shard's `x: [B, n, ...]` along axis 1, from
+  `ceil(reach / n)` neighbouring shards (zeros past the sequence ends)."""
+  hops = -(-reach // x.shape[1])
+  if after:
+    pieces = [_shift(x, -hop, shards) for hop in range(1, hops + 1)]
+    return jnp.concatenate(pieces, axis=1)[:, :reach]
+  pieces = [_shift(x, hop, shards) for hop in range(hops, 0, -1)]
+  return jnp.concatenate(pieces, axis=1)[:, -reach:]
+
+
+def _natural(chunked: jax.Array, shards: int, chunks: int) -> jax.Array:
+  """`[B, S*K, ...]` per-chunk items in shard-major slot order -> natural chunk order."""
+  return chunked[:, np.argsort(chunk_order(shards, chunks))]
+
+
+def _gather(x: jax.Array, shards: int, chunks: int) -> jax.Array:
+  """The whole sequence `[B, N, ...]` in natural token order, from every shard's `x`."""
+  full = jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)  # shard-major slots
+  if chunks == 1:
+    return full
+  b, n = full.shape[:2]
+  per_chunk = full.reshape(b, shards * chunks, n // (shards * chunks), *full.shape[2:])
+  return _natural(per_chunk, shards, chunks).reshape(full.shape)
+
+
+def _chunk_edges(x: jax.Array, reach: int, shards: int, chunks: int) -> tuple[jax.Array, ...]:
+  """Every chunk's first and last `reach` tokens, natural chunk order: two
+  `[B, S*K, reach, ...]` (the balanced layout's halo source)."""
+  c = x.shape[1] // chunks
+  firsts = jnp.stack([x[:, k * c : k * c + reach] for k in range(chunks)], axis=1)
+  lasts = jnp.stack([x[:, (k + 1) * c - reach : (k + 1) * c] for k in range(chunks)], axis=1)
+  gathered = (jax.lax.all_gather(e, CONTEXT, axis=1, tiled=True) for e in (firsts, lasts))
+  return tuple(_natural(g, shards, chunks) for g in gathered)
+
+
+def _key_views(keys, segments, reach, causal, shards, chunks):
+  """For each local chunk: (key-side arrays `[B, Nk, ...]`, their segment ids `[B, Nk]`,
+  the chunk's first query index minus the first key's). `keys` end with the positions."""
+  c = segments.shape[1] // chunks
+  slot_chunk = jnp.asarray(chunk_order(shards, chunks)).reshape(shards, chunks)
+  here = jax.lax.axis_index(CONTEXT)
+  total_chunks = shards * chunks
+  if reach is None:  # global: the whole sequence, natural order
+    every = [_gather(x, shards, chunks) for x in (*keys, segments)]
+    return [(every[:-1], every[-1], slot_chunk[here, k] * c) for k in range(chunks)]
+  views = []
+  if chunks == 1:  # a neighbour exchange
+    start = here * c
+    for_side = lambda after: [_halo(x, reach, shards, after) for x in (*keys, segments)]
+    parts, valid = [for_side(False)], [jnp.arange(reach) >= reach - start]
+    parts.append([*keys, segments])
+    valid.append(jnp.ones((c,), bool))
+    if not causal:
+      parts.append(for_side(True))
+      valid.append(jnp.arange(reach) < total_chunks * c - start - c)
+    joined = [jnp.concatenate(p, axis=1) for p in zip(*parts)]
+    segs = jnp.where(jnp.concatenate(valid), joined[-1], 0)
+    return [(joined[:-1], segs, reach)]
+  edges = [_chunk_edges(x, reach, shards, chunks) for x in (*keys, segments)]
+  for k in range(chunks):
+    chunk = slot_chunk[here, k]
+    own = [x[:, k * c : (k + 1) * c] for x in (*keys, segments)]
+    before = [jnp.take(last, jnp.maximum(chunk - 1, 0), axis=1) for _, last in edges]
+    parts, valid = [before, own], [jnp.full((reach,), chunk > 0), jnp.ones((c,), bool)]
+    if not causal:
+      nxt = jnp.minimum(chunk + 1, total_chunks - 1)
+      parts.append([jnp.take(first, nxt, axis=1) for first, _ in edges])
+      valid.append(jnp.full((reach,), chunk < total_chunks - 1))
+    joined = [jnp.concatenate(p, axis=1) for p in zip(*parts)]
+    segs = jnp.where(jnp.concatenate(valid), joined[-1], 0)
+    views.append((joined[:-1], segs, reach))
+  return views
+
+
+def attend(
+  fn: Callable[..., jax.Array], roles: Sequence[str], *args: Any, per_token: int = 1
+) -> jax.Array:
+  """`fn(*arrays, options)` (an implementation of a kind, options checked) run
+  context-parallel on the current mesh: the result equals `fn`'s on the whole sequence.
+
+  Args:
+    fn: the kind's implementation; takes the arrays then an `AttentionOptions`.
+    roles: one per array: "q" (query side `[B, N, ...]`, stays local), "kv" (key side
+      `[B, N, ...]`, gathered or exchanged), "-" (anything else, e.g. mixing weights:
+      passed whole).
+    *args: the arrays, then the `AttentionOptions` (positions defaulted).
+    per_token: virtual tokens per token (IHA's P): the window's unit.
+
+  Returns:
+    `fn`'s output `[B, N, ...]`, split over `context` like the queries.
+  """
+  *arrays, options = args
+  if len(arrays) != len(roles) or QUERY not in roles:
+    raise ValueError(f"roles {tuple(roles)} must name every one of {len(arrays)} arrays")
+  mesh = jax.sharding.get_abstract_mesh()
+  shards, chunks = context_shards(mesh), chunks_per_shard()
+  query = arrays[roles.index(QUERY)]
+  reach = reach_tokens(options.window, per_token)
+  if reach is not None and reach >= query.shape[1] // (shards * chunks):
+    # A window reaching past the neighbouring chunk: gather everything (the window
+    # still masks), which is what such a window costs anyway.
+    reach = None if chunks > 1 or reach >= query.shape[1] else reach
+  segment_ids = options.segment_ids
+  if segment_ids is None:  # halo keys past the sequence ends need segment 0
+    segment_ids = jnp.ones(query.shape[:2], jnp.int32)
+  sequence = PartitionSpec(None, CONTEXT)
+  specs = tuple(sequence if r in (QUERY, KEY) else PartitionSpec() for r in roles)
+
+  def body(segments, positions, *local):
+    keys = [x for x, r in zip(local, roles) if r == KEY] + [positions]
+    views = _key_views(keys, segments, reach, options.causal, shards, chunks)
+    c = segments.shape[1] // chunks
+    outs = []
+    for k, (key_side, key_segments, offset) in enumerate(views):
+      own = slice(k * c, (k + 1) * c)
+      *kv, key_positions = key_side
+      kv_iter = iter(kv)
+      call = [
+        x[:, own] if r == QUERY else next(kv_iter) if r == KEY else x for x, r in zip(local, roles)
+      ]
+      chunk_options = options.replace(
+        segment_ids=segments[:, own],
+        positions=positions[:, own],
+        kv_segment_ids=key_segments,
+        kv_positions=key_positions,
+        query_offset=offset,
+      )
+      outs.append(fn(*call, chunk_options))
+    return outs[0] if chunks == 1 else jnp.concatenate(outs, axis=1)
+
+  mapped = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(sequence, sequence, *specs),
+    out_specs=sequence,
+    axis_names={CONTEXT},
+    check_vma=False,
+  )
+  return mapped(segment_ids, options.positions, *arrays)
+
+
+def received_tokens(num_tokens: int, window: int | None, per_token: int, shards: int) -> int:
+  """Key-side tokens one device receives per layer (contiguous layout): `N - N/S` for a
+  global layer, the halo `ceil((w - 1) / P)` (twice, bidirectional) for a window layer."""
+  reach = reach_tokens(window, per_token)
+  local = num_tokens // shards
+  if reach is None or reach >= num_tokens:
+    return num_tokens - local
+  return min(reach, num_tokens - local)

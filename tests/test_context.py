@@ -1,0 +1,134 @@
+"""Context (sequence) parallelism: the loss and every gradient of the model on meshes with
+a `context` axis equal the unsharded computation, for every attention kind, causal and
+bidirectional, with windows crossing shard boundaries, packed segments and the balanced
+layout; only source-head keys and values cross devices."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from iha_jax import parallel
+from iha_jax.models import LanguageModel, TransformerConfig
+from iha_jax.parallel import context
+from iha_jax.train.losses import loss_terms
+
+B, N = 2, 32
+# Every letter; 'L' reaches ceil((12 - 1) / 2) = 6 tokens back (more than a shard of 4
+# at context 8: a two-hop halo), 'S' 4 tokens.
+MODEL = TransformerConfig(
+  vocab_size=40,
+  num_layers=7,
+  model_dim=32,
+  num_heads=4,
+  head_dim=8,
+  mlp_dim=32,
+  num_pseudo=2,
+  attention_schedule="LSIMTDX",
+  iha_window=12,
+  mha_window=5,
+  implementation="xla",
+)
+
+
+def _batch() -> dict[str, np.ndarray]:
+  """Two packed rows: documents of 13 + 19 and 20 + 9 tokens, then 3 of padding."""
+  keys = jax.random.split(jax.random.key(3), 2)
+  tokens = np.asarray(jax.random.randint(keys[0], (B, N + 1), 1, MODEL.vocab_size))
+  lengths = [(13, 19, 0), (20, 9, 3)]
+  segment_ids = np.stack([np.repeat([1, 2, 0], row) for row in lengths]).astype(np.int32)
+  positions = np.stack([np.concatenate([np.arange(n) for n in row]) for row in lengths]).astype(
+    np.int32
+  )
+  weights = np.asarray(jax.random.uniform(keys[1], (B, N)) < 0.8) * (segment_ids > 0)
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "weights": weights.astype(np.float32),
+    "segment_ids": segment_ids,
+    "positions": positions,
+  }
+
+
+def _loss_and_grads(config, sizes, layout="contiguous", lowered=False):
+  model = LanguageModel(config)
+  params = model.init(0)
+  batch = _batch()
+  mesh = parallel.create_mesh(sizes)
+  shards = dict(zip(mesh.axis_names, mesh.axis_sizes))["context"]
+  if layout == "balanced":
+    batch = {k: context.balance_tokens(v, shards) for k, v in batch.items()}
+  step = jax.value_and_grad(lambda p, b: loss_terms(model, p, b, chunk_tokens=None)[0])
+  with parallel.activate(mesh), context.layout(layout):
+    batch = jax.device_put(batch, parallel.batch_sharding(mesh))
+    fn = jax.jit(step)
+    if lowered:
+      return fn.lower(params, batch).compile().as_text()
+    return fn(params, batch)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["causal", "bidirectional"])
+def baseline(request):
+  config = MODEL if request.param else MODEL.__class__(**{**MODEL.__dict__, "causal": False})
+  return config, _loss_and_grads(config, dict(data=1, fsdp=1, tensor=1))
+
+
+@pytest.mark.parametrize(
+  "sizes, layout",
+  [
+    (dict(data=1, fsdp=1, context=8, tensor=1), "contiguous"),
+    (dict(data=1, fsdp=1, context=4, tensor=1), "balanced"),
+    (dict(data=2, fsdp=1, context=2, tensor=2), "balanced"),
+  ],
+  ids=["context8", "context4-balanced", "data2-context2-tensor2-balanced"],
+)
+def test_sharded_sequence_equals_one_device(baseline, sizes, layout):
+  config, (loss, grads) = baseline
+  sharded_loss, sharded_grads = _loss_and_grads(config, sizes, layout)
+  np.testing.assert_allclose(float(sharded_loss), float(loss), rtol=1e-5)
+  flat, _ = jax.tree_util.tree_flatten_with_path(grads)
+  sharded_flat = jax.tree.leaves(sharded_grads)
+  for (path, g), s in zip(flat, sharded_flat):
+    scale = float(jnp.abs(g).max()) + 1e-6
+    np.testing.assert_allclose(
+      np.asarray(s), np.asarray(g), atol=2e-5 * scale, rtol=1e-4, err_msg=jax.tree_util.keystr(path)
+    )
+
+
+def _collectives(hlo: str) -> list[tuple[str, list[int]]]:
+  found = []
+  for line in hlo.splitlines():
+    match = re.search(r"= \w+\[([\d,]*)\][^ ]* (all-gather|collective-permute)(-start)?\(", line)
+    if match:
+      found.append((match.group(2), [int(x) for x in match.group(1).split(",") if x]))
+  return found
+
+
+def test_only_source_keys_and_values_cross_devices():
+  """The forward+backward of an IHA-only model at context 4: every all-gather and
+  collective-permute moves at most one layer's source k or v `[B, N, H, d]` (or `[B, N]`
+  ids), never a pseudo-head tensor `[B, N * P, H, d]`."""
+  config = MODEL.__class__(**{**MODEL.__dict__, "attention_schedule": "LI", "num_layers": 2})
+  hlo = _loss_and_grads(config, dict(data=1, fsdp=1, context=4, tensor=1), lowered=True)
+  moved = _collectives(hlo)
+  assert any(op == "collective-permute" for op, _ in moved), "expected the window halo"
+  assert any(op == "all-gather" for op, _ in moved), "expected the global layer's gather"
+  source = B * N * config.num_heads * config.head_dim
+  for op, dims in moved:
+    size = int(np.prod(dims)) if dims else 1
+    assert size <= source < source * config.num_pseudo, (op, dims)
+
+
+def test_halo_and_traffic_arithmetic():
+  assert context.reach_tokens(None, 4) is None
+  assert context.reach_tokens(12, 2) == 6 and context.reach_tokens(13, 4) == 3
+  assert context.received_tokens(64, None, 1, 4) == 48  # global: N - N/S
+  assert context.received_tokens(64, 9, 2, 4) == 4  # window: the halo only
+  x = np.arange(16)[None]
+  np.testing.assert_array_equal(
+    context.balance_tokens(x, 2)[0], np.concatenate([x[0, :4], x[0, 12:], x[0, 4:8], x[0, 8:12]])
+  )
