@@ -21,6 +21,7 @@ from typing import Any
 
 import ml_collections
 import tqdm
+from etils import epath
 
 from experiments.trainer import CompiledVariant, selection_score
 from iha_jax import data as data_lib
@@ -191,8 +192,7 @@ def describe_text_data(config: ml_collections.ConfigDict) -> dict[str, Any]:
   tokenizer = config.data.tokenizer
   digest = "builtin"
   if tokenizer not in data_lib.BUILTIN_TOKENIZERS:
-    with open(tokenizer, "rb") as f:
-      digest = hashlib.sha256(f.read()).hexdigest()
+    digest = hashlib.sha256(epath.Path(tokenizer).read_bytes()).hexdigest()
   metadata = {k: v for k, v in dict(builder.info.metadata or {}).items() if k != "skipped_files"}
   return {
     **metadata,
