@@ -65,13 +65,13 @@ def parse_mesh(text: str) -> dict[str, int]:
 def _mesh_problem(sizes: dict[str, int], model: TransformerConfig, num_devices: int) -> str | None:
   """Why `sizes` cannot serve `model` on `num_devices` devices (None: it can)."""
   try:
-    data, fsdp, tensor = parallel.resolve_mesh_shape(sizes, num_devices)
+    data, fsdp, context, tensor = parallel.resolve_mesh_shape(sizes, num_devices)
   except ValueError as e:
     return str(e)
   problem = config_lib.tensor_axis_problem(model, tensor)
   if problem:
     return problem
-  if jax.process_count() > 1 and data * fsdp * tensor != num_devices:
+  if jax.process_count() > 1 and data * fsdp * context * tensor != num_devices:
     return f"a multi-process mesh must use all {num_devices} devices"
   return None
 

@@ -155,6 +155,23 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     raise ConfigError(f"model: {e}") from e
 
 
+def context_axis_problem(config: ml_collections.ConfigDict, context: int) -> str | None:
+  """Why `data.seq_len` cannot be split over `mesh.context = context` (None: it can):
+  it must divide into `context` equal shards (2 x context chunks with
+  `mesh.context_load_balance`)."""
+  if context == 1:
+    return None
+  chunks = context * (2 if config.mesh.get("context_load_balance", False) else 1)
+  seq_len = config.data.seq_len
+  if seq_len % chunks:
+    balance = " (x2: mesh.context_load_balance)" if chunks > context else ""
+    return (
+      f"data.seq_len={seq_len} is not divisible by mesh.context={context}{balance}: use a "
+      f"seq_len that is a multiple of {chunks}"
+    )
+  return None
+
+
 def tensor_axis_problem(model: TransformerConfig, tensor: int) -> str | None:
   """Why `model`'s parameters cannot be split over `mesh.tensor = tensor` (None: they can).
 
@@ -243,10 +260,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
   if problem:
     raise ConfigError(problem)
   try:
-    data, fsdp, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)
+    data, fsdp, context, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)
   except ValueError as e:
     raise ConfigError(str(e)) from e
-  problem = tensor_axis_problem(model, tensor)
+  problem = tensor_axis_problem(model, tensor) or context_axis_problem(config, context)
   if problem:
     raise ConfigError(problem)
   if t.batch_size % t.grad_accum_steps:
