@@ -85,6 +85,9 @@ def get_config() -> ml_collections.ConfigDict:
       # Sequence positions per chunk of the cross-entropy over the vocabulary: the float32
       # [B, N, V] logits never exist whole (iha_jax/train/losses.py); 0: whole logits.
       loss_chunk_tokens=1024,
+      # A workdir whose newest checkpoint's parameters start this run (step 0, a fresh
+      # optimizer; e.g. the long-context stage from its 8k run); None: a fresh init.
+      init_from=placeholder(str),
     )
   )
 

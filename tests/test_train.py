@@ -452,3 +452,39 @@ def test_ctrl_c_saves_current_step_and_exits_cleanly(data_dir, tmp_path):
     steps = [json.loads(line)["step"] for line in f]
   assert steps == list(range(1, len(steps) + 1))  # one run's records only
   assert os.listdir(os.path.join(workdir, "lock")) == []
+
+
+def test_init_from_starts_a_longer_run_on_a_context_mesh(reference_run, data_dir, tmp_path):
+  """The long-context stage's path at small size: another run's newest parameters, across
+  twice the sequence length, a new mesh (fsdp 4 x context 2, balanced layout) and a new
+  RoPE base; step 0 and a fresh optimizer; it trains. A key that shapes parameters and
+  differs is refused, naming it."""
+  from iha_jax.train.loop import Trainer  # pylint: disable=import-outside-toplevel
+
+  _, source = reference_run
+  config = make_config(
+    data_dir,
+    train__total_steps=2,
+    train__warmup_steps=1,
+    train__init_from=source,
+    mesh__fsdp=4,
+    mesh__context=2,
+    mesh__context_load_balance=True,
+    checkpoint__every=2,
+  )
+  config.data.seq_len = 96
+  config.model.rope_theta = 40000.0
+  trainer = Trainer(config, str(tmp_path / "long"))
+  manager = ckpt.make_manager(source)
+  expected = ckpt.restore_params(manager, 8, trainer.target).params
+  manager.close()
+  assert int(trainer.state.step) == 0
+  for got, want in zip(jax.tree.leaves(trainer.state.params), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  moments = [x for x in jax.tree.leaves(trainer.state.opt_state) if np.ndim(x) > 0]
+  assert moments and not any(np.any(np.asarray(m)) for m in moments)  # fresh: zeros
+  record = trainer.run()
+  assert np.isfinite(record["loss"]) and ckpt.complete_steps(str(tmp_path / "long")) == [2]
+  bad = make_config(data_dir, train__init_from=source, model__num_layers=3)
+  with pytest.raises(ConfigError, match=r"model.num_layers: 2 \(checkpoint\) vs 3"):
+    Trainer(bad, str(tmp_path / "bad"))

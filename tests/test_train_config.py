@@ -51,7 +51,7 @@ from iha_jax.train.optimizer import decay_mask, make_optimizer
     ({"model.window": "wide"}, "model.window must be a positive integer"),
     ({"model.attention_schedule": "IZ"}, "unknown letter 'Z'"),
     ({"model.attention_schedule": "S"}, "mha_window must be set"),
-    ({"train.warmup_steps": 50}, "train.warmup_steps=50 exceeds train.total_steps=20"),
+    ({"train.warmup_steps": 20}, "train.warmup_steps=20 must be below train.total_steps=20"),
     ({"train.total_steps": 0}, "train.total_steps must be an integer >= 1"),
     ({"checkpoint.keep": 0}, "checkpoint.keep must be an integer >= 1"),
   ],

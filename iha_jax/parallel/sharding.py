@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from iha_jax.parallel import context
 from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_HEADS
 from iha_jax.parallel.rules import BATCH_AXES, CONTEXT, LOGICAL_AXIS_RULES, logical_to_mesh_spec
 
@@ -48,9 +49,14 @@ def shard_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, 
   """This process's rows `[B / process_count, N]` -> global arrays `[B, N]` on `mesh`.
 
   Every process passes its own, different rows; process p's rows become the p-th
-  block of the global batch (the data pipeline shards by `jax.process_index()`).
+  block of the global batch (the data pipeline shards by `jax.process_index()`). Under
+  the balanced context layout (`iha_jax.parallel.context.layout`) the tokens are
+  reordered first (`balance_tokens`), as the attention layers then expect.
   """
   sharding = batch_sharding(mesh)
+  shards = dict(zip(mesh.axis_names, mesh.axis_sizes)).get(CONTEXT, 1)
+  if shards > 1 and context.chunks_per_shard() == 2:  # the balanced token order
+    local_batch = {k: context.balance_tokens(np.asarray(v), shards) for k, v in local_batch.items()}
   out = {}
   for key, value in local_batch.items():
     global_shape = (value.shape[0] * jax.process_count(),) + value.shape[1:]

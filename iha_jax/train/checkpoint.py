@@ -180,22 +180,63 @@ def restore_config(
   return ml_collections.ConfigDict(saved[CONFIG])
 
 
+# Model keys that shape no parameter: a run that starts from another run's parameters
+# (`train.init_from`, e.g. a long-context stage) may change them.
+NON_PARAMETER_KEYS = frozenset(
+  {"window", "mha_window", "rope_theta", "implementation", "remat_policy", "dtype"}
+)
+
+
 def check_compatible(
   saved: ml_collections.ConfigDict,
   config: ml_collections.ConfigDict,
   sections: tuple[str, ...] = ("model",),
+  may_differ: frozenset[str] = frozenset(),
 ) -> None:
-  """Raises ConfigError naming every key of `sections` that differs from the checkpoint."""
+  """Raises ConfigError naming every key of `sections` that differs from the checkpoint
+  (but the `may_differ` keys of the model section)."""
   diffs = []
   for section in sections:
     diffs += config_differences(
       saved[section].to_dict(), config[section].to_dict(), prefix=f"{section}."
     )
+  diffs = [d for d in diffs if d.split(":")[0].removeprefix("model.") not in may_differ]
   if diffs:
     raise ConfigError(
       "the checkpoint was saved with a different model config; differing "
       "keys:\n  " + "\n  ".join(diffs)
     )
+
+
+def init_params_from(
+  source: str, target: TrainState, config: ml_collections.ConfigDict
+) -> tuple[int, Any]:
+  """`(step, params)` of the newest verified checkpoint of the run in workdir `source`,
+  restored onto `target`'s parameter shardings (any mesh). Its model keys must equal
+  `config`'s but for `NON_PARAMETER_KEYS` (sequence length, window, RoPE base, mesh and
+  the whole train section may change). The source is only read: a damaged step there is
+  skipped with a warning, never moved.
+
+  Raises:
+    CheckpointError: no checkpoint in `source` restores and verifies (or none exists).
+  """
+  manager = make_manager(source)
+
+  def restore_step(step: int) -> Any:
+    check_compatible(restore_config(manager, step), config, may_differ=NON_PARAMETER_KEYS)
+    return restore_params(manager, step, target).params
+
+  try:
+    restored = restore_newest(manager, restore_step)
+  finally:
+    manager.close()
+  if restored is None:
+    raise CheckpointError(
+      f"train.init_from={source!r}: no checkpoint in {checkpoint_dir(source)}; point it at "
+      "the workdir of the run whose parameters this one starts from"
+    )
+  step, params, _ = restored
+  return step, params
 
 
 def restore(

@@ -234,9 +234,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
     if not is_int(value, 0):
       raise ConfigError(f"{key} must be an integer >= 0 (0 disables), got {value!r}")
   t = config.train
-  if t.warmup_steps > t.total_steps:
+  if t.warmup_steps >= t.total_steps:  # the cosine decay needs at least one step
     raise ConfigError(
-      f"train.warmup_steps={t.warmup_steps} exceeds train.total_steps={t.total_steps}"
+      f"train.warmup_steps={t.warmup_steps} must be below train.total_steps={t.total_steps} "
+      "(the cosine decay follows the warm-up): lower warmup_steps or raise total_steps"
     )
   for key in ("learning_rate", "weight_decay", "grad_clip", "final_learning_rate"):
     if not isinstance(t[key], (int, float)) or t[key] < 0:

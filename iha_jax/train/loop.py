@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 from iha_jax import parallel, storage
 from iha_jax.errors import UserError
 from iha_jax.models import LanguageModel
+from iha_jax.parallel import context
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train import flops as flops_lib
@@ -45,7 +46,7 @@ from iha_jax.train.evaluate import Evaluator
 from iha_jax.train.losses import loss_chunk_tokens
 from iha_jax.train.metrics import MetricsWriter
 from iha_jax.train.optimizer import make_optimizer
-from iha_jax.train.state import TrainState, abstract_state, create_state
+from iha_jax.train.state import TrainState, abstract_state, create_state, state_from_params
 
 
 class NonFiniteLossError(UserError, RuntimeError):
@@ -231,7 +232,8 @@ class Trainer:
 
   def restore_or_init(self) -> tuple[int, TrainState]:
     """`(step, state)` of the newest readable checkpoint (unreadable newer ones are set
-    aside), else `(0, a fresh state)`."""
+    aside), else step 0 with the parameters of `train.init_from`'s run (a fresh
+    optimizer), else `(0, a fresh state)`."""
     config, manager = self.config, self.manager
 
     def restore_step(step: int) -> TrainState:
@@ -240,6 +242,12 @@ class Trainer:
 
     restored = ckpt.restore_newest(manager, restore_step)
     if restored is None:
+      source = config.train.get("init_from")
+      if source:
+        source = storage.resolve(source, name="train.init_from")
+        step, params = ckpt.init_params_from(source, self.target, config)
+        logging.info("parameters from step %d of %s; optimizer state fresh, step 0", step, source)
+        return 0, state_from_params(params, self.tx, self.shardings)
       return 0, create_state(self.model, self.tx, self.mesh, config.train.seed)[0]
     start, state, unreadable = restored
     if unreadable:
@@ -251,19 +259,27 @@ class Trainer:
     logging.info("resumed from step %d of %s", start, ckpt.checkpoint_dir(self.workdir))
     return start, state
 
+  def layout(self) -> contextlib.AbstractContextManager:
+    """The token layout the step is traced and fed under (`mesh.context_load_balance`:
+    the balanced one, `iha_jax.parallel.context`)."""
+    balanced = self.config.mesh.get("context_load_balance", False)
+    return context.layout("balanced" if balanced else "contiguous")
+
   def compile_step(self) -> Any:
     """The train step, jitted with shardings and a donated state, compiled ahead."""
     config = self.config
-    compiled = lowering.lower_train_step(
-      self.model,
-      self.tx,
-      config.train,
-      self.loss,
-      self.mesh,
-      self.target,
-      self.shardings,
-      config.data.seq_len,
-    ).compile()
+    with self.layout():
+      lowered = lowering.lower_train_step(
+        self.model,
+        self.tx,
+        config.train,
+        self.loss,
+        self.mesh,
+        self.target,
+        self.shardings,
+        config.data.seq_len,
+      )
+    compiled = lowered.compile()
     _log_memory(compiled)
     return compiled
 
@@ -343,7 +359,7 @@ class Trainer:
 
     try:
       writer = MetricsWriter(self.workdir, total_steps=total, initial_step=self.start)
-      with parallel.activate(self.mesh):
+      with parallel.activate(self.mesh), self.layout():
         for step in range(self.start + 1, total + 1):
           batch = parallel.shard_batch(next(self.train_it), self.mesh)
           self.state, metrics = self.compiled(self.state, batch)

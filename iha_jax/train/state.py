@@ -86,6 +86,15 @@ def create_state(
   return state, shardings
 
 
+def state_from_params(
+  params: Any, tx: optax.GradientTransformation, shardings: TrainState
+) -> TrainState:
+  """Step 0 and a fresh optimizer state for `params` (e.g. another run's), sharded as
+  `shardings`."""
+  fresh = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
+  return jax.jit(fresh, out_shardings=shardings)(params)
+
+
 def abstract_state(
   model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh
 ) -> tuple[Any, TrainState]:
