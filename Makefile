@@ -49,13 +49,13 @@ format: $(VENV)/.installed
 
 # The default training demo: IHA ("LM") and its Global+Local twin ("SM"), each at its own
 # tuned learning rate, evaluated side by side; then the retrieval length sweep of both
-# and their layer-0 attention maps in WORKDIR/pictures.
+# and the attention maps of their first layer (layer number 1) in WORKDIR/pictures.
 train: $(VENV)/.installed
 	$(PY) train.py --config configs/default.py --workdir $(WORKDIR)
 	$(PY) train.py --config configs/global_local_default.py --workdir $(TWIN_WORKDIR)
 	$(PY) eval.py --workdir $(WORKDIR) --workdir $(TWIN_WORKDIR)
 	$(PY) eval.py --workdir $(WORKDIR) --workdir $(TWIN_WORKDIR) --sweep_lengths=64,128,256 \
-	  --attention_layer=0 --out_dir $(WORKDIR)/pictures
+	  --attention_layer_number=1 --out_dir $(WORKDIR)/pictures
 
 # The corpus every machine has (the interpreter's standard library source, test packages
 # excluded) and a 2048-piece byte-level BPE trained on its train split.

@@ -6,7 +6,7 @@
   python eval.py --workdir IHA --workdir MHA --sweep_lengths=128,256,512 --out_dir OUT
       exact match of each run's retrieval task at each context length:
       OUT/length_sweep.json and OUT/length_sweep.png.
-  python eval.py --workdir DIR --attention_layer=0 --out_dir OUT
+  python eval.py --workdir DIR --attention_layer_number=1 --out_dir OUT
       every head's attention in that layer for one test example: OUT/<run>_layer0.png.
   python eval.py --workdir IHA --workdir TWIN --complete [--prompt='def f(x):\n']
       runs trained on text: their test loss, perplexity and bits per byte side by side,
@@ -22,6 +22,7 @@ keys). Errors a person can fix print one line (`--debug` or IHA_DEBUG=1: the tra
 """
 
 import json
+import logging
 
 from absl import flags
 
@@ -35,7 +36,12 @@ flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 flags.DEFINE_string("mesh", None, "Mesh override, e.g. data:1,fsdp:-1,tensor:1.")
 flags.DEFINE_list("sweep_lengths", None, "Context lengths of the retrieval sweep.")
 flags.DEFINE_integer("sweep_examples", 128, "Examples per length in the sweep.")
-flags.DEFINE_integer("attention_layer", None, "Layer whose attention maps to draw.")
+flags.DEFINE_integer(
+  "attention_layer_number", None, "Layer (counted from 1) whose attention maps to draw."
+)
+flags.DEFINE_integer(
+  "attention_layer", None, "Deprecated: the layer counted from 0; use --attention_layer_number."
+)
 flags.DEFINE_integer("attention_example", 0, "Index of the example to draw.")
 flags.DEFINE_string("out_dir", None, "Output directory of the sweep and the pictures.")
 flags.DEFINE_bool("complete", False, "Text runs: metrics side by side and completions.")
@@ -61,9 +67,21 @@ def main(argv):
   from iha_jax.eval import attention_pictures, evaluate_workdir, length_sweep, parse_mesh, sweep_png
 
   mesh = None if FLAGS.mesh is None else parse_mesh(FLAGS.mesh)
-  needs_out_dir = FLAGS.sweep_lengths is not None or FLAGS.attention_layer is not None
+  layer_number = FLAGS.attention_layer_number
+  if FLAGS.attention_layer is not None:  # the old 0-based flag: converted, never shifted
+    if layer_number is not None:
+      cli.fail("give --attention_layer_number only (the deprecated --attention_layer too)")
+    layer_number = FLAGS.attention_layer + 1
+    logging.warning(
+      "--attention_layer=%d counts from 0 and is deprecated: drawing layer number %d "
+      "(--attention_layer_number=%d)",
+      FLAGS.attention_layer,
+      layer_number,
+      layer_number,
+    )
+  needs_out_dir = FLAGS.sweep_lengths is not None or layer_number is not None
   if needs_out_dir and not FLAGS.out_dir:
-    cli.fail("--out_dir is required with --sweep_lengths or --attention_layer")
+    cli.fail("--out_dir is required with --sweep_lengths or --attention_layer_number")
   if FLAGS.sweep_lengths is not None:
     result = length_sweep(
       FLAGS.workdir,
@@ -76,12 +94,12 @@ def main(argv):
     )
     print(json.dumps(result, indent=2))
     print(sweep_png(FLAGS.out_dir))
-  if FLAGS.attention_layer is not None:
+  if layer_number is not None:
     for workdir in FLAGS.workdir:
       print(
         attention_pictures(
           workdir,
-          FLAGS.attention_layer,
+          layer_number,
           FLAGS.out_dir,
           split=FLAGS.split,
           example=FLAGS.attention_example,

@@ -14,9 +14,10 @@ stage's tokens, learning rate nor RoPE scaling; the choices here *(project)*:
 - windows: IHA's 'L' window stays the FLOP-matched rule at the new length ("auto":
   `N / (2P)` virtual tokens = 1,638 at P = 20), so its attention FLOPs stay matched to a
   global layer's as in pre-training; Global+Local keeps its 512-token windows;
-- mesh: the sequence split over 8 devices (`mesh.context`), FSDP over the rest, the
-  balanced token layout for the causal global layers (docs/design.md, context
-  parallelism); on v5p-128 (64 chips) that is fsdp 8 x context 8.
+- mesh: the sequence split over 4 devices (`mesh.context`: 16,384 tokens each), FSDP
+  over the rest, the balanced token layout for the causal global layers (docs/design.md,
+  context parallelism); on v5p-128 (64 chips, a 4x4x4 torus) that is fsdp 16 x
+  context 4, one sequence per FSDP group.
 """
 
 import ml_collections
@@ -38,7 +39,7 @@ def extend(config: ml_collections.ConfigDict, init_from: str) -> ml_collections.
     final_learning_rate=8e-6,
     warmup_steps=200,
   )
-  config.mesh.update(data=1, fsdp=-1, context=8, tensor=1, context_load_balance=True)
+  config.mesh.update(data=1, fsdp=-1, context=4, tensor=1, context_load_balance=True)
   config.checkpoint.update({"every": 500})
   config.eval_every = 1000
   return config

@@ -188,13 +188,14 @@ def test_length_sweep_writes_json_and_plot(runs, tmp_path):
 
 
 def test_attention_pictures(runs, tmp_path):
-  path = attention_pictures(runs["iha"], 0, str(tmp_path))
-  assert path == str(tmp_path / "iha_layer0.png")
+  path = attention_pictures(runs["iha"], 1, str(tmp_path))  # layers count from 1
+  assert path == str(tmp_path / "iha_layer1.png")
   decode_png(path)
 
 
 def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
-  """The real CLI, once: pictures of an IHA layer and of an MHA layer."""
+  """The real CLI, once: pictures of an IHA layer and of an MHA layer, asked for with the
+  deprecated 0-based flag, which converts (layer 1 from 0 is layer number 2) and warns."""
   out = tmp_path / "pictures"
   proc = subprocess.run(
     [
@@ -212,8 +213,9 @@ def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
     check=False,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  decode_png(str(out / "iha_layer1.png"))
-  decode_png(str(out / "mha_layer1.png"))
+  assert "--attention_layer=1 counts from 0 and is deprecated" in proc.stderr
+  decode_png(str(out / "iha_layer2.png"))
+  decode_png(str(out / "mha_layer2.png"))
 
 
 @pytest.mark.parametrize(
@@ -236,8 +238,8 @@ def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
       r"--sweep_examples must be a positive integer",
     ),
     (
-      lambda runs, out: attention_pictures(runs["iha"], 2, out),
-      r"--attention_layer=2 is out of range: .* has 2 layers \(0..1\)",
+      lambda runs, out: attention_pictures(runs["iha"], 3, out),
+      r"--attention_layer_number=3 is out of range: .* has 2 layers \(1..2\)",
     ),
   ],
 )

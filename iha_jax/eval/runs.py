@@ -28,6 +28,7 @@ from iha_jax.errors import UserError
 from iha_jax.eval.attention_maps import attention_maps, plot_attention_maps
 from iha_jax.models import TransformerConfig
 from iha_jax.models.language_model import LanguageModel, Params
+from iha_jax.ops.validation import is_int
 from iha_jax.parallel.rules import MESH_AXES
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
@@ -244,7 +245,7 @@ def chance_exact_match(config: ml_collections.ConfigDict) -> float | None:
 
 def attention_pictures(
   workdir: str,
-  layer: int,
+  layer_number: int,
   out_dir: str,
   *,
   split: str = "test",
@@ -252,15 +253,16 @@ def attention_pictures(
   step: int | None = None,
   mesh: dict[str, int] | None = None,
 ) -> str:
-  """Draws every head's attention in layer `layer` for test example `example` to
-  `out_dir/<run>_layer<layer>.png` (one panel per head, P x P token blocks outlined)
-  and returns the path. The maps are dense `[T, T]`: meant for short examples."""
+  """Draws every head's attention in layer `layer_number` (counted from 1) for test
+  example `example` to `out_dir/<run>_layer<layer_number>.png` (one panel per head, P x P
+  token blocks outlined) and returns the path. The maps are dense `[T, T]`: meant for
+  short examples."""
   run = restore_run(workdir, step, mesh)
   num_layers = run.model.config.num_layers
-  if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+  if not is_int(layer_number, 1) or layer_number > num_layers:
     raise EvalError(
-      f"--attention_layer={layer!r} is out of range: {workdir!r} has "
-      f"{num_layers} layers (0..{num_layers - 1})"
+      f"--attention_layer_number={layer_number!r} is out of range: {workdir!r} has "
+      f"{num_layers} layers (1..{num_layers})"
     )
   if example < 0:
     raise EvalError(f"--attention_example must be >= 0, got {example}")
@@ -282,17 +284,17 @@ def attention_pictures(
   keep = batch["segment_ids"][0] > 0
   tokens = np.asarray(batch["inputs"][0][keep])
   with parallel.activate(run.mesh):
-    probs = attention_maps(run.model.module(run.params), tokens, layer=layer)
+    probs = attention_maps(run.model.module(run.params), tokens, layer_number=layer_number)
   num_pseudo = probs.shape[-1] // len(tokens)
-  kind = run.model.config.attention_schedule[layer % len(run.model.config.attention_schedule)]
-  path = storage.join(out_dir, f"{run.name}_layer{layer}.png")
+  letter = run.model.config.schedule[layer_number - 1]
+  path = storage.join(out_dir, f"{run.name}_layer{layer_number}.png")
   if jax.process_index() == 0:
     storage.makedirs(out_dir)
     plot_attention_maps(
       probs,
       num_pseudo,
       path,
-      title=f"{run.name} step {run.step}, layer {layer} ('{kind}', "
+      title=f"{run.name} step {run.step}, layer {layer_number} ('{letter}', "
       f"P={num_pseudo}), {split} example {example}",
     )
   return path

@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from iha_jax.parallel.rules import MESH_AXES, OPTIONAL_AXES
@@ -62,6 +63,11 @@ def create_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None =
     raise ValueError(
       f"a multi-process mesh must use every device: mesh {shape} uses {used} of {len(devices)}"
     )
-  return jax.make_mesh(
-    shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices[:used]
-  )
+  types = (AxisType.Auto,) * len(MESH_AXES)
+  try:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices[:used])
+  except NotImplementedError:
+    # A TPU torus whose axes the mesh's sizes do not factor into (fsdp 8 on 4x4x4):
+    # let an axis span part of a physical axis rather than refuse the mesh.
+    grid = mesh_utils.create_device_mesh(shape, devices[:used], allow_split_physical_axes=True)
+    return Mesh(grid, MESH_AXES, axis_types=types)
