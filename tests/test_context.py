@@ -132,3 +132,19 @@ def test_halo_and_traffic_arithmetic():
   np.testing.assert_array_equal(
     context.balance_tokens(x, 2)[0], np.concatenate([x[0, :4], x[0, 12:], x[0, 4:8], x[0, 8:12]])
   )
+
+
+def test_decoding_on_a_context_mesh():
+  """Generation under a context-parallel mesh (the prompt's forward split over 2 shards,
+  the one-token steps not) gives the tokens of one device."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from iha_jax.models import TransformerLM  # pylint: disable=import-outside-toplevel
+  from iha_jax.models.generate import generate  # pylint: disable=import-outside-toplevel
+
+  config = MODEL.__class__(**{**MODEL.__dict__, "attention_schedule": "LM", "num_layers": 2})
+  model = TransformerLM(config, rngs=nnx.Rngs(0))
+  prompt = jnp.asarray(_batch()["inputs"][:, :16])
+  expected = generate(model, prompt, max_new_tokens=6)
+  with parallel.activate(parallel.create_mesh(dict(data=1, fsdp=1, context=2, tensor=1))):
+    np.testing.assert_array_equal(generate(model, prompt, max_new_tokens=6), expected)

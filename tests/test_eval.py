@@ -65,7 +65,7 @@ def test_eval_writes_metrics(runs):
   with open(os.path.join(runs["iha"], "eval.json"), encoding="utf-8") as f:
     assert json.load(f) == record
   assert record["step"] == 4 and record["split"] == "test" and record["examples"] == 32
-  assert record["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}  # The saved mesh fits.
+  assert record["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}  # saved, fits
   for key in ("loss", "perplexity", "token_accuracy", "exact_match", "chance_exact_match"):
     assert isinstance(record[key], float) and np.isfinite(record[key]), key
   assert 0.0 <= record["exact_match"] <= record["token_accuracy"] <= 1.0
@@ -73,11 +73,12 @@ def test_eval_writes_metrics(runs):
 
 
 def test_restore_onto_another_mesh(runs):
-  """Saved on fsdp=8, restored onto data=2 x tensor=4: same parameters, same metrics."""
+  """Saved on fsdp=8, restored onto data=2 x context=2 x tensor=2 (the sequence split over
+  devices too): same parameters, same metrics."""
   saved = restore_run(runs["iha"])
-  moved = restore_run(runs["iha"], mesh=parse_mesh("data:2,tensor:4"))
+  moved = restore_run(runs["iha"], mesh=parse_mesh("data:2,context:2,tensor:2"))
   wq = moved.params["layers"]["0"]["attn"]["wq"]
-  assert dict(moved.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+  assert dict(moved.mesh.shape) == {"data": 2, "fsdp": 1, "context": 2, "tensor": 2}
   assert "tensor" in str(wq.sharding.spec)
   np.testing.assert_array_equal(
     np.asarray(wq), np.asarray(saved.params["layers"]["0"]["attn"]["wq"])

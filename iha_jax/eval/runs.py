@@ -38,7 +38,7 @@ from iha_jax.train.losses import loss_chunk_tokens
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
 
-FALLBACK_MESH = {"data": 1, "fsdp": -1, "tensor": 1}
+FALLBACK_MESH = {"data": 1, "fsdp": -1, "context": 1, "tensor": 1}
 
 
 class EvalError(UserError, ValueError):
@@ -50,7 +50,7 @@ class RunNotFoundError(UserError, FileNotFoundError):
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-  """`"data:1,fsdp:-1,tensor:1"` -> mesh sizes; axes left out are 1."""
+  """`"data:1,fsdp:-1,context:1,tensor:1"` -> mesh sizes; axes left out are 1."""
   sizes = dict.fromkeys(MESH_AXES, 1)
   for item in filter(None, (part.strip() for part in text.split(","))):
     axis, _, size = item.partition(":")
