@@ -154,8 +154,16 @@ def test_module_holds_the_parameters(scan_layers, remat):
 
 
 def test_length_sweep_writes_json_and_plot(runs, tmp_path):
+  """The retrieval sweep at longer contexts, run with every sequence split over 4 devices
+  (the long-context mesh); at the training length it gives the plain evaluation's numbers."""
   out = str(tmp_path / "sweep")
-  result = length_sweep([runs["iha"], runs["mha"]], [str(n) for n in LENGTHS], out, num_examples=32)
+  result = length_sweep(
+    [runs["iha"], runs["mha"]],
+    [str(n) for n in LENGTHS],
+    out,
+    num_examples=32,
+    mesh=parse_mesh("fsdp:2,context:4"),
+  )
   with open(os.path.join(out, "length_sweep.json"), encoding="utf-8") as f:
     assert json.load(f) == result
   assert result["lengths"] == LENGTHS and result["examples"] == 32
