@@ -148,3 +148,21 @@ def test_decoding_on_a_context_mesh():
   expected = generate(model, prompt, max_new_tokens=6)
   with parallel.activate(parallel.create_mesh(dict(data=1, fsdp=1, context=2, tensor=1))):
     np.testing.assert_array_equal(generate(model, prompt, max_new_tokens=6), expected)
+
+
+def test_auto_takes_the_xla_path_per_shard_where_kernels_would_run():
+  """On a kernel backend (resolved as on TPU) "auto" runs "xla" on each shard, down to the
+  MHA call inside differential attention; an explicit kernel is refused by name."""
+  from iha_jax import ops  # pylint: disable=import-outside-toplevel
+  from iha_jax.ops import registry  # pylint: disable=import-outside-toplevel
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k = (jax.random.normal(key, (B, N, 2, 2, 8)) for key in keys[:2])
+  v = jax.random.normal(keys[2], (B, N, 2, 16))
+  expected = ops.diff_attention(q, k, v, 0.3, implementation="xla")
+  mesh = parallel.create_mesh(dict(data=1, fsdp=1, context=4, tensor=1))
+  with parallel.activate(mesh), registry.auto_backend("tpu"):
+    got = jax.jit(lambda q, k, v: ops.diff_attention(q, k, v, 0.3))(q, k, v)
+    with pytest.raises(ValueError, match="'pallas_tpu' cannot run sequence-sharded"):
+      ops.mha_attention(q[:, :, :, 0], k[:, :, :, 0], v[..., :8], implementation="pallas_tpu")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)

@@ -197,7 +197,13 @@ def lookup(
         f"'context' > 1) yet; use one of {sorted(SLICED)} or 'auto'"
       )
     name = "xla"
-  return functools.partial(context.attend, _load(kind, name), _ROLES[kind], per_token=expansion)
+  inner = _load(kind, name)
+
+  def per_shard(*args: Any) -> jax.Array:  # inner calls (diff's MHA) take `name` too
+    *arrays, options = args
+    return inner(*arrays, options.replace(implementation=name))
+
+  return functools.partial(context.attend, per_shard, _ROLES[kind], per_token=expansion)
 
 
 @functools.cache
