@@ -4,13 +4,17 @@ Rows (same B, N, d; H heads, or H/2 differential heads of value width 2d, as the
 builds them): IHA with the paper's FLOP-matched window N/(2P) virtual tokens (`L`) and
 global (`I`); MHA global (`M`) and with a window (`S`, Global+Local); Talking-Heads
 (`T`); differential (`D`); 2-simplicial with a window (`X`: global 2-simplicial is
-O(N^3) and is timed only when `--simplicial_window 0`); and bidirectional IHA-window
-and MHA (encoders). Each row: fwd+bwd ms (best of `--repeats`), the compiled program's
-peak temporary memory, model GFLOP/s (the project's FLOP counting of the core and the
-head mixings, training = 3x forward) and the time ratio to causal global MHA.
+O(N^3) and is timed only when `--simplicial_window 0`); bidirectional IHA-window
+and MHA (encoders); and grouped-query IHA-window and MHA (`--kv_heads` G key/value heads,
+default H/4: Llama 3 8B's ratio of 32 query heads over 8). Each row: fwd+bwd ms (best of
+`--repeats`), the compiled program's peak temporary memory, model GFLOP/s (the project's
+FLOP counting of the core and the head mixings, training = 3x forward) and the time ratio
+to causal global MHA.
 
   python benchmarks/attention.py                     # B=2 N=1024 H=4 d=64 P=4, xla
   python benchmarks/attention.py --seq_len 2048 --only iha_window,mha
+  python benchmarks/attention.py --heads 32 --kv_heads 8 --head_dim 16 \
+    --only iha_window,iha_window_gqa,mha_gqa
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ def _rows(a: argparse.Namespace) -> dict[str, tuple]:
   mixing = lambda scale: (eye * scale + 0.1 * normal(h, h, p)).astype(dtype)
   iha_args = (src(), src(), src(), mixing(1.0), mixing(1.0), mixing(1.0), mixing(1.0 / p))
   mha_args = (src(), src(), src())
+  g = a.kv_heads or max(1, h // 4)
+  kv = lambda: normal(b, n, g, d)
+  kv_mixing = (jnp.broadcast_to(jnp.eye(g)[:, :, None], (g, g, p)) + 0.1 * normal(g, g, p)).astype(
+    dtype
+  )
+  gqa_args = (src(), kv(), kv(), mixing(1.0), kv_mixing, kv_mixing, mixing(1.0 / p))
   iha_window = max(1, n // (2 * p))  # virtual tokens: N / (2 P^2) tokens
   mha_window = a.mha_window or max(1, n // 16)  # the paper: 512 at N = 8192
   x_window = a.simplicial_window or None
@@ -100,12 +110,23 @@ def _rows(a: argparse.Namespace) -> dict[str, tuple]:
       lambda *x: ops.mha_attention(*x, causal=False, **impl),
       mha_args,
     ),
+    "iha_window_gqa": (
+      cfg("iha", num_pseudo=p, window=iha_window, num_kv_heads=g),
+      lambda *x: ops.iha_attention(*x, window=iha_window, **impl),
+      gqa_args,
+    ),
+    "mha_gqa": (
+      cfg("mha", num_kv_heads=g),
+      lambda *x: ops.mha_attention(*x, **impl),
+      (src(), kv(), kv()),
+    ),
   }
 
 
 def _label(name: str, acfg: AttentionConfig) -> str:
   window = "" if acfg.window is None else f" w={acfg.window}"
-  return name + (f" P={acfg.pseudo}" if acfg.interleaved else "") + window
+  groups = f" G={acfg.kv_heads}" if acfg.kv_heads != acfg.num_heads else ""
+  return name + (f" P={acfg.pseudo}" if acfg.interleaved else "") + groups + window
 
 
 def main() -> None:
@@ -115,6 +136,7 @@ def main() -> None:
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--pseudo", type=int, default=4)
+  parser.add_argument("--kv_heads", type=int, default=0, help="G of the *_gqa rows; 0: H/4")
   parser.add_argument("--mha_window", type=int, default=0, help="0: N / 16")
   parser.add_argument("--simplicial_window", type=int, default=64, help="0: global")
   parser.add_argument("--impl", default="xla", help="implementation (kinds without it: xla)")

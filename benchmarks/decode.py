@@ -1,9 +1,11 @@
 """KV-cache decoding: IHA (LLLLM, both cache modes) vs MHA (M), cache bytes and tokens/s.
 
-Builds two small `TransformerLM`s of the same width, depth and heads: the paper's
-schedule LLLLM (window max_len/(2P) virtual tokens, docs/design.md §2) and plain M, generates
-greedily with a KV cache, and reports side by side the cache bytes and the decode
-throughput (prefill time subtracted), best of `--repeats`, in one process.
+Builds small `TransformerLM`s of the same width, depth and heads: the paper's schedule
+LLLLM (window max_len/(2P) virtual tokens, docs/design.md §2) and plain M, each also with
+grouped-query attention (`--kv_heads` G key/value heads, default H/4: Llama 3 8B's ratio;
+the caches hold G heads), generates greedily with a KV cache, and reports side by side the
+cache bytes and the decode throughput (prefill time subtracted), best of `--repeats`, in
+one process.
 
   python benchmarks/decode.py                           # B=4, prompt 64, 448 new tokens
   python benchmarks/decode.py --iha_schedule I --pseudo 2   # global IHA: source vs pseudo
@@ -32,6 +34,7 @@ def main() -> None:
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--pseudo", type=int, default=4)
+  parser.add_argument("--kv_heads", type=int, default=0, help="G of the GQA rows; 0: H/4")
   parser.add_argument("--vocab", type=int, default=1024)
   parser.add_argument("--iha_schedule", default="LLLLM", help="schedule of the IHA model")
   parser.add_argument("--impl", default="xla", help="attention core of the prefill forward")
@@ -60,17 +63,22 @@ def main() -> None:
     mha_window=iha_window,
   )
   name = f"IHA {args.iha_schedule}"
+  kv_heads = args.kv_heads or max(1, args.heads // 4)
+  gqa = dict(num_kv_heads=kv_heads)
   runs = [
     (name, "source", iha),
     (name, "pseudo", iha),
     ("MHA M", "-", dict(attention_schedule="M")),
+    (f"{name} G={kv_heads}", "source", {**iha, **gqa}),
+    (f"{name} G={kv_heads}", "pseudo", {**iha, **gqa}),
+    (f"MHA M G={kv_heads}", "-", dict(attention_schedule="M", **gqa)),
   ]
   print(
     f"backend={jax.default_backend()} B={args.batch} prompt={args.prompt_len} "
     f"new={args.new_tokens} layers={args.layers} D={args.model_dim} H={args.heads} "
     f"d={args.head_dim} P={args.pseudo} iha_window={iha_window} virtual tokens"
   )
-  print(f"{'model':<12} {'cache':<7} {'cache bytes':>12} {'prefill ms':>11} {'decode tok/s':>13}")
+  print(f"{'model':<18} {'cache':<7} {'cache bytes':>12} {'prefill ms':>11} {'decode tok/s':>13}")
   for name, cache_mode, schedule in runs:
     model = TransformerLM(TransformerConfig(**common, **schedule), rngs=nnx.Rngs(0))
     mode = "source" if cache_mode == "-" else cache_mode  # MHA caches are the same either way.
@@ -89,7 +97,7 @@ def main() -> None:
     # generate = prefill + (new_tokens - 1) cached decode steps.
     tokens_per_s = args.batch * (args.new_tokens - 1) / max(t_total - t_prefill, 1e-9)
     print(
-      f"{name:<12} {cache_mode:<7} {cache.nbytes:>12,d} {1e3 * t_prefill:>11.1f} "
+      f"{name:<18} {cache_mode:<7} {cache.nbytes:>12,d} {1e3 * t_prefill:>11.1f} "
       f"{tokens_per_s:>13,.0f}"
     )
 

@@ -27,10 +27,11 @@ from iha_jax.parallel import compiled, targets
 @dataclasses.dataclass(frozen=True)
 class Case:
   """One kernel configuration (`kind` "iha", or "mha": P = 1 without mixing; differential
-  attention is MHA with `value_dim = 2 * head_dim`)."""
+  attention is MHA with `value_dim = 2 * head_dim`; `kv_heads` G < H is grouped-query)."""
 
   kind: str = "iha"
   heads: int = 8
+  kv_heads: int | None = None  # G key/value heads; None = heads
   pseudo: int = 2
   head_dim: int = 128
   value_dim: int | None = None  # MHA only; None = head_dim
@@ -53,8 +54,9 @@ class Case:
       else "MHA" + (f" dv={self.value_dim}" if self.value_dim else "")
     )
     blocks = f" blocks={self.blocks[0]}x{self.blocks[1]}" if self.blocks else ""
+    groups = f" G={self.kv_heads}" if self.kv_heads not in (None, self.heads) else ""
     return (
-      f"{p} H={self.heads} d={self.head_dim} N={self.tokens} {mask}"
+      f"{p} H={self.heads}{groups} d={self.head_dim} N={self.tokens} {mask}"
       f"{' seg' if self.segments else ''} {self.dtype} {'fwd+bwd' if self.backward else 'fwd'}"
       f"{blocks}"
     )
@@ -74,15 +76,16 @@ def _inputs(case: Case, device: jax.Device) -> tuple[jax.ShapeDtypeStruct, ...]:
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   dtype = jnp.dtype(case.dtype)
   b, n, h, d = 1, case.tokens, case.heads, case.head_dim
-  qk = spec((b, n, h, d), dtype)
+  g = case.kv_heads or h
+  q, k = spec((b, n, h, d), dtype), spec((b, n, g, d), dtype)
   tokens = spec((b, n), jnp.int32)
   if case.kind == "mha":
-    return qk, qk, spec((b, n, h, case.value_dim or d), dtype), tokens, tokens
-  alpha = spec((h, h, case.pseudo), jnp.float32)
+    return q, k, spec((b, n, g, case.value_dim or d), dtype), tokens, tokens
+  alpha_q, alpha_kv = (spec((x, x, case.pseudo), jnp.float32) for x in (h, g))
   collapse = spec(
     (h, case.pseudo) if case.collapse == "per_head" else (h, h, case.pseudo), jnp.float32
   )
-  return qk, qk, qk, alpha, alpha, alpha, collapse, tokens, tokens
+  return q, k, k, alpha_q, alpha_kv, alpha_kv, collapse, tokens, tokens
 
 
 def kernels_block_sizes(blocks: tuple[int, int] | None) -> BlockSizes | None:

@@ -20,6 +20,7 @@ tiny shape on any backend (Pallas rows in interpret mode off their platform).
   python benchmarks/kernels.py            # paper shape: B=1, N=8192, H=20, d=128, P=4
   python benchmarks/kernels.py --small    # CPU smoke test
   python benchmarks/kernels.py --pseudo 20  # the paper's default P = H = 20
+  python benchmarks/kernels.py --kv_heads 5  # grouped-query: 20 query heads over 5 key/value
 
 The first line is the device's measured dense matmul rate (a square matmul in the
 run's dtype); the "% mm" column is each row's TFLOP/s as a share of it.
@@ -105,6 +106,7 @@ def main() -> None:
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--pseudo", type=int, default=4, help="P (docs/design.md §4: 4 or H = 20)")
+  parser.add_argument("--kv_heads", type=int, default=0, help="G key/value heads (0: G = H)")
   parser.add_argument("--layers", default="window_iha,global_iha,global_mha")
   parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
   cli = parser.parse_args()
@@ -113,14 +115,17 @@ def main() -> None:
   )
   iters = 2 if cli.small else cli.iters
   dtype = jnp.dtype(cli.dtype)
+  g = cli.kv_heads or h
   keys = jax.random.split(jax.random.key(0), 7)
-  qkv = [jax.random.normal(keys[i], (b, n, h, d), dtype) for i in range(3)]
-  mixing = [jax.random.normal(keys[3 + i], (h, h, p), dtype) / h for i in range(4)]
+  qkv = [jax.random.normal(keys[i], (b, n, x, d), dtype) for i, x in enumerate((h, g, g))]
+  mixing = [
+    jax.random.normal(keys[3 + i], (x, x, p), dtype) / x for i, x in enumerate((h, g, g, h))
+  ]
   # docs/design.md §2: window layers use N/(2P) virtual tokens.
   layers = {"window_iha": (p, n // (2 * p)), "global_iha": (p, None), "global_mha": (1, None)}
   peak = matmul_tflops(dtype, 512 if cli.small else 8192, iters)
   print(
-    f"backend={jax.default_backend()} B={b} N={n} H={h} d={d} P={p} dtype={dtype.name} "
+    f"backend={jax.default_backend()} B={b} N={n} H={h} G={g} d={d} P={p} dtype={dtype.name} "
     f"matmul={peak:.2f} TFLOP/s"
   )
   print(

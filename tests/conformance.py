@@ -34,19 +34,30 @@ def normal(key: jax.Array, *shapes) -> tuple[jax.Array, ...]:
   return tuple(jax.random.normal(k, s) for k, s in zip(keys, shapes))
 
 
-def iha(h: int, d: int, p: int, *, per_head: bool = False, rope_theta: float | None = 10000.0):
-  """IHA with H = h heads of width d and P = p pseudo-heads."""
+def iha(
+  h: int,
+  d: int,
+  p: int,
+  *,
+  per_head: bool = False,
+  rope_theta: float | None = 10000.0,
+  kv_heads: int | None = None,
+):
+  """IHA with H = h heads of width d, P = p pseudo-heads and G = kv_heads key/value heads
+  (None: G = H)."""
   return Kind(
-    lambda key, b, n: random_iha_inputs(key, b, n, h, d, p, per_head=per_head),
+    lambda key, b, n: random_iha_inputs(key, b, n, h, d, p, per_head=per_head, kv_heads=kv_heads),
     functools.partial(ops.iha_attention, rope_theta=rope_theta),
     rope=rope_theta is not None,
   )
 
 
-def mha(h: int, d: int, dv: int) -> Kind:
-  """MHA with values `dv` wide (differential attention uses dv = 2d)."""
+def mha(h: int, d: int, dv: int, kv_heads: int | None = None) -> Kind:
+  """MHA with values `dv` wide (differential attention uses dv = 2d) and G = kv_heads
+  key/value heads (None: G = H)."""
+  g = h if kv_heads is None else kv_heads
   return Kind(
-    lambda key, b, n: normal(key, (b, n, h, d), (b, n, h, d), (b, n, h, dv)), ops.mha_attention
+    lambda key, b, n: normal(key, (b, n, h, d), (b, n, g, d), (b, n, g, dv)), ops.mha_attention
   )
 
 

@@ -238,7 +238,7 @@ def test_bad_arguments_name_the_argument():
     ops.diff_attention(dq, dk, dv[:, :3], lam)
   with pytest.raises(ValueError, match="q, k1, k2, v1 and v2 must have the same shape"):
     ops.simplicial_attention(q, k, v, q, k[..., :4])
-  with pytest.raises(ValueError, match="q, k and v must have the same shape"):
+  with pytest.raises(ValueError, match=r"k and v must have the same shape \[B, N, G, d\]"):
     ops.iha_attention(q, k, dv, *([jnp.eye(H)[:, :, None]] * 4))
 
 

@@ -40,17 +40,18 @@ GPU, TPU = "pallas_gpu", "pallas_tpu"
 KERNEL_CASES = [
   # Triton interpret: tiles of 16 virtual rows (GPU tiles count rows, powers of two) over
   # N = 20: 8-token tiles at P = 2 (padded to 24: three tiles each way), 16 at P = 1.
-  # P in {1, 2, 4}, global and windowed (with the bfloat16 cases below).
+  # P in {1, 2, 4}, global and windowed (with the bfloat16 cases below); G = 1 key/value
+  # head (multi-query) at P = 4.
   *[
     _case(
-      f"gpu-p{p}-w{w}",
-      cf.iha(2, 16, p),
+      f"gpu-p{p}-w{w}-g{g or 2}",
+      cf.iha(2, 16, p, kv_heads=g),
       GPU,
       20,
       {**CAUSAL, "window": w},
       blocks=BlockSizes(max(16, 8 * p), max(16, 8 * p)),
     )
-    for p, w in [(1, 13), (2, None), (4, 13)]
+    for p, w, g in [(1, 13, None), (2, None, None), (4, 13, 1)]
   ],
   # Bidirectional: with a 5-row window on 16-row virtual tiles, a tile sees its neighbours
   # on both sides only (the symmetric band); globally every tile sees every tile.
@@ -67,15 +68,15 @@ KERNEL_CASES = [
   ],
   *[
     _case(
-      f"gpu-bf16-p{p}-w{w}",
-      cf.iha(2, 16, p),
+      f"gpu-bf16-p{p}-w{w}-g{g or 2}",
+      cf.iha(2, 16, p, kv_heads=g),
       GPU,
       20,
       {**CAUSAL, "window": w},
       dtype=jnp.bfloat16,
       blocks=BlockSizes(8 * p, 8 * p),
     )
-    for p, w in [(2, 13), (4, None)]
+    for p, w, g in [(2, 13, None), (4, None, 1)]
   ],
   # d = 15 is padded per lane half to the kernels' power-of-two width; default tiles.
   # P = 3: each token owns 4 rows of a GPU tile, the 4th dead (segment 0).
@@ -107,26 +108,38 @@ KERNEL_CASES = [
   # query tiles (padded to 256; five hold tokens). Bidirectional window 100 at P = 2:
   # query tiles 0-1 see key tile 0 only, 2-5 both, and key tile 0 is seen by query tiles
   # 0-5 only; row 1 is one document across both key tiles (row 0's second key tile is
-  # padding).
+  # padding). The causal case has one key/value head for both query heads (G = 1).
   *[
     _case(
       f"tpu-multi-tile-{name}",
-      cf.iha(2, 16, 2),
+      cf.iha(2, 16, 2, kv_heads=g),
       TPU,
       136,
       {**mask, "window": 100},
       blocks=BlockSizes(64, 256),
     )
-    for name, mask in [("causal", CAUSAL), ("bidirectional", BIDIRECTIONAL)]
+    for name, mask, g in [("causal-g1", CAUSAL, 1), ("bidirectional", BIDIRECTIONAL, None)]
   ],
-  _case("tpu-p4-w9", cf.iha(2, 16, 4), TPU, 20, {**CAUSAL, "window": 9}),
+  _case("tpu-p4-w9-g1", cf.iha(2, 16, 4, kv_heads=1), TPU, 20, {**CAUSAL, "window": 9}),
   _case("tpu-bf16-p2", cf.iha(2, 16, 2), TPU, 20, {**CAUSAL, "window": None}, dtype=jnp.bfloat16),
   # MHA (P = 1 through the same kernels), v twice as wide as q/k (differential
-  # attention's MHA call): dq, dk `[.., d]`, dv `[.., 2d]`.
+  # attention's MHA call): dq, dk `[.., d]`, dv `[.., 2d]`; grouped-query: G = 1 key/value
+  # head for H = 3 (GPU), G = 2 for H = 4 (TPU: dk/dv blocks resident over each group).
   _case(
-    "mha-gpu-causal", cf.mha(3, 16, 32), GPU, 20, {**CAUSAL, "window": 5}, blocks=BlockSizes(16, 16)
+    "mha-gpu-causal-g1",
+    cf.mha(3, 16, 32, kv_heads=1),
+    GPU,
+    20,
+    {**CAUSAL, "window": 5},
+    blocks=BlockSizes(16, 16),
   ),
-  _case("mha-tpu-bidirectional", cf.mha(3, 16, 32), TPU, 20, {**BIDIRECTIONAL, "window": 5}),
+  _case(
+    "mha-tpu-bidirectional-g2",
+    cf.mha(4, 16, 32, kv_heads=2),
+    TPU,
+    20,
+    {**BIDIRECTIONAL, "window": 5},
+  ),
 ]
 
 
@@ -228,15 +241,18 @@ def test_lowered_scan_flags_materialised_path():
 
 # --- shard_map over 8 fake CPU devices. ------------------------------------------------------
 @pytest.mark.parametrize(
-  "per_head, axis_type, causal", [(False, "explicit", True), (True, "auto", False)]
+  "per_head, axis_type, causal, kv_heads",
+  [(False, "explicit", True, 2), (True, "auto", False, None)],
 )
-def test_sharded_kernels_match_reference(per_head, axis_type, causal):
+def test_sharded_kernels_match_reference(per_head, axis_type, causal, kv_heads):
+  """Batch over 'data', heads over 'tensor' (grouped-query: G = 2 key/value heads for
+  H = 4, one per tensor shard with its two query heads)."""
   axis_types = (
     jax.sharding.AxisType.Explicit if axis_type == "explicit" else jax.sharding.AxisType.Auto,
   ) * 2
   mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=axis_types)
   b, n, h, d, p = 4, 16, 4, 16, 2
-  args = random_iha_inputs(jax.random.key(5), b, n, h, d, p, per_head=per_head)
+  args = random_iha_inputs(jax.random.key(5), b, n, h, d, p, per_head=per_head, kv_heads=kv_heads)
   cotangent = jax.random.normal(jax.random.key(6), (b, n, h, d))
 
   def loss(sharded, *a):

@@ -319,10 +319,10 @@ LINEN_PAIRS = {
   "kind,kwargs",
   [
     ("iha", dict(num_pseudo=2, window=4)),
-    ("iha", dict(collapse_mode="per_head", rope_theta=None, causal=False)),
-    ("mha", dict(window=3)),
+    ("iha", dict(collapse_mode="per_head", rope_theta=None, causal=False, num_kv_heads=1)),
+    ("mha", dict(window=3, num_kv_heads=1)),
     ("talking_heads", dict(window=3, causal=False)),
-    ("diff", dict(layer=3)),
+    ("diff", dict(layer=3, num_kv_heads=1)),
     ("simplicial", dict(causal=False)),
   ],
 )

@@ -34,16 +34,29 @@ def assert_close(actual, expected, dtype, what: str = "") -> None:
 
 
 def random_iha_inputs(
-  key, b: int, n: int, h: int, d: int, p: int, *, per_head: bool = False, dtype=jnp.float32
+  key,
+  b: int,
+  n: int,
+  h: int,
+  d: int,
+  p: int,
+  *,
+  per_head: bool = False,
+  dtype=jnp.float32,
+  kv_heads: int | None = None,
 ):
-  """Fresh random q, k, v `[B, N, H, d]`, alpha_* `[H, H, P]` and collapse (never zeros).
+  """Fresh random q `[B, N, H, d]`, k, v `[B, N, G, d]`, alpha_q `[H, H, P]`, alpha_k,
+  alpha_v `[G, G, P]` and collapse (never zeros); G = `kv_heads` (None: H).
 
   Mixing and collapse weights are variance-preserving (std 1/sqrt(fan-in)), so
   logits stay O(1) as in a trained layer rather than growing with H.
   """
+  g = h if kv_heads is None else kv_heads
   keys = jax.random.split(key, 7)
-  q, k, v = (jax.random.normal(keys[i], (b, n, h, d), jnp.float32) for i in range(3))
-  alphas = tuple(jax.random.normal(keys[3 + i], (h, h, p)) * h**-0.5 for i in range(3))
+  q, k, v = (jax.random.normal(keys[i], (b, n, x, d), jnp.float32) for i, x in enumerate((h, g, g)))
+  alphas = tuple(
+    jax.random.normal(keys[3 + i], (x, x, p)) * x**-0.5 for i, x in enumerate((h, g, g))
+  )
   fan_in = p if per_head else h * p
   collapse = jax.random.normal(keys[6], (h, p) if per_head else (h, h, p)) * fan_in**-0.5
   return tuple(x.astype(dtype) for x in (q, k, v) + alphas + (collapse,))

@@ -22,7 +22,8 @@ from flax import nnx
 
 from iha_jax.models import TransformerLM
 from iha_jax.nn import project_qkv, rotated_pseudo_heads, to_compute_dtype, virtual_per_token
-from iha_jax.ops import attention_probabilities, virtual_segment_ids
+from iha_jax.ops import virtual_segment_ids
+from iha_jax.ops.grouped import grouped_attention_probabilities
 from iha_jax.ops.validation import default_positions, is_int
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def layer_attention_probs(
   segments = None
   if segment_ids is not None:
     segments = virtual_segment_ids(segment_ids, virtual_per_token(cfg))
-  return attention_probabilities(
+  return grouped_attention_probabilities(  # keys may have G < H heads (grouped-query)
     queries,
     keys,
     segment_ids=segments,

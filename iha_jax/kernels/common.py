@@ -11,21 +11,32 @@ true virtual index `t = n * P + p`, over the tiles of the mask's band (`kv_range
 `q_range`), so the numerics live in one place.
 
 Source layouts (built by `iha_jax.kernels.fused` outside the kernels):
-- q/k: `[B, H, Np, W]`, `W = 2 * half`: each RoPE half padded to `half` lanes
-  (rotate-half pairs lane e with lane e + half; Triton needs power-of-two widths),
-  tokens padded to `Np` (segment 0 = padding). q and k arrive rotated by `R(pos * P)`;
-  the kernels apply the rest of virtual RoPE, `R(p)`, from `[P, half]` cos/sin tables.
-- v: `[B, H, Np, Wv]`, `Wv = 2 * value_half`, split and padded the same way (MHA's v may
+- q: `[B, H, Np, W]`, k: `[B, G, Np, W]`, `W = 2 * half`: each RoPE half padded to
+  `half` lanes (rotate-half pairs lane e with lane e + half; Triton needs power-of-two
+  widths), tokens padded to `Np` (segment 0 = padding). q and k arrive rotated by
+  `R(pos * P)`; the kernels apply the rest of virtual RoPE, `R(p)`, from `[P, half]`
+  cos/sin tables.
+- v: `[B, G, Np, Wv]`, `Wv = 2 * value_half`, split and padded the same way (MHA's v may
   be wider than q/k, e.g. `dv = 2d` for differential attention).
-- mixing: `alpha_*` flattened to `[H_target * H_source * P]` float32, so a coefficient
-  is one scalar read at `(h * H + m) * P + p`.
+- mixing: `alpha_q` flattened to `[H_target * H_source * P]` float32, so a coefficient
+  is one scalar read at `(h * H + m) * P + p`; `alpha_k`, `alpha_v` likewise over the G
+  key/value heads, `[G_target * G_source * P]`.
 - pseudo outputs, their cotangent, lse and delta: per backend (`OUTPUT_SPEC`).
+
+Grouped-query attention: G key/value heads, G dividing H; query target h attends with the
+pseudo-keys and pseudo-values of key/value target `h // r` (`r = group`, `kv_target`).
+Keys and values stay G heads in HBM: the kernels read key/value head `h // r` (mixing:
+mix the G source heads with `alpha_k[:, h // r]`). Their gradients sum over the r query
+heads of a group inside one program (GPU) or one resident output block (TPU), so no two
+programs write the same rows; the per-tile partial `dalpha_k, dalpha_v` are kept per
+QUERY target (`[H_target * G_source * P]`, slot h) and summed over each group outside.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,14 +52,29 @@ def next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
 
+class Side(NamedTuple):
+  """What one operand's pseudo tile mixes: its `target` head (the row of its flat alpha;
+  without mixing, the head it reads), how many `sources` alpha contracts over (H for q, G
+  for k and v), and the `slot` of its per-tile partial dalpha (the query target)."""
+
+  target: Any
+  sources: int
+  slot: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Static kernel configuration (hashable: it is a custom_vjp nondiff argument).
 
   Attributes:
-    num_heads: source heads H (all of them feed every target head).
-    num_targets: target heads computed here (H, or the local share under head
-      sharding); alpha_* arrive as `[num_targets, H, P]` flattened.
+    num_heads: source query heads H (all of them feed every target head).
+    num_kv_heads: source key/value heads G (mixing: all of them feed every key/value
+      target; MHA: the key/value heads of the layout).
+    num_targets: target (query) heads computed here (H, or the local share under head
+      sharding); alpha_q arrives as `[num_targets, H, P]` flattened.
+    kv_targets: key/value target heads computed here (G, or the local share); alpha_k,
+      alpha_v arrive as `[kv_targets, G, P]` flattened. Query target h reads key/value
+      target `h // group`.
     num_pseudo: P (1 for MHA).
     mixing: False for MHA: head h reads source head h, no alpha, no dalpha.
     head_dim: the caller's d of q and k (sets the softmax scale).
@@ -65,7 +91,9 @@ class Config:
   """
 
   num_heads: int
+  num_kv_heads: int
   num_targets: int
+  kv_targets: int
   num_pseudo: int
   mixing: bool
   head_dim: int
@@ -81,7 +109,37 @@ class Config:
 
   @property
   def flat_alpha(self) -> int:
+    """Entries of the flat alpha_q (and of its per-tile partial gradients)."""
     return self.num_targets * self.num_heads * self.num_pseudo
+
+  @property
+  def flat_alpha_kv(self) -> int:
+    """Entries of the flat alpha_k, alpha_v."""
+    return self.kv_targets * self.num_kv_heads * self.num_pseudo
+
+  @property
+  def dalpha_kv_slots(self) -> int:
+    """Entries of a per-tile partial dalpha_k or dalpha_v: one slot per QUERY target, so
+    the r query heads of a group never write the same entry."""
+    return self.num_targets * self.num_kv_heads * self.num_pseudo
+
+  @property
+  def group(self) -> int:
+    """r: query target heads per key/value target head (1 without grouped-query)."""
+    return self.num_targets // self.kv_targets
+
+  def kv_target(self, h):
+    """The key/value target head of query target h (h may be traced; h >= 0)."""
+    return h if self.group == 1 else lax.div(h, jnp.int32(self.group))
+
+  def query_side(self, h) -> Side:
+    """q's mixing for query target h: row h of alpha_q over the H source heads."""
+    return Side(h, self.num_heads, h)
+
+  def key_side(self, h) -> Side:
+    """k's and v's mixing for query target h: row `h // group` of alpha_k / alpha_v over
+    the G source heads; partial dalpha in slot h."""
+    return Side(self.kv_target(h), self.num_kv_heads, h)
 
   @property
   def width(self) -> int:
@@ -183,32 +241,36 @@ def max_q_band(cfg: Config) -> int:
 # --- Pseudo tiles: mixing and RoPE on chip. ------------------------------------------------
 
 
-def coefficient(alpha_ref, h, m, p, cfg: Config) -> jax.Array:
-  """alpha[m, h, p] from the flat `[H*H*P]` layout (h, m may be traced)."""
-  return alpha_ref[(h * cfg.num_heads + m) * cfg.num_pseudo + p]
+def coefficient(alpha_ref, side: Side, m, p, cfg: Config) -> jax.Array:
+  """alpha[m, target, p] from the flat `[targets * sources * P]` layout (target, m may be
+  traced)."""
+  return alpha_ref[(side.target * side.sources + m) * cfg.num_pseudo + p]
 
 
-def pseudo_tile(load: Callable[[jax.Array | int], Parts], alpha_ref, h, cfg: Config) -> list[Parts]:
-  """P pseudo pieces of target head h: `piece[p] = sum_m alpha[m,h,p] * source[m]`, float32.
+def pseudo_tile(
+  load: Callable[[jax.Array | int], Parts], alpha_ref, side: Side, cfg: Config
+) -> list[Parts]:
+  """P pseudo pieces of target head t = `side.target`: `piece[p] = sum_m alpha[m,t,p] *
+  source[m]` over the `side.sources` source heads, float32.
 
   `load(m)` returns source head m's tile as lane parts. Without mixing (MHA), the
-  single piece is source head h itself.
+  single piece is source head t itself.
   """
   if not cfg.mixing:
-    return [tuple(x.astype(jnp.float32) for x in load(h))]
+    return [tuple(x.astype(jnp.float32) for x in load(side.target))]
 
   def add_source(m, pieces):
     src = [x.astype(jnp.float32) for x in load(m)]
     return tuple(
-      tuple(acc + coefficient(alpha_ref, h, m, p, cfg) * x for acc, x in zip(piece, src))
+      tuple(acc + coefficient(alpha_ref, side, m, p, cfg) * x for acc, x in zip(piece, src))
       for p, piece in enumerate(pieces)
     )
 
   first = [x.astype(jnp.float32) for x in load(0)]
   pieces = tuple(
-    tuple(coefficient(alpha_ref, h, 0, p, cfg) * x for x in first) for p in range(cfg.num_pseudo)
+    tuple(coefficient(alpha_ref, side, 0, p, cfg) * x for x in first) for p in range(cfg.num_pseudo)
   )
-  return list(lax.fori_loop(1, cfg.num_heads, add_source, pieces))
+  return list(lax.fori_loop(1, side.sources, add_source, pieces))
 
 
 def rotate(parts: Parts, cos: jax.Array, sin: jax.Array, *, transpose: bool = False) -> Parts:
@@ -219,18 +281,19 @@ def rotate(parts: Parts, cos: jax.Array, sin: jax.Array, *, transpose: bool = Fa
   return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
-def rotated_pieces(load, alpha_ref, h, rotation, cfg: Config, dtype) -> list[Parts]:
+def rotated_pieces(load, alpha_ref, side: Side, rotation, cfg: Config, dtype) -> list[Parts]:
   """Pseudo q or k pieces, each rotated by its pseudo index p (`rotation(p)` -> cos, sin
   `[1, half]`), cast to the matmul dtype."""
-  pieces = pseudo_tile(load, alpha_ref, h, cfg)
+  pieces = pseudo_tile(load, alpha_ref, side, cfg)
   if cfg.rope:
     pieces = [rotate(piece, *rotation(p)) for p, piece in enumerate(pieces)]
   return [tuple(x.astype(dtype) for x in piece) for piece in pieces]
 
 
-def plain_pieces(load, alpha_ref, h, cfg: Config, dtype) -> list[Parts]:
+def plain_pieces(load, alpha_ref, side: Side, cfg: Config, dtype) -> list[Parts]:
   """Pseudo v pieces (no RoPE), cast to the matmul dtype."""
-  return [tuple(x.astype(dtype) for x in piece) for piece in pseudo_tile(load, alpha_ref, h, cfg)]
+  pieces = pseudo_tile(load, alpha_ref, side, cfg)
+  return [tuple(x.astype(dtype) for x in piece) for piece in pieces]
 
 
 # --- Attention on one (query tile, key tile) pair. ------------------------------------------
@@ -334,31 +397,33 @@ def scatter_to_sources(
   add_to_source: Callable[[jax.Array | int, Parts], None],
   alpha_ref,
   dalpha_ref,
-  h,
+  side: Side,
   cfg: Config,
 ) -> None:
-  """Backward of `pseudo_tile` for target head h, contracted on chip (no P-sized output).
+  """Backward of `pseudo_tile` for target head t = `side.target`, contracted on chip (no
+  P-sized output).
 
   `grads[p]` is the float32 gradient of pseudo piece p (before RoPE). Adds
-  `sum_p alpha[m,h,p] * grads[p]` to source head m through `add_to_source(m, parts)`
-  and writes this tile's partial `dalpha[m,h,p] = <source[m], grads[p]>` into the
-  flat `dalpha_ref` (summed over tiles and batch outside the kernel).
+  `sum_p alpha[m,t,p] * grads[p]` to source head m through `add_to_source(m, parts)`
+  and writes this tile's partial `<source[m], grads[p]>` of `dalpha[m,t,p]` into slot
+  `side.slot` of the flat `dalpha_ref` (`[slots * sources * P]`; summed over tiles, batch
+  and, for grouped keys and values, the slots of one target, outside the kernel).
   """
   if not cfg.mixing:
-    add_to_source(h, grads[0])
+    add_to_source(side.target, grads[0])
     return
 
   def body(m, carry):
     src = [x.astype(jnp.float32) for x in load(m)]
     update = [
-      sum(coefficient(alpha_ref, h, m, p, cfg) * g[c] for p, g in enumerate(grads))
+      sum(coefficient(alpha_ref, side, m, p, cfg) * g[c] for p, g in enumerate(grads))
       for c in range(len(src))
     ]
     add_to_source(m, tuple(update))
     for p, g in enumerate(grads):
-      dalpha_ref[(h * cfg.num_heads + m) * cfg.num_pseudo + p] = sum(
+      dalpha_ref[(side.slot * side.sources + m) * cfg.num_pseudo + p] = sum(
         jnp.sum(x * gc) for x, gc in zip(src, g)
       )
     return carry
 
-  lax.fori_loop(0, cfg.num_heads, body, 0)
+  lax.fori_loop(0, side.sources, body, 0)

@@ -1,14 +1,17 @@
 """Fused IHA / MHA attention: layouts, custom VJP and platform dispatch.
 
-`fused_iha_attention` feeds the SOURCE heads `[B, N, H, d]` and the `[H, H, P]` mixing
-tensors to the Pallas kernels, which build every pseudo q/k/v tile on chip.
+`fused_iha_attention` feeds the SOURCE heads (q `[B, N, H, d]`, k and v `[B, N, G, d]`)
+and the mixing tensors (`alpha_q: [H, H, P]`, `alpha_k, alpha_v: [G, G, P]`) to the
+Pallas kernels, which build every pseudo q/k/v tile on chip; G < H is grouped-query
+attention (query head h reads key/value head `h // (H // G)`; keys and values stay G heads
+in HBM, `iha_jax.kernels.common`).
 Attention is causal or bidirectional (`causal=False`), global or windowed, with
 the mask of `iha_jax.ops.masking.visible`; `fused_mha_attention`'s v may be wider than
-q and k (`[B, N, H, dv]`, e.g. dv = 2d for differential attention). RoPE at virtual
+q and k (`[B, N, G, dv]`, e.g. dv = 2d for differential attention). RoPE at virtual
 position `pos * P + p` is split as `R(p) R(pos * P)`: q and k are rotated by
 `R(pos * P)` here, the kernels apply `R(p)` (`iha_jax.kernels.common`).
 What IHA's custom VJP (attention + collapse) saves for the backward:
-  q, k (rotated), v (source, `[B, H, Np, W]`), alpha_* (flat float32), the `[P, half]`
+  q, k (rotated), v (source, `[B, H or G, Np, W]`), alpha_* (flat float32), the `[P, half]`
   rotation tables, collapse, segment ids (`[B, Np]` int32) and the float32 log-sum-exp
   (1/W of the pseudo output's elements).
 Nothing P-sized is saved: the pseudo output o (`backend.OUTPUT_SPEC`, P times the MHA
@@ -72,8 +75,10 @@ def _attend_bwd(platform, cfg, residuals, do, delta=None):
   dq, dk, dv, dalpha = _run(
     platform, "backward", cfg, alphas, rotation, seg, q, k, v, do.astype(q.dtype), lse, delta
   )
-  # Per-(batch, tile) partial dalpha -> the flat alpha layout.
-  dalphas = tuple(backend.dalpha_flat(x, cfg) for x in dalpha) if cfg.mixing else ()
+  # Per-(batch, tile) partial dalpha -> the flat alpha layouts (alpha_q's, then k's and v's).
+  dalphas = (
+    tuple(backend.dalpha_flat(x, cfg, kv=i > 0) for i, x in enumerate(dalpha)) if cfg.mixing else ()
+  )
   return (dalphas, None, None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
 
 
@@ -144,7 +149,8 @@ def _split_point(d: int) -> int:
 
 
 def _to_kernel(x: jax.Array, half: int, seq_len: int) -> jax.Array:
-  """`[B, N, H, d]` -> `[B, H, Np, 2 * half]`: each lane half padded to `half`, tokens to Np."""
+  """`[B, N, H, d]` -> `[B, H, Np, 2 * half]` (any head count): each lane half padded to
+  `half`, tokens to Np."""
   n, d = x.shape[1], x.shape[3]
   s = _split_point(d)
   pad = lambda y: jnp.pad(y, ((0, 0), (0, seq_len - n), (0, 0), (0, half - y.shape[-1])))
@@ -161,16 +167,19 @@ def _config(
   platform: str,
   q: jax.Array,
   v: jax.Array,
-  num_targets: int,
+  targets: tuple[int, int],
   num_pseudo: int,
   mixing: bool,
   options: AttentionOptions,
 ) -> Config:
+  """`targets`: (query, key/value) target heads computed here."""
   _, n, h, d = q.shape
   backend = _BACKENDS[platform]
   shape = Config(
     num_heads=h,
-    num_targets=num_targets,
+    num_kv_heads=v.shape[2],
+    num_targets=targets[0],
+    kv_targets=targets[1],
     num_pseudo=num_pseudo,
     mixing=mixing,
     head_dim=d,
@@ -197,8 +206,16 @@ def _prepare(
 ):
   """Kernel config and kernel-layout inputs, plus `restore` back to `[B, N, H', dv]`."""
   b, n, _, d = q.shape
-  num_targets, num_pseudo = (q.shape[2], 1) if alphas is None else alphas[0].shape[1:]
-  cfg = _config(platform, q, v, num_targets, num_pseudo, alphas is not None, options)
+  if alphas is None:  # MHA: every head of q and of k, v is a target
+    targets, num_pseudo = (q.shape[2], k.shape[2]), 1
+  else:
+    targets, num_pseudo = (alphas[0].shape[1], alphas[1].shape[1]), alphas[0].shape[2]
+  if targets[0] % targets[1]:
+    raise ValueError(
+      f"{targets[0]} query target heads cannot be grouped over {targets[1]} key/value "
+      "target heads: the key/value heads must divide the query heads"
+    )
+  cfg = _config(platform, q, v, targets, num_pseudo, alphas is not None, options)
   # Flat (target h, source m, pseudo p) order: one scalar read per coefficient.
   flat = (
     ()
@@ -240,12 +257,14 @@ def pseudo_outputs(
 ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
   """Fused attention over the virtual sequence, de-interleaved, in the kernel layout.
 
-  q, k `[B, N, H, d]`; v `[B, N, H, dv]` (dv = d for IHA; MHA may use a wider v).
-  `alphas = (alpha_q, alpha_k, alpha_v)` `[H, Ht, P]` (all H source heads of q, k, v
-  feed the Ht target heads computed here: Ht = H, or a head shard), or None for
-  plain MHA (Ht = H, P = 1). `options`: window, causal (`ops.masking.visible`), RoPE,
-  segment ids (None: one unpadded sequence per row), positions and tiles; its
-  `implementation` is not read (the platform is `platform`).
+  q `[B, N, H, d]`, k `[B, N, G, d]`; v `[B, N, G, dv]` (dv = d for IHA; MHA may use a
+  wider v); G divides H (grouped-query: query head h reads key/value head `h // (H // G)`).
+  `alphas = (alpha_q, alpha_k, alpha_v)`: `alpha_q: [H, Ht, P]` (all H source heads of q
+  feed the Ht target heads computed here: Ht = H, or a head shard) and `alpha_k, alpha_v:
+  [G, Gt, P]` (Gt = Ht * G / H key/value targets), or None for plain MHA (Ht = H, P = 1).
+  `options`: window, causal (`ops.masking.visible`), RoPE, segment ids (None: one unpadded
+  sequence per row), positions and tiles; its `implementation` is not read (the platform
+  is `platform`).
 
   Returns `(o, restore)`: o the pseudo outputs, 5-D in the backend's `OUTPUT_SPEC` order
   (TPU `[B, Ht, P, Np, Wv]`, GPU `[B, Ht, Np, Pr, Wv]`; padded tokens, lanes and, on GPU,
@@ -288,7 +307,8 @@ def fused_iha_attention(
   *,
   platform: str,
 ) -> jax.Array:
-  """Fused IHA core (docs/design.md §1.2-1.6) on source heads `[B, N, H, d]` -> `[B, N, H, d]`.
+  """Fused IHA core (docs/design.md §1.2-1.6) on source heads q `[B, N, H, d]`, k and v
+  `[B, N, G, d]` -> `[B, N, H, d]`.
 
   The kernel behind `iha_jax.ops.iha_attention(implementation="pallas_<platform>")`
   without its checks or mesh routing. Mixing, RoPE at virtual positions and attention
@@ -306,8 +326,8 @@ def fused_mha_attention(
 ) -> jax.Array:
   """MHA (causal or bidirectional) through the same kernels without mixing (P = 1).
 
-  q, k `[B, N, H, d]` (RoPE applies to these), v `[B, N, H, dv]` (dv may differ from d,
-  e.g. 2d for differential attention) -> `[B, N, H, dv]`.
+  q `[B, N, H, d]`, k `[B, N, G, d]` (RoPE applies to these), v `[B, N, G, dv]` (dv may
+  differ from d, e.g. 2d for differential attention) -> `[B, N, H, dv]`; G divides H.
   """
   o, restore = pseudo_outputs(q, k, v, None, options, platform=platform)
   # The pseudo view's P axis has one entry (GPU tiles may pad it: take entry 0).

@@ -13,14 +13,18 @@ R(pos * P): RoPE at virtual position `pos * P + p`, see `iha_jax.kernels.common`
 
 Layouts (besides `iha_jax.kernels.common`'s source layouts): the pseudo output, its
 cotangent, lse and delta are `[B, Ht, Np, Pr, ·]` (a tile's rows are `[b, Pr]` of it);
-dalpha partials `[B, tiles, Ht * H, Pr]`.
+dalpha partials `[B, tiles, Ht * H, Pr]` (q) and `[B, tiles, Ht * G, Pr]` (k, v: one slot
+per query target, summed over each group by `dalpha_flat`).
 
 - forward, grid (query tiles, B, target heads): walks the key tiles of its band
   (`common.kv_range`) with an online softmax.
 - dQ, grid (query tiles, B): loops over target heads (they all add into the same source
   rows of dq, so one program owns them: no atomics) and over the key band; the pseudo
   gradient goes back to the source heads on chip (`_scatter`).
-- dK/dV, grid (key tiles, B): the same over the query band for dk, dv.
+- dK/dV, grid (key tiles, B): the same over the query band for dk, dv. With grouped-query
+  attention (G key/value heads) the r query heads of a group read, and add into, key/value
+  head `h // r` in turn inside the program: keys and values are never copied per query
+  head, and no two programs write the same rows.
 
 Tiles, warps and pipeline stages per kernel come from `iha_jax.kernels.gpu_tiles`, chosen
 by compiling candidates for H100 (`benchmarks/tune_gpu_tiles.py`). `interpret=True` runs
@@ -39,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from iha_jax.kernels import common, gpu_tiles
-from iha_jax.kernels.common import Config
+from iha_jax.kernels.common import Config, Side
 from iha_jax.kernels.gpu_tiles import Launch
 from iha_jax.ops.masking import visible
 from iha_jax.ops.options import round_up
@@ -161,24 +165,25 @@ def _loader(ref, rows: _Rows, widths: tuple[int, ...]):
   return lambda m: tuple(ref[m, rows.token[:, None], _lanes(s, w)] for s, w in zip(starts, widths))
 
 
-def _coefficients(alpha_ref, h, m, rows: _Rows, cfg: Config) -> jax.Array:
-  """`[R, 1]` column alpha[m, h, p(r)] (the last pseudo index on dead rows)."""
+def _coefficients(alpha_ref, side: Side, m, rows: _Rows, cfg: Config) -> jax.Array:
+  """`[R, 1]` column alpha[m, t, p(r)] of target t = `side.target` (the last pseudo index
+  on dead rows)."""
   p = jnp.minimum(rows.pseudo, cfg.num_pseudo - 1)
-  return alpha_ref[(h * cfg.num_heads + m) * cfg.num_pseudo + p][:, None]
+  return alpha_ref[(side.target * side.sources + m) * cfg.num_pseudo + p][:, None]
 
 
-def _pseudo(load, alpha_ref, h, rows: _Rows, cfg: Config) -> tuple[jax.Array, ...]:
-  """Target head h's pseudo rows `sum_m alpha[m, h, p(r)] * source[m]`, float32 parts."""
-  if not cfg.mixing:  # MHA: head h itself
-    return tuple(x.astype(jnp.float32) for x in load(h))
+def _pseudo(load, alpha_ref, side: Side, rows: _Rows, cfg: Config) -> tuple[jax.Array, ...]:
+  """Target t's pseudo rows `sum_m alpha[m, t, p(r)] * source[m]`, float32 parts."""
+  if not cfg.mixing:  # MHA: head t itself
+    return tuple(x.astype(jnp.float32) for x in load(side.target))
 
   def add_source(m, acc):
-    c = _coefficients(alpha_ref, h, m, rows, cfg)
+    c = _coefficients(alpha_ref, side, m, rows, cfg)
     return tuple(a + c * x.astype(jnp.float32) for a, x in zip(acc, load(m)))
 
-  first = _coefficients(alpha_ref, h, 0, rows, cfg)
+  first = _coefficients(alpha_ref, side, 0, rows, cfg)
   init = tuple(first * x.astype(jnp.float32) for x in load(0))
-  return lax.fori_loop(1, cfg.num_heads, add_source, init)
+  return lax.fori_loop(1, side.sources, add_source, init)
 
 
 def _rotation(cos_ref, sin_ref, rows: _Rows, cfg: Config) -> tuple[jax.Array, jax.Array]:
@@ -188,16 +193,16 @@ def _rotation(cos_ref, sin_ref, rows: _Rows, cfg: Config) -> tuple[jax.Array, ja
   return cos_ref[index], sin_ref[index]
 
 
-def _qk_tile(ref, alpha_ref, h, rows, rotation, cfg: Config, dtype):
-  """Pseudo q or k rows of target head h, rotated by R(p), as lane halves in `dtype`."""
-  parts = _pseudo(_loader(ref, rows, (cfg.half, cfg.half)), alpha_ref, h, rows, cfg)
+def _qk_tile(ref, alpha_ref, side: Side, rows, rotation, cfg: Config, dtype):
+  """Pseudo q or k rows of `side`'s target, rotated by R(p), as lane halves in `dtype`."""
+  parts = _pseudo(_loader(ref, rows, (cfg.half, cfg.half)), alpha_ref, side, rows, cfg)
   if cfg.rope:
     parts = common.rotate(parts, *_rotation(*rotation, rows, cfg))
   return tuple(x.astype(dtype) for x in parts)
 
 
-def _v_tile(ref, alpha_ref, h, rows, cfg: Config, dtype):
-  (v,) = _pseudo(_loader(ref, rows, (cfg.value_width,)), alpha_ref, h, rows, cfg)
+def _v_tile(ref, alpha_ref, side: Side, rows, cfg: Config, dtype):
+  (v,) = _pseudo(_loader(ref, rows, (cfg.value_width,)), alpha_ref, side, rows, cfg)
   return v.astype(dtype)
 
 
@@ -215,10 +220,11 @@ def _token_sum(x: jax.Array, rows: _Rows) -> jax.Array:
   return jnp.sum(x.reshape(rows.block, x.shape[0] // rows.block, *x.shape[1:]), axis=1)
 
 
-def _scatter(grads, load, ref, alpha_ref, dalpha_ref, h, rows: _Rows, cfg: Config, widths):
-  """Adds target head h's pseudo gradient (float32 lane parts, `[R, w]`, before RoPE) into
-  the source rows of `ref` (`[H, Np, W]` float32): `sum_p alpha[m, h, p] * grad[p]` for
-  every source head m, and writes the partial `dalpha[m, h, p]` of this tile."""
+def _scatter(grads, load, ref, alpha_ref, dalpha_ref, side: Side, rows: _Rows, cfg: Config, widths):
+  """Adds target t's pseudo gradient (float32 lane parts, `[R, w]`, before RoPE) into
+  the source rows of `ref` (`[S, Np, W]` float32, S = `side.sources`): `sum_p alpha[m, t,
+  p] * grad[p]` for every source head m, and writes this tile's partial `dalpha[m, t, p]`
+  into row `side.slot * S + m`."""
   starts = [sum(widths[:c]) for c in range(len(widths))]
 
   def add(m, parts):
@@ -226,18 +232,18 @@ def _scatter(grads, load, ref, alpha_ref, dalpha_ref, h, rows: _Rows, cfg: Confi
       ref[m, rows.tokens, pl.ds(s, w)] += part
 
   if not cfg.mixing:
-    add(h, grads)
+    add(side.target, grads)
     return
 
   def body(m, carry):
-    c = _coefficients(alpha_ref, h, m, rows, cfg)
+    c = _coefficients(alpha_ref, side, m, rows, cfg)
     add(m, tuple(_token_sum(c * g, rows) for g in grads))
     src = load(m)
     dot = sum(jnp.sum(x.astype(jnp.float32) * g, axis=1) for x, g in zip(src, grads))
-    dalpha_ref[h * cfg.num_heads + m, :] = jnp.sum(dot.reshape(rows.block, -1), axis=0)
+    dalpha_ref[side.slot * side.sources + m, :] = jnp.sum(dot.reshape(rows.block, -1), axis=0)
     return carry
 
-  lax.fori_loop(0, cfg.num_heads, body, 0)
+  lax.fori_loop(0, side.sources, body, 0)
 
 
 # --- Kernels. ------------------------------------------------------------------------
@@ -248,15 +254,16 @@ def _forward_kernel(*refs, cfg: Config):
     common.split_alpha(refs, cfg)
   )
   i, h = pl.program_id(0), pl.program_id(2)
+  key = cfg.key_side(h)
   rotation = (cos_ref, sin_ref)
   q_rows = _rows(i, cfg.block_q, cfg)
   seg_q = _segments(seg_ref, q_rows)[:, None]
-  q = _qk_tile(q_ref, aq, h, q_rows, rotation, cfg, q_ref.dtype)
+  q = _qk_tile(q_ref, aq, cfg.query_side(h), q_rows, rotation, cfg, q_ref.dtype)
 
   def body(j, state):
     k_rows = _rows(j, cfg.block_k, cfg)
-    k = _qk_tile(k_ref, ak, h, k_rows, rotation, cfg, k_ref.dtype)
-    v = _v_tile(v_ref, av, h, k_rows, cfg, v_ref.dtype)
+    k = _qk_tile(k_ref, ak, key, k_rows, rotation, cfg, k_ref.dtype)
+    v = _v_tile(v_ref, av, key, k_rows, cfg, v_ref.dtype)
     mask = _mask(q_rows, seg_q, k_rows, _segments(seg_ref, k_rows)[None, :], cfg)
     [state] = common.forward_tile([state], [q], [k], [(v,)], lambda *_: mask, cfg)
     return state
@@ -268,9 +275,9 @@ def _forward_kernel(*refs, cfg: Config):
   q_rows.store(lse_ref, lse)
 
 
-def _zero_rows(refs, rows: _Rows, cfg: Config) -> None:
+def _zero_rows(refs, rows: _Rows) -> None:
   for ref in refs:
-    for m in range(cfg.num_heads):
+    for m in range(ref.shape[0]):  # every source head of the block
       ref[m, rows.tokens, :] = jnp.zeros((rows.block, ref.shape[-1]), ref.dtype)
 
 
@@ -287,17 +294,18 @@ def _dq_kernel(*refs, cfg: Config):
   q_rows = _rows(pl.program_id(0), cfg.block_q, cfg)
   seg_q = _segments(seg_ref, q_rows)[:, None]
   load_q = _loader(q_ref, q_rows, (cfg.half, cfg.half))
-  _zero_rows([dq_ref], q_rows, cfg)
+  _zero_rows([dq_ref], q_rows)
   lo, hi = common.kv_range(q_rows.index, cfg)
 
   def head(h, carry):
-    q = _qk_tile(q_ref, aq, h, q_rows, rotation, cfg, q_ref.dtype)
+    query, key = cfg.query_side(h), cfg.key_side(h)
+    q = _qk_tile(q_ref, aq, query, q_rows, rotation, cfg, q_ref.dtype)
     do, lse, delta = _cotangents(do_ref, lse_ref, delta_ref, h, q_rows)
 
     def body(j, dq):
       k_rows = _rows(j, cfg.block_k, cfg)
-      k = _qk_tile(k_ref, ak, h, k_rows, rotation, cfg, k_ref.dtype)
-      v = _v_tile(v_ref, av, h, k_rows, cfg, v_ref.dtype)
+      k = _qk_tile(k_ref, ak, key, k_rows, rotation, cfg, k_ref.dtype)
+      v = _v_tile(v_ref, av, key, k_rows, cfg, v_ref.dtype)
       mask = _mask(q_rows, seg_q, k_rows, _segments(seg_ref, k_rows)[None, :], cfg)
       _, ds = common.probs_and_grads(q, k, (v,), do, lse, delta, mask, cfg)
       return tuple(acc + common.dot(ds.astype(x.dtype), x, (1, 0)) for acc, x in zip(dq, k))
@@ -306,7 +314,8 @@ def _dq_kernel(*refs, cfg: Config):
     dq = lax.fori_loop(lo, hi, body, zeros)
     if cfg.rope:
       dq = common.rotate(dq, *_rotation(*rotation, q_rows, cfg), transpose=True)
-    _scatter(dq, load_q, dq_ref, aq, dalpha[0] if dalpha else None, h, q_rows, cfg, (cfg.half,) * 2)
+    halves = (cfg.half,) * 2
+    _scatter(dq, load_q, dq_ref, aq, dalpha[0] if dalpha else None, query, q_rows, cfg, halves)
     return carry
 
   lax.fori_loop(0, cfg.num_targets, head, 0)
@@ -335,17 +344,18 @@ def _dkv_kernel(*refs, cfg: Config):
   seg_k = _segments(seg_ref, k_rows)[None, :]
   load_k = _loader(k_ref, k_rows, (cfg.half, cfg.half))
   load_v = _loader(v_ref, k_rows, (cfg.value_width,))
-  _zero_rows([dk_ref, dv_ref], k_rows, cfg)
+  _zero_rows([dk_ref, dv_ref], k_rows)
   lo, hi = common.q_range(k_rows.index, cfg)
 
   def head(h, carry):
-    k = _qk_tile(k_ref, ak, h, k_rows, rotation, cfg, k_ref.dtype)
-    v = _v_tile(v_ref, av, h, k_rows, cfg, v_ref.dtype)
+    query, key = cfg.query_side(h), cfg.key_side(h)
+    k = _qk_tile(k_ref, ak, key, k_rows, rotation, cfg, k_ref.dtype)
+    v = _v_tile(v_ref, av, key, k_rows, cfg, v_ref.dtype)
 
     def body(i, grads):
       dk, dv = grads
       q_rows = _rows(i, cfg.block_q, cfg)
-      q = _qk_tile(q_ref, aq, h, q_rows, rotation, cfg, q_ref.dtype)
+      q = _qk_tile(q_ref, aq, query, q_rows, rotation, cfg, q_ref.dtype)
       do, lse, delta = _cotangents(do_ref, lse_ref, delta_ref, h, q_rows)
       mask = _mask(q_rows, _segments(seg_ref, q_rows)[:, None], k_rows, seg_k, cfg)
       p, ds = common.probs_and_grads(q, k, (v,), do, lse, delta, mask, cfg)
@@ -361,8 +371,8 @@ def _dkv_kernel(*refs, cfg: Config):
     if cfg.rope:
       dk = common.rotate(dk, *_rotation(*rotation, k_rows, cfg), transpose=True)
     halves, whole = (cfg.half,) * 2, (cfg.value_width,)
-    _scatter(dk, load_k, dk_ref, ak, dalpha[0] if dalpha else None, h, k_rows, cfg, halves)
-    _scatter((dv,), load_v, dv_ref, av, dalpha[1] if dalpha else None, h, k_rows, cfg, whole)
+    _scatter(dk, load_k, dk_ref, ak, dalpha[0] if dalpha else None, key, k_rows, cfg, halves)
+    _scatter((dv,), load_v, dv_ref, av, dalpha[1] if dalpha else None, key, k_rows, cfg, whole)
     return carry
 
   lax.fori_loop(0, cfg.num_targets, head, 0)
@@ -421,31 +431,37 @@ def forward(cfg: Config, alphas, rotation, seg, q, k, v, *, interpret: bool):
   )(*small, *batch)
 
 
-def _dalpha_shape(cfg: Config, batch: int, tiles: int) -> jax.ShapeDtypeStruct:
+def _dalpha_shape(cfg: Config, batch: int, tiles: int, sources: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(
-    (batch, tiles, cfg.num_targets * cfg.num_heads, pseudo_rows(cfg.num_pseudo)), jnp.float32
+    (batch, tiles, cfg.num_targets * sources, pseudo_rows(cfg.num_pseudo)), jnp.float32
   )
 
 
-def dalpha_flat(x: jax.Array, cfg: Config) -> jax.Array:
-  """Partials `[B, tiles, Ht * H, Pr]` -> the flat (target, source, pseudo) layout."""
-  return x[..., : cfg.num_pseudo].sum(axis=(0, 1)).reshape(-1)
+def dalpha_flat(x: jax.Array, cfg: Config, kv: bool = False) -> jax.Array:
+  """Partials `[B, tiles, Ht * S, Pr]` (S = H; `kv`: S = G) -> the flat (target, source,
+  pseudo) layout; key/value partials, one slot per query target, summed over each group."""
+  flat = x[..., : cfg.num_pseudo].sum(axis=(0, 1))
+  if kv and cfg.group > 1:
+    flat = flat.reshape(cfg.kv_targets, cfg.group, -1).sum(axis=1)
+  return flat.reshape(-1)
 
 
 def backward(cfg: Config, alphas, rotation, seg, q, k, v, do, lse, delta, *, interpret: bool):
-  """-> (dq, dk `[B, H, Np, W]`, dv `[B, H, Np, Wv]` float32, dalpha partials
-  `[B, tiles, Ht * H, Pr]` x3 or None)."""
+  """-> (dq `[B, H, Np, W]`, dk `[B, G, Np, W]`, dv `[B, G, Np, Wv]` float32, dalpha
+  partials `[B, tiles, Ht * H, Pr]` (q), `[B, tiles, Ht * G, Pr]` (k, v) or None)."""
   b = q.shape[0]
   small = [*alphas, *rotation]
   batch = [seg, q, k, v, do, lse, delta]
   in_specs = [_whole_spec(x) for x in small] + [_batch_spec(x, 1) for x in batch]
-  grad = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+  dq_shape, dk_shape, dv_shape = (jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
 
   dq_launch, dkv_launch = cfg.launch[1], cfg.launch[2]
   dq_cfg, dkv_cfg = _kernel_config(cfg, dq_launch), _kernel_config(cfg, dkv_launch)
-  dq_out = [grad] + ([_dalpha_shape(cfg, b, dq_cfg.num_q_blocks)] if cfg.mixing else [])
-  dkv_out = [grad, jax.ShapeDtypeStruct(v.shape, jnp.float32)] + (
-    [_dalpha_shape(cfg, b, dkv_cfg.num_k_blocks)] * 2 if cfg.mixing else []
+  dq_out = [dq_shape] + (
+    [_dalpha_shape(cfg, b, dq_cfg.num_q_blocks, cfg.num_heads)] if cfg.mixing else []
+  )
+  dkv_out = [dk_shape, dv_shape] + (
+    [_dalpha_shape(cfg, b, dkv_cfg.num_k_blocks, cfg.num_kv_heads)] * 2 if cfg.mixing else []
   )
   tile_spec = lambda s: pl.BlockSpec((None, None, *s.shape[2:]), lambda t, bb: (bb, t, 0, 0))
   dq, *dalpha_q = pl.pallas_call(

@@ -11,6 +11,10 @@ so each device attends over its own rows (and heads) only.
   small tensors), while alpha_* are split along their target axis, so a shard computes
   only its target heads' pseudo-heads. Full collapse then sums over every target head
   (a psum over `head_axis`); per_head collapse stays local and keeps the head sharding.
+- Grouped-query (k, v with G < H heads): MHA splits k and v over `head_axis` like q, IHA
+  splits alpha_k, alpha_v along their key/value target axis like alpha_q; with G divisible
+  by the axis size, shard s holds query heads `[s H/t, (s+1) H/t)` and exactly the key/value
+  heads they read, so groups never straddle shards.
 
 `mesh=None` takes the mesh made current by `jax.set_mesh` (`iha_jax.parallel.activate`);
 `batch_axes` / `head_axis` name its axes (`()` / None: not split).
@@ -49,9 +53,15 @@ def _current(mesh: MeshLike | None) -> MeshLike:
 
 
 def check_divisible(
-  mesh: MeshLike, batch: int, heads: int, batch_axes: Sequence[str], head_axis: str | None
+  mesh: MeshLike,
+  batch: int,
+  heads: int,
+  batch_axes: Sequence[str],
+  head_axis: str | None,
+  kv_heads: int | None = None,
 ) -> None:
-  """Batch and head counts must split evenly over their mesh axes (named in the error)."""
+  """Batch, head and key/value head counts must split evenly over their mesh axes (named
+  in the error)."""
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   for axis in (*batch_axes, *([head_axis] if head_axis else [])):
     if axis not in sizes:
@@ -66,6 +76,12 @@ def check_divisible(
     raise ValueError(
       f"num_heads H={heads} is not divisible by mesh axis {head_axis!r} "
       f"(size {sizes[head_axis]}); use H a multiple of it"
+    )
+  if head_axis and kv_heads is not None and kv_heads % sizes[head_axis]:
+    raise ValueError(
+      f"num_kv_heads G={kv_heads} is not divisible by mesh axis {head_axis!r} "
+      f"(size {sizes[head_axis]}): tensor parallelism splits the key/value heads; use G "
+      "a multiple of it, or a smaller tensor axis"
     )
 
 
@@ -92,6 +108,7 @@ def _shard_map(
 
 def _prepare(
   q: jax.Array,
+  k: jax.Array,
   mesh: MeshLike | None,
   batch_axes: Sequence[str],
   head_axis: str | None,
@@ -101,7 +118,7 @@ def _prepare(
   kernels fill defaults themselves, but shard_map needs an array per in_spec)."""
   mesh = _current(mesh)
   batch = tuple(batch_axes)
-  check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis)
+  check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis, kv_heads=k.shape[2])
   segment_ids = options.segment_ids
   if segment_ids is None:
     segment_ids = jnp.ones(q.shape[:2], jnp.int32)
@@ -127,8 +144,11 @@ def sharded_iha_attention(
   """`fused_iha_attention` via `jax.shard_map` over `mesh`.
 
   Args:
-    q, k, v: `[B, N, H, d]`; B divisible by the product of `batch_axes` sizes.
-    alpha_q, alpha_k, alpha_v: `[H, H, P]`; H divisible by the `head_axis` size.
+    q: `[B, N, H, d]`, k, v: `[B, N, G, d]`; B divisible by the product of `batch_axes`
+      sizes.
+    alpha_q: `[H, H, P]`, alpha_k, alpha_v: `[G, G, P]`; H and G divisible by the
+      `head_axis` size (each shard computes its query targets and their key/value
+      targets: grouped-query groups never straddle shards).
     collapse: `[H, H, P]` (full) or `[H, P]` (per_head).
     options, **overrides: `AttentionOptions` (ids / positions `[B, N]`, defaults
       filled here); `implementation` is not read: the kernels of `platform` run.
@@ -138,7 +158,7 @@ def sharded_iha_attention(
     `[B, N, H, d]`: batch-sharded; per_head collapse also head-sharded.
   """
   options = with_overrides(options, overrides)
-  mesh, batch, segment_ids, positions = _prepare(q, mesh, batch_axes, head_axis, options)
+  mesh, batch, segment_ids, positions = _prepare(q, k, mesh, batch_axes, head_axis, options)
   full = collapse.ndim == 3
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions):
@@ -187,12 +207,13 @@ def sharded_mha_attention(
   **overrides: Any,
 ) -> jax.Array:
   """`fused_mha_attention` via `jax.shard_map`: heads are independent, so q
-  `[B, N, H, d]`, k, v `[B, N, H, dv]` and the output stay split over batch and heads.
+  `[B, N, H, d]`, k, v `[B, N, G, dv]` and the output stay split over batch and heads (G
+  divisible by the `head_axis` size: each shard holds whole grouped-query groups).
 
   Args and returns as `sharded_iha_attention` without the mixing; `[B, N, H, dv]`.
   """
   options = with_overrides(options, overrides)
-  mesh, batch, segment_ids, positions = _prepare(q, mesh, batch_axes, head_axis, options)
+  mesh, batch, segment_ids, positions = _prepare(q, k, mesh, batch_axes, head_axis, options)
 
   def local(q, k, v, segment_ids, positions):
     local_options = options.replace(segment_ids=segment_ids, positions=positions)

@@ -18,27 +18,31 @@ Accumulators live in VMEM scratch across the band axis.
   block stays resident in VMEM across it, so every target head adds its
   alpha-contracted pseudo gradient into the same block (no atomics, no
   P-sized gradient). Partial dalpha goes to an SMEM block per (batch, tile).
+- Grouped-query (G key/value heads for H query heads): the key/value blocks hold the G
+  source heads (mixing) or key/value head `h // r` alone (MHA: its BlockSpec index), never
+  a copy per query head. dK/dV's output block of a key/value head stays resident over the
+  r consecutive query heads of its group (the head axis is then "arbitrary"), which add
+  into it in turn.
 Mosaic tiling: token tiles are multiples of 8 (16 for 2-byte types). Default tiles fit
 `VMEM_BUDGET_BYTES` of the default 16 MiB scoped VMEM (`tiled`, `vmem_estimate`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from iha_jax.kernels import common
+from iha_jax.kernels import common, tpu_tiles
 from iha_jax.kernels.common import Config
 from iha_jax.ops.masking import MASK_VALUE, visible
-from iha_jax.ops.options import round_up
 
-_LANES = 128
+# Tiles and their scoped-VMEM estimate live in `tpu_tiles`; `fused` calls `tpu.tiled`.
+tiled = tpu_tiles.tiled
+vmem_estimate = tpu_tiles.vmem_estimate
 
 
 def half_width(head_dim: int) -> int:
@@ -68,90 +72,13 @@ def collapse_weights(collapse: jax.Array, cfg: Config) -> jax.Array:
   return collapse
 
 
-def dalpha_flat(x: jax.Array, cfg: Config) -> jax.Array:
-  """Partials `[B, tiles, 1, Ht * H * P]` -> the flat (target, source, pseudo) layout."""
-  return x.reshape(-1, cfg.flat_alpha).sum(axis=0)
-
-
-def _tokens(name: str, value: int | None, num_pseudo: int) -> int | None:
-  """A tile of `value` virtual tokens in tokens (the kernels tile whole tokens)."""
-  if value is None:
-    return None
-  if value % num_pseudo:
-    raise ValueError(
-      f"{name} = {value} virtual tokens must be a multiple of P = {num_pseudo} for the "
-      "TPU kernels (a tile holds whole tokens)."
-    )
-  return value // num_pseudo
-
-
-# Mosaic's default scoped-VMEM limit on v4, v5e, v5p and v6e; tiles are chosen to fit
-# it with room for the compiler's own temporaries, so no kernel needs a larger limit.
-SCOPED_VMEM_BYTES = 16 * 2**20
-VMEM_BUDGET_BYTES = 12 * 2**20
-
-
-def _tile_bytes(shape: tuple[int, ...], itemsize: int) -> int:
-  """VMEM bytes of an array padded to Mosaic's (sublane, 128-lane) tiles."""
-  *lead, rows, lanes = shape
-  sublanes = 8 * max(1, 4 // itemsize)
-  return math.prod(lead) * round_up(rows, sublanes) * round_up(lanes, _LANES) * itemsize
-
-
-def vmem_estimate(cfg: Config, itemsize: int) -> int:
-  """Estimate (calibrated against XLA:TPU, docs/compile_checks.md) of the scoped VMEM of
-  the largest of the three kernels: double-buffered blocks, scratch, the float32 pseudo
-  pieces built while mixing and the stacked `[P*bq, P*bk]` score temporaries."""
-  p, bq, bk = cfg.num_pseudo, cfg.block_q, cfg.block_k
-  heads = cfg.num_heads if cfg.mixing else 1
-  w, wv = cfg.width, cfg.value_width
-  f32 = lambda *shape: _tile_bytes(shape, 4)
-  x = lambda *shape: _tile_bytes(shape, itemsize)
-  tokens = 2 * (2 * f32(p, cfg.half) + 2 * f32(p * bq, 1) + 2 * f32(1, p * bk))
-  sources = 2 * (x(heads, bq, w) + x(heads, bk, w) + x(heads, bk, wv))
-  pseudo = x(p, bq, w) + x(p, bk, w) + x(p, bk, wv)  # scratch
-  mixing = p * (f32(max(bq, bk), w) + f32(bk, wv))  # float32 pieces of one tile
-  scores = 5 * f32(p * bq, p * bk)
-  per_query = 2 * (x(p, bq, wv) + 2 * f32(p, bq, 1))  # do, lse, delta (o, lse forward)
-  forward = sources + pseudo + per_query + 2 * f32(p * bq, 1) + f32(p * bq, wv)
-  dq = sources + pseudo + per_query + 2 * f32(heads, bq, w) + f32(p, bq, w)
-  dkv = sources + pseudo + per_query + 2 * (f32(heads, bk, w) + f32(heads, bk, wv))
-  dkv += f32(p, bk, w) + f32(p, bk, wv)
-  return tokens + mixing + scores + max(forward, dq, dkv)
-
-
-def tiled(cfg: Config, n: int, dtype, block_q: int | None, block_k: int | None) -> Config:
-  """cfg with its tiles: block_q, block_k and padded tokens `seq_len` (tokens).
-
-  `block_q`, `block_k`: virtual tokens (multiples of P) or None. Token tiles are multiples
-  of 8 (16 for 2-byte types) sublanes. Defaults: about 256 virtual query rows and 512
-  virtual key rows, halved (keys first) until `vmem_estimate` fits `VMEM_BUDGET_BYTES`; tiles a
-  caller gives are kept (the compiler then says whether they fit).
-  """
-  p = cfg.num_pseudo
-  itemsize = jnp.dtype(dtype).itemsize
-  user_q, user_k = _tokens("block_q", block_q, p), _tokens("block_k", block_k, p)
-  sublanes = 8 * max(1, 4 // itemsize)
-  for name, value in (("block_q", user_q), ("block_k", user_k)):
-    if value is not None and value % sublanes:
-      raise ValueError(
-        f"TPU tiles must be multiples of {sublanes} tokens ({sublanes * p} virtual tokens at "
-        f"P = {p}), got {name} = {value * p} virtual tokens."
-      )
-  n_min = round_up(n, sublanes)
-  bq = min(user_q or max(sublanes, 256 // p // sublanes * sublanes), n_min)
-  bk = min(user_k or max(sublanes, 512 // p // sublanes * sublanes), round_up(n_min, bq))
-  fixed = dict(block_q=user_q is not None, block_k=user_k is not None)
-  while True:
-    cfg = dataclasses.replace(cfg, block_q=bq, block_k=bk, seq_len=round_up(n, math.lcm(bq, bk)))
-    if vmem_estimate(cfg, itemsize) <= VMEM_BUDGET_BYTES:
-      return cfg
-    if not fixed["block_k"] and bk >= bq and bk // 2 % sublanes == 0:
-      bk //= 2
-    elif not fixed["block_q"] and bq // 2 % sublanes == 0 and bq > sublanes:
-      bq //= 2
-    else:
-      return cfg
+def dalpha_flat(x: jax.Array, cfg: Config, kv: bool = False) -> jax.Array:
+  """Partials `[B, tiles, 1, Ht * S * P]` (S = H; `kv`: S = G) -> the flat (target, source,
+  pseudo) layout; key/value partials, one slot per query target, summed over each group."""
+  if not kv or cfg.group == 1:
+    return x.reshape(-1, cfg.flat_alpha if not kv else cfg.flat_alpha_kv).sum(axis=0)
+  slots = x.reshape(-1, cfg.kv_targets, cfg.group, cfg.num_kv_heads * cfg.num_pseudo)
+  return slots.sum(axis=(0, 2)).reshape(-1)
 
 
 def _head(m, cfg: Config):
@@ -237,12 +164,13 @@ def _forward_kernel(*refs, cfg: Config):
   ) = common.split_alpha(refs, cfg)
   rotation = _rotation(cos, sin)
   i, h, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  query, key = cfg.query_side(h), cfg.key_side(h)
   lo, hi = common.kv_range(i, cfg)
 
   @pl.when(j == 0)
   def _():
     _store_pieces(
-      q_sc, common.rotated_pieces(_halves(q_ref, cfg), aq, h, rotation, cfg, q_sc.dtype), cfg
+      q_sc, common.rotated_pieces(_halves(q_ref, cfg), aq, query, rotation, cfg, q_sc.dtype), cfg
     )
     m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
@@ -251,9 +179,9 @@ def _forward_kernel(*refs, cfg: Config):
   @pl.when(lo + j < hi)
   def _():
     _store_pieces(
-      k_sc, common.rotated_pieces(_halves(k_ref, cfg), ak, h, rotation, cfg, k_sc.dtype), cfg
+      k_sc, common.rotated_pieces(_halves(k_ref, cfg), ak, key, rotation, cfg, k_sc.dtype), cfg
     )
-    _store_pieces(v_sc, common.plain_pieces(_whole(v_ref, cfg), av, h, cfg, v_sc.dtype), cfg)
+    _store_pieces(v_sc, common.plain_pieces(_whole(v_ref, cfg), av, key, cfg, v_sc.dtype), cfg)
     mask = _mask(t_q, seg_q, t_k, seg_k, cfg)
     [(m, l, acc)] = common.forward_tile(
       [(m_sc[...], l_sc[...], acc_sc[...])],
@@ -301,6 +229,7 @@ def _dq_kernel(*refs, cfg: Config):
   *dalpha, q_sc, k_sc, v_sc, dq_sc = rest
   rotation = _rotation(cos, sin)
   i, h, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  query, key = cfg.query_side(h), cfg.key_side(h)
   lo, hi = common.kv_range(i, cfg)
   first_head = (h == 0) if cfg.mixing else True  # MHA: one output block per head
 
@@ -311,16 +240,16 @@ def _dq_kernel(*refs, cfg: Config):
   @pl.when(j == 0)
   def _():
     _store_pieces(
-      q_sc, common.rotated_pieces(_halves(q_ref, cfg), aq, h, rotation, cfg, q_sc.dtype), cfg
+      q_sc, common.rotated_pieces(_halves(q_ref, cfg), aq, query, rotation, cfg, q_sc.dtype), cfg
     )
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
   @pl.when(lo + j < hi)
   def _():
     _store_pieces(
-      k_sc, common.rotated_pieces(_halves(k_ref, cfg), ak, h, rotation, cfg, k_sc.dtype), cfg
+      k_sc, common.rotated_pieces(_halves(k_ref, cfg), ak, key, rotation, cfg, k_sc.dtype), cfg
     )
-    _store_pieces(v_sc, common.plain_pieces(_whole(v_ref, cfg), av, h, cfg, v_sc.dtype), cfg)
+    _store_pieces(v_sc, common.plain_pieces(_whole(v_ref, cfg), av, key, cfg, v_sc.dtype), cfg)
     do, lse, delta = _cotangents(do_ref, lse_ref, delta_ref)
     k = _stacked(k_sc)
     mask = _mask(t_q, seg_q, t_k, seg_k, cfg)
@@ -341,7 +270,7 @@ def _dq_kernel(*refs, cfg: Config):
       _adder(dq_ref, cfg, True),
       aq,
       dalpha[0].at[0] if dalpha else None,
-      h,
+      query,
       cfg,
     )
 
@@ -370,8 +299,14 @@ def _dkv_kernel(*refs, cfg: Config):
   *dalpha, q_sc, k_sc, v_sc, dk_sc, dv_sc = rest
   rotation = _rotation(cos, sin)
   j, h, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  query, key = cfg.query_side(h), cfg.key_side(h)
   lo, hi = common.q_range(j, cfg)
-  first_head = (h == 0) if cfg.mixing else True
+  # The first query head to add into the resident dk/dv block: of all heads (mixing: every
+  # head feeds every source) or of the key/value head's group (MHA).
+  if cfg.mixing:
+    first_head = h == 0
+  else:
+    first_head = True if cfg.group == 1 else jax.lax.rem(h, cfg.group) == 0
 
   @pl.when((t == 0) & first_head)
   def _():
@@ -381,16 +316,16 @@ def _dkv_kernel(*refs, cfg: Config):
   @pl.when(t == 0)
   def _():
     _store_pieces(
-      k_sc, common.rotated_pieces(_halves(k_ref, cfg), ak, h, rotation, cfg, k_sc.dtype), cfg
+      k_sc, common.rotated_pieces(_halves(k_ref, cfg), ak, key, rotation, cfg, k_sc.dtype), cfg
     )
-    _store_pieces(v_sc, common.plain_pieces(_whole(v_ref, cfg), av, h, cfg, v_sc.dtype), cfg)
+    _store_pieces(v_sc, common.plain_pieces(_whole(v_ref, cfg), av, key, cfg, v_sc.dtype), cfg)
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
   @pl.when(lo + t < hi)
   def _():
     _store_pieces(
-      q_sc, common.rotated_pieces(_halves(q_ref, cfg), aq, h, rotation, cfg, q_sc.dtype), cfg
+      q_sc, common.rotated_pieces(_halves(q_ref, cfg), aq, query, rotation, cfg, q_sc.dtype), cfg
     )
     q = _stacked(q_sc)
     do, lse, delta = _cotangents(do_ref, lse_ref, delta_ref)
@@ -412,7 +347,7 @@ def _dkv_kernel(*refs, cfg: Config):
       _adder(dk_ref, cfg, True),
       ak,
       dalpha[0].at[0] if dalpha else None,
-      h,
+      key,
       cfg,
     )
     common.scatter_to_sources(
@@ -421,7 +356,7 @@ def _dkv_kernel(*refs, cfg: Config):
       _adder(dv_ref, cfg, False),
       av,
       dalpha[1].at[0] if dalpha else None,
-      h,
+      key,
       cfg,
     )
 
@@ -436,9 +371,14 @@ class _Specs:
   def __init__(self, cfg: Config, q_tile, k_tile):
     self.cfg, self.q_tile, self.k_tile = cfg, q_tile, k_tile
 
-  def source(self, rows: int, tile, lanes: int) -> pl.BlockSpec:  # q/k/v, dq/dk/dv
-    heads = self.cfg.num_heads if self.cfg.mixing else 1
-    head = (lambda h: 0) if self.cfg.mixing else (lambda h: h)
+  def source(self, rows: int, tile, lanes: int, kv: bool = False) -> pl.BlockSpec:
+    """q/k/v, dq/dk/dv (`kv`: k, v, dk, dv): all source heads of the operand when mixing,
+    else the one head query head h reads (h itself, or its key/value head `h // r`)."""
+    cfg = self.cfg
+    if cfg.mixing:
+      heads, head = cfg.num_kv_heads if kv else cfg.num_heads, lambda h: 0
+    else:
+      heads, head = 1, cfg.kv_target if kv else (lambda h: h)
     return pl.BlockSpec((None, heads, rows, lanes), lambda b, x, h, o: (b, head(h), tile(x, o), 0))
 
   # Stacked token data (`_token_layouts`): a tile's block spans the array's last two dims,
@@ -476,14 +416,14 @@ class _Specs:
       self.row(rows_k, self.k_tile, batched=False),
       self.row(rows_k, self.k_tile, batched=True),
       self.source(bq, self.q_tile, cfg.width),
-      self.source(bk, self.k_tile, cfg.width),
-      self.source(bk, self.k_tile, cfg.value_width),
+      self.source(bk, self.k_tile, cfg.width, kv=True),
+      self.source(bk, self.k_tile, cfg.value_width, kv=True),
     ]
 
-  def dalpha(self) -> pl.BlockSpec:
-    # [B, tiles, 1, H*H*P]: the last two block dims equal the array's (Mosaic tiling rule).
+  def dalpha(self, size: int) -> pl.BlockSpec:
+    # [B, tiles, 1, size]: the last two block dims equal the array's (Mosaic tiling rule).
     return pl.BlockSpec(
-      (None, None, 1, self.cfg.flat_alpha), lambda b, x, h, o: (b, x, 0, 0), memory_space=pltpu.SMEM
+      (None, None, 1, size), lambda b, x, h, o: (b, x, 0, 0), memory_space=pltpu.SMEM
     )
 
 
@@ -526,7 +466,8 @@ def _params(*semantics: str) -> pltpu.CompilerParams:
 
 
 def forward(cfg: Config, alphas, rotation, seg, q, k, v, *, interpret):
-  """-> (o `[B, H, P, Np, Wv]` in q.dtype, lse `[B, H, P, Np, 1]` float32)."""
+  """q `[B, H, Np, W]`, k `[B, G, Np, W]`, v `[B, G, Np, Wv]` -> (o `[B, Ht, P, Np, Wv]` in
+  q.dtype, lse `[B, Ht, P, Np, 1]` float32)."""
   b = q.shape[0]
   specs = _forward_specs(cfg)
   out_shape = (
@@ -558,8 +499,8 @@ def forward(cfg: Config, alphas, rotation, seg, q, k, v, *, interpret):
 
 
 def backward(cfg: Config, alphas, rotation, seg, q, k, v, do, lse, delta, *, interpret):
-  """-> (dq, dk `[B, H, Np, W]`, dv `[B, H, Np, Wv]` f32, dalpha partials
-  `[B, tiles, 1, H*H*P]` x3 or None)."""
+  """-> (dq `[B, H, Np, W]`, dk `[B, G, Np, W]`, dv `[B, G, Np, Wv]` f32, dalpha partials
+  `[B, tiles, 1, Ht*H*P]` (q), `[B, tiles, 1, Ht*G*P]` (k, v; `dalpha_flat`) or None)."""
   b = q.shape[0]
   args = (*alphas, *rotation, *_token_layouts(seg, cfg), q, k, v, do, lse, delta)
   pieces_q, pieces_k = (cfg.num_pseudo, cfg.block_q), (cfg.num_pseudo, cfg.block_k)
@@ -569,47 +510,49 @@ def backward(cfg: Config, alphas, rotation, seg, q, k, v, do, lse, delta, *, int
     pltpu.VMEM((*pieces_k, cfg.width), q.dtype),
     pltpu.VMEM((*pieces_k, cfg.value_width), q.dtype),
   ]
-  grad, dv_out = (jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, v))
-  flat = cfg.flat_alpha
-  # Source-gradient blocks stay resident across the (arbitrary) target-head axis.
-  head_semantics = "arbitrary" if cfg.mixing else "parallel"
-  semantics = _params("parallel", "parallel", head_semantics, "arbitrary")
+  dq_shape, dk_shape, dv_shape = (jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+  partials = lambda tiles, size: jax.ShapeDtypeStruct((b, tiles, 1, size), jnp.float32)
+  # Source-gradient blocks stay resident across the (arbitrary) target-head axis: every
+  # head's with mixing, a key/value head's over its group with grouped-query MHA.
+  semantics = lambda resident: _params(
+    "parallel", "parallel", "arbitrary" if resident else "parallel", "arbitrary"
+  )
 
   specs = _forward_specs(cfg)
-  dq_out = [grad] + (
-    [jax.ShapeDtypeStruct((b, cfg.num_q_blocks, 1, flat), jnp.float32)] if cfg.mixing else []
-  )
+  dq_out = [dq_shape] + ([partials(cfg.num_q_blocks, cfg.flat_alpha)] if cfg.mixing else [])
   dq, *dalpha_q = pl.pallas_call(
     functools.partial(_dq_kernel, cfg=cfg),
     grid=(b, cfg.num_q_blocks, cfg.num_targets, common.max_kv_band(cfg)),
     in_specs=specs.inputs(cfg.mixing) + specs.cotangents(),
-    out_specs=[specs.source(cfg.block_q, specs.q_tile, cfg.width)] + [specs.dalpha()] * cfg.mixing,
+    out_specs=[specs.source(cfg.block_q, specs.q_tile, cfg.width)]
+    + [specs.dalpha(cfg.flat_alpha)] * cfg.mixing,
     out_shape=dq_out,
     scratch_shapes=[*pseudo, pltpu.VMEM((*pieces_q, cfg.width), jnp.float32)],
-    compiler_params=semantics,
+    compiler_params=semantics(cfg.mixing),
     interpret=interpret,
     name="iha_backward_dq",
   )(*args)
 
   specs = _Specs(cfg, lambda j, t: _clamp(*common.q_range(j, cfg), t), lambda j, t: j)
-  dalpha_shapes = [jax.ShapeDtypeStruct((b, cfg.num_k_blocks, 1, flat), jnp.float32)] * 2
-  dkv_out = [grad, dv_out] + (dalpha_shapes if cfg.mixing else [])
+  dkv_out = [dk_shape, dv_shape] + [partials(cfg.num_k_blocks, cfg.dalpha_kv_slots)] * 2 * (
+    cfg.mixing
+  )
   dk, dv, *dalpha_kv = pl.pallas_call(
     functools.partial(_dkv_kernel, cfg=cfg),
     grid=(b, cfg.num_k_blocks, cfg.num_targets, common.max_q_band(cfg)),
     in_specs=specs.inputs(cfg.mixing) + specs.cotangents(),
     out_specs=[
-      specs.source(cfg.block_k, specs.k_tile, cfg.width),
-      specs.source(cfg.block_k, specs.k_tile, cfg.value_width),
+      specs.source(cfg.block_k, specs.k_tile, cfg.width, kv=True),
+      specs.source(cfg.block_k, specs.k_tile, cfg.value_width, kv=True),
     ]
-    + [specs.dalpha()] * 2 * cfg.mixing,
+    + [specs.dalpha(cfg.dalpha_kv_slots)] * 2 * cfg.mixing,
     out_shape=dkv_out,
     scratch_shapes=[
       *pseudo,
       pltpu.VMEM((*pieces_k, cfg.width), jnp.float32),
       pltpu.VMEM((*pieces_k, cfg.value_width), jnp.float32),
     ],
-    compiler_params=semantics,
+    compiler_params=semantics(cfg.mixing or cfg.group > 1),
     interpret=interpret,
     name="iha_backward_dkv",
   )(*args)

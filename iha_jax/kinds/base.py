@@ -71,11 +71,21 @@ class Letter:
 
 
 def projection_spec(
-  cfg: AttentionConfig, kernel_init: Initializer, width: int | None = None
+  cfg: AttentionConfig, kernel_init: Initializer, width: int | None = None, heads: int | None = None
 ) -> ParamSpec:
-  """An input projection `[D, H, width]` (default width d), fan-in D."""
-  shape = (cfg.model_dim, cfg.num_heads, width or cfg.head_dim)
+  """An input projection `[D, heads, width]` (default H heads of width d), fan-in D."""
+  shape = (cfg.model_dim, heads or cfg.num_heads, width or cfg.head_dim)
   return ParamSpec(shape, (EMBED, HEADS, HEAD_DIM), fold_fan_in(kernel_init, 1))
+
+
+def check_no_groups(cfg: AttentionConfig, why: str) -> None:
+  """Raises ValueError for `num_kv_heads` < `num_heads` in a kind without a grouped-query
+  form (`why`: what it does with whole heads)."""
+  if cfg.kv_heads != cfg.num_heads:
+    raise ValueError(
+      f"num_kv_heads={cfg.num_kv_heads}: {cfg.kind} attention has no grouped-query form "
+      f"({why}); leave num_kv_heads at None or num_heads={cfg.num_heads}"
+    )
 
 
 def output_spec(cfg: AttentionConfig, kernel_init: Initializer) -> ParamSpec:
@@ -91,7 +101,8 @@ def project(x: jax.Array, w: jax.Array, name: str | None = None) -> jax.Array:
 
 
 def project_qkv(p: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Source-head projections `x: [B, N, D]` -> q, k, v `[B, N, H, d]`, tagged for remat."""
+  """Source-head projections `x: [B, N, D]` -> q `[B, N, H, d]`, k, v `[B, N, G, d]`,
+  tagged for remat."""
   return (
     project(x, p["wq"], QUERY_PROJ),
     project(x, p["wk"], KEY_PROJ),
@@ -116,6 +127,10 @@ class AttentionKind:
     mixing_params: its identity-initialised head mixings (weight decay switch, noise).
     decodes: KV-cache decoding and attention maps read the kind as pseudo-head
       attention (`pseudo_heads`, `collapse`; wq, wk, wv and wo projections).
+    sequence_roles: one per array argument of its implementations: "q" (query side,
+      `[B, N, ...]`), "kv" (key side, `[B, N, ...]`), "-" (anything else): how a
+      `context` mesh axis splits them (`iha_jax.parallel.context`); None: it cannot run
+      sequence-sharded.
   """
 
   name: ClassVar[str]
@@ -126,6 +141,7 @@ class AttentionKind:
   uses_rope: ClassVar[bool] = True
   mixing_params: ClassVar[tuple[str, ...]] = ()
   decodes: ClassVar[bool] = False
+  sequence_roles: ClassVar[tuple[str, ...] | None] = None
 
   def __repr__(self) -> str:
     return f"<attention kind {self.name!r}>"
@@ -138,6 +154,10 @@ class AttentionKind:
   def layer_heads(self, num_heads: int) -> int:
     """Heads of this kind's layer in a model of `num_heads` heads (parameter-matched)."""
     return num_heads
+
+  def layer_kv_heads(self, num_kv_heads: int) -> int:
+    """Key/value heads of this kind's layer in a model of `num_kv_heads` of them."""
+    return self.layer_heads(num_kv_heads)
 
   def value_dim(self, cfg: AttentionConfig) -> int:
     """Width of each head's value and output."""
@@ -152,9 +172,15 @@ class AttentionKind:
   def param_specs(
     self, cfg: AttentionConfig, kernel_init: Initializer, mixing_noise_std: float
   ) -> dict[str, ParamSpec]:
-    """Every parameter of the layer, in creation order."""
-    in_proj = projection_spec(cfg, kernel_init)
-    return {"wq": in_proj, "wk": in_proj, "wv": in_proj, "wo": output_spec(cfg, kernel_init)}
+    """Every parameter of the layer, in creation order: `wq: [D, H, d]`, `wk, wv:
+    [D, G, d]` (G = `cfg.kv_heads`), `wo: [H, d, D]`."""
+    kv_proj = projection_spec(cfg, kernel_init, heads=cfg.kv_heads)
+    return {
+      "wq": projection_spec(cfg, kernel_init),
+      "wk": kv_proj,
+      "wv": kv_proj,
+      "wo": output_spec(cfg, kernel_init),
+    }
 
   def core(
     self,
@@ -185,8 +211,9 @@ class AttentionKind:
   # --- pseudo-head view (decoding, attention maps; kinds with `decodes`) -------------
 
   def pseudo_heads(self, params: Params, cfg: AttentionConfig, which: str, x: jax.Array):
-    """Source heads `x: [B, N, H, d]` of projection `which` ("q", "k", "v") -> the heads
-    the core attends with over virtual tokens, `[B, N * P, H, d]` (before RoPE)."""
+    """Source heads `x: [B, N, H', d]` of projection `which` ("q": H' = H; "k", "v": H' =
+    G) -> the heads the core attends with over virtual tokens, `[B, N * P, H', d]` (before
+    RoPE)."""
     return x
 
   def collapse(self, params: Params, cfg: AttentionConfig, out: jax.Array) -> jax.Array:

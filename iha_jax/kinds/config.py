@@ -28,6 +28,10 @@ class AttentionConfig:
     num_heads: H (for "diff": the differential heads, each with two maps and value
       width 2d; H/2 of them match an MHA layer of H heads in parameters).
     head_dim: d (even when RoPE is on).
+    num_kv_heads: G key/value heads, dividing H (grouped-query attention: query head h
+      reads key/value head `h // (H // G)`; G = 1 is multi-query); None means G = H.
+      IHA, MHA and differential attention take G < H; Talking-Heads and 2-simplicial
+      attention refuse it.
     kind: a registered kind (`iha_jax.kinds.names()`): "iha" (Interleaved Head
       Attention), "mha", "talking_heads", "diff" (differential), "simplicial".
     num_pseudo: P pseudo-heads per head (IHA only; None means P = H, the paper's default).
@@ -55,12 +59,19 @@ class AttentionConfig:
   layer: int = 1
   dtype: Any = None
   implementation: str = "auto"
+  num_kv_heads: int | None = None
 
   def __post_init__(self):
     record = registry.get(self.kind)  # names the registered kinds otherwise
     check_positive("model_dim", self.model_dim)
     check_positive("num_heads", self.num_heads)
     check_positive("head_dim", self.head_dim)
+    check_positive("num_kv_heads", self.num_kv_heads, optional=True)
+    if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} (each "
+        "key/value head serves num_heads // num_kv_heads query heads)"
+      )
     check_positive("window", self.window, optional=True)
     check_positive("layer", self.layer)
     if not isinstance(self.causal, bool):
@@ -106,6 +117,11 @@ class AttentionConfig:
       positions=positions,
       implementation=self.implementation,
     )
+
+  @property
+  def kv_heads(self) -> int:
+    """G: key/value heads (`num_kv_heads`, or H when None)."""
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
   @property
   def interleaved(self) -> bool:

@@ -26,7 +26,8 @@ class Differential(AttentionKind):
   """`A1 v - lam A2 v` per head (two query/key maps, value width 2d), a per-head RMSNorm
   and the scale `1 - lambda_init`. In a model of H heads its layers have H/2 heads, which
   match an MHA layer of H heads in parameters. Both maps run as one MHA call over 2H
-  heads, so every MHA implementation, the kernels included, serves it."""
+  heads, so every MHA implementation, the kernels included, serves it. With G key/value
+  heads in the model, its layers have G/2 (grouped-query in both maps)."""
 
   name = "diff"
   letters = (
@@ -36,6 +37,7 @@ class Differential(AttentionKind):
     name: ("iha_jax.ops.differential:diff_via_mha", {})
     for name in ("reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha")
   }
+  sequence_roles = ("q", "kv", "kv", "-")
 
   def layer_heads(self, num_heads):
     if num_heads % 2:
@@ -45,22 +47,31 @@ class Differential(AttentionKind):
       )
     return num_heads // 2
 
+  def layer_kv_heads(self, num_kv_heads):
+    if num_kv_heads % 2:
+      raise ValueError(
+        f"num_kv_heads must be even for 'D' (differential) layers, which use "
+        f"num_kv_heads/2 key/value heads (each with two key maps); got {num_kv_heads}"
+      )
+    return num_kv_heads // 2
+
   def value_dim(self, cfg):
     return 2 * cfg.head_dim
 
   def param_specs(self, cfg, kernel_init, mixing_noise_std):
-    """`wq, wk: [D, H, 2, d]`, `wv: [D, H, 2d]`, `wo: [H, 2d, D]`, `lambda_q1, lambda_k1,
-    lambda_q2, lambda_k2: [d]` (N(0, 0.1^2)), the output RMSNorm's `norm_scale: [2d]`."""
-    d_model, h, d = cfg.model_dim, cfg.num_heads, cfg.head_dim
-    pair = ParamSpec(
-      (d_model, h, 2, d), (EMBED, HEADS, QK_PAIR, HEAD_DIM), fold_fan_in(kernel_init, 1)
+    """`wq: [D, H, 2, d]`, `wk: [D, G, 2, d]`, `wv: [D, G, 2d]` (G = `cfg.kv_heads`),
+    `wo: [H, 2d, D]`, `lambda_q1, lambda_k1, lambda_q2, lambda_k2: [d]` (N(0, 0.1^2)), the
+    output RMSNorm's `norm_scale: [2d]`."""
+    d_model, d = cfg.model_dim, cfg.head_dim
+    pair = lambda heads: ParamSpec(
+      (d_model, heads, 2, d), (EMBED, HEADS, QK_PAIR, HEAD_DIM), fold_fan_in(kernel_init, 1)
     )
     lam = ParamSpec((d,), (HEAD_DIM,), jax.nn.initializers.normal(0.1))
     specs = super().param_specs(cfg, kernel_init, mixing_noise_std)
     return {
-      "wq": pair,
-      "wk": pair,
-      "wv": projection_spec(cfg, kernel_init, self.value_dim(cfg)),
+      "wq": pair(cfg.num_heads),
+      "wk": pair(cfg.kv_heads),
+      "wv": projection_spec(cfg, kernel_init, self.value_dim(cfg), cfg.kv_heads),
       "wo": specs["wo"],
       "lambda_q1": lam,
       "lambda_k1": lam,
@@ -74,8 +85,8 @@ class Differential(AttentionKind):
     a per-head RMSNorm of `A1 v - lam A2 v` (float32 statistics, learned `norm_scale`)
     and the scale `1 - lambda_init`: `[B, N, H, 2d]`."""
     q = project(x, params["wq"], QUERY_PROJ)  # [B, N, H, 2, d]
-    k = project(x, params["wk"], KEY_PROJ)
-    v = project(x, params["wv"], VALUE_PROJ)  # [B, N, H, 2d]
+    k = project(x, params["wk"], KEY_PROJ)  # [B, N, G, 2, d]
+    v = project(x, params["wv"], VALUE_PROJ)  # [B, N, G, 2d]
     f32 = lambda name: params[name].astype(jnp.float32)
     lambda_init = diff_lambda_init(layer)
     lam = (

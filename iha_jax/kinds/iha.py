@@ -16,7 +16,10 @@ _KERNELS = "iha_jax.kernels.sharded:iha_on_current_mesh"  # under shard_map on a
 class Interleaved(AttentionKind):
   """Every head mixes all H source heads into P pseudo-heads (`alpha_q, alpha_k, alpha_v:
   [H, H, P]`), attends over `T = N * P` virtual tokens, and collapses the P outputs
-  (`collapse: [H, H, P]` full, or `[H, P]` per head). Window in virtual tokens."""
+  (`collapse: [H, H, P]` full, or `[H, P]` per head). Window in virtual tokens.
+  Grouped-query (G = `num_kv_heads` < H): `wk, wv: [D, G, d]`, and `alpha_k, alpha_v:
+  [G, G, P]` mix the G key/value heads among themselves; query head h attends with the
+  pseudo-keys and pseudo-values of key/value head `h // (H // G)`."""
 
   name = "iha"
   letters = (
@@ -36,6 +39,7 @@ class Interleaved(AttentionKind):
   virtual_tokens = True
   mixing_params = ("alpha_q", "alpha_k", "alpha_v", "collapse")
   decodes = True
+  sequence_roles = ("q", "kv", "kv", "-", "-", "-", "-")
 
   def validate(self, cfg):
     check_positive("num_pseudo", cfg.num_pseudo, optional=True)
@@ -47,11 +51,11 @@ class Interleaved(AttentionKind):
 
   def param_specs(self, cfg, kernel_init, mixing_noise_std):
     specs = super().param_specs(cfg, kernel_init, mixing_noise_std)
-    h, p = cfg.num_heads, self.virtual_per_token(cfg)
-    mixing = ParamSpec(
-      (h, h, p), (HEADS_SRC, HEADS, PSEUDO), identity_mixing_init(mixing_noise_std)
+    h, g, p = cfg.num_heads, cfg.kv_heads, self.virtual_per_token(cfg)
+    mixing = lambda heads: ParamSpec(
+      (heads, heads, p), (HEADS_SRC, HEADS, PSEUDO), identity_mixing_init(mixing_noise_std)
     )
-    specs.update(alpha_q=mixing, alpha_k=mixing, alpha_v=mixing)
+    specs.update(alpha_q=mixing(h), alpha_k=mixing(g), alpha_v=mixing(g))
     collapse_init = identity_collapse_init(mixing_noise_std)
     if cfg.collapse_mode == "full":
       specs["collapse"] = ParamSpec((h, h, p), (HEADS_DST, HEADS, PSEUDO), collapse_init)
@@ -67,9 +71,9 @@ class Interleaved(AttentionKind):
     return iha_attention(q, k, v, *mixing, options)
 
   def mixing_flops(self, cfg):
-    h, p, d = cfg.num_heads, self.virtual_per_token(cfg), cfg.head_dim
+    h, g, p, d = cfg.num_heads, cfg.kv_heads, self.virtual_per_token(cfg), cfg.head_dim
     collapse = h * h * p if cfg.collapse_mode == "full" else h * p
-    return 2 * 3 * h * h * p * d + 2 * collapse * d
+    return 2 * (h * h + 2 * g * g) * p * d + 2 * collapse * d
 
   def pseudo_heads(self, params, cfg, which, x):
     return interleave(pseudo_mix(x, params[f"alpha_{which}"]))

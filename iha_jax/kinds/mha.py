@@ -9,8 +9,9 @@ _KERNELS = "iha_jax.kernels.sharded:mha_on_current_mesh"  # under shard_map on a
 
 
 class MultiHead(AttentionKind):
-  """`softmax(rope(q) rope(k)^T / sqrt(d)) v` per head; `wq, wk, wv: [D, H, d]`,
-  `wo: [H, d, D]`. Decodes with a cache of rotated keys and values."""
+  """`softmax(rope(q) rope(k)^T / sqrt(d)) v` per head; `wq: [D, H, d]`, `wk, wv:
+  [D, G, d]` (G = H, or grouped-query: query head h reads key/value head `h // (H // G)`),
+  `wo: [H, d, D]`. Decodes with a cache of rotated keys and values (G heads)."""
 
   name = "mha"
   letters = (
@@ -28,6 +29,7 @@ class MultiHead(AttentionKind):
     "cudnn": ("iha_jax.ops.cudnn_attention:mha_cudnn", {}),
   }
   decodes = True
+  sequence_roles = ("q", "kv", "kv")
 
   def core(self, params, x, cfg, options, layer):
     q, k, v = project_qkv(params, x)

@@ -43,7 +43,7 @@ def register(record: AttentionKind) -> AttentionKind:
   for letter in record.letters:
     _LETTERS[letter.letter] = (name, letter)
     _DESCRIPTIONS[letter.letter] = letter.description
-  ops_registry.register(name, dict(record.implementations))
+  ops_registry.register(name, dict(record.implementations), record.sequence_roles)
   return record
 
 

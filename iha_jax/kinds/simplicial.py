@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from iha_jax.kinds.base import AttentionKind, Letter, output_spec, project, projection_spec
+from iha_jax.kinds.base import (
+  AttentionKind,
+  Letter,
+  check_no_groups,
+  output_spec,
+  project,
+  projection_spec,
+)
 from iha_jax.ops import simplicial_attention
 from iha_jax.ops.masking import visible_pairs, visible_triples
 
@@ -18,6 +25,10 @@ class Simplicial(AttentionKind):
     "xla": ("iha_jax.ops.simplicial:simplicial_xla", {}),
   }
   uses_rope = False
+  sequence_roles = ("q", "kv", "kv", "kv", "kv")
+
+  def validate(self, cfg):
+    check_no_groups(cfg, "every head has its own two key and two value projections")
 
   def param_specs(self, cfg, kernel_init, mixing_noise_std):
     in_proj = projection_spec(cfg, kernel_init)

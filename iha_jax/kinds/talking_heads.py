@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flax.linen import with_logical_constraint
 
-from iha_jax.kinds.base import AttentionKind, Letter, ParamSpec, project_qkv
+from iha_jax.kinds.base import AttentionKind, Letter, ParamSpec, check_no_groups, project_qkv
 from iha_jax.kinds.initializers import identity_talking_init
 from iha_jax.ops import talking_heads_attention
 from iha_jax.ops.masking import visible_pairs
@@ -23,6 +23,10 @@ class TalkingHeads(AttentionKind):
     "xla": ("iha_jax.ops.talking_heads:talking_heads_xla", {}),
   }
   mixing_params = ("talk_logits", "talk_weights")
+  sequence_roles = ("q", "kv", "kv", "-", "-")
+
+  def validate(self, cfg):
+    check_no_groups(cfg, "it mixes the score maps of all H heads, each with its own keys")
 
   def param_specs(self, cfg, kernel_init, mixing_noise_std):
     specs = super().param_specs(cfg, kernel_init, mixing_noise_std)

@@ -53,6 +53,10 @@ class TransformerConfig:
     model_dim: D.
     num_heads: H.
     head_dim: d.
+    num_kv_heads: G key/value heads of every attention layer, dividing H (grouped-query
+      attention: query head h reads key/value head `h // (H // G)`; G = 1: multi-query);
+      None means G = H. Differential ('D') layers, which have H/2 heads, get G/2 (G even);
+      Talking-Heads ('T') and 2-simplicial ('X') layers refuse G < H.
     mlp_dim: F, hidden width of the MLP.
     num_pseudo: P for the IHA layers; None means P = H.
     attention_schedule: one letter per layer, repeated to `num_layers`: I (global IHA),
@@ -104,6 +108,7 @@ class TransformerConfig:
   num_outputs: int | None = None
   mixing_noise_std: float = 0.0
   input_features: int | None = None
+  num_kv_heads: int | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "mlp_dim"):
@@ -125,6 +130,13 @@ class TransformerConfig:
       )
     if not isinstance(self.mixing_noise_std, (int, float)) or not self.mixing_noise_std >= 0:
       raise ValueError(f"mixing_noise_std must be a number >= 0, got {self.mixing_noise_std!r}")
+    if self.num_kv_heads is not None and (
+      not is_int(self.num_kv_heads, 1) or self.num_heads % self.num_kv_heads
+    ):
+      raise ValueError(
+        f"num_kv_heads must be None (= num_heads) or a positive integer dividing "
+        f"num_heads={self.num_heads}, got {self.num_kv_heads!r}"
+      )
     try:
       schedule = expand_schedule(self.attention_schedule, self.num_layers)
     except ValueError as e:
@@ -154,6 +166,7 @@ class TransformerConfig:
     record, spec = kinds.for_letter(letter)
     window_field = "iha_window" if record.virtual_tokens else "mha_window"
     shared = {"num_pseudo": self.num_pseudo, "collapse_mode": self.collapse_mode}
+    kv_heads = None if self.num_kv_heads is None else record.layer_kv_heads(self.num_kv_heads)
     return AttentionConfig(
       self.model_dim,
       record.layer_heads(self.num_heads),
@@ -165,5 +178,6 @@ class TransformerConfig:
       layer=layer,
       dtype=self.dtype,
       implementation=self.implementation,
+      num_kv_heads=kv_heads,
       **{name: shared[name] for name in record.config_fields if name in shared},
     )

@@ -163,8 +163,8 @@ def generate(
     model: the language model.
     prompt_tokens: `[B, L0]` int, equal-length prompts.
     max_new_tokens: tokens to generate, >= 1.
-    cache_mode: "source" (IHA caches source-head k/v, `[B, S, H, d]`) or "pseudo"
-      (rotated pseudo-keys and pseudo-values, `[B, S*P, H, d]`).
+    cache_mode: "source" (IHA caches source-head k/v, `[B, G, S, d]`, G key/value heads)
+      or "pseudo" (rotated pseudo-keys and pseudo-values, `[B, G, S*P, d]`).
     temperature: 0 is greedy (argmax); > 0 samples from `softmax(logits / temperature)`.
     top_k: sample only among the `top_k` most likely tokens (None = all).
     rng: PRNG key, required when `temperature > 0`; the same key gives the same tokens.

@@ -8,15 +8,18 @@ the same core and mask as the training forward on CPU). A kind decodes when its 
 says so (`AttentionKind.decodes`: it reads as pseudo-head attention, `pseudo_heads` and
 `collapse`). Two layouts for IHA layers:
 
-- "source": the SOURCE-head k and v before mixing and RoPE, `[B, H, C, d]` (the size
-  of an MHA cache). Every step rebuilds the pseudo-keys and pseudo-values from them
-  (mix with alpha_k / alpha_v, RoPE at virtual positions `pos*P + p`).
-- "pseudo": the rotated pseudo-keys and the pseudo-values, `[B, H, C*P, d]` (P times
+- "source": the SOURCE-head k and v before mixing and RoPE, `[B, G, C, d]` (the size
+  of an MHA cache with as many key/value heads). Every step rebuilds the pseudo-keys and
+  pseudo-values from them (mix with alpha_k / alpha_v, RoPE at virtual positions
+  `pos*P + p`).
+- "pseudo": the rotated pseudo-keys and the pseudo-values, `[B, G, C*P, d]` (P times
   larger; slot c holds virtual tokens `c*P .. c*P+P-1`), so a step only mixes and
   rotates the new token.
 
-MHA layers (M, S) always store rotated keys and values, `[B, H, C, d]`, which is the
-"pseudo" layout with P = 1 and no mixing. The new token's pseudo-queries sit at virtual
+G is the layer's key/value heads (`num_kv_heads`; G = H without grouped-query
+attention), so a grouped-query layer's cache is G/H of a multi-head one. MHA layers
+(M, S) always store rotated keys and values, `[B, G, C, d]`, which is the "pseudo" layout
+with P = 1 and no mixing. The new token's pseudo-queries sit at virtual
 indices `n*P + p` and see the cached keys at their virtual indices under the training
 mask (flat causal over the virtual sequence, plus the window; empty slots are padding),
 so decoding computes the full forward's function.
@@ -40,7 +43,8 @@ from iha_jax.nn import (
   to_compute_dtype,
   virtual_per_token,
 )
-from iha_jax.ops import flash_attention_heads_major, virtual_positions
+from iha_jax.ops import virtual_positions
+from iha_jax.ops.grouped import grouped_attention_heads_major
 from iha_jax.ops.validation import default_positions
 
 CACHE_MODES = ("source", "pseudo")
@@ -48,7 +52,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class LayerCache(struct.PyTreeNode):
-  """One layer's ring buffer: `k, v: [B, H, C, d]` ("source" IHA or MHA) or `[B, H, C*P, d]`."""
+  """One layer's ring buffer: `k, v: [B, G, C, d]` ("source" IHA or MHA) or `[B, G, C*P, d]`
+  (G key/value heads)."""
 
   k: jax.Array
   v: jax.Array
@@ -111,7 +116,7 @@ def init_layer_cache(
 ) -> LayerCache:
   """An empty ring buffer for a layer (zeros; slots are masked until written)."""
   per_token = 1 if _stores_source(cfg, mode) else virtual_per_token(cfg)
-  shape = (batch, cfg.num_heads, window_tokens(cfg, max_len) * per_token, cfg.head_dim)
+  shape = (batch, cfg.kv_heads, window_tokens(cfg, max_len) * per_token, cfg.head_dim)
   return LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
@@ -160,13 +165,13 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int, mode: str) -
 def _write(buf: jax.Array, new: jax.Array, start: jax.Array, per_token: int) -> jax.Array:
   """Writes tokens `start .. start+n-1` into a ring buffer, keeping the last C of them.
 
-  `buf: [B, H, C*per_token, d]`, `new: [B, n*per_token, H, d]`; token t goes to slot t % C.
+  `buf: [B, G, C*per_token, d]`, `new: [B, n*per_token, G, d]`; token t goes to slot t % C.
   """
   b, h, size, d = buf.shape
   capacity, n = size // per_token, new.shape[1] // per_token
   kept = min(n, capacity)  # Older tokens would be overwritten anyway; keeps slots unique.
   new = new[:, (n - kept) * per_token :].reshape(b, kept, per_token, h, d).astype(buf.dtype)
-  new = jnp.transpose(new, (0, 3, 1, 2, 4))  # [B, H, kept, per_token, d]
+  new = jnp.transpose(new, (0, 3, 1, 2, 4))  # [B, G, kept, per_token, d]
   slots = jnp.mod(start + n - kept + jnp.arange(kept, dtype=jnp.int32), capacity)
   ring = buf.reshape(b, h, capacity, per_token, d)
   return ring.at[:, :, slots].set(new).reshape(buf.shape)
@@ -180,7 +185,7 @@ def _cache_entries(
   v: jax.Array,
   positions: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-  """What a layer caches for source k, v `[B, n, H, d]` at token `positions: [B, n]`."""
+  """What a layer caches for source k, v `[B, n, G, d]` at token `positions: [B, n]`."""
   if _stores_source(cfg, mode):
     return k, v
   return (rotated_pseudo_heads(params, cfg, "k", k, positions), pseudo_heads(params, cfg, "v", v))
@@ -240,7 +245,8 @@ def decode_layer(
     keys, values = cache.k, cache.v
   queries = _heads_major(rotated_pseudo_heads(params, cfg, "q", q, pos))  # [B, H, P, d]
   filled = jnp.repeat((tokens >= 0).astype(jnp.int32), p)  # empty slots: padding segments
-  out = flash_attention_heads_major(
+  # queries [B, H, P, d] over keys [B, G, C*P, d]: query head h reads key head h // (H/G).
+  out = grouped_attention_heads_major(
     queries,
     keys,
     values,

@@ -42,7 +42,8 @@ class Attention(nnx.Module):
       so that fan-in is the true input width.
     mixing_noise_std: std of Gaussian noise added to the identity init of the head
       mixings (IHA's `alpha_*` and `collapse`, Talking-Heads' `talk_*`).
-    **options: the `AttentionConfig` fields of the layer: `kind`, `window` (VIRTUAL tokens
+    **options: the `AttentionConfig` fields of the layer: `kind`, `num_kv_heads` (G key/value
+      heads dividing H, grouped-query attention; None: G = H), `window` (VIRTUAL tokens
       for IHA, tokens otherwise; None: global), `rope_theta` (None: no RoPE), `causal`
       (False: bidirectional), `dtype` (computation; None promotes input and parameters),
       `implementation` ("reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha",
@@ -137,19 +138,21 @@ class Attention(nnx.Module):
 class InterleavedHeadAttention(Attention):
   """Interleaved Head Attention layer, causal or bidirectional, optionally windowed.
 
-  Parameters: `wq, wk, wv: [D, H, d]`, `wo: [H, d, D]`, `alpha_q, alpha_k, alpha_v:
-  [H, H, P]` (source, target, pseudo), `collapse: [H, H, P]` ("full") or `[H, P]`
-  ("per_head"). Mixing and collapse start at the identity (docs/design.md §1). Options
-  as `Attention`: `num_pseudo` (P; None: P = H), `window` in VIRTUAL tokens (`N * P` per
-  sequence), `collapse_mode`, `rope_theta`, `causal`, `dtype`, `implementation`.
+  Parameters: `wq: [D, H, d]`, `wk, wv: [D, G, d]`, `wo: [H, d, D]`, `alpha_q: [H, H, P]`
+  and `alpha_k, alpha_v: [G, G, P]` (source, target, pseudo), `collapse: [H, H, P]`
+  ("full") or `[H, P]` ("per_head"); G = `num_kv_heads` (None: G = H). Mixing and collapse
+  start at the identity (docs/design.md §1). Options as `Attention`: `num_kv_heads`,
+  `num_pseudo` (P; None: P = H), `window` in VIRTUAL tokens (`N * P` per sequence),
+  `collapse_mode`, `rope_theta`, `causal`, `dtype`, `implementation`.
   """
 
   kind = "iha"
 
 
 class MultiHeadAttention(Attention):
-  """Standard multi-head attention with the same conventions as IHA: `wq, wk, wv:
-  [D, H, d]`, `wo: [H, d, D]`; `window` in tokens."""
+  """Standard multi-head attention with the same conventions as IHA: `wq: [D, H, d]`,
+  `wk, wv: [D, G, d]`, `wo: [H, d, D]`; `window` in tokens. `num_kv_heads` G < H is
+  grouped-query attention (query head h reads key/value head `h // (H // G)`)."""
 
   kind = "mha"
 

@@ -34,6 +34,7 @@ class _AttentionLinen(nn.Module):
   model_dim: int
   num_heads: int
   head_dim: int
+  num_kv_heads: int | None = None
   window: int | None = None
   causal: bool = True
   dtype: Any = None

@@ -5,22 +5,28 @@ interleaves them into `T = N * P` virtual tokens, applies RoPE at virtual positi
 attends (causal or bidirectional), de-interleaves and collapses; MHA is the same
 pipeline without the mixing (P = 1). `implementation` picks one entry of
 `iha_jax.ops.registry`, and every entry computes the same function.
+
+Grouped-query attention (docs/design.md §9): k and v may have G heads, G dividing the H
+query heads; query head h reads key/value head `h // (H // G)`. IHA then mixes query heads
+among themselves (`alpha_q: [H, H, P]`) and key/value heads among themselves
+(`alpha_k, alpha_v: [G, G, P]`), and pseudo-query (h, p) attends over the pseudo-keys of
+key/value head `h // (H // G)`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from iha_jax.ops import registry, validation
+from iha_jax.ops.grouped import grouped_attention_heads_major
 from iha_jax.ops.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
 from iha_jax.ops.mixing import collapse_from_virtual, collapse_heads, mix_to_virtual, pseudo_mix
 from iha_jax.ops.options import AttentionOptions, BlockSizes, with_overrides
 from iha_jax.ops.reference import dense_attention
-from iha_jax.ops.rope import apply_rope, rope_tables, rotate
-from iha_jax.ops.xla_attention import flash_attention_heads_major
+from iha_jax.ops.rope import rope_tables, rotate
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -47,8 +53,11 @@ def iha_attention(
   """Interleaved Head Attention core (docs/design.md, "The math").
 
   Args:
-    q, k, v: source-head projections before RoPE, `[B, N, H, d]`.
-    alpha_q, alpha_k, alpha_v: mixing weights `[H, H, P]` (source, target, pseudo).
+    q: source-head query projections before RoPE, `[B, N, H, d]`.
+    k, v: source key/value projections, `[B, N, G, d]`, G dividing H (G = H: multi-head;
+      G < H: grouped-query, G = 1: multi-query).
+    alpha_q: query mixing `[H, H, P]` (source, target, pseudo).
+    alpha_k, alpha_v: key/value mixing `[G, G, P]`.
     collapse: `[H, H, P]` (full) or `[H, P]` (per_head).
     options: the shared options (`AttentionOptions`; `window` in VIRTUAL tokens here).
     **overrides: any `AttentionOptions` field as a keyword (`window=`, `segment_ids=`,
@@ -59,8 +68,8 @@ def iha_attention(
     `[B, N, H, d]` in q.dtype, before the output projection.
   """
   options = with_overrides(options, overrides)
-  validation.check_qkv(q, k, v)
-  validation.check_mixing(q.shape[2], alpha_q, alpha_k, alpha_v, collapse)
+  num_kv_heads = validation.check_qkv(q, k, v)
+  validation.check_mixing(q.shape[2], alpha_q, alpha_k, alpha_v, collapse, num_kv_heads)
   options = validation.check_options(q, options)
   fn = registry.lookup("iha", options.implementation, q, v, options, alpha_q.shape[2])
   return fn(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options)
@@ -75,8 +84,10 @@ def mha_attention(
 ) -> jax.Array:
   """Standard multi-head attention with the same conventions as `iha_attention`.
 
-  Args and returns as `iha_attention`, without mixing; `window` is in tokens. v may be
-  wider than q and k (`[B, N, H, dv]`, returned as `[B, N, H, dv]`).
+  Args and returns as `iha_attention`, without mixing; `window` is in tokens. k and v
+  have G heads, G dividing H (grouped-query attention: query head h reads key/value
+  head `h // (H // G)`). v may be wider than q and k (`[B, N, G, dv]`, returned as
+  `[B, N, H, dv]`).
   """
   options = with_overrides(options, overrides)
   validation.check_qkv(q, k, v, value_width=True)
@@ -88,40 +99,79 @@ def mha_attention(
 # --- Implementations (registry entries): options checked, positions defaulted. ----------
 
 
-def _reference_core(q, k, v, options: AttentionOptions, segment_ids, positions):
-  """Rotate and attend `[B, T, H, d]` with the dense oracle; ids / positions `[B, T]`."""
-  if options.rope_theta is not None:
-    q, k = (apply_rope(x, positions, options.rope_theta) for x in (q, k))
-  return dense_attention(
-    q, k, v, segment_ids=segment_ids, window=options.window, causal=options.causal
+class _Sequences(NamedTuple):
+  """The mask and RoPE inputs of one call in its sequence units (virtual tokens for IHA):
+  segment ids and positions of queries `[B, Tq]` and keys `[B, Tk]`, and the first
+  query's index minus the first key's (0 unless the call is `options.sliced`)."""
+
+  q_segment: jax.Array | None
+  k_segment: jax.Array | None
+  q_position: jax.Array
+  k_position: jax.Array
+  q_offset: Any
+
+
+def _sequences(options: AttentionOptions, num_pseudo: int = 1) -> _Sequences:
+  """`options`' ids / positions (and the key side's) in virtual tokens `n*P + p`."""
+
+  def segments(ids):
+    return None if ids is None or num_pseudo == 1 else virtual_segment_ids(ids, num_pseudo)
+
+  def positions(pos):
+    return pos if num_pseudo == 1 else virtual_positions(pos, num_pseudo)
+
+  return _Sequences(
+    options.segment_ids if num_pseudo == 1 else segments(options.segment_ids),
+    options.key_segment_ids if num_pseudo == 1 else segments(options.key_segment_ids),
+    positions(options.positions),
+    positions(options.key_positions),
+    options.query_offset * num_pseudo,
   )
 
 
-def _xla_core(q, k, v, options: AttentionOptions, segment_ids, positions):
-  """Rotate and attend head-major sequences `[B, H, T, d]`; ids / positions `[B, T]`."""
-  if options.rope_theta is not None:
-    cos, sin = rope_tables(positions, q.shape[-1], options.rope_theta)  # shared by q and k
-    cos, sin = cos[:, None], sin[:, None]
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-  blocks = options.block_sizes or BlockSizes()
-  return flash_attention_heads_major(
+def _rotate_pair(q, k, options: AttentionOptions, seq: _Sequences, head_axis: int):
+  """RoPE on q and k at their positions (one table when they share them)."""
+  if options.rope_theta is None:
+    return q, k
+  d = q.shape[-1]
+  tables = rope_tables(seq.q_position, d, options.rope_theta)
+  k_tables = tables if not options.sliced else rope_tables(seq.k_position, d, options.rope_theta)
+  expand = lambda t: tuple(jnp.expand_dims(x, head_axis) for x in t)
+  return rotate(q, *expand(tables)), rotate(k, *expand(k_tables))
+
+
+def _reference_core(q, k, v, options: AttentionOptions, seq: _Sequences):
+  """Rotate and attend `[B, T, H, d]` with the dense oracle."""
+  q, k = _rotate_pair(q, k, options, seq, head_axis=2)
+  return dense_attention(
     q,
     k,
     v,
-    segment_ids=segment_ids,
+    segment_ids=seq.q_segment,
+    kv_segment_ids=seq.k_segment if options.sliced else None,
+    q_offset=seq.q_offset,
+    window=options.window,
+    causal=options.causal,
+  )
+
+
+def _xla_core(q, k, v, options: AttentionOptions, seq: _Sequences):
+  """Rotate and attend head-major sequences `[B, H, T, d]`."""
+  q, k = _rotate_pair(q, k, options, seq, head_axis=1)
+  blocks = options.block_sizes or BlockSizes()
+  sliced = options.sliced
+  return grouped_attention_heads_major(
+    q,
+    k,
+    v,
+    segment_ids=seq.q_segment,
+    kv_segment_ids=seq.k_segment if sliced else None,
+    q_index=seq.q_offset + jnp.arange(q.shape[2], dtype=jnp.int32) if sliced else None,
     window=options.window,
     causal=options.causal,
     block_q=blocks.block_q,
     block_k=blocks.block_k,
   )
-
-
-def _virtual(options: AttentionOptions, num_pseudo: int) -> tuple[jax.Array | None, jax.Array]:
-  """Segment ids and positions of the virtual sequence `[B, N * P]`."""
-  segment_ids = options.segment_ids
-  if segment_ids is not None:
-    segment_ids = virtual_segment_ids(segment_ids, num_pseudo)
-  return segment_ids, virtual_positions(options.positions, num_pseudo)
 
 
 def iha_reference(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: AttentionOptions):
@@ -131,7 +181,7 @@ def iha_reference(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: Attenti
     interleave(pseudo_mix(x, a, precision=_HIGHEST))
     for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v))
   )
-  out = _reference_core(qv, kv, vv, options, *_virtual(options, num_pseudo))
+  out = _reference_core(qv, kv, vv, options, _sequences(options, num_pseudo))
   return collapse_heads(deinterleave(out, num_pseudo), collapse, precision=_HIGHEST)
 
 
@@ -139,35 +189,42 @@ def iha_xla(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: AttentionOpti
   """Blockwise IHA on head-major virtual sequences, the layout the XLA core tiles."""
   num_pseudo = alpha_q.shape[2]
   qv, kv, vv = (mix_to_virtual(x, a) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
-  out = _xla_core(qv, kv, vv, options, *_virtual(options, num_pseudo))
+  out = _xla_core(qv, kv, vv, options, _sequences(options, num_pseudo))
   return collapse_from_virtual(out, collapse, num_pseudo)
 
 
 def iha_via_mha(
   q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: AttentionOptions, *, mha: str
 ):
-  """IHA as materialised pseudo q/k/v `[B, N * P, H, d]` and the MHA implementation `mha`
-  over the virtual sequence (virtual segment ids and positions; the window, in virtual
-  tokens, and the block sizes carry over). Faster on GPU than the fused kernels, which
+  """IHA as materialised pseudo q `[B, N * P, H, d]`, k/v `[B, N * P, G, d]` and the MHA
+  implementation `mha` over the virtual sequence (virtual segment ids and positions; the
+  window, in virtual tokens, and the block sizes carry over). Faster on GPU than the fused
+  kernels, which
   rebuild every pseudo tile from all H source heads per tile pair (docs/performance.md
   §12), for P-times larger activations."""
   num_pseudo = alpha_q.shape[2]
   qv, kv, vv = (interleave(pseudo_mix(x, a)) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
-  segment_ids, positions = _virtual(options, num_pseudo)
-  inner = options.replace(segment_ids=segment_ids, positions=positions, implementation=mha)
-  out = mha_attention(qv, kv, vv, inner)
+  seq = _sequences(options, num_pseudo)
+  inner = options.replace(
+    segment_ids=seq.q_segment,
+    positions=seq.q_position,
+    query_offset=seq.q_offset,
+    kv_segment_ids=seq.k_segment if options.sliced else None,
+    kv_positions=seq.k_position if options.sliced else None,
+    implementation=mha,
+  )
+  # Options checked already: the MHA implementation itself (sliced keys may be longer).
+  out = registry.lookup("mha", mha, qv, vv, inner)(qv, kv, vv, inner)
   return collapse_heads(deinterleave(out, num_pseudo), collapse)
 
 
 def mha_reference(q, k, v, options: AttentionOptions):
   """Dense MHA in float32 at highest precision (`block_sizes` unused)."""
-  return _reference_core(q, k, v, options, options.segment_ids, options.positions)
+  return _reference_core(q, k, v, options, _sequences(options))
 
 
 def mha_xla(q, k, v, options: AttentionOptions):
   """Blockwise MHA (the XLA core on head-major `[B, H, N, d]`)."""
   heads_major = lambda x: jnp.swapaxes(x, 1, 2)
-  out = _xla_core(
-    *(heads_major(x) for x in (q, k, v)), options, options.segment_ids, options.positions
-  )
+  out = _xla_core(*(heads_major(x) for x in (q, k, v)), options, _sequences(options))
   return heads_major(out)

@@ -2,7 +2,9 @@
 
 MHA hands its rotated q/k/v to `jax.nn.dot_product_attention(implementation="cudnn")`; IHA
 materialises its pseudo q/k/v (`[B, N * P, H, d]`, one XLA einsum each) and runs this over
-the virtual sequence (`iha_jax.ops.attention.iha_via_mha`).
+the virtual sequence (`iha_jax.ops.attention.iha_via_mha`). Grouped-query k and v (G heads
+dividing the H query heads, query head h reading key/value head `h // (H // G)`) go to
+cuDNN as they are: jax's attention takes them natively, with the same head convention.
 On an H100 this ran 5 to 41 times faster than the fused Pallas kernels at the paper's
 shapes (docs/performance.md §12), at the price of the P-times larger activations the
 kernels avoid: the pseudo q/k/v (and cuDNN's own residuals) live until the backward pass
@@ -32,7 +34,7 @@ BACKEND = "cudnn"
 def unsupported(q: jax.Array, v: jax.Array, options: AttentionOptions) -> str | None:
   """Why cuDNN cannot run this call (one line), or None when it can.
 
-  q, v: `[B, N, H, d]` / `[B, N, H, dv]` source arrays; options as the entry point gives.
+  q, v: `[B, N, H, d]` / `[B, N, G, dv]` source arrays; options as the entry point gives.
   """
   if jnp.dtype(q.dtype) not in DTYPES:
     return f"cuDNN attention takes bfloat16 or float16, got {q.dtype}"

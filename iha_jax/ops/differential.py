@@ -9,6 +9,12 @@ as ONE multi-head attention call over 2H heads (head `2h + i` is map i of head h
 repeated), so every MHA implementation, the Pallas kernels included, serves it, the two
 maps cost exactly what two softmax attentions cost, and a head-sharded call keeps both
 maps of a head on one device.
+
+Grouped-query: k `[B, N, G, 2, d]` and v `[B, N, G, dv]` with G dividing H; head h reads
+key/value head `h // r` (r = H // G) in both maps. The one MHA call is then grouped-query
+too: its 2H query heads are ordered (group, map, member) and its 2G key heads (group,
+map), so MHA's own grouping sends map i of head h to keys (h // r, i); for G = H this is
+the order above.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import jax
 import jax.numpy as jnp
 
 from iha_jax.ops import registry, validation
-from iha_jax.ops.attention import mha_attention
 from iha_jax.ops.options import AttentionOptions, with_overrides
 
 
@@ -42,8 +47,10 @@ def diff_attention(
   """Differential attention `A1 v - lam * A2 v` (before the layer's norm and scale).
 
   Args:
-    q, k: `[B, N, H, 2, d]` projections before RoPE (map i's queries / keys at index i).
-    v: `[B, N, H, dv]` (the paper's layer uses dv = 2d).
+    q: `[B, N, H, 2, d]` projections before RoPE (map i's queries at index i).
+    k: `[B, N, G, 2, d]` (map i's keys at index i), G dividing H: grouped-query
+      differential attention, head h reading key/value head `h // (H // G)` in both maps.
+    v: `[B, N, G, dv]` (the paper's layer uses dv = 2d).
     lam: a scalar or `[H]` (per head).
     options, **overrides: `AttentionOptions` as `mha_attention` (window in tokens);
       `implementation` is any MHA implementation ("reference", "xla", "pallas_tpu",
@@ -52,15 +59,17 @@ def diff_attention(
   Returns:
     `[B, N, H, dv]` in q.dtype; the subtraction is done in float32.
   """
-  validation.check_arrays(("q", "k"), (q, k), 5, "[B, N, H, 2, d]")
-  if q.shape[3] != 2:
+  validation.check_arrays(("q", "k"), (q, k), 5, "[B, N, H, 2, d]", same_shape=False, prefix=2)
+  if q.shape[3] != 2 or k.shape[3] != 2 or q.shape[4] != k.shape[4]:
     raise ValueError(
-      f"q and k must hold the two maps on axis 3, [B, N, H, 2, d]; got shape {tuple(q.shape)}."
+      "q and k must hold the two maps on axis 3, [B, N, H, 2, d] and [B, N, G, 2, d]; got "
+      f"q {tuple(q.shape)} and k {tuple(k.shape)}."
     )
-  if jnp.ndim(v) != 4 or tuple(v.shape[:3]) != tuple(q.shape[:3]):
+  g = validation.check_kv_heads(q.shape[2], k.shape[2], "k")
+  if jnp.ndim(v) != 4 or tuple(v.shape[:3]) != (*q.shape[:2], g):
     raise ValueError(
-      f"v must have shape [B, N, H, dv] with [B, N, H] = {list(q.shape[:3])} "
-      f"from q, got {tuple(jnp.shape(v))}."
+      f"v must have shape [B, N, G, dv] with [B, N, G] = {[*q.shape[:2], g]} "
+      f"from q and k, got {tuple(jnp.shape(v))}."
     )
   if jnp.result_type(v) != jnp.result_type(q):
     raise ValueError(
@@ -70,17 +79,36 @@ def diff_attention(
   if jnp.ndim(lam) not in (0, 1) or (jnp.ndim(lam) == 1 and jnp.shape(lam)[0] != h):
     raise ValueError(f"lam must be a scalar or [H] = [{h}], got shape {tuple(jnp.shape(lam))}.")
   options = validation.check_options(q, with_overrides(options, overrides))
-  fn = registry.lookup("diff", options.implementation)
+  fn = registry.lookup("diff", options.implementation, q)
   return fn(q, k, v, lam, options)
+
+
+def _query_heads(q: jax.Array, num_kv_heads: int) -> jax.Array:
+  """`[B, N, H, 2, d]` -> `[B, N, 2H, d]`, heads ordered (group, map, member)."""
+  b, n, h, _, d = q.shape
+  r = h // num_kv_heads
+  grouped = q.reshape(b, n, num_kv_heads, r, 2, d)
+  return jnp.swapaxes(grouped, 3, 4).reshape(b, n, 2 * h, d)
+
+
+def _map_outputs(out: jax.Array, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
+  """The MHA call's `[B, N, 2H, dv]` (heads as `_query_heads`) -> `A1 v`, `A2 v`
+  `[B, N, H, dv]`."""
+  b, n, h2, dv = out.shape
+  maps = out.reshape(b, n, num_kv_heads, 2, h2 // (2 * num_kv_heads), dv)
+  return tuple(maps[:, :, :, i].reshape(b, n, h2 // 2, dv) for i in range(2))
 
 
 def diff_via_mha(q, k, v, lam, options: AttentionOptions):
   """Both maps as one `mha_attention` call over 2H heads (the same implementation, so the
   kernels, under shard_map when a mesh is current, serve it too)."""
   b, n, h, _, d = q.shape
-  # [B, N, H, 2, d] -> [B, N, 2H, d]: head 2h + i is map i of head h.
-  out = mha_attention(
-    q.reshape(b, n, 2 * h, d), k.reshape(b, n, 2 * h, d), jnp.repeat(v, 2, axis=2), options
-  ).astype(jnp.float32)
+  g = k.shape[2]
+  # Heads of the one MHA call (module docstring); keys may be longer than the queries in
+  # a sequence-sharded call.
+  q2, k2, v2 = _query_heads(q, g), k.reshape(b, k.shape[1], 2 * g, d), jnp.repeat(v, 2, 2)
+  # The options are checked: the MHA implementation directly (keys may differ in length).
+  mha = registry.lookup("mha", options.implementation, q2, v2, options)
+  first, second = _map_outputs(mha(q2, k2, v2, options).astype(jnp.float32), g)
   lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (h,))[:, None]
-  return (out[:, :, 0::2] - lam * out[:, :, 1::2]).astype(q.dtype)
+  return (first - lam * second).astype(q.dtype)

@@ -53,6 +53,7 @@ MODEL_DEFAULTS = {
   "num_outputs": None,
   "mixing_noise_std": 0.0,
   "input_features": None,
+  "num_kv_heads": None,
 }
 
 
@@ -100,7 +101,7 @@ def resolve_window(config: ml_collections.ConfigDict) -> int | None:
 
 def _model_variant(m: ml_collections.ConfigDict) -> dict[str, Any]:
   """`causal`, `num_outputs`, `mixing_noise_std`, `input_features` of `config.model`,
-  type-checked."""
+  type-checked, and `num_kv_heads` (checked by `TransformerConfig`)."""
   values = {key: m.get(key, default) for key, default in MODEL_DEFAULTS.items()}
   if not isinstance(values["causal"], bool):
     raise ConfigError(
@@ -180,6 +181,11 @@ def tensor_axis_problem(model: TransformerConfig, tensor: int) -> str | None:
   """
   if model.num_heads % tensor:
     return f"model.num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}"
+  if model.num_kv_heads is not None and model.num_kv_heads % tensor:
+    return (
+      f"model.num_kv_heads={model.num_kv_heads} is not divisible by mesh.tensor={tensor}: "
+      "tensor parallelism splits the key/value heads"
+    )
   if model.vocab_size % tensor:
     padded = round_up(model.vocab_size, tensor)
     return (

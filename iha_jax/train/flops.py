@@ -1,12 +1,14 @@
 """Model FLOP and parameter budget of every attention kind (docs/design.md §2), peak table and MFU.
 
-Forward FLOPs (a multiply-add is 2), per token and layer (D width, H heads of the layer's
-`AttentionConfig`, d head width, dv value width, P pseudo-heads, F MLP width):
+Forward FLOPs (a multiply-add is 2), per token and layer (D width, H heads and G
+key/value heads of the layer's `AttentionConfig`, d head width, dv value width, P
+pseudo-heads, F MLP width):
 - projections: `2 *` the entries of the layer's projection matrices (`w*`), i.e.
-  `4 * 2*D*H*d` for iha / mha / talking_heads, the same for diff (wq, wk `[D, H/2, 2, d]`,
-  wv `[D, H/2, 2d]`, wo `[H/2, 2d, D]`) and `6 * 2*D*H*d` for simplicial (q, k1, k2, v1,
-  v2, o);
-- IHA mixing `2*3*H*H*P*d` and collapse `2*H*H*P*d` (full) or `2*H*P*d` (per_head);
+  `2*D*(2H + 2G)*d` for iha / mha (`4 * 2*D*H*d` at G = H) and talking_heads, the same for
+  diff (wq `[D, H/2, 2, d]`, wk `[D, G/2, 2, d]`, wv `[D, G/2, 2d]`, wo `[H/2, 2d, D]`)
+  and `6 * 2*D*H*d` for simplicial (q, k1, k2, v1, v2, o);
+- IHA mixing `2*(H*H + 2*G*G)*P*d` (`2*3*H*H*P*d` at G = H) and collapse `2*H*H*P*d`
+  (full) or `2*H*P*d` (per_head);
 - MLP: `3 * 2*D*F` (SwiGLU) or `2 * 2*D*F` (GELU);
 per sequence and layer, the attention core, from the visible query-key pairs of one head
 (and, for simplicial, the visible key-key triples of one query):
@@ -94,6 +96,7 @@ class LayerBudget:
       None is global.
     causal: False for bidirectional (encoder) layers.
     count: layers of the model with this letter.
+    heads: the layer's query heads H and key/value heads G, `(H, G)`.
     params: attention parameters of one layer (`param_specs` shapes).
     block_params: one whole block: attention, MLP and its two RMSNorm scales.
     projection_flops: per token.
@@ -116,6 +119,7 @@ class LayerBudget:
   mlp_flops: int
   seq_len: int
   virtual_tokens: bool = False
+  heads: tuple[int, int] = (0, 0)
 
   @property
   def attention_flops_per_token(self) -> float:
@@ -156,6 +160,7 @@ def layer_budgets(config: TransformerConfig, seq_len: int) -> list[LayerBudget]:
         mlp_flops=2 * mlp_params,
         seq_len=seq_len,
         virtual_tokens=acfg.interleaved,
+        heads=(acfg.num_heads, acfg.kv_heads),
       )
     )
   return budgets
@@ -195,10 +200,11 @@ def _window_text(budget: LayerBudget) -> str:
 def budget_table(config: TransformerConfig, seq_len: int, batch_size: int = 1) -> str:
   """Plain-text budget of `config` at `seq_len`: one row per schedule letter, then totals.
 
-  Columns: letter, kind, window (virtual tokens for iha), mask, layers, attention
-  parameters per layer, block parameters per layer, attention FLOPs per token forward
-  (core + mixing, projections excluded). Totals: model parameters, attention FLOPs per
-  token summed over layers, train FLOPs per step at `batch_size`.
+  Columns: letter, kind, window (virtual tokens for iha), mask, heads (H, or H/G with G
+  key/value heads), layers, attention parameters per layer, block parameters per layer,
+  attention FLOPs per token forward (core + mixing, projections excluded). Totals: model
+  parameters, attention FLOPs per token summed over layers, train FLOPs per step at
+  `batch_size`.
   """
   budgets = layer_budgets(config, seq_len)
   header = (
@@ -206,6 +212,7 @@ def budget_table(config: TransformerConfig, seq_len: int, batch_size: int = 1) -
     "kind",
     "window",
     "mask",
+    "heads",
     "layers",
     "attn params",
     "block params",
@@ -217,6 +224,7 @@ def budget_table(config: TransformerConfig, seq_len: int, batch_size: int = 1) -
       b.kind,
       _window_text(b),
       "causal" if b.causal else "bidir",
+      str(b.heads[0]) if b.heads[0] == b.heads[1] else f"{b.heads[0]}/{b.heads[1]}",
       str(b.count),
       f"{b.params:,}",
       f"{b.block_params:,}",
@@ -226,7 +234,7 @@ def budget_table(config: TransformerConfig, seq_len: int, batch_size: int = 1) -
   ]
   widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
   line = lambda r: "  ".join(
-    c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+    c.ljust(w) if i < 5 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
   ).rstrip()
   attention = sum(b.count * b.attention_flops_per_token for b in budgets)
   lines = [
