@@ -166,3 +166,32 @@ def test_auto_takes_the_xla_path_per_shard_where_kernels_would_run():
     with pytest.raises(ValueError, match="'pallas_tpu' cannot run sequence-sharded"):
       ops.mha_attention(q[:, :, :, 0], k[:, :, :, 0], v[..., :8], implementation="pallas_tpu")
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_query_iha_on_a_context_and_tensor_mesh():
+  """IHA with G = 2 key/value heads for H = 4 query heads, a window crossing shards and
+  packed segments: output and the q/k/v gradients at context 4 x tensor 2 equal one
+  device's."""
+  from iha_jax import ops  # pylint: disable=import-outside-toplevel
+
+  h, g, d, p = 4, 2, 8, 2
+  keys = jax.random.split(jax.random.key(5), 7)
+  q = jax.random.normal(keys[0], (B, N, h, d))
+  k, v = (jax.random.normal(key, (B, N, g, d)) for key in keys[1:3])
+  mixing = (
+    jax.random.normal(keys[3], (h, h, p)) / h,
+    *(jax.random.normal(key, (g, g, p)) / g for key in keys[4:6]),
+    jax.random.normal(keys[6], (h, h, p)) / h,
+  )
+  batch = _batch()
+  options = dict(window=7, segment_ids=batch["segment_ids"], positions=batch["positions"])
+
+  def loss(q, k, v):
+    out = ops.iha_attention(q, k, v, *mixing, implementation="xla", **options)
+    return jnp.sum(out * jnp.cos(q)), out
+
+  expected = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  with parallel.activate(parallel.create_mesh(dict(data=1, fsdp=1, context=4, tensor=2))):
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
