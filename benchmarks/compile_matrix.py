@@ -5,6 +5,8 @@
     python benchmarks/compile_matrix.py --platform tpu --cases smoke --json
     python benchmarks/compile_matrix.py --platform cuda --out docs/compile_matrix.md
         # one platform: rewrites that platform's section of the page, keeps the other's
+    python benchmarks/compile_matrix.py --cases gqa --out docs/compile_matrix.md
+        # grouped-query cases only: rewrites their rows of the page, keeps the others
 
 A covering set of kernel configurations (`CASES`: every value of every axis appears, and
 every combination a shipped config produces), forward+backward unless marked, each
@@ -74,11 +76,33 @@ CASES = [
   ),
 ]
 
+# Grouped-query attention (G key/value heads for H query heads): configs/iha_gqa_2p4b.py's
+# layers, Llama 3 8B's attention shapes (H = 32, G = 8, d = 128) and multi-query (G = 1).
+GQA_CASES = [
+  (
+    "GQA: 2.4B L layer (P = H = 20, G = 5)",
+    Case(heads=20, kv_heads=5, pseudo=20, window=204, tokens=8192),
+  ),
+  ("GQA: 2.4B M layer (MHA, G = 5)", Case(kind="mha", heads=20, kv_heads=5, tokens=8192)),
+  (
+    "GQA: Llama 3 8B shapes, IHA P = 4",
+    Case(heads=32, kv_heads=8, pseudo=4, window=1024, tokens=8192),
+  ),
+  ("GQA: Llama 3 8B shapes, MHA", Case(kind="mha", heads=32, kv_heads=8, tokens=8192)),
+  ("MQA: P = 2, G = 1", Case(pseudo=2, kv_heads=1, window=1024)),
+  (
+    "MQA: MHA, G = 1, bidirectional, segments",
+    Case(kind="mha", kv_heads=1, causal=False, segments=True),
+  ),
+]
+CASES += GQA_CASES
+
 # The suite's fast subset (tests/test_compile_targets.py): the paper's P = H = 20 backward
 # on v5p, default H100 shapes, and controls the compilers must flag (names "control: ...").
 SMOKE = {
   "tpu": [
     ("2.4B L layer as shipped (P = H = 20)", dataclasses.replace(CASES[0][1], tokens=2048)),
+    ("GQA: 2.4B L layer (P = H = 20, G = 5)", dataclasses.replace(GQA_CASES[0][1], tokens=2048)),
     (
       "control: 2048-row tiles at P = 4, forward",
       Case(pseudo=4, tokens=2048, window=512, blocks=(2048, 2048), backward=False),
@@ -87,6 +111,7 @@ SMOKE = {
   "cuda": [
     ("P = 2", CASES[7][1]),
     ("P = 4, d = 64", CASES[11][1]),
+    ("GQA: Llama 3 8B shapes, IHA P = 4", GQA_CASES[2][1]),
     ("control: 128 x 128 tiles at P = 2", dataclasses.replace(CASES[7][1], blocks=(128, 128))),
   ],
 }
@@ -120,7 +145,7 @@ def worker(platform: str, which: str, on_device: bool = False) -> None:
   from iha_jax.parallel import targets  # pylint: disable=import-outside-toplevel
 
   names = TPU_TARGETS if platform == "tpu" else GPU_TARGETS
-  cases = {"smoke": SMOKE[platform], "timed": TIMED}.get(which, CASES)
+  cases = {"smoke": SMOKE[platform], "timed": TIMED, "gqa": GQA_CASES}.get(which, CASES)
   if which == "smoke" and platform == "tpu":
     names = ("v5p-8",)
   if on_device:
@@ -207,19 +232,38 @@ def _sections(text: str) -> dict[str, str]:
   return {"tpu" if part.startswith("TPU") else "cuda": "### " + part for part in parts}
 
 
-def _merged(path: Path, table: str) -> str:
-  """`table`, plus the sections of the other platform kept from the page at `path`."""
+def _case_of(line: str) -> str | None:
+  """The case of a table row (`| case | ...`), None for other lines and the header."""
+  if not line.startswith("| ") or line.startswith(("| case ", "| ---")):
+    return None
+  return line.split("|")[1].strip()
+
+
+def _merge_rows(old: str, new: str) -> str:
+  """Section `old` with the rows of `new`'s cases replaced (new cases after its last row)."""
+  rows = {_case_of(line): line for line in new.splitlines() if _case_of(line)}
+  lines = old.rstrip("\n").splitlines()
+  merged = [rows.pop(_case_of(line), line) if _case_of(line) else line for line in lines]
+  last = max(i for i, line in enumerate(merged) if line.startswith("|"))
+  return "\n".join(merged[: last + 1] + list(rows.values()) + merged[last + 1 :]) + "\n\n"
+
+
+def _merged(path: Path, table: str, rows_only: bool = False) -> str:
+  """`table`, plus the sections of the other platform kept from the page at `path`;
+  `rows_only` (a subset of the cases): the page with just those rows replaced or added."""
   if not path.exists():
     return table
   old, new = _sections(path.read_text()), _sections(table)
-  preamble = table.split("### ")[0]
+  preamble = (path.read_text() if rows_only else table).split("### ")[0]
+  if rows_only:
+    new = {p: _merge_rows(old[p], new[p]) if p in old else new[p] for p in new}
   return preamble + "".join(new.get(p) or old.get(p, "") for p in ("tpu", "cuda"))
 
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--platform", choices=("tpu", "cuda", "both"), default="both")
-  parser.add_argument("--cases", choices=("all", "smoke", "timed"), default="all")
+  parser.add_argument("--cases", choices=("all", "smoke", "timed", "gqa"), default="all")
   parser.add_argument("--json", action="store_true", help="print JSON lines, no table")
   parser.add_argument("--out", help="also write the markdown table here")
   parser.add_argument("--worker", choices=("tpu", "cuda"), help=argparse.SUPPRESS)
@@ -265,7 +309,7 @@ def main() -> int:
     table = render(rows)
     print(table)
     if args.out:
-      Path(args.out).write_text(_merged(Path(args.out), table))
+      Path(args.out).write_text(_merged(Path(args.out), table, rows_only=args.cases == "gqa"))
   return 0 if all(r["ok"] for r in rows) else 1
 
 

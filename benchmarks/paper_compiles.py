@@ -4,8 +4,9 @@
 
 Runs `train.py --compile_only` (the real train step: scan over 26 layers, the config's
 remat, AdamW, FSDP over every chip) for the 2.4B IHA model as shipped (P = H = 20), at
-P = 4, and its four baselines, and prints one markdown row per (config, target): compile
-status and the per-device memory XLA assigned. Global batch 128 x 8192 tokens, as the
+P = 4, with grouped-query attention (configs/iha_gqa_2p4b.py), and its four baselines,
+and prints one markdown row per (config, target): compile status and the per-device
+memory XLA assigned. Global batch 128 x 8192 tokens, as the
 paper: 2 sequences per chip on v5p-128; on 8 H100s 16 per GPU, run as
 `grad_accum_steps = 8` microbatches of 2. Compiled, not run: memory, never speed.
 """
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = [
   ("IHA `LLLLM`, P = H = 20 (as shipped)", "configs/iha_2p4b.py", []),
   ("IHA `LLLLM`, P = 4", "configs/iha_2p4b.py", ["--config.model.num_pseudo=4"]),
+  ("IHA `LLLLM`, P = H = 20, GQA G = 5", "configs/iha_gqa_2p4b.py", []),
   ("global MHA `M`", "configs/global_2p4b.py", []),
   ("Global+Local `SSSSM`", "configs/global_local_2p4b.py", []),
   ("Talking-Heads `T`", "configs/talking_heads_2p4b.py", []),

@@ -55,12 +55,14 @@ def _smoke(platform: str) -> dict[str, dict]:
 @_needs("tpu")
 def test_tpu_kernels_compile_within_scoped_vmem():
   rows = _smoke("tpu")
-  paper = rows["2.4B L layer as shipped (P = H = 20)"]
-  assert paper["ok"], paper["error"]
-  assert paper["target"] == "v5p-8"
-  assert set(paper["kernels"]) == {"iha_forward", "iha_backward_dq", "iha_backward_dkv"}
-  for name, kernel in paper["kernels"].items():
-    assert 0 < kernel["vmem_bytes"] <= SCOPED_VMEM_LIMIT, (name, kernel)
+  # The paper's layer, and its grouped-query variant (20 query heads over 5 key/value heads).
+  for case in ("2.4B L layer as shipped (P = H = 20)", "GQA: 2.4B L layer (P = H = 20, G = 5)"):
+    paper = rows[case]
+    assert paper["ok"], paper["error"]
+    assert paper["target"] == "v5p-8"
+    assert set(paper["kernels"]) == {"iha_forward", "iha_backward_dq", "iha_backward_dkv"}
+    for name, kernel in paper["kernels"].items():
+      assert 0 < kernel["vmem_bytes"] <= SCOPED_VMEM_LIMIT, (case, name, kernel)
   # Control: tiles of 2048 virtual rows each way break Mosaic's scoped-VMEM limit.
   control = rows["control: 2048-row tiles at P = 4, forward"]
   assert not control["ok"]
@@ -70,7 +72,7 @@ def test_tpu_kernels_compile_within_scoped_vmem():
 @_needs("cuda")
 def test_h100_kernels_compile_without_spills_at_default_tiles():
   rows = _smoke("cuda")
-  for case in ("P = 2", "P = 4, d = 64"):
+  for case in ("P = 2", "P = 4, d = 64", "GQA: Llama 3 8B shapes, IHA P = 4"):
     row = rows[case]
     assert row["ok"], row["error"]
     assert set(row["kernels"]) >= {"iha_forward", "iha_backward_dq", "iha_backward_dkv"}

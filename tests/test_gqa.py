@@ -403,9 +403,11 @@ def _train(mesh_sizes: dict, steps: int = 3) -> list[float]:
   return losses
 
 
-def test_training_steps_with_grouped_heads_on_a_tensor_mesh():
-  """The trainer's step with num_kv_heads: the loss falls, and splitting the G = 2
-  key/value heads over a tensor axis of 2 changes nothing."""
+def test_training_steps_with_grouped_heads_on_a_sharded_mesh():
+  """The trainer's step with num_kv_heads: the loss falls, and an fsdp x context x tensor
+  mesh (the G = 2 key/value heads split over a tensor axis of 2, the sequence over a
+  context axis of 2: only source keys and values cross it) changes nothing."""
   single = _train(dict(data=1, fsdp=1, tensor=1))
   assert np.isfinite(single).all() and single[-1] < single[0]  # (step 0's rate is 0: warm-up)
-  np.testing.assert_allclose(_train(dict(data=2, fsdp=1, tensor=2)), single, rtol=2e-5)
+  sharded = _train(dict(data=1, fsdp=2, context=2, tensor=2))
+  np.testing.assert_allclose(sharded, single, rtol=2e-5)

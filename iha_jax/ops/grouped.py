@@ -2,14 +2,14 @@
 
 With G key/value heads for H query heads (G divides H, group size `r = H // G`), query
 head h reads key/value head `h // r`: the r query heads of a group share one key/value
-sequence. Rather than copy keys and values to H heads, the r query sequences of a group
-are laid end to end on the query axis of one head-major call
-(`flash_attention_heads_major` with q `[B, G, r * Tq, d]`), each keeping its own
-positions through the query index vector (`q_index` tiled r times) and its own segment
-ids, so keys and values stay `[B, G, Tk, d]` forward and backward (their gradients sum
-over the group inside the core's key loop). Each group member's queries are padded to
-whole tiles, so no tile mixes two members and a window's band stays as narrow as without
-groups.
+sequence. Rather than copy keys and values to H heads, the r query heads of a group are
+interleaved on the query axis of one head-major call (`flash_attention_heads_major` with
+q `[B, G, Tq * r, d]`, row `t * r + j` holding query t of member j), each row keeping its
+position through the query index vector (`q_index` repeated r times) and its segment id,
+so keys and values stay `[B, G, Tk, d]` forward and backward (their gradients sum over the
+group inside the core's key loop). A query tile holds `r` times the positions' rows, so
+the core makes as many loop trips over tiles of the same size as a multi-head call, and
+each tile's band of keys is that of its positions.
 """
 
 from __future__ import annotations
@@ -79,16 +79,17 @@ def grouped_attention_heads_major(
     kv_segment_ids = segment_ids
   if q_index is None and k_index is None and window is not None and window >= max(t_q, t_k):
     window = None  # the band covers everything (the core's own shortcut, before indexing)
-  block_q = block_q or default_block_size(t_q, window)
-  tq = round_up(t_q, block_q)
+  block = block_q or default_block_size(t_q, window)  # query positions per tile
+  tq = round_up(t_q, block)
   if q_index is None:
     q_index = jnp.arange(t_q, dtype=jnp.int32)
-  # Padded queries repeat the last index (no extra tiles) and are sliced off below.
+  # Padded positions repeat the last index (no extra tiles) and are sliced off below.
   q_index = _pad_axis(jnp.asarray(q_index, jnp.int32), tq, 0, mode="edge")
-  # Head h = group * r + member: a free reshape puts a group's members on one axis.
-  q = _pad_axis(q.reshape(b, g, r, t_q, d), tq, 3).reshape(b, g, r * tq, d)
+  # Head h = group * r + member: row t * r + member of the group's query axis.
+  q = _pad_axis(q.reshape(b, g, r, t_q, d), tq, 3)
+  q = jnp.swapaxes(q, 2, 3).reshape(b, g, tq * r, d)
   if segment_ids is not None:
-    segment_ids = jnp.tile(_pad_axis(segment_ids, tq, 1), (1, r))
+    segment_ids = jnp.repeat(_pad_axis(segment_ids, tq, 1), r, axis=1)
   out = flash_attention_heads_major(
     q,
     k,
@@ -96,14 +97,15 @@ def grouped_attention_heads_major(
     segment_ids=segment_ids,
     window=window,
     causal=causal,
-    block_q=block_q,
+    block_q=block * r,
     block_k=block_k,
     precision=precision,
     kv_segment_ids=kv_segment_ids,
-    q_index=jnp.tile(q_index, r),
+    q_index=jnp.repeat(q_index, r),
     k_index=k_index,
   )
-  return out.reshape(b, g, r, tq, -1)[:, :, :, :t_q].reshape(b, h, t_q, -1)
+  out = jnp.swapaxes(out.reshape(b, g, tq, r, -1), 2, 3)
+  return out[:, :, :, :t_q].reshape(b, h, t_q, -1)
 
 
 def grouped_attention_probabilities(
@@ -119,7 +121,7 @@ def grouped_attention_probabilities(
   precision: jax.lax.PrecisionLike = None,
 ) -> jax.Array:
   """`attention_probabilities` for `q: [B, H, Tq, d]` over `k: [B, G, Tk, d]` (G dividing
-  H, grouped as `grouped_attention_heads_major`): float32 `[B, H, Tq, Tk]`."""
+  H, interleaved as in `grouped_attention_heads_major`): float32 `[B, H, Tq, Tk]`."""
   b, h, t_q, d = q.shape
   g, t_k = k.shape[1], k.shape[2]
   r = h // g
@@ -130,9 +132,9 @@ def grouped_attention_probabilities(
       kv_segment_ids = segment_ids
     if q_index is None and k_index is None and window is not None and window >= max(t_q, t_k):
       window = None
-    q_index = jnp.tile(jnp.arange(t_q, dtype=jnp.int32) if q_index is None else q_index, r)
-    segment_ids = None if segment_ids is None else jnp.tile(segment_ids, (1, r))
-    q = q.reshape(b, g, r * t_q, d)
+    q_index = jnp.repeat(jnp.arange(t_q, dtype=jnp.int32) if q_index is None else q_index, r)
+    segment_ids = None if segment_ids is None else jnp.repeat(segment_ids, r, axis=1)
+    q = jnp.swapaxes(q.reshape(b, g, r, t_q, d), 2, 3).reshape(b, g, t_q * r, d)
   probs = attention_probabilities(
     q,
     k,
@@ -144,4 +146,4 @@ def grouped_attention_probabilities(
     k_index=k_index,
     precision=precision,
   )
-  return probs.reshape(b, h, t_q, t_k)
+  return jnp.swapaxes(probs.reshape(b, g, t_q, r, t_k), 2, 3).reshape(b, h, t_q, t_k)
