@@ -71,23 +71,42 @@ def _loss_and_grads(config, sizes, layout="contiguous", lowered=False):
     return fn(params, batch)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["causal", "bidirectional"])
-def baseline(request):
-  config = MODEL if request.param else MODEL.__class__(**{**MODEL.__dict__, "causal": False})
-  return config, _loss_and_grads(config, dict(data=1, fsdp=1, tensor=1))
+# The window layers alone (halo paths), cheaper to compile than every letter.
+WINDOWS = MODEL.__class__(**{**MODEL.__dict__, "attention_schedule": "LSM", "num_layers": 3})
+
+
+@pytest.fixture(scope="module")
+def baselines():
+  """One device's loss and gradients per (model, causal), computed once each."""
+  cache = {}
+
+  def get(model: TransformerConfig, causal: bool):
+    key = (model.attention_schedule, causal)
+    if key not in cache:
+      config = model if causal else model.__class__(**{**model.__dict__, "causal": False})
+      cache[key] = config, _loss_and_grads(config, dict(data=1, fsdp=1, tensor=1))
+    return cache[key]
+
+  return get
 
 
 @pytest.mark.parametrize(
-  "sizes, layout",
+  "model, sizes, layout, causal",
   [
-    (dict(data=1, fsdp=1, context=8, tensor=1), "contiguous"),
-    (dict(data=1, fsdp=1, context=4, tensor=1), "balanced"),
-    (dict(data=2, fsdp=1, context=2, tensor=2), "balanced"),
+    (MODEL, dict(data=1, fsdp=1, context=8, tensor=1), "contiguous", True),
+    (MODEL, dict(data=2, fsdp=1, context=2, tensor=2), "balanced", False),
+    (WINDOWS, dict(data=1, fsdp=1, context=4, tensor=1), "balanced", True),
+    (WINDOWS, dict(data=1, fsdp=1, context=8, tensor=1), "contiguous", False),
   ],
-  ids=["context8", "context4-balanced", "data2-context2-tensor2-balanced"],
+  ids=[
+    "every-kind-context8-causal",
+    "every-kind-data2-context2-tensor2-balanced-bidirectional",
+    "windows-context4-balanced-causal",
+    "windows-context8-bidirectional",
+  ],
 )
-def test_sharded_sequence_equals_one_device(baseline, sizes, layout):
-  config, (loss, grads) = baseline
+def test_sharded_sequence_equals_one_device(baselines, model, sizes, layout, causal):
+  config, (loss, grads) = baselines(model, causal)
   sharded_loss, sharded_grads = _loss_and_grads(config, sizes, layout)
   np.testing.assert_allclose(float(sharded_loss), float(loss), rtol=1e-5)
   flat, _ = jax.tree_util.tree_flatten_with_path(grads)
