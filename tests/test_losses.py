@@ -77,8 +77,9 @@ def _assert_trees_close(got, want) -> None:
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("chunk", [4, 5, 10])  # a remainder of 2, none, a single chunk
 def test_chunked_cross_entropy_equals_plain(tied, chunk):
-  """Loss sum, correctness and the VJP (random cotangent) w.r.t. the hidden states and
-  the output head equal the plain loss over the whole `[B, N, V]` logits."""
+  """Loss sum, correctness (differentiated or not) and the VJP (random cotangent) w.r.t.
+  the hidden states and the output head equal the plain loss over the whole `[B, N, V]`
+  logits."""
   config = dataclasses.replace(MODEL, tie_embeddings=tied)
   b, n, d, v = 3, 10, config.model_dim, config.vocab_size
   keys = jax.random.split(jax.random.key(0), 3)
@@ -104,8 +105,10 @@ def test_chunked_cross_entropy_equals_plain(tied, chunk):
 
   (want, want_correct), want_vjp = jax.vjp(plain, hidden, head)
   (got, got_correct), got_vjp = jax.vjp(chunked, hidden, head)
-  np.testing.assert_allclose(got, want, rtol=1e-6)
-  np.testing.assert_array_equal(got_correct, want_correct)
+  forward_only = chunked(hidden, head)  # not differentiated: no gradients computed
+  for loss_sum, correct in ((got, got_correct), forward_only):
+    np.testing.assert_allclose(loss_sum, want, rtol=1e-6)
+    np.testing.assert_array_equal(correct, want_correct)
   assert 0 < int(want_correct.sum()) < b * n
   cotangent = (jnp.float32(0.73), np.zeros((b, n), jax.dtypes.float0))
   name = "embedding" if tied else "lm_head"  # untied: the embedding is not the head
@@ -117,12 +120,12 @@ def test_chunked_cross_entropy_equals_plain(tied, chunk):
 
 
 def test_chunked_loss_on_a_mesh_equals_plain():
-  """The model's loss terms and every parameter's gradient under a 2 x 2 x 2 (data,
-  fsdp, tensor) mesh with scan-over-layers and full remat, chunks of 5 of 16 positions
-  (a remainder of 1): as the plain loss on the same mesh; the eval step's sums too.
-  No loop reduces the head's gradient (`[V / tensor, D]` per device) once per chunk."""
+  """The model's loss terms and every parameter's gradient under a 2 x 2 x 2 (fsdp,
+  context, tensor) mesh with scan-over-layers and full remat, chunks of 5 of each
+  device's 8 positions (a remainder of 3): as the plain loss on the same mesh; the eval
+  step's sums too. No loop reduces the head's gradient (`[V / tensor, D]`) per chunk."""
   model = LanguageModel(MODEL, remat="full", scan_layers=True)
-  mesh = parallel.create_mesh(dict(data=2, fsdp=2, tensor=2))
+  mesh = parallel.create_mesh(dict(data=1, fsdp=2, context=2, tensor=2))
   state, shardings = create_state(model, make_optimizer(TRAIN), mesh, seed=0)
   rows = parallel.batch_sharding(mesh)
   batch = jax.device_put(_batch(8, 16, MODEL.vocab_size), rows)

@@ -3,10 +3,13 @@ error, and the chunked cross-entropy that never builds the whole `[B, N, V]` log
 
 `loss_terms(model, params, batch, loss, chunk_tokens)` is what the train and eval steps
 differentiate and sum. With vocabulary logits (`model.num_outputs` None) and a sequence
-longer than `chunk_tokens`, the logits exist one chunk at a time: `lax.scan` over chunks
-of `chunk_tokens` positions (every row of the batch at once), each chunk's logits
-`[B, c, V]` computed from the final normalised hidden states and the output head inside
-`jax.checkpoint`, so the backward recomputes them chunk by chunk instead of saving them.
+longer than `chunk_tokens`, the logits exist one chunk at a time: a loop over chunks of
+`chunk_tokens` positions (every row of the batch at once) builds each chunk's logits
+`[B, c, V]` from the final normalised hidden states and the output head. Under
+differentiation (a custom VJP) the same loop also takes each chunk's logit gradient and
+turns it into the gradients of the hidden states and of the head at once, so the
+backward only scales them by the loss's cotangent: no logits are saved or recomputed,
+and the head is multiplied three times per chunk, as autodiff of the plain loss does.
 The last `N % chunk_tokens` positions, if any, form one shorter chunk. Loss sum, weight
 sum, per-position correctness and every gradient equal the plain loss's (to float
 summation order). Per-token heads (`num_outputs` O, a few) give `[B, N, O]` outputs, at
@@ -24,14 +27,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import linen as nn
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from iha_jax.models import TransformerConfig
 from iha_jax.models.language_model import LanguageModel, Params
 from iha_jax.models.transformer import output_logits
 from iha_jax.ops.validation import is_int
-from iha_jax.parallel.axes import RESIDUAL_AXES
-from iha_jax.parallel.sharding import kernel_axes
+from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_LENGTH, RESIDUAL_AXES, VOCAB
+from iha_jax.parallel.rules import LOGICAL_AXIS_RULES
 
 # inputs, targets, segment_ids, positions, weights: [B, N]; with continuous inputs also
 # features [B, N, F]; for regression, values [B, N, num_outputs].
@@ -104,10 +108,14 @@ def chunked_cross_entropy(
   """Weighted cross-entropy sum (float32 scalar) and correct `[B, N]` bool of the
   vocabulary logits of `hidden`, built `chunk_tokens` positions at a time.
 
-  Under a mesh this runs in `shard_map` over the batch axes (rows are independent), the
-  vocabulary axis left to the compiler (logits stay vocab-sharded over `tensor`): the
-  output head is gathered once at the boundary and its gradient is summed per device
-  over the chunks and reduced over the batch axes once, not once per chunk.
+  Differentiable (reverse mode) in `hidden` and the output head: the gradients are
+  computed in the forward pass, chunk by chunk (module docstring). Under a mesh the
+  chunks run in `shard_map` over the batch and sequence (`context`) axes, each device
+  chunking its own rows and positions, the other axes left to the compiler: the head is
+  gathered over the batch axes once, as for the plain loss (logits stay vocab-sharded
+  over `tensor`), and its gradient is summed per device over the chunks in float32 and
+  reduced over the manual axes once, in the compute dtype, as autodiff of the plain loss
+  reduces it.
 
   Args:
     hidden: final normalised hidden states `[B, N, D]` (the output head's input).
@@ -116,91 +124,175 @@ def chunked_cross_entropy(
     config: the model config (vocabulary logits: `num_outputs` None).
     chunk_tokens: positions per chunk c; the last `N % c` positions form one more chunk.
   """
-  # float32 head, cast per chunk inside `output_logits`: its gradient sums in float32.
-  lm_head = params.get("lm_head")
-  heads = {"embedding": None if lm_head is not None else params["embedding"], "lm_head": lm_head}
-  local = functools.partial(_chunked_local, config=config, chunk_tokens=chunk_tokens)
+  tied = "lm_head" not in params
+  head = params["embedding"] if tied else params["lm_head"]
   mesh = jax.sharding.get_abstract_mesh()
-  axes = _batch_axes(mesh, hidden.shape[0])
-  if not axes:
-    return local(heads, hidden, targets, weights, manual=())
-  rows = P(axes)
-  return jax.shard_map(
-    functools.partial(local, manual=axes),
-    mesh=mesh,
-    in_specs=(P(), rows, rows, rows),
-    out_specs=(P(), rows),
-    axis_names=set(axes),
-  )(heads, hidden, targets, weights)
+  batch_axes, length_axes = _row_axes(mesh, hidden.shape[:2])
+  axes = batch_axes + length_axes
+  if axes:
+    # Whole over the batch (FSDP) axes, outside the loop: the compiler gathers it as for
+    # the plain loss (and as the embedding lookup does, with which it can share it).
+    head = nn.with_logical_constraint(head, (VOCAB, None) if tied else (None, VOCAB))
+  local = functools.partial(
+    _chunked_local, tied=tied, config=config, chunk_tokens=chunk_tokens, manual=axes
+  )
+
+  def run(with_grads: bool, *args: jax.Array) -> tuple[jax.Array, ...]:
+    fn = functools.partial(local, with_grads=with_grads)
+    if not axes:
+      return fn(*args)
+    rows = P(_as_spec(batch_axes), _as_spec(length_axes))
+    return jax.shard_map(
+      fn,
+      mesh=mesh,
+      in_specs=(P(), rows, rows, rows),
+      out_specs=(P(), rows) + ((P(), rows) if with_grads else ()),
+      axis_names=set(axes),
+    )(*args)
+
+  @jax.custom_vjp
+  def loss(head, hidden, targets, weights):
+    return run(False, head, hidden, targets, weights)
+
+  def forward(head, hidden, targets, weights):
+    total, correct, grad_head, grad_hidden = run(True, head, hidden, targets, weights)
+    return (total, correct), (grad_head, grad_hidden)
+
+  head_dtype, hidden_dtype = head.dtype, hidden.dtype
+
+  def backward(residuals, cotangents):
+    grad_head, grad_hidden = residuals
+    g = cotangents[0]  # of the loss sum; `correct` has none
+    return (g * grad_head).astype(head_dtype), (g * grad_hidden).astype(hidden_dtype), None, None
+
+  loss.defvjp(forward, backward)
+  return loss(head, hidden, targets, weights)
 
 
-def _batch_axes(mesh: Any, rows: int) -> tuple[str, ...]:
-  """The mesh axes the rules split the batch over (not already manual), if the `rows`
-  divide over them; () runs the chunked loss without `shard_map`."""
-  axes = kernel_axes(mesh)
-  if not axes or not axes["batch_axes"]:
-    return ()
-  batch_axes = tuple(axes["batch_axes"])
-  size = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in batch_axes)
-  return batch_axes if rows % size == 0 else ()
+def _row_axes(mesh: Any, shape: tuple[int, int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """The mesh axes the rules split `[B, N]` over (batch axes, sequence axes; those not
+  already manual and that `B` or `N` divide over): the chunked loss's `shard_map` runs
+  over them, each device chunking its own rows and positions; both () without a mesh."""
+  if mesh.empty:
+    return (), ()
+  rules = nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
+  free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  found = []
+  for logical, extent in zip((ACTIVATION_BATCH, ACTIVATION_LENGTH), shape):
+    axes = tuple(a for a in _names(nn.logical_to_mesh_axes((logical,), rules)[0]) if a in free)
+    found.append(axes if extent % math.prod(sizes[a] for a in axes) == 0 else ())
+  return found[0], found[1]
 
 
 def _chunked_local(
-  heads: Params,
+  head: jax.Array,
   hidden: jax.Array,
   targets: jax.Array,
   weights: jax.Array,
   *,
+  tied: bool,
   config: TransformerConfig,
   chunk_tokens: int,
   manual: tuple[str, ...],
-) -> tuple[jax.Array, jax.Array]:
-  """`chunked_cross_entropy` on this device's rows (all rows without a mesh); `manual`:
-  the batch axes `shard_map` made manual (the loss sum is reduced over them)."""
+  with_grads: bool,
+) -> tuple[jax.Array, ...]:
+  """`chunked_cross_entropy` on this device's rows (all rows without a mesh): loss sum
+  and correct `[B, N]`, and `with_grads` the loss sum's gradients w.r.t. `head` (in the
+  compute dtype, summed over the `manual` axes) and `hidden` (float32 `[B, N, D]`).
+  `manual`: the batch and sequence axes `shard_map` made manual (the sums are reduced
+  over them)."""
   b, n, _ = hidden.shape
   full = n - n % chunk_tokens
   # Inside shard_map the manual axes leave the rules: constraints name only auto axes.
   rules = tuple(
     (name, _without(mesh_axes, manual)) for name, mesh_axes in nn.get_logical_axis_rules()
   )
+  whole = head.astype(config.dtype)  # cast once (`output_logits` would cast per chunk)
+  heads = {"embedding": whole, "lm_head": None} if tied else {"embedding": None, "lm_head": whole}
 
-  # Saves only its inputs: the backward recomputes this chunk's logits.
-  @functools.partial(jax.checkpoint, prevent_cse=False)
-  def chunk(heads: Params, h: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:
+  def chunk(h: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:
+    """One chunk `h: [B, c, D]`: loss sum, correct `[B, c]` (+ the gradients w.r.t. the
+    logits `[B, c, V]` and w.r.t. `h`, float32)."""
     with nn.logical_axis_rules(rules):
-      h = nn.with_logical_constraint(h, RESIDUAL_AXES)  # [B, c, D]
+      h = nn.with_logical_constraint(h, RESIDUAL_AXES)
       logits = output_logits(h, heads, config)  # [B, c, V] float32, vocab-sharded
-    per_position, correct, _ = position_losses(logits, t, "cross_entropy")
-    return jnp.sum(per_position * w), correct
+
+    def loss_sum(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+      per_position, correct, _ = position_losses(logits, t, "cross_entropy")
+      return jnp.sum(per_position * w), correct
+
+    if not with_grads:
+      return loss_sum(logits)
+    (total, correct), grad_logits = jax.value_and_grad(loss_sum, has_aux=True)(logits)
+    # The two products autodiff makes of `output_logits`, with its operand dtypes (float32
+    # logit gradients times the compute-dtype head or `h`, no upcast copy of the head).
+    grad_h = jax.lax.dot_general(
+      grad_logits,
+      whole,
+      (((2,), (0 if tied else 1,)), ((), ())),
+      preferred_element_type=jnp.float32,
+    )
+    return total, correct, grad_logits, grad_h
+
+  def head_grad(h: jax.Array, grad_logits: jax.Array) -> jax.Array:  # [V, D] or [D, V]
+    lhs, rhs = (grad_logits, h) if tied else (h, grad_logits)
+    return jax.lax.dot_general(
+      lhs, rhs, (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32
+    )
 
   def split(x: jax.Array) -> jax.Array:  # [B, full, ...] -> [full / c, B, c, ...]
     x = x[:, :full].reshape(b, full // chunk_tokens, chunk_tokens, *x.shape[2:])
     return jnp.swapaxes(x, 0, 1)
 
+  def merge(x: jax.Array) -> jax.Array:  # [full / c, B, c, ...] -> [B, full, ...]
+    return jnp.swapaxes(x, 0, 1).reshape(b, full, *x.shape[3:])
+
+  xs = (split(hidden), split(targets), split(weights))
+  tail = (hidden[:, full:], targets[:, full:], weights[:, full:])
+  if not with_grads:
+    sums, correct = jax.lax.map(lambda x: chunk(*x), xs)
+    parts = [(jnp.sum(sums), merge(correct))]
+    if full < n:
+      parts.append(chunk(*tail))
+    total, correct = sum(p[0] for p in parts), jnp.concatenate([p[1] for p in parts], axis=1)
+    return (jax.lax.psum(total, manual) if manual else total), correct
+
+  def body(acc: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    total, correct, grad_logits, grad_h = chunk(*x)
+    return acc + head_grad(x[0], grad_logits), (total, correct, grad_h)
+
+  # The head's gradient sums over the chunks in float32 on each device.
+  acc = jnp.zeros(whole.shape, jnp.float32)
   if manual:
-    # The head becomes per-device once, here: the transpose of that cast, the sum of
-    # the head's gradient over the batch axes, then runs once after the loop.
-    heads = jax.lax.pcast(heads, manual, to="varying")
-  # Chunk sums as outputs, not a carry: no float sum crosses iterations of the loop.
-  sums, correct = jax.lax.map(
-    lambda xs: chunk(heads, *xs), (split(hidden), split(targets), split(weights))
-  )
-  total = jnp.sum(sums)
-  correct = jnp.swapaxes(correct, 0, 1).reshape(b, full)
+    acc = jax.lax.pcast(acc, manual, to="varying")
+  acc, (sums, correct, grad_hidden) = jax.lax.scan(body, acc, xs)
+  parts = [(jnp.sum(sums), merge(correct), merge(grad_hidden))]
   if full < n:
-    tail_sum, tail_correct = chunk(heads, hidden[:, full:], targets[:, full:], weights[:, full:])
-    total = total + tail_sum
-    correct = jnp.concatenate([correct, tail_correct], axis=1)
+    acc, last = body(acc, tail)
+    parts.append(last)
+  total = sum(p[0] for p in parts)
+  correct, grad_hidden = (jnp.concatenate([p[i] for p in parts], axis=1) for i in (1, 2))
+  grad_head = acc.astype(config.dtype)
   if manual:
     total = jax.lax.psum(total, manual)
-  return total, correct
+    grad_head = jax.lax.psum(grad_head, manual)
+  return total, correct, grad_head, grad_hidden
+
+
+def _names(mesh_axes: Any) -> tuple[str, ...]:
+  """A rule's mesh axes (None, a name or a tuple of names) as a tuple."""
+  return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+
+
+def _as_spec(names: tuple[str, ...]) -> Any:
+  """Mesh axis names as one `PartitionSpec` entry (None, a name or a tuple)."""
+  return None if not names else names[0] if len(names) == 1 else names
 
 
 def _without(mesh_axes: Any, manual: tuple[str, ...]) -> Any:
-  """A rule's mesh axes (None, a name or a tuple of names) minus the `manual` ones."""
-  names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
-  kept = tuple(a for a in names if a not in manual)
-  return None if not kept else kept[0] if len(kept) == 1 else kept
+  """A rule's mesh axes minus the `manual` ones."""
+  return _as_spec(tuple(a for a in _names(mesh_axes) if a not in manual))
 
 
 def uses_chunks(config: TransformerConfig, loss: str, chunk_tokens: int | None, n: int) -> bool:
