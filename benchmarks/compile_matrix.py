@@ -98,11 +98,15 @@ GQA_CASES = [
 CASES += GQA_CASES
 
 # The suite's fast subset (tests/test_compile_targets.py): the paper's P = H = 20 backward
-# on v5p, default H100 shapes, and controls the compilers must flag (names "control: ...").
+# on v5p, default H100 shapes, one sequence shard per platform (context parallelism: a
+# traced query offset), and controls the compilers must flag (names "control: ...").
 SMOKE = {
   "tpu": [
     ("2.4B L layer as shipped (P = H = 20)", dataclasses.replace(CASES[0][1], tokens=2048)),
-    ("GQA: 2.4B L layer (P = H = 20, G = 5)", dataclasses.replace(GQA_CASES[0][1], tokens=2048)),
+    (
+      "GQA: 2.4B L layer (P = H = 20, G = 5), one of 4 sequence shards",
+      dataclasses.replace(GQA_CASES[0][1], tokens=2048, shards=4),
+    ),
     (
       "control: 2048-row tiles at P = 4, forward",
       Case(pseudo=4, tokens=2048, window=512, blocks=(2048, 2048), backward=False),
@@ -111,7 +115,10 @@ SMOKE = {
   "cuda": [
     ("P = 2", CASES[7][1]),
     ("P = 4, d = 64", CASES[11][1]),
-    ("GQA: Llama 3 8B shapes, IHA P = 4", GQA_CASES[2][1]),
+    (
+      "GQA: Llama 3 8B shapes, IHA P = 4, one of 4 sequence shards",
+      dataclasses.replace(GQA_CASES[2][1], shards=4),
+    ),
     ("control: 128 x 128 tiles at P = 2", dataclasses.replace(CASES[7][1], blocks=(128, 128))),
   ],
 }

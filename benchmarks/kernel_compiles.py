@@ -21,13 +21,16 @@ import jax.numpy as jnp
 
 from iha_jax import kernels
 from iha_jax.ops.options import AttentionOptions, BlockSizes
-from iha_jax.parallel import compiled, targets
+from iha_jax.parallel import compiled, context, targets
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
   """One kernel configuration (`kind` "iha", or "mha": P = 1 without mixing; differential
-  attention is MHA with `value_dim = 2 * head_dim`; `kv_heads` G < H is grouped-query)."""
+  attention is MHA with `value_dim = 2 * head_dim`; `kv_heads` G < H is grouped-query;
+  `shards` > 1: one sequence shard's call under context parallelism, `tokens / shards`
+  queries at a traced query offset against every key (global) or the shard and its
+  window halo)."""
 
   kind: str = "iha"
   heads: int = 8
@@ -43,6 +46,18 @@ class Case:
   backward: bool = True  # forward+backward (else forward only)
   collapse: str = "full"  # or "per_head"
   blocks: tuple[int, int] | None = None  # BlockSizes (virtual tokens); None: the defaults
+  shards: int = 1  # context shards (> 1: a sliced call with a traced offset)
+
+  @property
+  def key_tokens(self) -> int:
+    """Keys of the call: all tokens, or a shard's own and its halo (one side if causal)."""
+    if self.shards == 1:
+      return self.tokens
+    reach = context.reach_tokens(self.window, self.pseudo if self.kind == "iha" else 1)
+    local = self.tokens // self.shards
+    if reach is None or reach >= local:
+      return self.tokens
+    return local + reach * (1 if self.causal else 2)
 
   @property
   def label(self) -> str:
@@ -55,8 +70,11 @@ class Case:
     )
     blocks = f" blocks={self.blocks[0]}x{self.blocks[1]}" if self.blocks else ""
     groups = f" G={self.kv_heads}" if self.kv_heads not in (None, self.heads) else ""
+    tokens = f"N={self.tokens}"
+    if self.shards > 1:
+      tokens = f"N={self.tokens // self.shards} of {self.tokens} (keys {self.key_tokens})"
     return (
-      f"{p} H={self.heads}{groups} d={self.head_dim} N={self.tokens} {mask}"
+      f"{p} H={self.heads}{groups} d={self.head_dim} {tokens} {mask}"
       f"{' seg' if self.segments else ''} {self.dtype} {'fwd+bwd' if self.backward else 'fwd'}"
       f"{blocks}"
     )
@@ -75,17 +93,19 @@ def _inputs(case: Case, device: jax.Device) -> tuple[jax.ShapeDtypeStruct, ...]:
   sharding = jax.sharding.SingleDeviceSharding(device)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   dtype = jnp.dtype(case.dtype)
-  b, n, h, d = 1, case.tokens, case.heads, case.head_dim
-  g = case.kv_heads or h
-  q, k = spec((b, n, h, d), dtype), spec((b, n, g, d), dtype)
-  tokens = spec((b, n), jnp.int32)
+  b, n, h, d = 1, case.tokens // case.shards, case.heads, case.head_dim
+  g, nk = case.kv_heads or h, case.key_tokens
+  q, k = spec((b, n, h, d), dtype), spec((b, nk, g, d), dtype)
+  tokens = (spec((b, n), jnp.int32),) * 2
+  if case.shards > 1:  # key ids and positions, the query offset
+    tokens += (spec((b, nk), jnp.int32),) * 2 + (spec((), jnp.int32),)
   if case.kind == "mha":
-    return q, k, spec((b, n, g, case.value_dim or d), dtype), tokens, tokens
+    return q, k, spec((b, nk, g, case.value_dim or d), dtype), *tokens
   alpha_q, alpha_kv = (spec((x, x, case.pseudo), jnp.float32) for x in (h, g))
   collapse = spec(
     (h, case.pseudo) if case.collapse == "per_head" else (h, h, case.pseudo), jnp.float32
   )
-  return q, k, k, alpha_q, alpha_kv, alpha_kv, collapse, tokens, tokens
+  return q, k, k, alpha_q, alpha_kv, alpha_kv, collapse, *tokens
 
 
 def kernels_block_sizes(blocks: tuple[int, int] | None) -> BlockSizes | None:
@@ -99,10 +119,14 @@ def _function(case: Case, platform: str):
   )
 
   def attend(*args):
+    sliced = {}
+    if case.shards > 1:
+      *args, kv_segment_ids, kv_positions, offset = args
+      sliced = dict(kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, query_offset=offset)
     *arrays, segment_ids, positions = args
     entry = kernels.fused_mha_attention if case.kind == "mha" else kernels.fused_iha_attention
     call_options = options.replace(
-      segment_ids=segment_ids if case.segments else None, positions=positions
+      segment_ids=segment_ids if case.segments else None, positions=positions, **sliced
     )
     out = entry(*arrays, call_options, platform=platform)
     return jnp.sum(out.astype(jnp.float32))

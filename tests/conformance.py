@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax import ops
+from iha_jax.ops import registry
 from tests.utils import assert_close, packed_positions, packed_segments, random_iha_inputs
 
 
@@ -136,3 +137,67 @@ def check(
   assert got[0].dtype == dtype
   assert_close(got[0], want[0], dtype, f"{implementation} out")
   assert_close(got[1], want[1], dtype, f"{implementation} grads")
+
+
+def _tokens(x: jax.Array, start: int, stop: int) -> jax.Array:
+  """Tokens [start, stop) of `x: [B, N, ...]`; those outside [0, N) are zeros."""
+  left, right = max(0, -start), max(0, stop - x.shape[1])
+  padded = jnp.pad(x, [(0, 0), (left, right)] + [(0, 0)] * (x.ndim - 2))
+  return padded[:, start + left : stop + left]
+
+
+def check_sliced(
+  kind_name: str,
+  kind: Kind,
+  implementation: str,
+  *,
+  b: int,
+  n: int,
+  queries: tuple[int, int],
+  keys: tuple[int, int],
+  mask: dict,
+  traced: bool = False,
+  dtype=jnp.float32,
+  blocks: ops.BlockSizes | None = None,
+  seed: int = 0,
+) -> None:
+  """A sequence shard, as `iha_jax.parallel.context` calls an implementation: the queries
+  are tokens `queries` = [q0, q1) of an n-token sequence, the keys and values tokens
+  `keys` = [k0, k1) (those outside the sequence are padding, segment 0), with their own
+  segment ids and positions and `query_offset = q0 - k0` (a traced scalar under jit when
+  `traced`). `implementation` (the registry entry itself: the public entry points take
+  keys of the queries' length only) against "reference" on the same call, output and
+  every input's gradient (`check`'s tolerances)."""
+  key, ct_key = jax.random.split(jax.random.key(seed))
+  full = tuple(x.astype(dtype) for x in kind.make(key, b, n))
+  opts = options(kind, b, n, **mask)
+  segment_ids = opts.pop("segment_ids", jnp.ones((b, n), jnp.int32))
+  positions = opts.pop("positions", jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)))
+  low = (_tokens(full[0], *queries), *(_tokens(x, *keys) for x in full[1:3]), *full[3:])
+  exact = tuple(x.astype(jnp.float32) for x in low)
+  sliced = ops.AttentionOptions(
+    **opts,
+    segment_ids=_tokens(segment_ids, *queries),
+    positions=_tokens(positions, *queries),
+    kv_segment_ids=_tokens(segment_ids, *keys),
+    kv_positions=_tokens(positions, *keys),
+    block_sizes=blocks,
+  )
+  offset = queries[0] - keys[0]
+
+  def run(name: str, query_offset, *arrays):
+    call_options = sliced.replace(query_offset=query_offset, implementation=name)
+    return registry.lookup(kind_name, name)(*arrays, call_options)
+
+  ref = jax.jit(functools.partial(run, "reference", offset))
+  if traced:
+    fast = lambda *a: jax.jit(functools.partial(run, implementation))(jnp.int32(offset), *a)
+  else:
+    fast = jax.jit(functools.partial(run, implementation, offset))
+  cotangent = jax.random.normal(ct_key, jax.eval_shape(ref, *exact).shape)
+  want = value_and_grads(ref, exact, cotangent)
+  interpret = pltpu.force_tpu_interpret_mode() if implementation == "pallas_tpu" else None
+  with interpret or contextlib.nullcontext():
+    got = value_and_grads(fast, low, cotangent)
+  assert_close(got[0], want[0], dtype, f"{implementation} sliced out")
+  assert_close(got[1], want[1], dtype, f"{implementation} sliced grads")

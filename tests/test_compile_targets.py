@@ -55,8 +55,10 @@ def _smoke(platform: str) -> dict[str, dict]:
 @_needs("tpu")
 def test_tpu_kernels_compile_within_scoped_vmem():
   rows = _smoke("tpu")
-  # The paper's layer, and its grouped-query variant (20 query heads over 5 key/value heads).
-  for case in ("2.4B L layer as shipped (P = H = 20)", "GQA: 2.4B L layer (P = H = 20, G = 5)"):
+  # The paper's layer, and its grouped-query variant (20 query heads over 5 key/value heads)
+  # as one sequence shard's call (context parallelism: queries at a traced offset).
+  shard = "GQA: 2.4B L layer (P = H = 20, G = 5), one of 4 sequence shards"
+  for case in ("2.4B L layer as shipped (P = H = 20)", shard):
     paper = rows[case]
     assert paper["ok"], paper["error"]
     assert paper["target"] == "v5p-8"
@@ -72,7 +74,8 @@ def test_tpu_kernels_compile_within_scoped_vmem():
 @_needs("cuda")
 def test_h100_kernels_compile_without_spills_at_default_tiles():
   rows = _smoke("cuda")
-  for case in ("P = 2", "P = 4, d = 64", "GQA: Llama 3 8B shapes, IHA P = 4"):
+  shard = "GQA: Llama 3 8B shapes, IHA P = 4, one of 4 sequence shards"  # traced query offset
+  for case in ("P = 2", "P = 4, d = 64", shard):
     row = rows[case]
     assert row["ok"], row["error"]
     assert set(row["kernels"]) >= {"iha_forward", "iha_backward_dq", "iha_backward_dkv"}

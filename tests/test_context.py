@@ -5,6 +5,7 @@ layout; only source-head keys and values cross devices."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
@@ -169,9 +170,10 @@ def test_decoding_on_a_context_mesh():
     np.testing.assert_array_equal(generate(model, prompt, max_new_tokens=6), expected)
 
 
-def test_auto_takes_the_xla_path_per_shard_where_kernels_would_run():
-  """On a kernel backend (resolved as on TPU) "auto" runs "xla" on each shard, down to the
-  MHA call inside differential attention; an explicit kernel is refused by name."""
+def test_auto_takes_the_kernels_per_shard():
+  """On a kernel backend (resolved as on TPU) "auto" runs the TPU kernel on each shard,
+  down to the MHA call inside differential attention (interpreted here), and equals the
+  XLA path; cuDNN, which takes no query offset, is refused by name."""
   from iha_jax import ops  # pylint: disable=import-outside-toplevel
   from iha_jax.ops import registry  # pylint: disable=import-outside-toplevel
 
@@ -181,9 +183,11 @@ def test_auto_takes_the_xla_path_per_shard_where_kernels_would_run():
   expected = ops.diff_attention(q, k, v, 0.3, implementation="xla")
   mesh = parallel.create_mesh(dict(data=1, fsdp=1, context=4, tensor=1))
   with parallel.activate(mesh), registry.auto_backend("tpu"):
-    got = jax.jit(lambda q, k, v: ops.diff_attention(q, k, v, 0.3))(q, k, v)
-    with pytest.raises(ValueError, match="'pallas_tpu' cannot run sequence-sharded"):
-      ops.mha_attention(q[:, :, :, 0], k[:, :, :, 0], v[..., :8], implementation="pallas_tpu")
+    fn = jax.jit(lambda q, k, v: ops.diff_attention(q, k, v, 0.3))
+    assert "pallas_call" in str(jax.make_jaxpr(fn)(q, k, v))
+    got = fn(q, k, v)
+    with pytest.raises(ValueError, match="'cudnn' cannot run sequence-sharded"):
+      ops.mha_attention(q[:, :, :, 0], k[:, :, :, 0], v[..., :8], implementation="cudnn")
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
@@ -214,3 +218,39 @@ def test_grouped_query_iha_on_a_context_and_tensor_mesh():
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+# The Pallas kernels per shard (interpret mode): IHA window and global layers and global
+# MHA, the global layers at a traced query offset, the window layer at a static one (its
+# halo). Mosaic's interpreter aborts XLA:CPU inside a shard_map nested in another over a
+# mesh axis > 1 (with or without sequence sharding), so the TPU case splits the context
+# only; the GPU case nests the kernels' batch/head shard_map in the context one.
+KERNELS = MODEL.__class__(**{**MODEL.__dict__, "attention_schedule": "LIM", "num_layers": 3})
+
+
+@pytest.mark.parametrize(
+  "platform, sizes, layout",
+  [
+    ("tpu", dict(data=1, fsdp=1, context=2, tensor=1), "contiguous"),
+    ("gpu", dict(data=2, fsdp=1, context=2, tensor=2), "balanced"),
+  ],
+  ids=["pallas_tpu-context2", "pallas_gpu-data2-context2-tensor2-balanced"],
+)
+def test_kernels_per_shard_equal_one_device(baselines, platform, sizes, layout):
+  """The model's loss and every gradient with the Pallas kernels on a context mesh equal
+  one device's XLA run."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
+
+  config, (loss, grads) = baselines(KERNELS, True)
+  config = config.__class__(**{**config.__dict__, "implementation": f"pallas_{platform}"})
+  mode = pltpu.force_tpu_interpret_mode() if platform == "tpu" else contextlib.nullcontext()
+  with mode:
+    sharded_loss, sharded_grads = _loss_and_grads(config, sizes, layout)
+  np.testing.assert_allclose(float(sharded_loss), float(loss), rtol=1e-5)
+  flat, _ = jax.tree_util.tree_flatten_with_path(grads)
+  for (path, g), s in zip(flat, jax.tree.leaves(sharded_grads)):
+    scale = float(jnp.abs(g).max())
+    assert scale > 0, jax.tree_util.keystr(path)  # every parameter gets a gradient
+    np.testing.assert_allclose(
+      np.asarray(s), np.asarray(g), atol=2e-5 * scale, rtol=1e-4, err_msg=jax.tree_util.keystr(path)
+    )

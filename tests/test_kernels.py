@@ -8,11 +8,14 @@ interpreter automatically. TPU (Mosaic) kernels run under
 grid order). Every case checks the forward and every gradient (q, k, v, alpha_*,
 collapse) with a random cotangent, with packed segments, padding tokens and a sequence
 that does not divide the tiles; causal and bidirectional cases, and MHA with a value
-wider than q/k.
+wider than q/k. Sequence shards (queries at an offset into longer keys, as context
+parallelism calls the kernels) are checked against the reference the same way, and the
+tile-band arithmetic at any offset against brute force.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -21,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from iha_jax.kernels import fused
+from iha_jax.kernels import common, fused
 from iha_jax.kernels.sharded import sharded_iha_attention
 from iha_jax.ops import AttentionOptions, BlockSizes, iha_attention, resolve_implementation
+from iha_jax.ops.masking import visible
 from tests import conformance as cf
 from tests.utils import assert_close, random_iha_inputs
 
@@ -146,6 +150,106 @@ KERNEL_CASES = [
 @pytest.mark.parametrize("kind, implementation, b, n, mask, dtype, blocks", KERNEL_CASES)
 def test_kernels_match_reference(kind, implementation, b, n, mask, dtype, blocks):
   cf.check(kind, implementation, b=b, n=n, mask=mask, dtype=dtype, blocks=blocks)
+
+
+# Sequence shards (`iha_jax.parallel.context`): queries [q0, q1) of a 40-token sequence
+# (row 0: two documents, then padding from token 30) against keys [k0, k1) with their own
+# ids and positions, query offset q0 - k0. Tiles of 8 tokens: the offset shifts the band
+# off the tile grid.
+def _shard(name, kind_name, kind, implementation, *, queries, keys, mask, blocks, traced=False):
+  return pytest.param(kind_name, kind, implementation, queries, keys, mask, blocks, traced, id=name)
+
+
+SLICED_CASES = [
+  # A window layer's shard and its halo, ceil((13 - 1) / 2) = 6 tokens (a static offset).
+  _shard(
+    "tpu-window-halo-g1",
+    "iha",
+    cf.iha(2, 16, 2, kv_heads=1),
+    TPU,
+    queries=(16, 32),
+    keys=(10, 32),
+    mask={**CAUSAL, "window": 13},
+    blocks=BlockSizes(16, 16),
+  ),
+  # A global layer's shard (every key) at an offset traced under jit; MHA, G = 2 for H = 4.
+  _shard(
+    "tpu-mha-global-traced-g2",
+    "mha",
+    cf.mha(4, 16, 32, kv_heads=2),
+    TPU,
+    queries=(20, 36),
+    keys=(0, 40),
+    mask={**CAUSAL, "window": None},
+    blocks=BlockSizes(8, 8),
+    traced=True,
+  ),
+  # Bidirectional window at P = 4 (halo ceil(8 / 4) = 2 tokens each side) on the last shard:
+  # keys past the sequence end are padding (row 0's queries all are); one key/value head.
+  _shard(
+    "gpu-bidirectional-halo-g1",
+    "iha",
+    cf.iha(2, 16, 4, kv_heads=1),
+    GPU,
+    queries=(32, 40),
+    keys=(30, 42),
+    mask={**BIDIRECTIONAL, "window": 9},
+    blocks=BlockSizes(32, 32),
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  "kind_name, kind, implementation, queries, keys, mask, blocks, traced", SLICED_CASES
+)
+def test_kernels_match_reference_on_sequence_shards(
+  kind_name, kind, implementation, queries, keys, mask, blocks, traced
+):
+  shard = dict(queries=queries, keys=keys, mask=mask, traced=traced, blocks=blocks)
+  cf.check_sliced(kind_name, kind, implementation, b=2, n=40, **shard)
+
+
+def test_tile_bands_with_query_offsets():
+  """`kv_range` / `q_range` at any query offset visit exactly the tiles holding a visible
+  (query, key) pair, and the TPU grid's band axes (`max_kv_band`, `max_q_band`) cover every
+  offset's band: causal and bidirectional, global and window, P in {1, 3}."""
+  for causal, window, p in [(True, None, 1), (True, 7, 3), (False, 5, 3), (False, None, 1)]:
+    base = common.Config(
+      num_heads=1,
+      num_kv_heads=1,
+      num_targets=1,
+      kv_targets=1,
+      num_pseudo=p,
+      mixing=p > 1,
+      head_dim=8,
+      half=4,
+      value_half=4,
+      block_q=8,
+      block_k=16,
+      seq_len=24,
+      window=window,
+      rope=False,
+      causal=causal,
+      sliced=True,
+      kv_seq_len=48,
+      static_offset=None,
+    )
+    q_rows, k_rows = np.arange(24 * p), np.arange(48 * p)
+    widest_kv, widest_q = common.max_kv_band(base), common.max_q_band(base)
+    for offset in range(-30, 60, 3):
+      seen = visible((offset * p + q_rows)[:, None], k_rows[None, :], None, None, window, causal)
+      tiles = seen.reshape(3, 8 * p, 3, 16 * p).any(axis=(1, 3))  # [query tile, key tile]
+      static = dataclasses.replace(base, static_offset=offset)
+      every = np.arange(3)
+      for ranges, needed, band, widest in [
+        (common.kv_range(every, base, offset, np), tiles, common.max_kv_band(static), widest_kv),
+        (common.q_range(every, base, offset, np), tiles.T, common.max_q_band(static), widest_q),
+      ]:
+        for (lo, hi), row in zip(zip(*ranges), needed):
+          want = np.flatnonzero(row)
+          got = np.arange(lo, hi)
+          np.testing.assert_array_equal(got, want, err_msg=f"{causal} {window} {p} {offset}")
+          assert hi - lo <= band <= widest
 
 
 def test_block_sizes_are_checked():

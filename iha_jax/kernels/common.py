@@ -23,6 +23,14 @@ Source layouts (built by `iha_jax.kernels.fused` outside the kernels):
   key/value heads, `[G_target * G_source * P]`.
 - pseudo outputs, their cotangent, lse and delta: per backend (`OUTPUT_SPEC`).
 
+Sliced calls (a sequence shard, `iha_jax.parallel.context`): the queries are `N` tokens
+of a longer sequence whose keys arrive as `Nk` tokens (`[B, G, Nkp, W]`, their own segment
+ids; keys outside the sequence are padding, segment 0). Query token n then has virtual
+index `(offset + n) * P + p` on the keys' axis, where `offset` (the first query's token
+index minus the first key's) is an int32 scalar operand, so one compiled kernel serves
+every shard; the band arithmetic (`kv_range`, `q_range`) shifts by it, and the TPU
+grid's band axis is as wide as any offset needs (`max_kv_band`, `max_q_band`).
+
 Grouped-query attention: G key/value heads, G dividing H; query target h attends with the
 pseudo-keys and pseudo-values of key/value target `h // r` (`r = group`, `kv_target`).
 Keys and values stay G heads in HBM: the kernels read key/value head `h // r` (mixing:
@@ -88,6 +96,13 @@ class Config:
       `R(pos * P)`, the kernels apply `R(p)` from a `[P, half]` table; false for P = 1).
     causal: virtual query t sees keys s <= t (and `t - s < window`); False:
       bidirectional, every key of its segment (and `|t - s| < window`).
+    sliced: the queries are a slice of the keys' sequence: the kernels take the query
+      offset (tokens) as an int32 scalar operand and the keys' own segment ids, and key
+      tiles span `kv_seq_len` tokens. False: keys are the queries' tokens (no offset).
+    kv_seq_len: padded key tokens of a sliced call, a multiple of block_k (else seq_len).
+    static_offset: a sliced call's query offset when it is a Python int (the TPU band
+      axes are then exactly as wide as it needs); None when traced (as wide as any offset
+      needs). 0 for unsliced calls.
   """
 
   num_heads: int
@@ -106,6 +121,9 @@ class Config:
   rope: bool
   causal: bool
   launch: tuple | None = None  # GPU: (forward, dQ, dK/dV) `gpu_tiles.Launch`; TPU: None
+  sliced: bool = False
+  kv_seq_len: int = 0
+  static_offset: int | None = 0
 
   @property
   def flat_alpha(self) -> int:
@@ -160,8 +178,13 @@ class Config:
     return self.seq_len // self.block_q
 
   @property
+  def key_len(self) -> int:
+    """Padded key tokens: `kv_seq_len` for sliced calls, else `seq_len`."""
+    return self.kv_seq_len if self.sliced else self.seq_len
+
+  @property
   def num_k_blocks(self) -> int:
-    return self.seq_len // self.block_k
+    return self.key_len // self.block_k
 
 
 def split_alpha(refs: Sequence, cfg: Config) -> tuple[tuple, Sequence]:
@@ -172,9 +195,12 @@ def split_alpha(refs: Sequence, cfg: Config) -> tuple[tuple, Sequence]:
 
 
 # --- Block ranges: which tiles the causal / bidirectional, window band touches. -----------
-# Tile i of queries covers virtual rows [i*bq*P, (i+1)*bq*P); tile j of keys likewise.
-# `xp` is jnp for traced grid/loop indices and np for static band widths; indices are
-# non-negative, so truncating division (lax.div: Triton-safe) is floor division.
+# Tile i of queries covers virtual rows [i*bq*P, (i+1)*bq*P) of the queries' sequence,
+# rows [(offset + i*bq)*P, ...) of the keys' (sliced calls); tile j of keys covers
+# [j*bk*P, (j+1)*bk*P). `xp` is jnp for traced grid/loop indices and np for static band
+# widths. Unsliced indices are non-negative, so truncating division (lax.div: Triton-safe)
+# is floor division; with an offset the rows may fall before the other axis' start, so the
+# divisions there only ever see non-negative values (`signed`).
 
 
 def _div(x, d: int, xp):
@@ -191,51 +217,74 @@ def _reach(cfg: Config, ahead: bool) -> int | None:
   return None if cfg.window is None else cfg.window - 1
 
 
-def _overlap(first, last, before: int | None, after: int | None, block: int, count: int, xp):
-  """Tiles [lo, hi) of `block` rows (`count` tiles) meeting rows [first - before, last + after]."""
+def _overlap(first, last, before, after, block: int, count: int, xp, signed: bool = False):
+  """Tiles [lo, hi) of `block` rows (`count` tiles) meeting rows [first - before, last + after]
+  (an empty range, lo >= hi, when they miss every tile; `signed`: first, last may be < 0)."""
   lo = 0 * first if before is None else _div(xp.maximum(0, first - before), block, xp)
-  hi = 0 * first + count if after is None else xp.minimum(count, _div(last + after, block, xp) + 1)
+  if after is None:
+    hi = 0 * first + count
+  elif signed:  # (x + block) // block = x // block + 1 for x >= -1; 0 for rows before 0
+    hi = xp.minimum(count, _div(xp.maximum(last + after, -1) + block, block, xp))
+  else:
+    hi = xp.minimum(count, _div(last + after, block, xp) + 1)
   return lo, hi
 
 
-def kv_range(i, cfg: Config, xp=jnp):
-  """Key tiles [lo, hi) visible to query tile i."""
+def _no_offset(offset) -> bool:
+  return offset is None or (isinstance(offset, int) and offset == 0)
+
+
+def kv_range(i, cfg: Config, offset=None, xp=jnp):
+  """Key tiles [lo, hi) visible to query tile i; `offset`: the query offset in tokens (an
+  int, or an int32 scalar read by a sliced kernel; None: 0)."""
   bqv, bkv = cfg.block_q * cfg.num_pseudo, cfg.block_k * cfg.num_pseudo
-  return _overlap(
-    i * bqv,
-    (i + 1) * bqv - 1,
-    _reach(cfg, ahead=False),
-    _reach(cfg, ahead=True),
-    bkv,
-    cfg.num_k_blocks,
-    xp,
-  )
+  behind, ahead = _reach(cfg, ahead=False), _reach(cfg, ahead=True)
+  if _no_offset(offset):
+    return _overlap(i * bqv, (i + 1) * bqv - 1, behind, ahead, bkv, cfg.num_k_blocks, xp)
+  first = (i * cfg.block_q + offset) * cfg.num_pseudo
+  return _overlap(first, first + bqv - 1, behind, ahead, bkv, cfg.num_k_blocks, xp, True)
 
 
-def q_range(j, cfg: Config, xp=jnp):
+def q_range(j, cfg: Config, offset=None, xp=jnp):
   """Query tiles [lo, hi) that see key tile j (kv_range's reaches, mirrored)."""
   bqv, bkv = cfg.block_q * cfg.num_pseudo, cfg.block_k * cfg.num_pseudo
-  return _overlap(
-    j * bkv,
-    (j + 1) * bkv - 1,
-    _reach(cfg, ahead=True),
-    _reach(cfg, ahead=False),
-    bqv,
-    cfg.num_q_blocks,
-    xp,
-  )
+  behind, ahead = _reach(cfg, ahead=False), _reach(cfg, ahead=True)
+  if _no_offset(offset):
+    return _overlap(j * bkv, (j + 1) * bkv - 1, ahead, behind, bqv, cfg.num_q_blocks, xp)
+  first = (j * cfg.block_k - offset) * cfg.num_pseudo
+  return _overlap(first, first + bkv - 1, ahead, behind, bqv, cfg.num_q_blocks, xp, True)
+
+
+def _widest(cfg: Config, own: int, other: int, before, after, count: int) -> int:
+  """The widest band over every offset: a tile of `own` tokens against tiles of `other`
+  tokens (`count` of them). Unclipped, the width depends only on where the tile starts
+  modulo `other` tokens; clipping at either end only narrows it."""
+  if before is None or after is None:
+    return count
+  p = cfg.num_pseudo
+  first = np.arange(other) * p
+  lo = (first - before) // (other * p)
+  hi = (first + own * p - 1 + after) // (other * p) + 1
+  return int(min(count, max(1, np.max(hi - lo))))
 
 
 def max_kv_band(cfg: Config) -> int:
-  """Most key tiles any query tile visits (the TPU grid's key axis)."""
-  lo, hi = kv_range(np.arange(cfg.num_q_blocks), cfg, np)
-  return int(np.max(hi - lo))
+  """Most key tiles any query tile visits (the TPU grid's key axis): at the static offset,
+  or, when it is traced, at any offset."""
+  if cfg.static_offset is None:
+    behind, ahead = _reach(cfg, ahead=False), _reach(cfg, ahead=True)
+    return _widest(cfg, cfg.block_q, cfg.block_k, behind, ahead, cfg.num_k_blocks)
+  lo, hi = kv_range(np.arange(cfg.num_q_blocks), cfg, cfg.static_offset, np)
+  return max(1, int(np.max(hi - lo)))
 
 
 def max_q_band(cfg: Config) -> int:
   """Most query tiles any key tile is seen by (the TPU dK/dV grid's query axis)."""
-  lo, hi = q_range(np.arange(cfg.num_k_blocks), cfg, np)
-  return int(np.max(hi - lo))
+  if cfg.static_offset is None:
+    behind, ahead = _reach(cfg, ahead=False), _reach(cfg, ahead=True)
+    return _widest(cfg, cfg.block_k, cfg.block_q, ahead, behind, cfg.num_q_blocks)
+  lo, hi = q_range(np.arange(cfg.num_k_blocks), cfg, cfg.static_offset, np)
+  return max(1, int(np.max(hi - lo)))
 
 
 # --- Pseudo tiles: mixing and RoPE on chip. ------------------------------------------------

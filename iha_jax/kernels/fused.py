@@ -10,9 +10,16 @@ the mask of `iha_jax.ops.masking.visible`; `fused_mha_attention`'s v may be wide
 q and k (`[B, N, G, dv]`, e.g. dv = 2d for differential attention). RoPE at virtual
 position `pos * P + p` is split as `R(p) R(pos * P)`: q and k are rotated by
 `R(pos * P)` here, the kernels apply `R(p)` (`iha_jax.kernels.common`).
+Sequence shards (`AttentionOptions.sliced`, as `iha_jax.parallel.context` calls it): k and
+v may hold `Nk != N` tokens with their own `kv_segment_ids` and `kv_positions` (keys
+rotate at their own positions), and `query_offset` (an int or a traced int32 scalar)
+places the queries on the keys' sequence; it reaches the kernels as a `[1]` int32
+operand (TPU: scalar prefetch), so every shard runs one compiled kernel. Unsliced calls
+take none of this (their programs are unchanged).
 What IHA's custom VJP (attention + collapse) saves for the backward:
   q, k (rotated), v (source, `[B, H or G, Np, W]`), alpha_* (flat float32), the `[P, half]`
-  rotation tables, collapse, segment ids (`[B, Np]` int32) and the float32 log-sum-exp
+  rotation tables, collapse, segment ids (`[B, Np]` int32; sliced: the offset and the
+  keys' `[B, Nkp]` too) and the float32 log-sum-exp
   (1/W of the pseudo output's elements).
 Nothing P-sized is saved: the pseudo output o (`backend.OUTPUT_SPEC`, P times the MHA
 output) is recomputed in the backward by one more forward kernel, where it gives
@@ -171,9 +178,12 @@ def _config(
   num_pseudo: int,
   mixing: bool,
   options: AttentionOptions,
+  sliced: bool,
 ) -> Config:
-  """`targets`: (query, key/value) target heads computed here."""
+  """`targets`: (query, key/value) target heads computed here; `sliced`: queries that are
+  a slice of the keys' sequence (v's tokens)."""
   _, n, h, d = q.shape
+  offset = options.query_offset
   backend = _BACKENDS[platform]
   shape = Config(
     num_heads=h,
@@ -191,9 +201,31 @@ def _config(
     window=options.window,
     rope=options.rope_theta is not None and num_pseudo > 1,  # R(0) is the identity
     causal=options.causal,
+    sliced=sliced,
+    # A Python int fixes the TPU band width; a traced offset needs the widest.
+    static_offset=offset if isinstance(offset, int) else None,
   )
   blocks = [getattr(options.block_sizes, name, None) for name in ("block_q", "block_k")]
-  return backend.tiled(shape, n, q.dtype, *blocks)
+  return backend.tiled(shape, n, q.dtype, *blocks, kv_tokens=v.shape[1] if sliced else None)
+
+
+def key_side(q: jax.Array, k: jax.Array, options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
+  """A sliced call's key segment ids and positions `[B, Nk]`: the options' own, else the
+  queries' (keys of the queries' length), else one unpadded sequence `arange(Nk)`."""
+  b, nk = k.shape[:2]
+  segment_ids, positions = options.key_segment_ids, options.key_positions
+  if nk != q.shape[1]:
+    if options.kv_segment_ids is None and options.segment_ids is not None:
+      raise ValueError(
+        f"keys of {nk} tokens for {q.shape[1]} queries need kv_segment_ids [B, {nk}] "
+        "when segment_ids are given"
+      )
+    segment_ids, positions = options.kv_segment_ids, options.kv_positions
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, nk), jnp.int32)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
+  return segment_ids, positions
 
 
 def _prepare(
@@ -215,7 +247,10 @@ def _prepare(
       f"{targets[0]} query target heads cannot be grouped over {targets[1]} key/value "
       "target heads: the key/value heads must divide the query heads"
     )
-  cfg = _config(platform, q, v, targets, num_pseudo, alphas is not None, options)
+  sliced = options.sliced or k.shape[1] != n
+  cfg = _config(platform, q, v, targets, num_pseudo, alphas is not None, options, sliced)
+  if sliced:
+    kv_segment_ids, kv_positions = key_side(q, k, options)
   # Flat (target h, source m, pseudo p) order: one scalar read per coefficient.
   flat = (
     ()
@@ -229,19 +264,27 @@ def _prepare(
     # R(pos * P) here (N*H*d work), the kernels by R(p) (a [P, half] table), so no
     # trigonometry runs per tile.
     positions = default_positions(q, options.positions) * num_pseudo
-    q, k = (apply_rope(x, positions, options.rope_theta) for x in (q, k))
+    q = apply_rope(q, positions, options.rope_theta)
+    k_positions = kv_positions * num_pseudo if sliced else positions
+    k = apply_rope(k, k_positions, options.rope_theta)
     frequencies = rope_frequencies(d, options.rope_theta)
     angles = angles.at[:, : d // 2].set(jnp.arange(rows, dtype=jnp.float32)[:, None] * frequencies)
   segment_ids = options.segment_ids
   if segment_ids is None:  # one unpadded sequence per row
     segment_ids = jnp.ones((b, n), jnp.int32)
+  rotation = (jnp.cos(angles), jnp.sin(angles))
+  pad = lambda ids, length: jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, length - ids.shape[1])))
+  seg = pad(segment_ids, cfg.seq_len)
+  if sliced:  # padded keys get segment 0 like padded queries: never seen
+    offset = jnp.asarray(options.query_offset, jnp.int32).reshape(1)
+    seg = (offset, seg, pad(kv_segment_ids, cfg.key_len))
   args = (
     flat,
-    (jnp.cos(angles), jnp.sin(angles)),
-    jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, cfg.seq_len - n))),
+    rotation,
+    seg,
     _to_kernel(q, cfg.half, cfg.seq_len),
-    _to_kernel(k, cfg.half, cfg.seq_len),
-    _to_kernel(v, cfg.value_half, cfg.seq_len),
+    _to_kernel(k, cfg.half, cfg.key_len),
+    _to_kernel(v, cfg.value_half, cfg.key_len),
   )
   return cfg, args, functools.partial(_from_kernel, n=n, d=v.shape[3], half=cfg.value_half)
 
@@ -259,12 +302,15 @@ def pseudo_outputs(
 
   q `[B, N, H, d]`, k `[B, N, G, d]`; v `[B, N, G, dv]` (dv = d for IHA; MHA may use a
   wider v); G divides H (grouped-query: query head h reads key/value head `h // (H // G)`).
+  Sliced calls (a sequence shard) give k, v `[B, Nk, G, ·]` and the options' query offset
+  and key-side ids / positions (defaults: the queries' when Nk = N, else one unpadded
+  sequence).
   `alphas = (alpha_q, alpha_k, alpha_v)`: `alpha_q: [H, Ht, P]` (all H source heads of q
   feed the Ht target heads computed here: Ht = H, or a head shard) and `alpha_k, alpha_v:
   [G, Gt, P]` (Gt = Ht * G / H key/value targets), or None for plain MHA (Ht = H, P = 1).
   `options`: window, causal (`ops.masking.visible`), RoPE, segment ids (None: one unpadded
-  sequence per row), positions and tiles; its `implementation` is not read (the platform
-  is `platform`).
+  sequence per row), positions, tiles and a sliced call's fields; its `implementation` is
+  not read (the platform is `platform`).
 
   Returns `(o, restore)`: o the pseudo outputs, 5-D in the backend's `OUTPUT_SPEC` order
   (TPU `[B, Ht, P, Np, Wv]`, GPU `[B, Ht, Np, Pr, Wv]`; padded tokens, lanes and, on GPU,
@@ -308,7 +354,8 @@ def fused_iha_attention(
   platform: str,
 ) -> jax.Array:
   """Fused IHA core (docs/design.md §1.2-1.6) on source heads q `[B, N, H, d]`, k and v
-  `[B, N, G, d]` -> `[B, N, H, d]`.
+  `[B, N, G, d]` (`[B, Nk, G, d]` for a sequence shard, see `pseudo_outputs`) ->
+  `[B, N, H, d]`.
 
   The kernel behind `iha_jax.ops.iha_attention(implementation="pallas_<platform>")`
   without its checks or mesh routing. Mixing, RoPE at virtual positions and attention
@@ -327,7 +374,8 @@ def fused_mha_attention(
   """MHA (causal or bidirectional) through the same kernels without mixing (P = 1).
 
   q `[B, N, H, d]`, k `[B, N, G, d]` (RoPE applies to these), v `[B, N, G, dv]` (dv may
-  differ from d, e.g. 2d for differential attention) -> `[B, N, H, dv]`; G divides H.
+  differ from d, e.g. 2d for differential attention) -> `[B, N, H, dv]`; G divides H. A
+  sequence shard's k, v hold Nk tokens (`pseudo_outputs`).
   """
   o, restore = pseudo_outputs(q, k, v, None, options, platform=platform)
   # The pseudo view's P axis has one entry (GPU tiles may pad it: take entry 0).

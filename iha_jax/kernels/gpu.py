@@ -25,6 +25,10 @@ per query target, summed over each group by `dalpha_flat`).
   attention (G key/value heads) the r query heads of a group read, and add into, key/value
   head `h // r` in turn inside the program: keys and values are never copied per query
   head, and no two programs write the same rows.
+- Sliced calls (a sequence shard): the query offset arrives as a `[1]` int32 operand and
+  the keys bring their own segment ids (`[B, Nkp]`); query rows take virtual index
+  `(offset + n) * P + p` and the band loops shift by the offset (`common.kv_range`,
+  `q_range`), so one compiled kernel serves every shard.
 
 Tiles, warps and pipeline stages per kernel come from `iha_jax.kernels.gpu_tiles`, chosen
 by compiling candidates for H100 (`benchmarks/tune_gpu_tiles.py`). `interpret=True` runs
@@ -46,7 +50,6 @@ from iha_jax.kernels import common, gpu_tiles
 from iha_jax.kernels.common import Config, Side
 from iha_jax.kernels.gpu_tiles import Launch
 from iha_jax.ops.masking import visible
-from iha_jax.ops.options import round_up
 
 # The pseudo output's axes in einsum letters: [B, Ht, Np, Pr, W] (see `pseudo_view`).
 OUTPUT_SPEC = "bhnpd"
@@ -62,45 +65,8 @@ def pseudo_rows(num_pseudo: int) -> int:
   return common.next_pow2(num_pseudo)
 
 
-def tiled(cfg: Config, n: int, dtype, block_q: int | None, block_k: int | None) -> Config:
-  """cfg with its tiles: the (forward, dQ, dK/dV) `launch`, the forward's block_q and
-  block_k in tokens, and padded tokens `seq_len` (a multiple of every kernel's tiles).
-
-  `block_q`, `block_k`: tile rows (virtual tokens, powers of two >= 16 and >= Pr) for all
-  three kernels, or None for the tuned table (`gpu_tiles.launches`).
-  """
-  rows = pseudo_rows(cfg.num_pseudo)
-  width = max(cfg.width, cfg.value_width)
-  launches = gpu_tiles.launches(cfg.num_pseudo, width, jnp.dtype(dtype))
-  for name, value in (("block_q", block_q), ("block_k", block_k)):
-    if value is not None and (value & (value - 1) or value < max(16, rows)):
-      raise ValueError(
-        f"GPU kernels need power-of-two tiles of >= {max(16, rows)} virtual rows "
-        f"(16, and P = {cfg.num_pseudo} rounded up to a power of two); {name} is {value}."
-      )
-  # Tiles no longer than the (power-of-two padded) sequence.
-  cap = max(16, rows * common.next_pow2(max(1, n)))
-  launches = tuple(
-    dataclasses.replace(
-      launch, rows_q=min(block_q or launch.rows_q, cap), rows_k=min(block_k or launch.rows_k, cap)
-    )
-    for launch in launches
-  )
-  # Powers of two: the largest token tile is a multiple of the others.
-  tokens = max(max(launch.rows_q, launch.rows_k) for launch in launches) // rows
-  return dataclasses.replace(
-    cfg,
-    block_q=launches[0].rows_q // rows,
-    block_k=launches[0].rows_k // rows,
-    seq_len=round_up(n, tokens),
-    launch=launches,
-  )
-
-
-def _kernel_config(cfg: Config, launch: Launch) -> Config:
-  """cfg with this kernel's tiles (tokens per tile) for the band arithmetic."""
-  rows = pseudo_rows(cfg.num_pseudo)
-  return dataclasses.replace(cfg, block_q=launch.rows_q // rows, block_k=launch.rows_k // rows)
+# Tiles per kernel live in `gpu_tiles`; `fused` calls `gpu.tiled`.
+tiled = gpu_tiles.tiled
 
 
 def _params(launch: Launch) -> plgpu.CompilerParams:
@@ -141,13 +107,26 @@ class _Rows:
     ref[self.tokens, :, :] = x.reshape(self.block, self.size // self.block, x.shape[-1])
 
 
-def _rows(index, block: int, cfg: Config) -> _Rows:
+def _rows(index, block: int, cfg: Config, offset=None) -> _Rows:
+  """Tile `index`'s rows; `offset` (queries of a sliced call): the query offset in tokens,
+  added to the virtual index only (loads use the local token)."""
   pr = pseudo_rows(cfg.num_pseudo)
   r = lax.broadcasted_iota(jnp.int32, (block * pr,), 0)
   token = index * block + lax.div(r, jnp.int32(pr))
   pseudo = lax.rem(r, jnp.int32(pr))
   live = pseudo < cfg.num_pseudo
-  return _Rows(index, block, token, pseudo, token * cfg.num_pseudo + pseudo, live)
+  on_keys = token if offset is None else token + offset
+  return _Rows(index, block, token, pseudo, on_keys * cfg.num_pseudo + pseudo, live)
+
+
+def _token_refs(refs, cfg: Config):
+  """(query offset or None, query segment ids ref, key segment ids ref, the other refs):
+  a sliced call's kernels take the offset (`[1]` int32) and both ids, else one ids ref."""
+  if cfg.sliced:
+    offset_ref, seg_q, seg_k, *rest = refs
+    return offset_ref[0], seg_q, seg_k, rest
+  seg, *rest = refs
+  return None, seg, seg, rest
 
 
 def _segments(seg_ref, rows: _Rows) -> jax.Array:
@@ -250,25 +229,24 @@ def _scatter(grads, load, ref, alpha_ref, dalpha_ref, side: Side, rows: _Rows, c
 
 
 def _forward_kernel(*refs, cfg: Config):
-  (aq, ak, av), (cos_ref, sin_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref) = (
-    common.split_alpha(refs, cfg)
-  )
+  (aq, ak, av), (cos_ref, sin_ref, *refs) = common.split_alpha(refs, cfg)
+  offset, seg_q_ref, seg_k_ref, (q_ref, k_ref, v_ref, o_ref, lse_ref) = _token_refs(refs, cfg)
   i, h = pl.program_id(0), pl.program_id(2)
   key = cfg.key_side(h)
   rotation = (cos_ref, sin_ref)
-  q_rows = _rows(i, cfg.block_q, cfg)
-  seg_q = _segments(seg_ref, q_rows)[:, None]
+  q_rows = _rows(i, cfg.block_q, cfg, offset)
+  seg_q = _segments(seg_q_ref, q_rows)[:, None]
   q = _qk_tile(q_ref, aq, cfg.query_side(h), q_rows, rotation, cfg, q_ref.dtype)
 
   def body(j, state):
     k_rows = _rows(j, cfg.block_k, cfg)
     k = _qk_tile(k_ref, ak, key, k_rows, rotation, cfg, k_ref.dtype)
     v = _v_tile(v_ref, av, key, k_rows, cfg, v_ref.dtype)
-    mask = _mask(q_rows, seg_q, k_rows, _segments(seg_ref, k_rows)[None, :], cfg)
+    mask = _mask(q_rows, seg_q, k_rows, _segments(seg_k_ref, k_rows)[None, :], cfg)
     [state] = common.forward_tile([state], [q], [k], [(v,)], lambda *_: mask, cfg)
     return state
 
-  lo, hi = common.kv_range(i, cfg)
+  lo, hi = common.kv_range(i, cfg, offset)
   [state] = common.init_state(1, q_rows.size, cfg.value_width)
   [(out, lse)] = common.finalize([lax.fori_loop(lo, hi, body, state)], seg_q)
   q_rows.store(o_ref, out.astype(o_ref.dtype))
@@ -286,16 +264,15 @@ def _cotangents(do_ref, lse_ref, delta_ref, h, rows: _Rows):
 
 
 def _dq_kernel(*refs, cfg: Config):
-  (
-    (aq, ak, av),
-    (cos_ref, sin_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *dalpha),
-  ) = common.split_alpha(refs, cfg)
+  (aq, ak, av), (cos_ref, sin_ref, *refs) = common.split_alpha(refs, cfg)
+  offset, seg_q_ref, seg_k_ref, refs = _token_refs(refs, cfg)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *dalpha = refs
   rotation = (cos_ref, sin_ref)
-  q_rows = _rows(pl.program_id(0), cfg.block_q, cfg)
-  seg_q = _segments(seg_ref, q_rows)[:, None]
+  q_rows = _rows(pl.program_id(0), cfg.block_q, cfg, offset)
+  seg_q = _segments(seg_q_ref, q_rows)[:, None]
   load_q = _loader(q_ref, q_rows, (cfg.half, cfg.half))
   _zero_rows([dq_ref], q_rows)
-  lo, hi = common.kv_range(q_rows.index, cfg)
+  lo, hi = common.kv_range(q_rows.index, cfg, offset)
 
   def head(h, carry):
     query, key = cfg.query_side(h), cfg.key_side(h)
@@ -306,7 +283,7 @@ def _dq_kernel(*refs, cfg: Config):
       k_rows = _rows(j, cfg.block_k, cfg)
       k = _qk_tile(k_ref, ak, key, k_rows, rotation, cfg, k_ref.dtype)
       v = _v_tile(v_ref, av, key, k_rows, cfg, v_ref.dtype)
-      mask = _mask(q_rows, seg_q, k_rows, _segments(seg_ref, k_rows)[None, :], cfg)
+      mask = _mask(q_rows, seg_q, k_rows, _segments(seg_k_ref, k_rows)[None, :], cfg)
       _, ds = common.probs_and_grads(q, k, (v,), do, lse, delta, mask, cfg)
       return tuple(acc + common.dot(ds.astype(x.dtype), x, (1, 0)) for acc, x in zip(dq, k))
 
@@ -322,30 +299,16 @@ def _dq_kernel(*refs, cfg: Config):
 
 
 def _dkv_kernel(*refs, cfg: Config):
-  (
-    (aq, ak, av),
-    (
-      cos_ref,
-      sin_ref,
-      seg_ref,
-      q_ref,
-      k_ref,
-      v_ref,
-      do_ref,
-      lse_ref,
-      delta_ref,
-      dk_ref,
-      dv_ref,
-      *dalpha,
-    ),
-  ) = common.split_alpha(refs, cfg)
+  (aq, ak, av), (cos_ref, sin_ref, *refs) = common.split_alpha(refs, cfg)
+  offset, seg_q_ref, seg_k_ref, refs = _token_refs(refs, cfg)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *dalpha = refs
   rotation = (cos_ref, sin_ref)
   k_rows = _rows(pl.program_id(0), cfg.block_k, cfg)
-  seg_k = _segments(seg_ref, k_rows)[None, :]
+  seg_k = _segments(seg_k_ref, k_rows)[None, :]
   load_k = _loader(k_ref, k_rows, (cfg.half, cfg.half))
   load_v = _loader(v_ref, k_rows, (cfg.value_width,))
   _zero_rows([dk_ref, dv_ref], k_rows)
-  lo, hi = common.q_range(k_rows.index, cfg)
+  lo, hi = common.q_range(k_rows.index, cfg, offset)
 
   def head(h, carry):
     query, key = cfg.query_side(h), cfg.key_side(h)
@@ -354,10 +317,10 @@ def _dkv_kernel(*refs, cfg: Config):
 
     def body(i, grads):
       dk, dv = grads
-      q_rows = _rows(i, cfg.block_q, cfg)
+      q_rows = _rows(i, cfg.block_q, cfg, offset)
       q = _qk_tile(q_ref, aq, query, q_rows, rotation, cfg, q_ref.dtype)
       do, lse, delta = _cotangents(do_ref, lse_ref, delta_ref, h, q_rows)
-      mask = _mask(q_rows, _segments(seg_ref, q_rows)[:, None], k_rows, seg_k, cfg)
+      mask = _mask(q_rows, _segments(seg_q_ref, q_rows)[:, None], k_rows, seg_k, cfg)
       p, ds = common.probs_and_grads(q, k, (v,), do, lse, delta, mask, cfg)
       dv = dv + common.dot(p.astype(do.dtype), do, (0, 0))
       dk = tuple(acc + common.dot(ds.astype(x.dtype), x, (0, 0)) for acc, x in zip(dk, q))
@@ -406,13 +369,22 @@ def collapse_weights(collapse: jax.Array, cfg: Config) -> jax.Array:
   return jnp.pad(collapse, [(0, 0)] * (collapse.ndim - 1) + [(0, pad)])
 
 
+def _operands(cfg: Config, alphas, rotation, seg) -> tuple[list, list]:
+  """(whole small operands, per-batch token operands): a sliced call's `seg` is (offset
+  `[1]`, query ids `[B, Np]`, key ids `[B, Nkp]`), else `[B, Np]` ids of both."""
+  if cfg.sliced:
+    offset, seg_q, seg_k = seg
+    return [*alphas, *rotation, offset], [seg_q, seg_k]
+  return [*alphas, *rotation], [seg]
+
+
 def forward(cfg: Config, alphas, rotation, seg, q, k, v, *, interpret: bool):
   """-> (o `[B, Ht, Np, Pr, Wv]` in q.dtype, lse `[B, Ht, Np, Pr, 1]` float32)."""
   launch = cfg.launch[0]
-  kcfg = _kernel_config(cfg, launch)
+  kcfg = gpu_tiles.kernel_config(cfg, launch)
   b = q.shape[0]
-  small = [*alphas, *rotation]
-  batch = [seg, q, k, v]
+  small, tokens = _operands(cfg, alphas, rotation, seg)
+  batch = [*tokens, q, k, v]
   rows = (cfg.seq_len, pseudo_rows(cfg.num_pseudo))
   out_shape = (
     jax.ShapeDtypeStruct((b, cfg.num_targets, *rows, cfg.value_width), q.dtype),
@@ -447,16 +419,16 @@ def dalpha_flat(x: jax.Array, cfg: Config, kv: bool = False) -> jax.Array:
 
 
 def backward(cfg: Config, alphas, rotation, seg, q, k, v, do, lse, delta, *, interpret: bool):
-  """-> (dq `[B, H, Np, W]`, dk `[B, G, Np, W]`, dv `[B, G, Np, Wv]` float32, dalpha
+  """-> (dq `[B, H, Np, W]`, dk `[B, G, Nkp, W]`, dv `[B, G, Nkp, Wv]` float32, dalpha
   partials `[B, tiles, Ht * H, Pr]` (q), `[B, tiles, Ht * G, Pr]` (k, v) or None)."""
   b = q.shape[0]
-  small = [*alphas, *rotation]
-  batch = [seg, q, k, v, do, lse, delta]
+  small, tokens = _operands(cfg, alphas, rotation, seg)
+  batch = [*tokens, q, k, v, do, lse, delta]
   in_specs = [_whole_spec(x) for x in small] + [_batch_spec(x, 1) for x in batch]
   dq_shape, dk_shape, dv_shape = (jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
 
   dq_launch, dkv_launch = cfg.launch[1], cfg.launch[2]
-  dq_cfg, dkv_cfg = _kernel_config(cfg, dq_launch), _kernel_config(cfg, dkv_launch)
+  dq_cfg, dkv_cfg = (gpu_tiles.kernel_config(cfg, x) for x in (dq_launch, dkv_launch))
   dq_out = [dq_shape] + (
     [_dalpha_shape(cfg, b, dq_cfg.num_q_blocks, cfg.num_heads)] if cfg.mixing else []
   )

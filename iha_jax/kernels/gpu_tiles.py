@@ -14,6 +14,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from iha_jax.kernels.common import Config, next_pow2
+from iha_jax.ops.options import round_up
+
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
@@ -75,7 +78,7 @@ FALLBACK = Launch(rows_q=64, rows_k=32, num_warps=8, num_stages=2)
 
 def launches(num_pseudo: int, width: int, dtype) -> tuple[Launch, Launch, Launch]:
   """(forward, dQ, dK/dV) launches for P = num_pseudo, q/k lanes `width` and `dtype`."""
-  pr = 1 << max(0, (num_pseudo - 1).bit_length())
+  pr = next_pow2(num_pseudo)
   name = jnp.dtype(dtype).name
   chosen = (TABLE.get((kernel, pr, width, name), FALLBACK) for kernel in KERNELS)
   # A tile holds at least one token's Pr rows.
@@ -83,3 +86,56 @@ def launches(num_pseudo: int, width: int, dtype) -> tuple[Launch, Launch, Launch
     dataclasses.replace(launch, rows_q=max(launch.rows_q, pr), rows_k=max(launch.rows_k, pr))
     for launch in chosen
   )
+
+
+def tiled(
+  cfg: Config, n: int, dtype, block_q: int | None, block_k: int | None, kv_tokens: int | None = None
+) -> Config:
+  """cfg with its tiles: the (forward, dQ, dK/dV) `launch`, the forward's block_q and
+  block_k in tokens, and padded tokens `seq_len` (a multiple of every kernel's tiles), and,
+  for a sliced call (`kv_tokens` keys, `cfg.sliced`), the padded keys `kv_seq_len`.
+
+  `block_q`, `block_k`: tile rows (virtual tokens, powers of two >= 16 and >= Pr) for all
+  three kernels, or None for the tuned table (`launches`).
+  """
+  rows = next_pow2(cfg.num_pseudo)
+  width = max(cfg.width, cfg.value_width)
+  chosen = launches(cfg.num_pseudo, width, jnp.dtype(dtype))
+  for name, value in (("block_q", block_q), ("block_k", block_k)):
+    if value is not None and (value & (value - 1) or value < max(16, rows)):
+      raise ValueError(
+        f"GPU kernels need power-of-two tiles of >= {max(16, rows)} virtual rows "
+        f"(16, and P = {cfg.num_pseudo} rounded up to a power of two); {name} is {value}."
+      )
+  # Tiles no longer than the (power-of-two padded) sequence of their side.
+  cap = lambda tokens: max(16, rows * next_pow2(max(1, tokens)))
+  kv = n if kv_tokens is None else kv_tokens
+  chosen = tuple(
+    dataclasses.replace(
+      launch,
+      rows_q=min(block_q or launch.rows_q, cap(n)),
+      rows_k=min(block_k or launch.rows_k, cap(kv)),
+    )
+    for launch in chosen
+  )
+  # Powers of two: the largest token tile is a multiple of the others.
+  largest = lambda *sides: max(getattr(launch, s) for launch in chosen for s in sides) // rows
+  if kv_tokens is None:
+    lengths = dict(seq_len=round_up(n, largest("rows_q", "rows_k")))
+  else:
+    lengths = dict(
+      seq_len=round_up(n, largest("rows_q")), kv_seq_len=round_up(kv_tokens, largest("rows_k"))
+    )
+  return dataclasses.replace(
+    cfg,
+    block_q=chosen[0].rows_q // rows,
+    block_k=chosen[0].rows_k // rows,
+    launch=chosen,
+    **lengths,
+  )
+
+
+def kernel_config(cfg: Config, launch: Launch) -> Config:
+  """cfg with this kernel's tiles (tokens per tile) for the band arithmetic."""
+  rows = next_pow2(cfg.num_pseudo)
+  return dataclasses.replace(cfg, block_q=launch.rows_q // rows, block_k=launch.rows_k // rows)

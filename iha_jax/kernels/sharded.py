@@ -11,6 +11,10 @@ so each device attends over its own rows (and heads) only.
   small tensors), while alpha_* are split along their target axis, so a shard computes
   only its target heads' pseudo-heads. Full collapse then sums over every target head
   (a psum over `head_axis`); per_head collapse stays local and keeps the head sharding.
+- Sliced calls (a sequence shard inside `iha_jax.parallel.context`'s shard_map over
+  `context`: keys `[B, Nk, G, d]` longer than the queries, `query_offset`,
+  `kv_segment_ids`, `kv_positions`): the key-side ids and positions are split over the
+  batch axes like q's, a traced query offset (a scalar) is replicated to every shard.
 - Grouped-query (k, v with G < H heads): MHA splits k and v over `head_axis` like q, IHA
   splits alpha_k, alpha_v along their key/value target axis like alpha_q; with G divisible
   by the axis size, shard s holds query heads `[s H/t, (s+1) H/t)` and exactly the key/value
@@ -106,6 +110,36 @@ def _shard_map(
   )
 
 
+class _Tokens:
+  """A sharded call's token arrays and their in_specs: `[B, N]` query ids and positions,
+  and, for a sliced call, `[B, Nk]` key ids and positions and a traced query offset (the
+  kernels fill defaults themselves, but shard_map needs an array per in_spec; a static
+  offset stays a Python int, closed over)."""
+
+  def __init__(self, q: jax.Array, k: jax.Array, options: AttentionOptions, batch: tuple):
+    segment_ids = options.segment_ids
+    if segment_ids is None:
+      segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+    self.arrays = [segment_ids, default_positions(q, options.positions)]
+    self.specs = [P(batch, None)] * 2
+    self.sliced = options.sliced or k.shape[1] != q.shape[1]
+    self.offset = options.query_offset
+    if self.sliced:
+      self.arrays += list(fused.key_side(q, k, options))
+      self.specs += [P(batch, None)] * 2
+      if not isinstance(self.offset, int):
+        self.arrays.append(jnp.asarray(self.offset, jnp.int32))
+        self.specs.append(P())
+
+  def options(self, options: AttentionOptions, arrays: Sequence[jax.Array]) -> AttentionOptions:
+    """`options` with this shard's token arrays (`arrays`: the local `self.arrays`)."""
+    local = dict(segment_ids=arrays[0], positions=arrays[1])
+    if self.sliced:
+      local.update(kv_segment_ids=arrays[2], kv_positions=arrays[3])
+      local["query_offset"] = self.offset if isinstance(self.offset, int) else arrays[4]
+    return options.replace(**local)
+
+
 def _prepare(
   q: jax.Array,
   k: jax.Array,
@@ -113,16 +147,12 @@ def _prepare(
   batch_axes: Sequence[str],
   head_axis: str | None,
   options: AttentionOptions,
-) -> tuple[MeshLike, tuple[str, ...], jax.Array, jax.Array]:
-  """The mesh, batch axes and explicit `[B, N]` ids / positions of a sharded call (the
-  kernels fill defaults themselves, but shard_map needs an array per in_spec)."""
+) -> tuple[MeshLike, tuple[str, ...], _Tokens]:
+  """The mesh, batch axes and token arrays of a sharded call."""
   mesh = _current(mesh)
   batch = tuple(batch_axes)
   check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis, kv_heads=k.shape[2])
-  segment_ids = options.segment_ids
-  if segment_ids is None:
-    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-  return mesh, batch, segment_ids, default_positions(q, options.positions)
+  return mesh, batch, _Tokens(q, k, options, batch)
 
 
 def sharded_iha_attention(
@@ -144,25 +174,26 @@ def sharded_iha_attention(
   """`fused_iha_attention` via `jax.shard_map` over `mesh`.
 
   Args:
-    q: `[B, N, H, d]`, k, v: `[B, N, G, d]`; B divisible by the product of `batch_axes`
-      sizes.
+    q: `[B, N, H, d]`, k, v: `[B, N, G, d]` (`[B, Nk, G, d]` for a sliced call); B
+      divisible by the product of `batch_axes` sizes.
     alpha_q: `[H, H, P]`, alpha_k, alpha_v: `[G, G, P]`; H and G divisible by the
       `head_axis` size (each shard computes its query targets and their key/value
       targets: grouped-query groups never straddle shards).
     collapse: `[H, H, P]` (full) or `[H, P]` (per_head).
-    options, **overrides: `AttentionOptions` (ids / positions `[B, N]`, defaults
-      filled here); `implementation` is not read: the kernels of `platform` run.
+    options, **overrides: `AttentionOptions` (ids / positions `[B, N]`, a sliced call's
+      `kv_*` `[B, Nk]` and `query_offset`; defaults filled here); `implementation` is
+      not read: the kernels of `platform` run.
     mesh: device mesh holding `batch_axes` and `head_axis` (None: the current mesh).
 
   Returns:
     `[B, N, H, d]`: batch-sharded; per_head collapse also head-sharded.
   """
   options = with_overrides(options, overrides)
-  mesh, batch, segment_ids, positions = _prepare(q, k, mesh, batch_axes, head_axis, options)
+  mesh, batch, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
   full = collapse.ndim == 3
 
-  def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions):
-    local_options = options.replace(segment_ids=segment_ids, positions=positions)
+  def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *token_arrays):
+    local_options = tokens.options(options, token_arrays)
     y, restore = fused.collapsed_outputs(
       q, k, v, (alpha_q, alpha_k, alpha_v), collapse, local_options, platform=platform
     )
@@ -172,7 +203,6 @@ def sharded_iha_attention(
 
   source = P(batch, None, None, None)
   alpha = P(None, head_axis, None)
-  tokens = P(batch, None)
   in_specs = (
     source,
     source,
@@ -181,16 +211,11 @@ def sharded_iha_attention(
     alpha,
     alpha,
     alpha if full else P(head_axis, None),
-    tokens,
-    tokens,
+    *tokens.specs,
   )
   out_specs = source if full else P(batch, None, head_axis, None)
   return _shard_map(
-    local,
-    mesh,
-    in_specs,
-    out_specs,
-    (q, k, v, alpha_q, alpha_k, alpha_v, collapse, segment_ids, positions),
+    local, mesh, in_specs, out_specs, (q, k, v, alpha_q, alpha_k, alpha_v, collapse, *tokens.arrays)
   )
 
 
@@ -213,16 +238,16 @@ def sharded_mha_attention(
   Args and returns as `sharded_iha_attention` without the mixing; `[B, N, H, dv]`.
   """
   options = with_overrides(options, overrides)
-  mesh, batch, segment_ids, positions = _prepare(q, k, mesh, batch_axes, head_axis, options)
+  mesh, batch, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
 
-  def local(q, k, v, segment_ids, positions):
-    local_options = options.replace(segment_ids=segment_ids, positions=positions)
-    return fused.fused_mha_attention(q, k, v, local_options, platform=platform)
+  def local(q, k, v, *token_arrays):
+    return fused.fused_mha_attention(
+      q, k, v, tokens.options(options, token_arrays), platform=platform
+    )
 
   heads = P(batch, None, head_axis, None)
-  tokens = P(batch, None)
   return _shard_map(
-    local, mesh, (heads, heads, heads, tokens, tokens), heads, (q, k, v, segment_ids, positions)
+    local, mesh, (heads, heads, heads, *tokens.specs), heads, (q, k, v, *tokens.arrays)
   )
 
 

@@ -12,7 +12,11 @@ Accumulators live in VMEM scratch across the band axis.
   every token) into a `[P, block, W]` VMEM scratch and read back as ONE pseudo-major
   `[P * block, W]` matrix (`_stacked`), so each tile pair is one matmul. The tile's
   virtual indices `t = n * P + p` and segment ids arrive precomputed in the same stacked
-  order (`_token_layouts`), whole-array blocks of their last two dims.
+  order (`tpu_specs.token_layouts`), whole-array blocks of their last two dims.
+- Sliced calls (a sequence shard: queries `Np` tokens at a query offset into `Nkp` key
+  tokens): the offset is a scalar-prefetch operand that the kernels and index maps read
+  to shift the band (`tpu_specs`); the grid's band axis covers the widest band any offset
+  gives (the whole key axis for global layers, where skipped steps cost no DMA).
 - forward: the pseudo-q pieces are built once per (tile, head) into scratch.
 - dQ / dK-dV: the target-head axis is "arbitrary" and the float32 source-gradient
   block stays resident in VMEM across it, so every target head adds its
@@ -36,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from iha_jax.kernels import common, tpu_tiles
+from iha_jax.kernels import common, tpu_specs, tpu_tiles
 from iha_jax.kernels.common import Config
 from iha_jax.ops.masking import MASK_VALUE, visible
 
@@ -140,6 +144,7 @@ def _mask(t_q, seg_q, t_k, seg_k, cfg: Config) -> jax.Array:
 
 
 def _forward_kernel(*refs, cfg: Config):
+  offset, refs = tpu_specs.split_offset(refs, cfg)
   (
     (aq, ak, av),
     (
@@ -165,7 +170,7 @@ def _forward_kernel(*refs, cfg: Config):
   rotation = _rotation(cos, sin)
   i, h, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
   query, key = cfg.query_side(h), cfg.key_side(h)
-  lo, hi = common.kv_range(i, cfg)
+  lo, hi = common.kv_range(i, cfg, offset)
 
   @pl.when(j == 0)
   def _():
@@ -207,6 +212,7 @@ def _cotangents(do_ref, lse_ref, delta_ref):
 
 
 def _dq_kernel(*refs, cfg: Config):
+  offset, refs = tpu_specs.split_offset(refs, cfg)
   (
     (aq, ak, av),
     (
@@ -230,7 +236,7 @@ def _dq_kernel(*refs, cfg: Config):
   rotation = _rotation(cos, sin)
   i, h, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
   query, key = cfg.query_side(h), cfg.key_side(h)
-  lo, hi = common.kv_range(i, cfg)
+  lo, hi = common.kv_range(i, cfg, offset)
   first_head = (h == 0) if cfg.mixing else True  # MHA: one output block per head
 
   @pl.when((j == 0) & first_head)
@@ -276,6 +282,7 @@ def _dq_kernel(*refs, cfg: Config):
 
 
 def _dkv_kernel(*refs, cfg: Config):
+  offset, refs = tpu_specs.split_offset(refs, cfg)
   (
     (aq, ak, av),
     (
@@ -300,7 +307,7 @@ def _dkv_kernel(*refs, cfg: Config):
   rotation = _rotation(cos, sin)
   j, h, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
   query, key = cfg.query_side(h), cfg.key_side(h)
-  lo, hi = common.q_range(j, cfg)
+  lo, hi = common.q_range(j, cfg, offset)
   # The first query head to add into the resident dk/dv block: of all heads (mixing: every
   # head feeds every source) or of the key/value head's group (MHA).
   if cfg.mixing:
@@ -361,115 +368,15 @@ def _dkv_kernel(*refs, cfg: Config):
     )
 
 
-class _Specs:
-  """BlockSpecs for grid (B, outer tile, target head, band step).
-
-  `q_tile(x, o)` / `k_tile(x, o)` give the query / key tile index from the outer
-  tile index x and band step o, clamped into the band.
-  """
-
-  def __init__(self, cfg: Config, q_tile, k_tile):
-    self.cfg, self.q_tile, self.k_tile = cfg, q_tile, k_tile
-
-  def source(self, rows: int, tile, lanes: int, kv: bool = False) -> pl.BlockSpec:
-    """q/k/v, dq/dk/dv (`kv`: k, v, dk, dv): all source heads of the operand when mixing,
-    else the one head query head h reads (h itself, or its key/value head `h // r`)."""
-    cfg = self.cfg
-    if cfg.mixing:
-      heads, head = cfg.num_kv_heads if kv else cfg.num_heads, lambda h: 0
-    else:
-      heads, head = 1, cfg.kv_target if kv else (lambda h: h)
-    return pl.BlockSpec((None, heads, rows, lanes), lambda b, x, h, o: (b, head(h), tile(x, o), 0))
-
-  # Stacked token data (`_token_layouts`): a tile's block spans the array's last two dims,
-  # so any tile size obeys Mosaic's (sublane, lane) tiling.
-  def column(self, rows: int, tile, batched: bool) -> pl.BlockSpec:  # [(B,) tiles, rows, 1]
-    if batched:
-      return pl.BlockSpec((None, None, rows, 1), lambda b, x, h, o: (b, tile(x, o), 0, 0))
-    return pl.BlockSpec((None, rows, 1), lambda b, x, h, o: (tile(x, o), 0, 0))
-
-  def row(self, rows: int, tile, batched: bool) -> pl.BlockSpec:  # [(B,) tiles, 1, rows]
-    if batched:
-      return pl.BlockSpec((None, None, 1, rows), lambda b, x, h, o: (b, tile(x, o), 0, 0))
-    return pl.BlockSpec((None, 1, rows), lambda b, x, h, o: (tile(x, o), 0, 0))
-
-  def per_pseudo(self, lanes: int) -> pl.BlockSpec:  # o, do, lse, delta at the query tile
-    return pl.BlockSpec(
-      (None, None, self.cfg.num_pseudo, self.cfg.block_q, lanes),
-      lambda b, x, h, o: (b, h, 0, self.q_tile(x, o), 0),
-    )
-
-  def cotangents(self) -> list:  # do, lse, delta (backward inputs after `inputs`)
-    return [self.per_pseudo(self.cfg.value_width), self.per_pseudo(1), self.per_pseudo(1)]
-
-  def inputs(self, with_alpha: bool) -> list:
-    cfg = self.cfg
-    bq, bk = cfg.block_q, cfg.block_k
-    rows_q, rows_k = cfg.num_pseudo * bq, cfg.num_pseudo * bk
-    smem = [pl.BlockSpec(memory_space=pltpu.SMEM)] * (3 if with_alpha else 0)
-    table = pl.BlockSpec((cfg.num_pseudo, cfg.half), lambda *_: (0, 0))
-    return smem + [
-      table,
-      table,
-      self.column(rows_q, self.q_tile, batched=False),
-      self.column(rows_q, self.q_tile, batched=True),
-      self.row(rows_k, self.k_tile, batched=False),
-      self.row(rows_k, self.k_tile, batched=True),
-      self.source(bq, self.q_tile, cfg.width),
-      self.source(bk, self.k_tile, cfg.width, kv=True),
-      self.source(bk, self.k_tile, cfg.value_width, kv=True),
-    ]
-
-  def dalpha(self, size: int) -> pl.BlockSpec:
-    # [B, tiles, 1, size]: the last two block dims equal the array's (Mosaic tiling rule).
-    return pl.BlockSpec(
-      (None, None, 1, size), lambda b, x, h, o: (b, x, 0, 0), memory_space=pltpu.SMEM
-    )
-
-
-def _stack(x: jax.Array, block: int, p: int) -> jax.Array:
-  """`[..., Np]` token data -> `[..., tiles, P * block]`: each tile's tokens repeated per
-  pseudo index, pseudo-major (the row order of `_stacked` tiles)."""
-  *lead, n = x.shape
-  tiles = x.reshape(*lead, n // block, 1, block)
-  return jnp.broadcast_to(tiles, (*lead, n // block, p, block)).reshape(*lead, n // block, -1)
-
-
-def _token_layouts(seg: jax.Array, cfg: Config) -> tuple[jax.Array, ...]:
-  """Stacked virtual indices `t = n * P + p` and segment ids: query-tile columns
-  `[nq, P*bq, 1]`, `[B, nq, P*bq, 1]`; key-tile rows `[nk, 1, P*bk]`, `[B, nk, 1, P*bk]`."""
-  p = cfg.num_pseudo
-  tokens = jnp.arange(cfg.seq_len, dtype=jnp.int32)
-
-  def virtual(block):
-    pseudo = jnp.repeat(jnp.arange(p, dtype=jnp.int32), block)
-    return _stack(tokens, block, p) * p + pseudo
-
-  return (
-    virtual(cfg.block_q)[..., None],
-    _stack(seg, cfg.block_q, p)[..., None],
-    virtual(cfg.block_k)[:, None, :],
-    _stack(seg, cfg.block_k, p)[:, :, None, :],
-  )
-
-
-def _clamp(lo, hi, step):
-  return jnp.minimum(lo + step, hi - 1)
-
-
-def _forward_specs(cfg: Config) -> _Specs:
-  return _Specs(cfg, lambda i, j: i, lambda i, j: _clamp(*common.kv_range(i, cfg), j))
-
-
 def _params(*semantics: str) -> pltpu.CompilerParams:
   return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
 def forward(cfg: Config, alphas, rotation, seg, q, k, v, *, interpret):
-  """q `[B, H, Np, W]`, k `[B, G, Np, W]`, v `[B, G, Np, Wv]` -> (o `[B, Ht, P, Np, Wv]` in
-  q.dtype, lse `[B, Ht, P, Np, 1]` float32)."""
+  """q `[B, H, Np, W]`, k `[B, G, Nkp, W]`, v `[B, G, Nkp, Wv]` -> (o `[B, Ht, P, Np, Wv]`
+  in q.dtype, lse `[B, Ht, P, Np, 1]` float32). `seg`: `tpu_specs.token_layouts`'."""
   b = q.shape[0]
-  specs = _forward_specs(cfg)
+  specs = tpu_specs.forward_specs(cfg)
   out_shape = (
     jax.ShapeDtypeStruct(
       (b, cfg.num_targets, cfg.num_pseudo, cfg.seq_len, cfg.value_width), q.dtype
@@ -478,8 +385,10 @@ def forward(cfg: Config, alphas, rotation, seg, q, k, v, *, interpret):
   )
   pieces_q, pieces_k = (cfg.num_pseudo, cfg.block_q), (cfg.num_pseudo, cfg.block_k)
   rows_q = cfg.num_pseudo * cfg.block_q
-  return pl.pallas_call(
+  return tpu_specs.call(
     functools.partial(_forward_kernel, cfg=cfg),
+    cfg,
+    seg,
     grid=(b, cfg.num_q_blocks, cfg.num_targets, common.max_kv_band(cfg)),
     in_specs=specs.inputs(cfg.mixing),
     out_specs=(specs.per_pseudo(cfg.value_width), specs.per_pseudo(1)),
@@ -495,14 +404,14 @@ def forward(cfg: Config, alphas, rotation, seg, q, k, v, *, interpret):
     compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
     interpret=interpret,
     name="iha_forward",
-  )(*alphas, *rotation, *_token_layouts(seg, cfg), q, k, v)
+  )(*alphas, *rotation, *tpu_specs.token_layouts(seg, cfg), q, k, v)
 
 
 def backward(cfg: Config, alphas, rotation, seg, q, k, v, do, lse, delta, *, interpret):
-  """-> (dq `[B, H, Np, W]`, dk `[B, G, Np, W]`, dv `[B, G, Np, Wv]` f32, dalpha partials
+  """-> (dq `[B, H, Np, W]`, dk `[B, G, Nkp, W]`, dv `[B, G, Nkp, Wv]` f32, dalpha partials
   `[B, tiles, 1, Ht*H*P]` (q), `[B, tiles, 1, Ht*G*P]` (k, v; `dalpha_flat`) or None)."""
   b = q.shape[0]
-  args = (*alphas, *rotation, *_token_layouts(seg, cfg), q, k, v, do, lse, delta)
+  args = (*alphas, *rotation, *tpu_specs.token_layouts(seg, cfg), q, k, v, do, lse, delta)
   pieces_q, pieces_k = (cfg.num_pseudo, cfg.block_q), (cfg.num_pseudo, cfg.block_k)
   # pseudo q, k, v pieces (rebuilt per step or held across the band)
   pseudo = [
@@ -518,10 +427,12 @@ def backward(cfg: Config, alphas, rotation, seg, q, k, v, do, lse, delta, *, int
     "parallel", "parallel", "arbitrary" if resident else "parallel", "arbitrary"
   )
 
-  specs = _forward_specs(cfg)
+  specs = tpu_specs.forward_specs(cfg)
   dq_out = [dq_shape] + ([partials(cfg.num_q_blocks, cfg.flat_alpha)] if cfg.mixing else [])
-  dq, *dalpha_q = pl.pallas_call(
+  dq, *dalpha_q = tpu_specs.call(
     functools.partial(_dq_kernel, cfg=cfg),
+    cfg,
+    seg,
     grid=(b, cfg.num_q_blocks, cfg.num_targets, common.max_kv_band(cfg)),
     in_specs=specs.inputs(cfg.mixing) + specs.cotangents(),
     out_specs=[specs.source(cfg.block_q, specs.q_tile, cfg.width)]
@@ -533,12 +444,14 @@ def backward(cfg: Config, alphas, rotation, seg, q, k, v, do, lse, delta, *, int
     name="iha_backward_dq",
   )(*args)
 
-  specs = _Specs(cfg, lambda j, t: _clamp(*common.q_range(j, cfg), t), lambda j, t: j)
+  specs = tpu_specs.dkv_specs(cfg)
   dkv_out = [dk_shape, dv_shape] + [partials(cfg.num_k_blocks, cfg.dalpha_kv_slots)] * 2 * (
     cfg.mixing
   )
-  dk, dv, *dalpha_kv = pl.pallas_call(
+  dk, dv, *dalpha_kv = tpu_specs.call(
     functools.partial(_dkv_kernel, cfg=cfg),
+    cfg,
+    seg,
     grid=(b, cfg.num_k_blocks, cfg.num_targets, common.max_q_band(cfg)),
     in_specs=specs.inputs(cfg.mixing) + specs.cotangents(),
     out_specs=[

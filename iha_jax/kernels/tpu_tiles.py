@@ -67,8 +67,11 @@ def vmem_estimate(cfg: Config, itemsize: int) -> int:
   return tokens + mixing + scores + max(forward, dq, dkv)
 
 
-def tiled(cfg: Config, n: int, dtype, block_q: int | None, block_k: int | None) -> Config:
-  """cfg with its tiles: block_q, block_k and padded tokens `seq_len` (tokens).
+def tiled(
+  cfg: Config, n: int, dtype, block_q: int | None, block_k: int | None, kv_tokens: int | None = None
+) -> Config:
+  """cfg with its tiles: block_q, block_k and padded tokens `seq_len` (tokens), and, for a
+  sliced call (`kv_tokens` keys, `cfg.sliced`), the padded keys `kv_seq_len`.
 
   `block_q`, `block_k`: virtual tokens (multiples of P) or None. Token tiles are multiples
   of 8 (16 for 2-byte types) sublanes. Defaults: about 256 virtual query rows and 512
@@ -87,10 +90,16 @@ def tiled(cfg: Config, n: int, dtype, block_q: int | None, block_k: int | None) 
       )
   n_min = round_up(n, sublanes)
   bq = min(user_q or max(sublanes, 256 // p // sublanes * sublanes), n_min)
-  bk = min(user_k or max(sublanes, 512 // p // sublanes * sublanes), round_up(n_min, bq))
+  # Keys: as many tokens as the queries' padded tiles, or a sliced call's own keys.
+  k_min = round_up(n_min, bq) if kv_tokens is None else round_up(kv_tokens, sublanes)
+  bk = min(user_k or max(sublanes, 512 // p // sublanes * sublanes), k_min)
   fixed = dict(block_q=user_q is not None, block_k=user_k is not None)
   while True:
-    cfg = dataclasses.replace(cfg, block_q=bq, block_k=bk, seq_len=round_up(n, math.lcm(bq, bk)))
+    if kv_tokens is None:
+      lengths = dict(seq_len=round_up(n, math.lcm(bq, bk)))
+    else:
+      lengths = dict(seq_len=round_up(n, bq), kv_seq_len=round_up(kv_tokens, bk))
+    cfg = dataclasses.replace(cfg, block_q=bq, block_k=bk, **lengths)
     if vmem_estimate(cfg, itemsize) <= VMEM_BUDGET_BYTES:
       return cfg
     if not fixed["block_k"] and bk >= bq and bk // 2 % sublanes == 0:

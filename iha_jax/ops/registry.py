@@ -19,6 +19,10 @@ sharded wrappers.
 | talking_heads | `talking_heads_attention` | reference, xla |
 | diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu, pallas_gpu_mha (through mha) |
 | simplicial | `simplicial_attention` | reference, xla |
+
+On a mesh with a `context` axis (sequence sharding, `iha_jax.parallel.context`) each shard
+runs one of the `SLICED` implementations (queries at an offset into longer keys): every
+one above but cuDNN.
 """
 
 from __future__ import annotations
@@ -45,8 +49,11 @@ _TABLE: dict[str, dict[str, Entry]] = {}
 _ROLES: dict[str, tuple[str, ...]] = {}
 # Implementations that take queries sliced from a longer key sequence
 # (`AttentionOptions.query_offset`, `kv_segment_ids`, `kv_positions`): the ones a
-# context-parallel call (`iha_jax.parallel.context`) can run on each shard.
-SLICED = frozenset({"reference", "xla"})
+# context-parallel call (`iha_jax.parallel.context`) can run on each shard. The Pallas
+# kernels take the offset as a scalar operand (one compiled kernel for every shard) and
+# visit only the key tiles a shard's queries see; cuDNN's attention does not (its packed
+# layout is private to jax), so "auto" skips it under a context axis.
+SLICED = frozenset({"reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha"})
 
 
 def register(kind: str, table: Mapping[str, Entry], roles: tuple[str, ...] | None = None) -> None:
@@ -131,11 +138,19 @@ def materialised_bytes(q, v, expansion: int) -> int:
 
 
 def resolve(
-  kind: str, implementation: str, q=None, v=None, options=None, expansion: int = 1
+  kind: str,
+  implementation: str,
+  q=None,
+  v=None,
+  options=None,
+  expansion: int = 1,
+  *,
+  sliced: bool = False,
 ) -> str:
   """ "auto" -> the fastest path measured on the current backend (or `auto_backend`'s):
   - GPU, given the call's `q`, `v`, `options` (and IHA's P as `expansion`): cuDNN's
-    attention where the call allows it (`cudnn_attention.unsupported` finds nothing);
+    attention where the call allows it (`cudnn_attention.unsupported` finds nothing; not
+    for `sliced` calls: sequence shards, which only the `SLICED` implementations take);
     else, where a kind's "pallas_gpu_mha" is its own path (IHA: materialised pseudo
     q/k/v + the Pallas MHA kernel), that;
     IHA takes either only while `materialised_bytes` stays within
@@ -155,7 +170,8 @@ def resolve(
     backend = _AUTO_BACKEND.get() or jax.default_backend()
     if backend == "gpu" and q is not None:
       small = expansion == 1 or materialised_bytes(q, v, expansion) <= MATERIALISE_LIMIT_BYTES
-      if small and "cudnn" in table and cudnn_attention.unsupported(q, v, options) is None:
+      cudnn = "cudnn" in table and not sliced
+      if small and cudnn and cudnn_attention.unsupported(q, v, options) is None:
         return "cudnn"
       materialises = table.get("pallas_gpu_mha", table.get("pallas_gpu")) != table.get("pallas_gpu")
       if small and materialises:
@@ -180,10 +196,12 @@ def lookup(
   `platform`, the MHA implementation behind "diff") is already applied. On a mesh with a
   `context` axis (given `q`, whose length it divides), the callable runs the
   implementation context-parallel (`iha_jax.parallel.context.attend`); "auto" then takes
-  the fastest implementation that can ("xla" until the kernels take query offsets).
+  the fastest implementation that can (`SLICED`: the Pallas kernels on TPU and GPU, never
+  cuDNN; "xla" for kinds without kernels).
   """
-  name = resolve(kind, implementation, q, v, options, expansion)
-  if q is None or not context.applies(q.shape[1]):
+  sharded = q is not None and context.applies(q.shape[1])
+  name = resolve(kind, implementation, q, v, options, expansion, sliced=sharded)
+  if not sharded:
     return _load(kind, name)
   if kind not in _ROLES:
     raise ValueError(
@@ -194,7 +212,7 @@ def lookup(
     if implementation != "auto":
       raise ValueError(
         f"implementation {implementation!r} cannot run sequence-sharded (mesh axis "
-        f"'context' > 1) yet; use one of {sorted(SLICED)} or 'auto'"
+        f"'context' > 1); use one of {sorted(SLICED & set(_table(kind)))} or 'auto'"
       )
     name = "xla"
   inner = _load(kind, name)

@@ -15,7 +15,10 @@ so IHA moves exactly what MHA moves and no pseudo-head tensor crosses devices:
 
 Every device then calls the kind's own implementation on its queries against those keys
 (`AttentionOptions.query_offset`, `kv_segment_ids`, `kv_positions`), so positions and
-masks stay global: the result equals the unsharded computation.
+masks stay global: the result equals the unsharded computation. The implementations that
+take such calls are `iha_jax.ops.registry.SLICED` (the XLA paths and the Pallas kernels,
+which read the offset as a scalar operand and visit only the key tiles a shard's queries
+see; a window layer's offset is static, a global layer's traced).
 
 Causal load balancing (`layout("balanced")`): with a causal mask the last shard of a
 contiguous split does S times the work of the first. The balanced layout gives shard s
