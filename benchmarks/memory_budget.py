@@ -14,7 +14,10 @@ devices; batch split over devices; sequence unsharded):
   all-gather overlaps the current layer);
 - activations: per layer, what the remat policy saves (the block input included), times
   layers and the per-device microbatch;
-- logits: float32 `[b, N, V]` logits and their gradient, live together at the loss.
+- logits: float32 logits and their gradient, live together at the loss: one chunk
+  `[b, c, V]` of `c = train.loss_chunk_tokens` positions and the chunked loss's float32
+  sum of the head gradient `[V, D]` (`--loss_chunk_tokens`, default the config's; 0: the
+  whole `[b, N, V]`, the plain loss).
 XLA's own temporaries (fusion buffers, the recomputation inside one layer's backward)
 come on top: read the "total" column as a lower bound and the headroom as what those
 may use. Nothing here was run on a TPU or an H100.
@@ -40,6 +43,7 @@ from iha_jax.models import (
   count_params,  # pylint: disable=wrong-import-position
 )
 from iha_jax.train import config as config_lib  # pylint: disable=wrong-import-position
+from iha_jax.train.losses import loss_chunk_tokens  # pylint: disable=wrong-import-position
 
 GiB = 2**30
 POLICIES = ("none", "save_projections", "full")
@@ -94,6 +98,12 @@ def main() -> None:
     default=[1, 2],
     help="sequences per device per forward/backward",
   )
+  parser.add_argument(
+    "--loss_chunk_tokens",
+    type=int,
+    default=None,
+    help="positions per loss chunk (default: the config's; 0: whole logits)",
+  )
   args = parser.parse_args()
 
   config = runpy.run_path(args.config)["get_config"]()
@@ -102,6 +112,9 @@ def main() -> None:
   if args.seq_len:
     config.data.seq_len = args.seq_len
   seq_len = config.data.seq_len
+  if args.loss_chunk_tokens is not None:
+    config.train.loss_chunk_tokens = args.loss_chunk_tokens
+  chunk = min(loss_chunk_tokens(config.train) or seq_len, seq_len)
   base = config_lib.model_config(config)
   n_params = count_params(base)
   schedule = base.attention_schedule
@@ -109,7 +122,7 @@ def main() -> None:
     f"{args.config}: {n_params / 1e9:.3f} B parameters, {base.num_layers} layers "
     f"'{schedule}', D={base.model_dim}, H={base.num_heads}, d={base.head_dim}, "
     f"P={base.num_pseudo or base.num_heads}, V={base.vocab_size}, N={seq_len}, "
-    f"compute {jnp.dtype(base.dtype).name}, params float32\n"
+    f"loss chunk {chunk}, compute {jnp.dtype(base.dtype).name}, params float32\n"
   )
 
   # Traced once per (implementation, policy): one block per letter of the schedule.
@@ -145,7 +158,9 @@ def main() -> None:
     for policy in POLICIES:
       for micro in args.microbatch:
         activations = layer_bytes[target.implementation, policy] * micro
-        logits = 2 * micro * seq_len * base.vocab_size * 4
+        logits = 2 * micro * chunk * base.vocab_size * 4
+        if chunk < seq_len:  # the chunked loss's float32 head-gradient sum
+          logits += base.vocab_size * base.model_dim * 4
         parts = [shard, shard, 2 * shard, gathered, activations, logits]
         total = sum(parts) / GiB
         print(
