@@ -88,8 +88,8 @@ def test_a_run_on_a_mounted_bucket(bucket, tmp_path):
   )
   record = evaluate_workdir("gs://bkt/run")
   assert record["step"] == 4 and json.loads((run / "eval.json").read_text()) == record
-  path = attention_pictures("gs://bkt/run", 0, "gs://bkt/run/pictures")
-  assert path == "gs://bkt/run/pictures/run_layer0.png"
-  assert (run / "pictures" / "run_layer0.png").read_bytes()[:4] == b"\x89PNG"
+  path = attention_pictures("gs://bkt/run", 1, "gs://bkt/run/pictures")
+  assert path == "gs://bkt/run/pictures/run_layer1.png"
+  assert (run / "pictures" / "run_layer1.png").read_bytes()[:4] == b"\x89PNG"
   steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
   assert steps == [1, 2, 3, 4]
