@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.timing import call_times  # noqa: E402
 from iha_jax import parallel  # noqa: E402
-from iha_jax.models import LanguageModel, TransformerConfig  # noqa: E402
+from iha_jax.models import FunctionalTransformerLM, TransformerConfig  # noqa: E402
 from iha_jax.ops import xla_attention  # noqa: E402
 from iha_jax.parallel import context  # noqa: E402
 from iha_jax.train.losses import loss_terms  # noqa: E402
@@ -122,7 +122,7 @@ def time_steps(n: int, shards: int, repeats: int) -> None:
     iha_window=n // 4,
     implementation="xla",
   )
-  model = LanguageModel(config)
+  model = FunctionalTransformerLM(config)
   params = model.init(0)
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, 256, (2, n + 1))

@@ -10,7 +10,7 @@
 # (benchmarks/train_step.py, the ~350M LLLLM against its M twin, with packed-style segment
 # ids / without). Each stage's log goes to $OUT/<stage>.log; a stage stops at its SECONDS
 # (default 300) without stopping the next. The machine reaches no registry: wheels for
-# what its image lacks travel in .whl/ (WORKSPACE_NOTES.md, "On a lent GPU").
+# what its image lacks travel in .whl/ (`make gpu-wheels` builds it from requirements-gpu-machine.txt).
 set -u
 OUT=${OUT:-/tmp/iha_gpu_out}
 mkdir -p "$OUT"

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from iha_jax.models import LanguageModel  # noqa: E402
+from iha_jax.models import FunctionalTransformerLM  # noqa: E402
 from iha_jax.train import config as config_lib  # noqa: E402
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer  # noqa: E402
 from iha_jax.train.state import TrainState  # noqa: E402
@@ -63,7 +63,7 @@ def main() -> None:
     attention_schedule=schedule[-args.layers :] if args.layers < len(schedule) else schedule,
     implementation="xla",
   )
-  model = LanguageModel(model_cfg, remat=config.model.remat_policy)
+  model = FunctionalTransformerLM(model_cfg, remat=config.model.remat_policy)
   tx = make_optimizer(config.train)
   params = jax.eval_shape(model.init, 0)
   state = TrainState(

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=wrong-import-position
 
 from iha_jax.models import (
-  LanguageModel,  # pylint: disable=wrong-import-position
+  FunctionalTransformerLM,  # pylint: disable=wrong-import-position
   count_params,  # pylint: disable=wrong-import-position
 )
 from iha_jax.train import config as config_lib  # pylint: disable=wrong-import-position
@@ -64,7 +64,9 @@ TARGETS = (
 )
 
 
-def layer_activation_bytes(model: LanguageModel, params: dict, index: int, seq_len: int) -> int:
+def layer_activation_bytes(
+  model: FunctionalTransformerLM, params: dict, index: int, seq_len: int
+) -> int:
   """Bytes one sequence leaves saved for backward in block `index` (parameters and the
   shared segment ids / positions excluded; the block input included)."""
   config = model.config
@@ -130,7 +132,7 @@ def main() -> None:
   for implementation in sorted({t.implementation for t in TARGETS}):
     cfg = dataclasses.replace(base, implementation=implementation, num_layers=len(schedule))
     for policy in POLICIES:
-      model = LanguageModel(cfg, remat=policy)
+      model = FunctionalTransformerLM(cfg, remat=policy)
       params = jax.eval_shape(model.init, 0)
       start = time.perf_counter()
       per_letter = {

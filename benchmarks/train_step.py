@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from iha_jax import parallel  # noqa: E402
-from iha_jax.models import LanguageModel  # noqa: E402
+from iha_jax.models import FunctionalTransformerLM  # noqa: E402
 from iha_jax.train import config as config_lib  # noqa: E402
 from iha_jax.train import flops  # noqa: E402
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer  # noqa: E402
@@ -45,7 +45,7 @@ def benchmark(path: str, steps: int, peak: float, segments: bool = True) -> dict
   case GPU attention can hand to cuDNN)."""
   config = load_config(path)
   model_cfg = config_lib.validate(config, jax.device_count())
-  model = LanguageModel(
+  model = FunctionalTransformerLM(
     model_cfg, remat=config.model.remat_policy, scan_layers=config.model.scan_layers
   )
   tx = make_optimizer(config.train)

@@ -23,7 +23,7 @@ import ml_collections
 import tqdm
 from etils import epath
 
-from experiments.trainer import CompiledVariant, selection_score
+from experiments.variant_runs import CompiledVariant, selection_score
 from iha_jax import data as data_lib
 from iha_jax.data import registry, text_stats
 from iha_jax.train import inputs

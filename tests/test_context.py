@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from iha_jax import parallel
-from iha_jax.models import LanguageModel, TransformerConfig
+from iha_jax.models import FunctionalTransformerLM, TransformerConfig
 from iha_jax.parallel import context
 from iha_jax.train.losses import loss_terms
 
@@ -56,7 +56,7 @@ def _batch() -> dict[str, np.ndarray]:
 
 
 def _loss_and_grads(config, sizes, layout="contiguous", lowered=False):
-  model = LanguageModel(config)
+  model = FunctionalTransformerLM(config)
   params = model.init(0)
   batch = _batch()
   mesh = parallel.create_mesh(sizes)

@@ -23,7 +23,7 @@ from iha_jax.eval import (
 )
 from iha_jax.eval.runs import FALLBACK_MESH, chance_exact_match, choose_mesh
 from iha_jax.eval.sweep import plot_sweep, sweep_title
-from iha_jax.models import LanguageModel
+from iha_jax.models import FunctionalTransformerLM
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import model_config, train
 from iha_jax.train.optimizer import make_optimizer
@@ -139,10 +139,10 @@ def test_mesh_choice(runs):
 
 @pytest.mark.parametrize("scan_layers,remat", [(False, "none"), (True, "full")])
 def test_module_holds_the_parameters(scan_layers, remat):
-  """`LanguageModel.module` (used for the pictures) inverts the layout, and the trainer's
+  """`FunctionalTransformerLM.module` (used for the pictures) inverts the layout, and the trainer's
   scanned, rematerialised forward pass is `TransformerLM`'s."""
   config = make_config("unused", model__num_layers=3)  # "IM" scanned: 1 period + 1 tail.
-  model = LanguageModel(model_config(config), remat=remat, scan_layers=scan_layers)
+  model = FunctionalTransformerLM(model_config(config), remat=remat, scan_layers=scan_layers)
   params = model.init(3)
   tokens = np.arange(10, dtype=np.int32)[None] % 7
   np.testing.assert_allclose(

@@ -14,7 +14,7 @@ import pytest
 
 from experiments import protocol, report, run
 from experiments.studies import STUDIES
-from experiments.trainer import RunResult
+from experiments.variant_runs import RunResult
 from tests.utils import decode_png
 
 SEEDS = 2

@@ -28,7 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 from iha_jax import ops, parallel
 from iha_jax.kernels.sharded import sharded_mha_attention
 from iha_jax.kinds import AttentionConfig
-from iha_jax.models import LanguageModel, TransformerConfig, TransformerLM, count_params
+from iha_jax.models import FunctionalTransformerLM, TransformerConfig, TransformerLM, count_params
 from iha_jax.models.generate import decode_step, prefill
 from iha_jax.nn import InterleavedHeadAttention, InterleavedHeadAttentionLinen, MultiHeadAttention
 from iha_jax.ops import cudnn_attention
@@ -379,7 +379,7 @@ TRAIN = ml_collections.ConfigDict(
 def _train(mesh_sizes: dict, steps: int = 3) -> list[float]:
   """Losses of `steps` trainer steps on one batch: IHA and MHA layers with G = 2 of H = 4."""
   mesh = parallel.create_mesh(mesh_sizes)
-  model = LanguageModel(_model_config(num_kv_heads=2, attention_schedule="LM"))
+  model = FunctionalTransformerLM(_model_config(num_kv_heads=2, attention_schedule="LM"))
   tx = make_optimizer(TRAIN)
   state, shardings = create_state(model, tx, mesh, seed=0)
   tokens = jax.random.randint(jax.random.key(5), (4, 13), 1, MODEL["vocab_size"])

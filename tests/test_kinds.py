@@ -13,7 +13,7 @@ from flax import nnx
 
 from iha_jax import kinds, parallel
 from iha_jax.kinds import AttentionConfig, AttentionKind, Letter, ParamSpec, project_qkv
-from iha_jax.models import LanguageModel, TransformerConfig, TransformerLM
+from iha_jax.models import FunctionalTransformerLM, TransformerConfig, TransformerLM
 from iha_jax.models.generate import prefill
 from iha_jax.nn import Attention, AttentionLinen
 from iha_jax.ops import mha_attention
@@ -110,7 +110,7 @@ def test_toy_kind_trains_through_the_trainer(toy):
     "MultiHeadAttention",
   ]
   assert model_nnx.layers[1].attn.config.window == 3  # 'W' reads mha_window (tokens)
-  model = LanguageModel(config)
+  model = FunctionalTransformerLM(config)
   train = ml_collections.ConfigDict(
     dict(
       learning_rate=1e-2,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from iha_jax import parallel
-from iha_jax.models import LanguageModel, TransformerConfig
+from iha_jax.models import FunctionalTransformerLM, TransformerConfig
 from iha_jax.models.transformer import output_logits
 from iha_jax.train.losses import chunked_cross_entropy, loss_terms, position_losses
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
@@ -124,7 +124,7 @@ def test_chunked_loss_on_a_mesh_equals_plain():
   context, tensor) mesh with scan-over-layers and full remat, chunks of 5 of each
   device's 8 positions (a remainder of 3): as the plain loss on the same mesh; the eval
   step's sums too. No loop reduces the head's gradient (`[V / tensor, D]`) per chunk."""
-  model = LanguageModel(MODEL, remat="full", scan_layers=True)
+  model = FunctionalTransformerLM(MODEL, remat="full", scan_layers=True)
   mesh = parallel.create_mesh(dict(data=1, fsdp=2, context=2, tensor=2))
   state, shardings = create_state(model, make_optimizer(TRAIN), mesh, seed=0)
   rows = parallel.batch_sharding(mesh)
@@ -176,7 +176,7 @@ def test_compiled_train_step_holds_no_whole_logits():
     MODEL, vocab_size=2048, num_layers=1, model_dim=16, head_dim=4, attention_schedule="M"
   )
   b, n = 2, 64
-  model = LanguageModel(config)
+  model = FunctionalTransformerLM(config)
   tx = make_optimizer(TRAIN)
   state = create_state(model, tx, parallel.create_mesh(dict(data=1, fsdp=1, tensor=1)), seed=0)[0]
   spec = lambda dtype: jax.ShapeDtypeStruct((b, n), dtype)  # noqa: E731

@@ -14,7 +14,7 @@ import numpy as np
 from configs import tiny
 from iha_jax import data as data_lib
 from iha_jax import parallel
-from iha_jax.models import LanguageModel
+from iha_jax.models import FunctionalTransformerLM
 from iha_jax.train import config as config_lib
 from iha_jax.train.inputs import prepare
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 def _reference_losses(config) -> list[float]:
   """One process, 4 devices, fed the concatenation of the two processes' shards."""
-  model = LanguageModel(config_lib.validate(config, 4))
+  model = FunctionalTransformerLM(config_lib.validate(config, 4))
   tx = make_optimizer(config.train)
   mesh = parallel.create_mesh(dict(data=1, fsdp=4, tensor=1), jax.devices()[:4])
   state, shardings = create_state(model, tx, mesh, config.train.seed)

@@ -22,7 +22,7 @@ import pytest
 from configs import tiny
 from iha_jax import parallel
 from iha_jax.eval import evaluate_workdir
-from iha_jax.models import LanguageModel
+from iha_jax.models import FunctionalTransformerLM
 from iha_jax.train import ConfigError, NonFiniteLossError, integrity, train
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
@@ -136,7 +136,7 @@ def test_restore_onto_another_mesh(data_dir, tmp_path):
   other = str(tmp_path / "dp2_tp4")
   shutil.copytree(os.path.join(first, "checkpoints", "3"), os.path.join(other, "checkpoints", "3"))
   config.mesh.update(data=2, fsdp=1, tensor=4)
-  model = LanguageModel(config_lib.validate(config, 8))
+  model = FunctionalTransformerLM(config_lib.validate(config, 8))
   mesh = parallel.create_mesh(dict(config.mesh))
   target, shardings = abstract_state(model, make_optimizer(config.train), mesh)
   manager = ckpt.make_manager(first)
@@ -193,7 +193,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
   assert re.match(rf"step {last_good + 1}: the (loss|gradient norm) is (nan|inf)", message)
   assert f"Last good checkpoint: step {last_good} in {tmp_path}" in message
   assert "Try a lower train.learning_rate (now 1e+38), or gradient clipping" in message
-  model = LanguageModel(config_lib.validate(config, 8))
+  model = FunctionalTransformerLM(config_lib.validate(config, 8))
   target, _ = abstract_state(
     model, make_optimizer(config.train), parallel.create_mesh(dict(config.mesh))
   )

@@ -24,7 +24,7 @@ from configs import (
   tiny,
 )
 from iha_jax.data import DataError
-from iha_jax.models import LanguageModel, TransformerConfig, TransformerLM, count_params
+from iha_jax.models import FunctionalTransformerLM, TransformerConfig, TransformerLM, count_params
 from iha_jax.models.layers import make_attention
 from iha_jax.nn import MIXING_PARAMS, param_specs
 from iha_jax.ops.masking import visible
@@ -418,7 +418,7 @@ def _mask_leaves(params, decay_mixing: bool) -> dict[str, bool]:
 def test_decay_mask_mixing_switch_and_scanned_shapes():
   # "ITD" x 1 scanned period + a tail "I" layer: mixing params both stacked and not.
   config = _tiny("ITD", num_layers=4)
-  params = jax.eval_shape(LanguageModel(config, scan_layers=True).init, 0)
+  params = jax.eval_shape(FunctionalTransformerLM(config, scan_layers=True).init, 0)
   shapes = {
     "/".join(str(k.key) for k in path): x.shape
     for path, x in jax.tree_util.tree_leaves_with_path(params)

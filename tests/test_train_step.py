@@ -16,9 +16,9 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax import parallel
-from iha_jax.models import LanguageModel, TransformerConfig
+from iha_jax.models import FunctionalTransformerLM, TransformerConfig
 from iha_jax.train import export
-from iha_jax.train.evaluate import Evaluator
+from iha_jax.train.evaluator import Evaluator
 from iha_jax.train.losses import loss_terms
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
@@ -70,7 +70,7 @@ def _run(
 ) -> list[float]:
   """Losses of `steps` train steps on the same batch, starting from seed 0."""
   mesh = parallel.create_mesh(mesh_sizes or dict(data=1, fsdp=1, tensor=1))
-  model = LanguageModel(MODEL, remat=remat, scan_layers=scan)
+  model = FunctionalTransformerLM(MODEL, remat=remat, scan_layers=scan)
   tx = make_optimizer(TRAIN)
   state, shardings = create_state(model, tx, mesh, seed=0)
   batch_sharding = parallel.batch_sharding(mesh)
@@ -108,7 +108,7 @@ def test_step_matches_baseline(baseline, options):
 
 
 def test_scan_layout_stacks_schedule_periods():
-  model = LanguageModel(MODEL, scan_layers=True)
+  model = FunctionalTransformerLM(MODEL, scan_layers=True)
   params = jax.eval_shape(model.init, jnp.uint32(0))
   # 4 layers of "LIM": one scanned period of 3, then layer 3 unscanned.
   assert sorted(params["scanned"]) == ["0", "1", "2"]
@@ -144,7 +144,7 @@ def _train(
 ) -> tuple[list[float], dict, dict]:
   """(losses, initial params, final params) of `steps` real train steps."""
   mesh = parallel.create_mesh(mesh_sizes or dict(data=1, fsdp=1, tensor=1))
-  model = LanguageModel(config, scan_layers=scan)
+  model = FunctionalTransformerLM(config, scan_layers=scan)
   tx = make_optimizer(TRAIN)
   state, shardings = create_state(model, tx, mesh, seed=0)
   initial = jax.tree.map(np.asarray, state.params)
@@ -179,7 +179,10 @@ def test_scanned_differential_layers_keep_their_depth():
   tokens = _batch()["inputs"]
   logits = [
     jax.jit(model.apply)(model.init(0), tokens)
-    for model in (LanguageModel(config, scan_layers=True), LanguageModel(config))
+    for model in (
+      FunctionalTransformerLM(config, scan_layers=True),
+      FunctionalTransformerLM(config),
+    )
   ]
   np.testing.assert_allclose(logits[0], logits[1], atol=2e-5)
 
@@ -222,7 +225,7 @@ def test_regression_on_continuous_features():
   )
   np.testing.assert_allclose(sharded[0], losses, rtol=2e-5)
 
-  model = LanguageModel(config)
+  model = FunctionalTransformerLM(config)
   inputs = {k: batch[k] for k in ("features", "segment_ids", "positions")}
   outputs = np.asarray(jax.jit(model.apply)(final, batch["inputs"], **inputs))
   module_outputs = nnx.jit(lambda m, *a, **k: m(*a, **k))(
@@ -241,7 +244,7 @@ def test_regression_on_continuous_features():
   with pytest.raises(ValueError, match=r"features must be \[B, N, 3\]"):
     model.apply(final, batch["inputs"])
   with pytest.raises(ValueError, match="model has no input_features"):
-    LanguageModel(ALL_LETTERS).apply(initial, batch["inputs"], features=batch["features"])
+    FunctionalTransformerLM(ALL_LETTERS).apply(initial, batch["inputs"], features=batch["features"])
 
 
 # --- the Pallas kernels inside the sharded step ---------------------------------------------
@@ -254,7 +257,7 @@ KERNEL_MODEL = dataclasses.replace(
 def _loss_and_grads(config: TransformerConfig, mesh_sizes=None) -> tuple[float, dict]:
   """The train step's loss and gradients at the initial parameters, under the mesh."""
   mesh = parallel.create_mesh(mesh_sizes or dict(data=1, fsdp=1, tensor=1))
-  model = LanguageModel(config)
+  model = FunctionalTransformerLM(config)
   state, shardings = create_state(model, make_optimizer(TRAIN), mesh, seed=0)
   batch_sharding = parallel.batch_sharding(mesh)
   with parallel.activate(mesh):
@@ -330,3 +333,10 @@ def test_exported_step_runs_every_kernel_inside_shard_map(monkeypatch):
   assert (unrouted.inside, unrouted.outside) == (0, 7), unrouted
   with pytest.raises(NotImplementedError, match="shard_map"):
     placement("tpu")
+
+
+def test_language_model_is_a_deprecated_alias():
+  import iha_jax.models as models
+
+  with pytest.warns(DeprecationWarning, match="FunctionalTransformerLM"):
+    assert models.LanguageModel is FunctionalTransformerLM

@@ -27,13 +27,13 @@ from iha_jax import parallel, storage
 from iha_jax.errors import UserError
 from iha_jax.eval.attention_maps import attention_maps, plot_attention_maps
 from iha_jax.models import TransformerConfig
-from iha_jax.models.language_model import LanguageModel, Params
+from iha_jax.models.functional_lm import FunctionalTransformerLM, Params
 from iha_jax.ops.validation import is_int
 from iha_jax.parallel.rules import MESH_AXES
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train import inputs
-from iha_jax.train.evaluate import Evaluator
+from iha_jax.train.evaluator import Evaluator
 from iha_jax.train.losses import loss_chunk_tokens
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
@@ -109,7 +109,7 @@ class RestoredRun:
   workdir: str
   step: int
   config: ml_collections.ConfigDict
-  model: LanguageModel
+  model: FunctionalTransformerLM
   mesh: Mesh
   params: Params
   param_shardings: Any
@@ -174,7 +174,7 @@ def restore_run(
       config = ckpt.restore_config(manager, candidate)
       model_cfg = config_lib.model_config(config)
       sizes = choose_mesh(dict(config.mesh), model_cfg, jax.device_count(), mesh)
-      model = LanguageModel(model_cfg, remat="none", scan_layers=config.model.scan_layers)
+      model = FunctionalTransformerLM(model_cfg, remat="none", scan_layers=config.model.scan_layers)
       device_mesh = parallel.create_mesh(sizes)
       target, shardings = abstract_state(model, make_optimizer(config.train), device_mesh)
       state = ckpt.restore_params(manager, candidate, target)  # no optimizer moments

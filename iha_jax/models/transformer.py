@@ -29,7 +29,7 @@ class TransformerLM(nnx.Module):
   continuous features to its embedding.
   With `config.causal=False` every layer is bidirectional (an encoder).
 
-  `iha_jax.models.LanguageModel` runs this same model as a function of a parameter
+  `iha_jax.models.FunctionalTransformerLM` runs this same model as a function of a parameter
   dict, with scan-over-layers and remat (how `train.py` trains it); both go through
   `embed`, the `DecoderBlock`s and `logits`, so the two agree to float rounding.
   """

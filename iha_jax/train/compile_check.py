@@ -19,7 +19,7 @@ import ml_collections
 
 from iha_jax import parallel
 from iha_jax.errors import UserError
-from iha_jax.models import LanguageModel
+from iha_jax.models import FunctionalTransformerLM
 from iha_jax.ops import registry
 from iha_jax.parallel import compiled as compiled_lib
 from iha_jax.parallel import targets
@@ -72,7 +72,7 @@ def compile_only(config: ml_collections.ConfigDict, target_name: str, *, log=pri
   config = _target_config(config, target)
   model_cfg = config_lib.validate(config, len(devices))
   mesh = parallel.create_mesh(dict(config.mesh), devices)
-  model = LanguageModel(
+  model = FunctionalTransformerLM(
     model_cfg, remat=config.model.remat_policy, scan_layers=config.model.scan_layers
   )
   tx = make_optimizer(config.train)

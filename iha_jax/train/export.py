@@ -20,7 +20,7 @@ import jax
 from jax.sharding import Mesh
 
 from iha_jax import parallel
-from iha_jax.models import LanguageModel, TransformerConfig
+from iha_jax.models import FunctionalTransformerLM, TransformerConfig
 from iha_jax.train.lowering import abstract_batch
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import abstract_state
@@ -51,7 +51,7 @@ def export_train_step(
     batch_size, seq_len: the global batch `[batch_size, seq_len]`.
     platform: "tpu" or "cuda".
   """
-  model = LanguageModel(model_cfg, remat=remat, scan_layers=scan_layers)
+  model = FunctionalTransformerLM(model_cfg, remat=remat, scan_layers=scan_layers)
   tx = make_optimizer(train_cfg)
   target, shardings = abstract_state(model, tx, mesh)
   rows = parallel.batch_sharding(mesh)

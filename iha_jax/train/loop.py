@@ -36,13 +36,13 @@ from jax.experimental import multihost_utils
 
 from iha_jax import parallel, storage
 from iha_jax.errors import UserError
-from iha_jax.models import LanguageModel
+from iha_jax.models import FunctionalTransformerLM
 from iha_jax.parallel import context
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib
 from iha_jax.train import flops as flops_lib
 from iha_jax.train import inputs, lowering, preflight
-from iha_jax.train.evaluate import Evaluator
+from iha_jax.train.evaluator import Evaluator
 from iha_jax.train.losses import loss_chunk_tokens
 from iha_jax.train.metrics import MetricsWriter
 from iha_jax.train.optimizer import make_optimizer
@@ -180,7 +180,7 @@ class Trainer:
     self.model_config = config_lib.validate(config, jax.device_count())
     preflight.check_vocab(config, self.model_config)
     self.mesh = parallel.create_mesh(dict(config.mesh))
-    self.model = LanguageModel(
+    self.model = FunctionalTransformerLM(
       self.model_config, remat=config.model.remat_policy, scan_layers=config.model.scan_layers
     )
     self.tx = make_optimizer(config.train)

@@ -31,7 +31,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from iha_jax.models import TransformerConfig
-from iha_jax.models.language_model import LanguageModel, Params
+from iha_jax.models.functional_lm import FunctionalTransformerLM, Params
 from iha_jax.models.transformer import output_logits
 from iha_jax.ops.validation import is_int
 from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_LENGTH, RESIDUAL_AXES, VOCAB
@@ -307,7 +307,7 @@ def uses_chunks(config: TransformerConfig, loss: str, chunk_tokens: int | None, 
 
 
 def loss_terms(
-  model: LanguageModel,
+  model: FunctionalTransformerLM,
   params: Params,
   batch: Batch,
   loss: str = "cross_entropy",

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from iha_jax import parallel
-from iha_jax.models import LanguageModel, TransformerConfig
+from iha_jax.models import FunctionalTransformerLM, TransformerConfig
 from iha_jax.train.losses import loss_chunk_tokens
 from iha_jax.train.optimizer import learning_rate_schedule
 from iha_jax.train.step import make_train_step
@@ -42,7 +42,7 @@ def abstract_batch(
 
 
 def jit_train_step(
-  model: LanguageModel, tx: Any, train_cfg: Any, loss: str, mesh: Mesh, shardings: Any
+  model: FunctionalTransformerLM, tx: Any, train_cfg: Any, loss: str, mesh: Mesh, shardings: Any
 ) -> Any:
   """The jitted train step: state sharded by `shardings` and donated, batch rows over the
   mesh's batch axes, metrics replicated."""
@@ -63,7 +63,7 @@ def jit_train_step(
 
 
 def lower_train_step(
-  model: LanguageModel,
+  model: FunctionalTransformerLM,
   tx: Any,
   train_cfg: Any,
   loss: str,

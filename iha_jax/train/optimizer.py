@@ -8,7 +8,7 @@ Weight decay (decoupled, AdamW) applies to the weight matrices only:
   *(project)*: they are identity-initialised structural coefficients like norm gains;
   decoupled decay pulls them toward 0, not toward their identity init, which shrinks
   the pseudo-heads and the collapse. The paper states no decay rule for them.
-Parameters under "scanned" (see `iha_jax.models.language_model`) carry a leading stacked layer axis,
+Parameters under "scanned" (see `iha_jax.models.functional_lm`) carry a leading stacked layer axis,
 so the rank test discounts it; mixing parameters are recognised by name, not rank.
 """
 

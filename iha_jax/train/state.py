@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from iha_jax.models.language_model import LanguageModel, Params
+from iha_jax.models.functional_lm import FunctionalTransformerLM, Params
 from iha_jax.parallel import named_shardings, replicated
 
 
@@ -20,7 +20,7 @@ class TrainState:
 
   Attributes:
     step: int32 scalar, optimizer steps taken.
-    params: parameter dict in `LanguageModel`'s layout (param_dtype, float32 by default).
+    params: parameter dict in `FunctionalTransformerLM`'s layout (param_dtype, float32 by default).
     opt_state: optax state (AdamW moments mirror `params`).
   """
 
@@ -39,7 +39,9 @@ def _dict_path(path: tuple) -> tuple[str, ...]:
   return tuple(reversed(keys))
 
 
-def state_shardings(model: LanguageModel, abstract_state: TrainState, mesh: Mesh) -> TrainState:
+def state_shardings(
+  model: FunctionalTransformerLM, abstract_state: TrainState, mesh: Mesh
+) -> TrainState:
   """`NamedSharding` of every state leaf: parameters by the logical-axis rules, optimizer
   moments like their parameter (ZeRO: FSDP shards them too), the rest replicated."""
   param_shardings = named_shardings(mesh, model.logical_specs())
@@ -61,7 +63,7 @@ def state_shardings(model: LanguageModel, abstract_state: TrainState, mesh: Mesh
   return TrainState(step=replicated(mesh), params=param_shardings, opt_state=opt)
 
 
-def make_init_fn(model: LanguageModel, tx: optax.GradientTransformation):
+def make_init_fn(model: FunctionalTransformerLM, tx: optax.GradientTransformation):
   """`seed -> TrainState` (jit it with `out_shardings` to create a sharded state)."""
 
   def init(seed: jax.Array) -> TrainState:
@@ -72,7 +74,7 @@ def make_init_fn(model: LanguageModel, tx: optax.GradientTransformation):
 
 
 def create_state(
-  model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh, seed: int
+  model: FunctionalTransformerLM, tx: optax.GradientTransformation, mesh: Mesh, seed: int
 ) -> tuple[TrainState, TrainState]:
   """A fresh sharded state and its shardings; parameters never exist unsharded.
 
@@ -96,7 +98,7 @@ def state_from_params(
 
 
 def abstract_state(
-  model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh
+  model: FunctionalTransformerLM, tx: optax.GradientTransformation, mesh: Mesh
 ) -> tuple[Any, TrainState]:
   """`ShapeDtypeStruct`s with shardings (restore targets) and the shardings themselves."""
   abstract = jax.eval_shape(make_init_fn(model, tx), jnp.uint32(0))

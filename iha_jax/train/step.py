@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from iha_jax.models.language_model import LanguageModel, Params
+from iha_jax.models.functional_lm import FunctionalTransformerLM, Params
 from iha_jax.train.losses import DEFAULT_LOSS_CHUNK_TOKENS, Batch, check_loss, loss_terms
 from iha_jax.train.state import TrainState
 
 
 def _grads(
-  model: LanguageModel,
+  model: FunctionalTransformerLM,
   params: Params,
   batch: Batch,
   accum_steps: int,
@@ -52,7 +52,7 @@ def _grads(
 
 
 def make_train_step(
-  model: LanguageModel,
+  model: FunctionalTransformerLM,
   tx: optax.GradientTransformation,
   schedule: optax.Schedule,
   accum_steps: int,
@@ -97,7 +97,7 @@ def make_train_step(
 
 
 def make_eval_step(
-  model: LanguageModel,
+  model: FunctionalTransformerLM,
   loss: str = "cross_entropy",
   loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> Callable[[Params, Batch], dict[str, jax.Array]]:

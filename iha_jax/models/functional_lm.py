@@ -53,7 +53,7 @@ def remat_policy(name: str) -> Callable | None:
   raise ValueError(f"unknown remat policy {name!r}")
 
 
-class LanguageModel:
+class FunctionalTransformerLM:
   """Functional wrapper of `TransformerLM(config)` (static: build once per config)."""
 
   def __init__(self, config: TransformerConfig, *, remat: str = "none", scan_layers: bool = False):

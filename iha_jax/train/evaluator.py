@@ -1,4 +1,9 @@
-"""Evaluation pass used by the loop and by eval.py: loss, perplexity, exact match."""
+"""The evaluation pass over one split: loss, perplexity, exact match.
+
+`Evaluator` is the one evaluation computation: the training loop (`Trainer`) runs it every
+`eval_every` steps, and `iha_jax.eval` (behind `eval.py`) runs it on saved runs, beside
+the tools only saved runs need (length sweeps, attention maps, completions).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from iha_jax import parallel
-from iha_jax.models import LanguageModel
+from iha_jax.models import FunctionalTransformerLM
 from iha_jax.train.losses import DEFAULT_LOSS_CHUNK_TOKENS
 from iha_jax.train.step import make_eval_step
 
@@ -23,7 +28,7 @@ class Evaluator:
 
   def __init__(
     self,
-    model: LanguageModel,
+    model: FunctionalTransformerLM,
     mesh: Mesh,
     param_shardings: Any,
     loss: str = "cross_entropy",

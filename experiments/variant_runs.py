@@ -1,5 +1,10 @@
 """One training run of a study, with the library's own step, optimizer and evaluator.
 
+How it relates to `iha_jax.train.Trainer`: both run `make_train_step` and `Evaluator`.
+`Trainer` is the production loop (a mesh, checkpoints, resume, preemption, metrics
+files); a study instead runs hundreds of short one-device runs without checkpoints, so it
+compiles each variant once and feeds the learning rate and seed in as values.
+
 A study trains every variant many times (a learning-rate grid, then seeds). The model,
 loss and batch shape of a variant are fixed, so `CompiledVariant` compiles the train
 step, the init and the eval step once and every run reuses them: the peak learning
@@ -32,11 +37,11 @@ import optax
 from iha_jax import data as data_lib
 from iha_jax import parallel
 from iha_jax.data import text_stats
-from iha_jax.models import LanguageModel, count_params
+from iha_jax.models import FunctionalTransformerLM, count_params
 from iha_jax.train import config as config_lib
 from iha_jax.train import flops as flops_lib
 from iha_jax.train import inputs
-from iha_jax.train.evaluate import Evaluator
+from iha_jax.train.evaluator import Evaluator
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import make_init_fn, state_shardings
 from iha_jax.train.step import make_train_step
@@ -87,7 +92,7 @@ class CompiledVariant:
     self.config = config
     self.model_config = config_lib.validate(config, 1)
     self.mesh = parallel.create_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    self.model = LanguageModel(self.model_config)
+    self.model = FunctionalTransformerLM(self.model_config)
     self.loss = config.train.get("loss", "cross_entropy")
     unit = _unit_peak(config.train)
     # AdamW at peak rate 1, then a runtime scale: the run's peak learning rate.
