@@ -2,10 +2,13 @@
 
 Activations `[B, N, ...]` are split over the `context` axis along N (the logical rules map
 `activation_length` to it); every op of the model is token-wise except attention, which
-`attend` runs inside `jax.shard_map` over `context` only (the other axes stay automatic,
-so the kernels' own batch/head `shard_map` nests inside). Each device keeps its queries
-and fetches only the SOURCE keys and values it needs (before any head mixing and RoPE),
-so IHA moves exactly what MHA moves and no pseudo-head tensor crosses devices:
+`attend` runs inside `jax.shard_map` over `context`, the batch axes and every axis of size
+one; only a head axis that splits (`tensor` > 1) stays automatic, for the kernels' own
+head `shard_map` to take. (A shard_map over `context` alone with the kernels' batch
+`shard_map` nested inside crashes XLA:TPU's SPMD partitioner: "IsManualSubgroup" check.)
+Each device keeps its queries and fetches only the SOURCE keys and values it needs
+(before any head mixing and RoPE), so IHA moves exactly what MHA moves and no pseudo-head
+tensor crosses devices:
 
 - global layers: an all-gather of the key-side arrays (`[B, N, ...]` received per
   device, the whole sequence's source k and v);
@@ -35,10 +38,14 @@ import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
+
+from iha_jax.parallel.axes import ACTIVATION_BATCH
+from iha_jax.parallel.rules import LOGICAL_AXIS_RULES
 
 CONTEXT = "context"
 LAYOUTS = ("contiguous", "balanced")
@@ -189,6 +196,18 @@ def _key_views(keys, segments, reach, causal, shards, chunks):
   return views
 
 
+def _manual_axes(mesh: Any) -> tuple[tuple[str, ...], set[str]]:
+  """(the batch axes, every axis `attend`'s shard_map takes): `context`, the batch axes of
+  the active logical rules and the axes of size one, minus those already manual."""
+  free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
+  (batch,) = nn.logical_to_mesh_axes(
+    (ACTIVATION_BATCH,), nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
+  )
+  batch = tuple(a for a in ((batch,) if isinstance(batch, str) else batch or ()) if a in free)
+  unit = {a for a, size in zip(mesh.axis_names, mesh.axis_sizes) if size == 1}
+  return batch, ({CONTEXT, *batch} | unit) & free
+
+
 def attend(
   fn: Callable[..., jax.Array], roles: Sequence[str], *args: Any, per_token: int = 1
 ) -> jax.Array:
@@ -220,7 +239,8 @@ def attend(
   segment_ids = options.segment_ids
   if segment_ids is None:  # halo keys past the sequence ends need segment 0
     segment_ids = jnp.ones(query.shape[:2], jnp.int32)
-  sequence = PartitionSpec(None, CONTEXT)
+  batch_axes, manual = _manual_axes(mesh)
+  sequence = PartitionSpec(batch_axes or None, CONTEXT)
   specs = tuple(sequence if r in (QUERY, KEY) else PartitionSpec() for r in roles)
 
   def body(segments, positions, *local):
@@ -250,7 +270,7 @@ def attend(
     mesh=mesh,
     in_specs=(sequence, sequence, *specs),
     out_specs=sequence,
-    axis_names={CONTEXT},
+    axis_names=manual,
     check_vma=False,
   )
   return mapped(segment_ids, options.positions, *arrays)
