@@ -191,6 +191,19 @@ def test_auto_takes_the_kernels_per_shard():
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
+def test_a_batch_the_data_axes_cannot_split():
+  """One sequence on a data 2 x context 4 mesh: attention's shard_map leaves the batch
+  automatic instead of refusing it, and equals one device."""
+  from iha_jax import ops  # pylint: disable=import-outside-toplevel
+
+  q, k, v = (jax.random.normal(key, (1, N, 2, 8)) for key in jax.random.split(jax.random.key(1), 3))
+  expected = ops.mha_attention(q, k, v, window=5, implementation="xla")
+  mesh = parallel.create_mesh(dict(data=2, fsdp=1, context=4, tensor=1))
+  with parallel.activate(mesh):
+    got = jax.jit(lambda q, k, v: ops.mha_attention(q, k, v, window=5))(q, k, v)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_query_iha_on_a_context_and_tensor_mesh():
   """IHA with G = 2 key/value heads for H = 4 query heads, a window crossing shards and
   packed segments: output and the q/k/v gradients at context 4 x tensor 2 equal one

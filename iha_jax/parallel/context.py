@@ -196,14 +196,18 @@ def _key_views(keys, segments, reach, causal, shards, chunks):
   return views
 
 
-def _manual_axes(mesh: Any) -> tuple[tuple[str, ...], set[str]]:
+def _manual_axes(mesh: Any, batch_size: int) -> tuple[tuple[str, ...], set[str]]:
   """(the batch axes, every axis `attend`'s shard_map takes): `context`, the batch axes of
-  the active logical rules and the axes of size one, minus those already manual."""
+  the active logical rules (when they divide `batch_size`) and the axes of size one, minus
+  those already manual."""
   free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
   (batch,) = nn.logical_to_mesh_axes(
     (ACTIVATION_BATCH,), nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
   )
   batch = tuple(a for a in ((batch,) if isinstance(batch, str) else batch or ()) if a in free)
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  if batch_size % int(np.prod([sizes[a] for a in batch])):
+    batch = ()  # e.g. one prompt on a data-parallel mesh: the batch stays automatic
   unit = {a for a, size in zip(mesh.axis_names, mesh.axis_sizes) if size == 1}
   return batch, ({CONTEXT, *batch} | unit) & free
 
@@ -239,7 +243,7 @@ def attend(
   segment_ids = options.segment_ids
   if segment_ids is None:  # halo keys past the sequence ends need segment 0
     segment_ids = jnp.ones(query.shape[:2], jnp.int32)
-  batch_axes, manual = _manual_axes(mesh)
+  batch_axes, manual = _manual_axes(mesh, query.shape[0])
   sequence = PartitionSpec(batch_axes or None, CONTEXT)
   specs = tuple(sequence if r in (QUERY, KEY) else PartitionSpec() for r in roles)
 
