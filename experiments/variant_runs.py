@@ -1,6 +1,6 @@
 """One training run of a study, with the library's own step, optimizer and evaluator.
 
-How it relates to `iha_jax.train.Trainer`: both run `make_train_step` and `Evaluator`.
+How it relates to `iha_jax.train.loop.Trainer`: both run `make_train_step` and `Evaluator`.
 `Trainer` is the production loop (a mesh, checkpoints, resume, preemption, metrics
 files); a study instead runs hundreds of short one-device runs without checkpoints, so it
 compiles each variant once and feeds the learning rate and seed in as values.
