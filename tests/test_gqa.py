@@ -19,7 +19,6 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -37,7 +36,7 @@ from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import make_train_step
 from tests import conformance as cf
-from tests.utils import assert_close, packed_positions, packed_segments
+from tests.utils import TRAIN, assert_close, packed_positions, packed_segments
 
 B, N, H, D, P = 2, 12, 4, 16, 2
 THETA = 10000.0
@@ -359,21 +358,6 @@ def test_budgets_count_the_key_value_heads():
   assert iha.core_flops == flops.layer_budgets(_model_config(), 12)[0].core_flops  # unchanged
   model = TransformerLM(config, rngs=nnx.Rngs(0))
   assert count_params(config) == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
-TRAIN = ml_collections.ConfigDict(
-  dict(
-    learning_rate=1e-2,
-    final_learning_rate=1e-4,
-    warmup_steps=1,
-    total_steps=10,
-    weight_decay=0.1,
-    b1=0.9,
-    b2=0.95,
-    eps=1e-8,
-    grad_clip=1.0,
-  )
-)
 
 
 def _train(mesh_sizes: dict, steps: int = 3) -> list[float]:

@@ -8,7 +8,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -19,6 +18,7 @@ from iha_jax.train.losses import chunked_cross_entropy, loss_terms, position_los
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import make_eval_step, make_train_step
+from tests.utils import TRAIN
 
 MODEL = TransformerConfig(
   vocab_size=40,
@@ -31,19 +31,6 @@ MODEL = TransformerConfig(
   attention_schedule="LM",
   iha_window=12,
   implementation="xla",
-)
-TRAIN = ml_collections.ConfigDict(
-  dict(
-    learning_rate=1e-2,
-    final_learning_rate=1e-4,
-    warmup_steps=1,
-    total_steps=10,
-    weight_decay=0.1,
-    b1=0.9,
-    b2=0.95,
-    eps=1e-8,
-    grad_clip=1.0,
-  )
 )
 
 

@@ -9,7 +9,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -23,6 +22,7 @@ from iha_jax.train.losses import loss_terms
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import make_train_step
+from tests.utils import TRAIN
 
 MODEL = TransformerConfig(
   vocab_size=40,
@@ -35,19 +35,6 @@ MODEL = TransformerConfig(
   attention_schedule="LIM",
   iha_window=12,
   implementation="xla",
-)
-TRAIN = ml_collections.ConfigDict(
-  dict(
-    learning_rate=1e-2,
-    final_learning_rate=1e-4,
-    warmup_steps=1,
-    total_steps=10,
-    weight_decay=0.1,
-    b1=0.9,
-    b2=0.95,
-    eps=1e-8,
-    grad_clip=1.0,
-  )
 )
 
 

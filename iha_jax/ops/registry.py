@@ -208,13 +208,11 @@ def lookup(
       f"{kind} attention declares no sequence roles (AttentionKind.sequence_roles), so it "
       f"cannot run on a mesh with a 'context' axis; use context=1 for its layers"
     )
-  if name not in SLICED:
-    if implementation != "auto":
-      raise ValueError(
-        f"implementation {implementation!r} cannot run sequence-sharded (mesh axis "
-        f"'context' > 1); use one of {sorted(SLICED & set(_table(kind)))} or 'auto'"
-      )
-    name = "xla"
+  if name not in SLICED:  # only an explicit name: "auto" resolved among SLICED
+    raise ValueError(
+      f"implementation {implementation!r} cannot run sequence-sharded (mesh axis "
+      f"'context' > 1); use one of {sorted(SLICED & set(_table(kind)))} or 'auto'"
+    )
   inner = _load(kind, name)
 
   def per_shard(*args: Any) -> jax.Array:  # inner calls (diff's MHA) take `name` too

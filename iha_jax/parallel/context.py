@@ -38,14 +38,12 @@ import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
-from iha_jax.parallel.axes import ACTIVATION_BATCH
-from iha_jax.parallel.rules import LOGICAL_AXIS_RULES
+from iha_jax.parallel.rules import free_activation_axes
 
 CONTEXT = "context"
 LAYOUTS = ("contiguous", "balanced")
@@ -201,10 +199,7 @@ def _manual_axes(mesh: Any, batch_size: int) -> tuple[tuple[str, ...], set[str]]
   the active logical rules (when they divide `batch_size`) and the axes of size one, minus
   those already manual."""
   free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
-  (batch,) = nn.logical_to_mesh_axes(
-    (ACTIVATION_BATCH,), nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
-  )
-  batch = tuple(a for a in ((batch,) if isinstance(batch, str) else batch or ()) if a in free)
+  batch, _ = free_activation_axes(mesh)
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   if batch_size % int(np.prod([sizes[a] for a in batch])):
     batch = ()  # e.g. one prompt on a data-parallel mesh: the batch stays automatic

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.sharding import PartitionSpec
+import flax.linen as nn
+from jax.sharding import AxisType, PartitionSpec
 
 from iha_jax.parallel.axes import (
   ACTIVATION_BATCH,
@@ -104,3 +105,14 @@ def logical_to_mesh_spec(logical: PartitionSpec | None) -> PartitionSpec:
     used.update(axes)
     out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return PartitionSpec(*out)
+
+
+def free_activation_axes(mesh: Any) -> tuple[tuple[str, ...], str | None]:
+  """(batch axes, head axis) of `mesh` under the active logical-axis rules (the project's
+  when none are active): the mesh axes `activation_batch` and `activation_heads` map to,
+  kept to those `mesh` has and is not already inside a `shard_map` over."""
+  free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
+  rules = nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
+  batch, heads = nn.logical_to_mesh_axes((ACTIVATION_BATCH, ACTIVATION_HEADS), rules)
+  batch = tuple(a for a in ((batch,) if isinstance(batch, str) else batch or ()) if a in free)
+  return batch, heads if heads in free else None

@@ -12,8 +12,13 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from iha_jax.parallel import context
-from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_HEADS
-from iha_jax.parallel.rules import BATCH_AXES, CONTEXT, LOGICAL_AXIS_RULES, logical_to_mesh_spec
+from iha_jax.parallel.rules import (
+  BATCH_AXES,
+  CONTEXT,
+  LOGICAL_AXIS_RULES,
+  free_activation_axes,
+  logical_to_mesh_spec,
+)
 
 
 @contextlib.contextmanager
@@ -72,12 +77,7 @@ def kernel_axes(mesh: Mesh | AbstractMesh) -> dict[str, Any] | None:
   already inside a `shard_map` over (manual axes). None for an empty mesh or one whose
   axes are all manual: the kernel is called directly.
   """
-  if mesh.empty:
+  if mesh.empty or all(t == AxisType.Manual for t in mesh.axis_types):
     return None
-  rules = nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
-  batch, heads = nn.logical_to_mesh_axes((ACTIVATION_BATCH, ACTIVATION_HEADS), rules)
-  free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
-  if not free:
-    return None
-  batch = tuple(a for a in ((batch,) if isinstance(batch, str) else batch or ()) if a in free)
-  return dict(batch_axes=batch, head_axis=heads if heads in free else None)
+  batch, heads = free_activation_axes(mesh)
+  return dict(batch_axes=batch, head_axis=heads)
