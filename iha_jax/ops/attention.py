@@ -115,14 +115,14 @@ def _sequences(options: AttentionOptions, num_pseudo: int = 1) -> _Sequences:
   """`options`' ids / positions (and the key side's) in virtual tokens `n*P + p`."""
 
   def segments(ids):
-    return None if ids is None or num_pseudo == 1 else virtual_segment_ids(ids, num_pseudo)
+    return ids if ids is None or num_pseudo == 1 else virtual_segment_ids(ids, num_pseudo)
 
   def positions(pos):
     return pos if num_pseudo == 1 else virtual_positions(pos, num_pseudo)
 
   return _Sequences(
-    options.segment_ids if num_pseudo == 1 else segments(options.segment_ids),
-    options.key_segment_ids if num_pseudo == 1 else segments(options.key_segment_ids),
+    segments(options.segment_ids),
+    segments(options.key_segment_ids),
     positions(options.positions),
     positions(options.key_positions),
     options.query_offset * num_pseudo,

@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
-from iha_jax.parallel.rules import free_activation_axes
+from iha_jax.parallel.axes import ACTIVATION_BATCH
+from iha_jax.parallel.rules import free_mesh_axes
 
 CONTEXT = "context"
 LAYOUTS = ("contiguous", "balanced")
@@ -199,7 +200,7 @@ def _manual_axes(mesh: Any, batch_size: int) -> tuple[tuple[str, ...], set[str]]
   the active logical rules (when they divide `batch_size`) and the axes of size one, minus
   those already manual."""
   free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
-  batch, _ = free_activation_axes(mesh)
+  batch = free_mesh_axes(mesh, ACTIVATION_BATCH)
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   if batch_size % int(np.prod([sizes[a] for a in batch])):
     batch = ()  # e.g. one prompt on a data-parallel mesh: the batch stays automatic

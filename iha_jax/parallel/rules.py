@@ -107,12 +107,9 @@ def logical_to_mesh_spec(logical: PartitionSpec | None) -> PartitionSpec:
   return PartitionSpec(*out)
 
 
-def free_activation_axes(mesh: Any) -> tuple[tuple[str, ...], str | None]:
-  """(batch axes, head axis) of `mesh` under the active logical-axis rules (the project's
-  when none are active): the mesh axes `activation_batch` and `activation_heads` map to,
-  kept to those `mesh` has and is not already inside a `shard_map` over."""
+def free_mesh_axes(mesh: Any, logical: str) -> tuple[str, ...]:
+  """The mesh axes the active logical-axis rules (the project's when none are active) map
+  `logical` to, kept to those `mesh` has and is not already inside a `shard_map` over."""
   free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
-  rules = nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
-  batch, heads = nn.logical_to_mesh_axes((ACTIVATION_BATCH, ACTIVATION_HEADS), rules)
-  batch = tuple(a for a in ((batch,) if isinstance(batch, str) else batch or ()) if a in free)
-  return batch, heads if heads in free else None
+  (axes,) = nn.logical_to_mesh_axes((logical,), nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES)
+  return tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in free)

@@ -12,11 +12,12 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from iha_jax.parallel import context
+from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_HEADS
 from iha_jax.parallel.rules import (
   BATCH_AXES,
   CONTEXT,
   LOGICAL_AXIS_RULES,
-  free_activation_axes,
+  free_mesh_axes,
   logical_to_mesh_spec,
 )
 
@@ -79,5 +80,7 @@ def kernel_axes(mesh: Mesh | AbstractMesh) -> dict[str, Any] | None:
   """
   if mesh.empty or all(t == AxisType.Manual for t in mesh.axis_types):
     return None
-  batch, heads = free_activation_axes(mesh)
-  return dict(batch_axes=batch, head_axis=heads)
+  heads = free_mesh_axes(mesh, ACTIVATION_HEADS)
+  return dict(
+    batch_axes=free_mesh_axes(mesh, ACTIVATION_BATCH), head_axis=heads[0] if heads else None
+  )

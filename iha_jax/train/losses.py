@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import linen as nn
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from iha_jax.models import TransformerConfig
@@ -35,7 +34,7 @@ from iha_jax.models.functional_lm import FunctionalTransformerLM, Params
 from iha_jax.models.transformer import output_logits
 from iha_jax.ops.validation import is_int
 from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_LENGTH, RESIDUAL_AXES, VOCAB
-from iha_jax.parallel.rules import LOGICAL_AXIS_RULES
+from iha_jax.parallel.rules import free_mesh_axes
 
 # inputs, targets, segment_ids, positions, weights: [B, N]; with continuous inputs also
 # features [B, N, F]; for regression, values [B, N, num_outputs].
@@ -175,12 +174,10 @@ def _row_axes(mesh: Any, shape: tuple[int, int]) -> tuple[tuple[str, ...], tuple
   over them, each device chunking its own rows and positions; both () without a mesh."""
   if mesh.empty:
     return (), ()
-  rules = nn.get_logical_axis_rules() or LOGICAL_AXIS_RULES
-  free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   found = []
   for logical, extent in zip((ACTIVATION_BATCH, ACTIVATION_LENGTH), shape):
-    axes = tuple(a for a in _names(nn.logical_to_mesh_axes((logical,), rules)[0]) if a in free)
+    axes = free_mesh_axes(mesh, logical)
     found.append(axes if extent % math.prod(sizes[a] for a in axes) == 0 else ())
   return found[0], found[1]
 
