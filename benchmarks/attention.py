@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from timing import call_times
 
-from iha_jax import ops
+from iha_jax import kinds, ops
 from iha_jax.nn import AttentionConfig
 from iha_jax.train.flops import core_flops_per_sequence, mixing_flops_per_token
 
@@ -62,7 +62,7 @@ def _rows(a: argparse.Namespace) -> dict[str, tuple]:
   talk = jnp.eye(h, dtype=dtype) + 0.1 * normal(h, h)
   hd = max(1, h // 2)
   # A kind without the asked implementation (e.g. no kernel for talking_heads) runs xla.
-  impl_of = lambda kind: a.impl if a.impl in ops.registry.implementations(kind) else "xla"
+  impl_of = lambda kind: a.impl if a.impl in kinds.implementations(kind) else "xla"
   impl, th_impl, x_impl = (
     {"implementation": impl_of(kind)} for kind in ("mha", "talking_heads", "simplicial")
   )

@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.timing import call_times  # noqa: E402
 from iha_jax import parallel  # noqa: E402
+from iha_jax.core import xla_attention  # noqa: E402
 from iha_jax.models import FunctionalTransformerLM, TransformerConfig  # noqa: E402
-from iha_jax.ops import xla_attention  # noqa: E402
 from iha_jax.parallel import context  # noqa: E402
 from iha_jax.train.losses import loss_terms  # noqa: E402
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from iha_jax import kernels
-from iha_jax.ops.options import AttentionOptions, BlockSizes
+from iha_jax.core.options import AttentionOptions, BlockSizes
 from iha_jax.parallel import compiled, context, targets
 
 

@@ -13,7 +13,7 @@ Implementations:
   sequence, given segment ids (the packed-data case, which cuDNN's path does not take).
 - cudnn: materialised pseudo q/k/v + `jax.nn.dot_product_attention(
   implementation="cudnn", is_causal=True, local_window_size=...)` (the library's
-  `implementation="cudnn"`, iha_jax/ops/cudnn_attention.py).
+  `implementation="cudnn"`, iha_jax/core/cudnn_attention.py).
 Rows that cannot run here print one "skip" line saying why. `--small` runs a
 tiny shape on any backend (Pallas rows in interpret mode off their platform).
 

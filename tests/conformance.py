@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax import ops
-from iha_jax.ops import registry
+from iha_jax.kinds import registry
 from tests.utils import assert_close, packed_positions, packed_segments, random_iha_inputs
 
 

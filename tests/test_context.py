@@ -175,7 +175,7 @@ def test_auto_takes_the_kernels_per_shard():
   down to the MHA call inside differential attention (interpreted here), and equals the
   XLA path; cuDNN, which takes no query offset, is refused by name."""
   from iha_jax import ops  # pylint: disable=import-outside-toplevel
-  from iha_jax.ops import registry  # pylint: disable=import-outside-toplevel
+  from iha_jax.kinds import registry  # pylint: disable=import-outside-toplevel
 
   keys = jax.random.split(jax.random.key(0), 3)
   q, k = (jax.random.normal(key, (B, N, 2, 2, 8)) for key in keys[:2])

@@ -1,6 +1,6 @@
 """IHA's materialised GPU paths against the dense reference, and when "auto" picks them.
 
-"cudnn" (`iha_jax.ops.cudnn_attention`): on a GPU the conformance cases run cuDNN itself;
+"cudnn" (`iha_jax.core.cudnn_attention`): on a GPU the conformance cases run cuDNN itself;
 elsewhere they run the same pipeline (mixing, interleave, RoPE at virtual positions, the
 window's mapping onto jax's `local_window_size`, collapse) with jax's XLA attention behind
 it, so CI checks everything but the cuDNN call. "pallas_gpu_mha" (pseudo q/k/v + the Pallas
@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 from iha_jax import ops
-from iha_jax.ops import cudnn_attention, registry
+from iha_jax.core import cudnn_attention
+from iha_jax.kinds import registry
 from tests import conformance as cf
 
 B, N, H, D = 2, 12, 2, 8

@@ -25,12 +25,12 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax import ops, parallel
+from iha_jax.core import cudnn_attention, reference
 from iha_jax.kernels.sharded import sharded_mha_attention
 from iha_jax.kinds import AttentionConfig
 from iha_jax.models import FunctionalTransformerLM, TransformerConfig, TransformerLM, count_params
 from iha_jax.models.generate import decode_step, prefill
 from iha_jax.nn import InterleavedHeadAttention, InterleavedHeadAttentionLinen, MultiHeadAttention
-from iha_jax.ops import cudnn_attention
 from iha_jax.train import flops
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
@@ -263,7 +263,7 @@ def test_num_kv_heads_equal_to_num_heads_changes_nothing(cls):
   chex.assert_trees_all_equal(plain(x), grouped(x))
   # The oracle repeats no key/value head at G = H (the very arrays it was given).
   k = jnp.ones((B, N, 4, D))
-  assert ops.reference.repeat_kv_heads(k, 4) is k
+  assert reference.repeat_kv_heads(k, 4) is k
 
 
 def test_differential_attention_reads_each_groups_keys_in_both_maps():

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from iha_jax.core.masking import visible
 from iha_jax.kernels import common, fused
 from iha_jax.kernels.sharded import sharded_iha_attention
 from iha_jax.ops import AttentionOptions, BlockSizes, iha_attention, resolve_implementation
-from iha_jax.ops.masking import visible
 from tests import conformance as cf
 from tests.utils import assert_close, random_iha_inputs
 

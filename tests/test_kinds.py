@@ -1,8 +1,11 @@
 """A new attention kind is one record plus one `register` call: a toy kind, defined in this
 test alone, builds in NNX and Linen, trains a step through `TransformerLM`'s trainer,
-counts in the budget and is refused by decoding, naming itself."""
+counts in the budget and is refused by decoding, naming itself. Its layer core makes the
+one checked call every kind makes (`kinds.attend`), with its own array check."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,13 +15,12 @@ import pytest
 from flax import nnx
 
 from iha_jax import kinds, parallel
+from iha_jax.core.validation import check_options
 from iha_jax.kinds import AttentionConfig, AttentionKind, Letter, ParamSpec, project_qkv
 from iha_jax.models import FunctionalTransformerLM, TransformerConfig, TransformerLM
 from iha_jax.models.generate import prefill
 from iha_jax.nn import Attention, AttentionLinen
 from iha_jax.ops import mha_attention
-from iha_jax.ops import registry as ops_registry
-from iha_jax.ops.validation import check_options
 from iha_jax.parallel.axes import HEADS
 from iha_jax.train import flops
 from iha_jax.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
@@ -38,10 +40,14 @@ class GatedHeads(AttentionKind):
   name = "gated_toy"
   letters = (Letter("G", False, "toy gated heads"), Letter("W", True, "toy gated, windowed"))
   implementations = {
-    "reference": (_gated, {"inner": "reference"}),
-    "xla": (_gated, {"inner": "xla"}),
+    "reference": functools.partial(_gated, inner="reference"),
+    "xla": functools.partial(_gated, inner="xla"),
   }
   mixing_params = ("head_gain",)
+
+  def check_arrays(self, q, k, v, gain):
+    if gain.shape != q.shape[2:3]:
+      raise ValueError(f"gain must have shape [H] = {list(q.shape[2:3])}, got {gain.shape}")
 
   def param_specs(self, cfg, kernel_init, mixing_noise_std):
     gain = ParamSpec((cfg.num_heads,), (HEADS,), jax.nn.initializers.ones)
@@ -49,9 +55,7 @@ class GatedHeads(AttentionKind):
 
   def core(self, params, x, cfg, options, layer):
     q, k, v = project_qkv(params, x)
-    options = check_options(q, options)
-    fn = ops_registry.lookup(self.name, options.implementation)
-    return fn(q, k, v, params["head_gain"], options)
+    return kinds.attend(self, q, k, v, params["head_gain"], options=options)
 
 
 @pytest.fixture
@@ -59,7 +63,7 @@ def toy():
   record = kinds.register(GatedHeads())
   yield record
   kinds.unregister(record.name)
-  assert "G" not in kinds.LETTER_DESCRIPTIONS and record.name not in ops_registry.KINDS
+  assert "G" not in kinds.LETTER_DESCRIPTIONS and record.name not in kinds.names()
 
 
 CONFIG = dict(
@@ -161,3 +165,16 @@ def test_registration_refuses_taken_names_and_letters(toy):
     kinds.register(GatedHeads())
   with pytest.raises(ValueError, match=r"kind must be one of .*gated_toy"):
     AttentionConfig(16, 2, 8, kind="nope")
+
+  class ByName(GatedHeads):  # implementations named as "module:function" strings
+    name = "by_name_toy"
+    letters = ()
+    implementations = {**GatedHeads.implementations, "xla": "tests.test_kinds:_gated"}
+
+  with pytest.raises(TypeError, match="implementation 'xla' must be a callable"):
+    kinds.register(ByName())
+  # The toy's own array check runs in the one checked call.
+  q = jnp.zeros((1, 4, 2, 8))
+  with pytest.raises(ValueError, match=r"gain must have shape \[H\] = \[2\]"):
+    kinds.attend(toy, q, q, q, jnp.ones(3))
+  assert kinds.implementations(toy.name) == ("reference", "xla")

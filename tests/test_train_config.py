@@ -23,11 +23,11 @@ from configs import (
   talking_heads_2p4b,
   tiny,
 )
+from iha_jax.core.masking import visible
 from iha_jax.data import DataError
 from iha_jax.models import FunctionalTransformerLM, TransformerConfig, TransformerLM, count_params
 from iha_jax.models.layers import make_attention
 from iha_jax.nn import MIXING_PARAMS, param_specs
-from iha_jax.ops.masking import visible
 from iha_jax.train import ConfigError, flops, model_config, validate
 from iha_jax.train.config import config_differences
 from iha_jax.train.optimizer import decay_mask, make_optimizer
@@ -277,7 +277,7 @@ def test_mixing_noise_reaches_the_init():
 
 
 def test_visible_counts_match_the_mask():
-  """The pair/triple counts are the mask's (iha_jax.ops.masking.visible), and by hand."""
+  """The pair/triple counts are the mask's (iha_jax.core.masking.visible), and by hand."""
   for length, window, causal in [
     (7, None, True),
     (7, 3, True),

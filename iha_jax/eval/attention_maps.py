@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from iha_jax.core.grouped import grouped_attention_probabilities
+from iha_jax.core.validation import default_positions, is_int
 from iha_jax.models import TransformerLM
 from iha_jax.nn import project_qkv, rotated_pseudo_heads, to_compute_dtype, virtual_per_token
 from iha_jax.ops import virtual_segment_ids
-from iha_jax.ops.grouped import grouped_attention_probabilities
-from iha_jax.ops.validation import default_positions, is_int
 
 if TYPE_CHECKING:
   from matplotlib.figure import Figure

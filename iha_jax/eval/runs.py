@@ -24,11 +24,11 @@ from jax.sharding import Mesh
 
 from iha_jax import data as data_lib
 from iha_jax import parallel, storage
+from iha_jax.core.validation import is_int
 from iha_jax.errors import UserError
 from iha_jax.eval.attention_maps import attention_maps, plot_attention_maps
 from iha_jax.models import TransformerConfig
 from iha_jax.models.functional_lm import FunctionalTransformerLM, Params
-from iha_jax.ops.validation import is_int
 from iha_jax.parallel.rules import MESH_AXES
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import config as config_lib

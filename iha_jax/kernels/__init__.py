@@ -10,10 +10,10 @@ implementation="pallas_tpu")`, which checks its arguments and picks between the 
 import functools
 import warnings
 
+from iha_jax.core.options import AttentionOptions
 from iha_jax.kernels import fused
 from iha_jax.kernels.fused import fused_iha_attention, fused_mha_attention
 from iha_jax.kernels.sharded import sharded_iha_attention, sharded_mha_attention
-from iha_jax.ops.options import AttentionOptions
 
 __all__ = [
   "fused_iha_attention",

@@ -6,7 +6,7 @@ reads. The backends differ in how tiles reach the chip (TPU: grid axes + BlockSp
 + VMEM scratch; GPU: loops + pointer loads) and in how a tile's virtual rows are ordered
 (TPU: P pieces of `block` tokens stacked pseudo-major in scratch; GPU: token-major rows
 gathered from the source heads, see `iha_jax.kernels.gpu`). Both attend with ONE
-`[Rq, W] x [W, Rk]` matmul per tile pair, masked by `iha_jax.ops.masking.visible` on the
+`[Rq, W] x [W, Rk]` matmul per tile pair, masked by `iha_jax.core.masking.visible` on the
 true virtual index `t = n * P + p`, over the tiles of the mask's band (`kv_range`,
 `q_range`), so the numerics live in one place.
 
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from iha_jax.ops.masking import MASK_VALUE
+from iha_jax.core.masking import MASK_VALUE
 
 Parts = tuple[jax.Array, ...]  # one tile split along lanes: (x1, x2) for q/k, (x,) for v
 

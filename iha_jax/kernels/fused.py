@@ -6,7 +6,7 @@ Pallas kernels, which build every pseudo q/k/v tile on chip; G < H is grouped-qu
 attention (query head h reads key/value head `h // (H // G)`; keys and values stay G heads
 in HBM, `iha_jax.kernels.common`).
 Attention is causal or bidirectional (`causal=False`), global or windowed, with
-the mask of `iha_jax.ops.masking.visible`; `fused_mha_attention`'s v may be wider than
+the mask of `iha_jax.core.masking.visible`; `fused_mha_attention`'s v may be wider than
 q and k (`[B, N, G, dv]`, e.g. dv = 2d for differential attention). RoPE at virtual
 position `pos * P + p` is split as `R(p) R(pos * P)`: q and k are rotated by
 `R(pos * P)` here, the kernels apply `R(p)` (`iha_jax.kernels.common`).
@@ -44,11 +44,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from iha_jax.core.options import AttentionOptions
+from iha_jax.core.rope import apply_rope, rope_frequencies
+from iha_jax.core.validation import default_positions
 from iha_jax.kernels import gpu, tpu
 from iha_jax.kernels.common import Config
-from iha_jax.ops.options import AttentionOptions
-from iha_jax.ops.rope import apply_rope, rope_frequencies
-from iha_jax.ops.validation import default_positions
 
 _BACKENDS = {"gpu": gpu, "tpu": tpu}
 

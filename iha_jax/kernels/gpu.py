@@ -46,10 +46,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from iha_jax.core.masking import visible
 from iha_jax.kernels import common, gpu_tiles
 from iha_jax.kernels.common import Config, Side
 from iha_jax.kernels.gpu_tiles import Launch
-from iha_jax.ops.masking import visible
 
 # The pseudo output's axes in einsum letters: [B, Ht, Np, Pr, W] (see `pseudo_view`).
 OUTPUT_SPEC = "bhnpd"

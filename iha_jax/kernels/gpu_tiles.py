@@ -14,8 +14,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from iha_jax.core.options import round_up
 from iha_jax.kernels.common import Config, next_pow2
-from iha_jax.ops.options import round_up
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ so each device attends over its own rows (and heads) only.
 `mesh=None` takes the mesh made current by `jax.set_mesh` (`iha_jax.parallel.activate`);
 `batch_axes` / `head_axis` name its axes (`()` / None: not split).
 
-`iha_on_current_mesh` / `mha_on_current_mesh` are what `iha_jax.ops.registry` calls for
+`iha_on_current_mesh` / `mha_on_current_mesh` are what the kind records name for
 "pallas_tpu" / "pallas_gpu": under a mesh they run the wrappers with the axes the
 logical-axis rules give (`iha_jax.parallel.sharding.kernel_axes`), else the kernels
 directly, so a layer makes one call whatever the mesh.
@@ -41,9 +41,9 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from iha_jax.core.options import AttentionOptions, with_overrides
+from iha_jax.core.validation import default_positions
 from iha_jax.kernels import fused
-from iha_jax.ops.options import AttentionOptions, with_overrides
-from iha_jax.ops.validation import default_positions
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh

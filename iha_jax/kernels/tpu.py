@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from iha_jax.core.masking import MASK_VALUE, visible
 from iha_jax.kernels import common, tpu_specs, tpu_tiles
 from iha_jax.kernels.common import Config
-from iha_jax.ops.masking import MASK_VALUE, visible
 
 # Tiles and their scoped-VMEM estimate live in `tpu_tiles`; `fused` calls `tpu.tiled`.
 tiled = tpu_tiles.tiled

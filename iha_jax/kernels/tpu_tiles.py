@@ -13,8 +13,8 @@ import math
 
 import jax.numpy as jnp
 
+from iha_jax.core.options import round_up
 from iha_jax.kernels.common import Config
-from iha_jax.ops.options import round_up
 
 _LANES = 128
 

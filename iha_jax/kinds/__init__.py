@@ -1,11 +1,16 @@
-"""Attention kinds: one record per kind (`AttentionKind`), one file per kind.
+"""Attention kinds: one record per kind (`AttentionKind`), one file per kind, and the
+registry that checks, resolves and runs their calls.
 
-A record holds a kind's schedule letters, parameter layout, layer core, implementations,
-FLOP count and decoding support (`iha_jax.kinds.base`); the NNX and Linen layers,
-`TransformerLM`, KV-cache decoding and the budgets read it. A new kind is a subclass of
-`AttentionKind` in its own file plus `register(NewKind())` (below for the built-ins).
+A record holds a kind's schedule letters, parameter layout, layer core, implementations
+(callables), entry-point checks, FLOP count and decoding support (`iha_jax.kinds.base`);
+the NNX and Linen layers, `TransformerLM`, KV-cache decoding and the budgets read it. A
+new kind is a subclass of `AttentionKind` in its own file plus `register(NewKind())`
+(below for the built-ins); its layer core calls `attend(record, *arrays, options=...)`.
+Each built-in kind's file also holds its checked entry point (`iha_attention`, ...),
+which `iha_jax.ops` re-exports.
 
-Layering: `iha_jax.ops` and `iha_jax.kernels` <- `iha_jax.kinds` <- `iha_jax.nn`.
+Layering (docs/design.md §8): `iha_jax.core` <- `iha_jax.kernels` <- `iha_jax.kinds`
+<- `iha_jax.ops` and `iha_jax.nn`.
 """
 
 from iha_jax.kinds import registry
@@ -21,20 +26,27 @@ from iha_jax.kinds.base import (
   project_qkv,
 )
 from iha_jax.kinds.config import AttentionConfig
-from iha_jax.kinds.differential import DIFFERENTIAL
-from iha_jax.kinds.iha import IHA
-from iha_jax.kinds.mha import MHA
+from iha_jax.kinds.differential import DIFFERENTIAL, diff_attention
+from iha_jax.kinds.iha import IHA, iha_attention
+from iha_jax.kinds.mha import MHA, mha_attention
 from iha_jax.kinds.registry import (
   LETTER_DESCRIPTIONS,
+  attend,
+  auto_backend,
   for_letter,
   get,
+  implementation_names,
+  implementations,
+  lookup,
   mixing_params,
   names,
   register,
+  resolve,
+  resolve_implementation,
   unregister,
 )
-from iha_jax.kinds.simplicial import SIMPLICIAL
-from iha_jax.kinds.talking_heads import TALKING_HEADS
+from iha_jax.kinds.simplicial import SIMPLICIAL, simplicial_attention
+from iha_jax.kinds.talking_heads import TALKING_HEADS, talking_heads_attention
 
 for _record in (IHA, MHA, TALKING_HEADS, DIFFERENTIAL, SIMPLICIAL):
   register(_record)
@@ -49,13 +61,25 @@ __all__ = [
   "ParamSpec",
   "QUERY_PROJ",
   "VALUE_PROJ",
+  "attend",
+  "auto_backend",
+  "diff_attention",
   "for_letter",
   "get",
+  "iha_attention",
+  "implementation_names",
+  "implementations",
+  "lookup",
+  "mha_attention",
   "mixing_params",
   "names",
   "project",
   "project_qkv",
   "register",
   "registry",
+  "resolve",
+  "resolve_implementation",
+  "simplicial_attention",
+  "talking_heads_attention",
   "unregister",
 ]

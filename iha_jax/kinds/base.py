@@ -2,27 +2,28 @@
 
 A kind's record says everything the layers, the models, decoding and the budgets need:
 its schedule letters, its parameters (shapes, logical axes, initialisers), the layer's
-core (projections to per-head outputs), its implementations (the ops registry's table,
-kernels and their `shard_map` wrappers included), its FLOP count, and whether and how it
-decodes. The base class holds the defaults of a plain attention layer (`wq, wk, wv: [D,
-H, d]`, `wo: [H, d, D]`, RoPE, one virtual token per token); each kind overrides what
-differs. Records are stateless singletons registered in `iha_jax.kinds.registry`.
+core (projections to per-head outputs), its implementations (callables: the pure
+functions of `iha_jax.core`, the kernels and their `shard_map` wrappers), the checks of
+its entry point's arrays, its FLOP count, and whether and how it decodes. The base class
+holds the defaults of a plain attention layer (`wq, wk, wv: [D, H, d]`, `wo: [H, d, D]`,
+RoPE, one virtual token per token); each kind overrides what differs. Records are
+stateless singletons registered in `iha_jax.kinds.registry`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from iha_jax.core.masking import visible_pairs
+from iha_jax.core.options import AttentionOptions
+from iha_jax.core.validation import is_int
 from iha_jax.kinds.initializers import fold_fan_in
-from iha_jax.ops.masking import visible_pairs
-from iha_jax.ops.options import AttentionOptions
-from iha_jax.ops.validation import is_int
 from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS
 
 if TYPE_CHECKING:
@@ -30,9 +31,9 @@ if TYPE_CHECKING:
 
 Initializer = jax.nn.initializers.Initializer
 Params = Mapping[str, jax.Array]
-# An implementation: "module:function" (imported on first use) or a callable, with keyword
-# arguments bound to it (e.g. a kernel's platform).
-Implementation = tuple[Any, dict[str, Any]]
+# An implementation: the kind's arrays, then the checked `AttentionOptions` -> the outputs
+# (bind anything else, e.g. a kernel's platform, with functools.partial).
+Implementation = Callable[..., jax.Array]
 
 # Names for remat policies (e.g. `jax.checkpoint_policies.save_only_these_names`): the
 # q/k/v projections and the core's output are what a memory-efficient attention backward
@@ -114,11 +115,12 @@ class AttentionKind:
   """One attention kind: override what differs from plain multi-head attention.
 
   Class attributes:
-    name: the kind's name (`AttentionConfig.kind`, the ops registry's key).
+    name: the kind's name (`AttentionConfig.kind`, the registry's key).
     letters: its schedule letters (global and/or sliding-window layers).
-    implementations: `{name: ("module:function" or callable, bound kwargs)}`, each
-      taking the kind's arrays then one `AttentionOptions` (checked, positions
-      defaulted) and computing the same function; "reference" and "xla" at least.
+    implementations: `{name: callable}`, each taking the kind's arrays then one
+      `AttentionOptions` (checked, positions defaulted) and computing the same function;
+      "reference" and "xla" at least. A new implementation is one entry here ("auto"
+      may pick it only where `registry.resolve` names it).
     config_fields: `AttentionConfig` fields only this kind reads (e.g. IHA's
       `num_pseudo`); a model passes them to its layers of this kind only.
     virtual_tokens: the kind attends over virtual tokens (P per token): its window is
@@ -131,6 +133,9 @@ class AttentionKind:
       `[B, N, ...]`), "kv" (key side, `[B, N, ...]`), "-" (anything else): how a
       `context` mesh axis splits them (`iha_jax.parallel.context`); None: it cannot run
       sequence-sharded.
+
+  Its entry point (`iha_attention`, ...) is `registry.attend(record, *arrays, options=)`:
+  `check_arrays`, the shared options checks, "auto" from `auto_inputs`, the call.
   """
 
   name: ClassVar[str]
@@ -166,6 +171,19 @@ class AttentionKind:
   def virtual_per_token(self, cfg: AttentionConfig) -> int:
     """Virtual tokens per token (IHA's P; 1 for the others)."""
     return 1
+
+  # --- the entry point's call (`registry.attend`) ----------------------------------
+
+  def check_arrays(self, *arrays: jax.Array) -> None:
+    """Raises ValueError naming the argument for arrays this kind cannot take (ranks,
+    shapes, dtypes); `attend` then checks the options against the queries `arrays[0]`
+    `[B, N, ...]`. Default: nothing beyond that."""
+
+  def auto_inputs(self, *arrays: jax.Array) -> tuple[jax.Array, jax.Array | None, int]:
+    """What "auto" weighs for a call (`registry.resolve`): the queries `[B, N, H, d]`,
+    the values `[B, N, G, dv]` (None: a kind without cuDNN or materialised paths), and how
+    many copies of q, k and v a materialising implementation makes (IHA's P)."""
+    return arrays[0], None, 1
 
   # --- parameters and the layer's core ---------------------------------------------
 

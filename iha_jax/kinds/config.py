@@ -12,11 +12,9 @@ from typing import Any
 
 import jax
 
+from iha_jax.core.options import AttentionOptions
 from iha_jax.kinds import registry
 from iha_jax.kinds.base import AttentionKind, check_positive
-from iha_jax.ops import IMPLEMENTATIONS
-from iha_jax.ops import registry as ops_registry
-from iha_jax.ops.options import AttentionOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +42,8 @@ class AttentionConfig:
     layer: the layer's number, counted from 1; sets differential attention's
       `lambda_init = 0.8 - 0.6 exp(-0.3 (layer - 1))`.
     dtype: computation dtype; None promotes the input and parameter dtypes.
-    implementation: attention core backend passed to `iha_jax.ops`.
+    implementation: the attention core's implementation, one of the kind's
+      (`iha_jax.kinds.registry.implementations`) or "auto".
   """
 
   model_dim: int
@@ -83,10 +82,7 @@ class AttentionConfig:
         raise ValueError(
           f"head_dim must be even with RoPE on (rope_theta={self.rope_theta}), got {self.head_dim}"
         )
-    if self.implementation not in IMPLEMENTATIONS:
-      raise ValueError(
-        f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
-      )
+    registry.check_implementation_name(self.implementation)
     for name in registry.kind_fields():
       default = _FIELD_DEFAULTS[name]
       if name not in record.config_fields and getattr(self, name) != default:
@@ -98,7 +94,7 @@ class AttentionConfig:
       object.__setattr__(self, "rope_theta", None)  # documented as ignored: stored as such
     record.validate(self)
     if self.implementation != "auto":
-      ops_registry.resolve(self.kind, self.implementation)  # e.g. no kernel for talking_heads
+      registry.resolve(self.kind, self.implementation)  # e.g. no kernel for talking_heads
 
   @property
   def record(self) -> AttentionKind:

@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
+from iha_jax.core import validation
+from iha_jax.core.differential import diff_lambda_init, diff_via_mha
+from iha_jax.core.options import AttentionOptions
+from iha_jax.kinds import registry
 from iha_jax.kinds.base import (
   KEY_PROJ,
   QUERY_PROJ,
   VALUE_PROJ,
   AttentionKind,
+  Implementation,
   Letter,
   ParamSpec,
   project,
   projection_spec,
 )
 from iha_jax.kinds.initializers import fold_fan_in
-from iha_jax.ops import diff_attention, diff_lambda_init
+from iha_jax.kinds.mha import MHA
 from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS, QK_PAIR
 
 NORM_EPS = 1e-5  # the per-head RMSNorm of differential attention (as Ye et al.)
+
+
+def _via(mha: str) -> Implementation:
+  """Both maps through MHA's implementation `mha` (one MHA call over 2H heads)."""
+  return functools.partial(diff_via_mha, mha=MHA.implementations[mha])
+
+
+# MHA's "pallas_gpu_mha" is its "pallas_gpu": so is this kind's (one object: no path of
+# its own for "auto"). No cuDNN: its value width 2d is one cuDNN's path lacks.
+_GPU = _via("pallas_gpu")
 
 
 class Differential(AttentionKind):
@@ -34,10 +52,34 @@ class Differential(AttentionKind):
     Letter("D", False, "global differential attention, num_heads/2 heads of value width 2d"),
   )
   implementations = {
-    name: ("iha_jax.ops.differential:diff_via_mha", {})
-    for name in ("reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha")
+    "reference": _via("reference"),
+    "xla": _via("xla"),
+    "pallas_tpu": _via("pallas_tpu"),
+    "pallas_gpu": _GPU,
+    "pallas_gpu_mha": _GPU,
   }
   sequence_roles = ("q", "kv", "kv", "-")
+
+  def check_arrays(self, q, k, v, lam):
+    validation.check_arrays(("q", "k"), (q, k), 5, "[B, N, H, 2, d]", same_shape=False, prefix=2)
+    if q.shape[3] != 2 or k.shape[3] != 2 or q.shape[4] != k.shape[4]:
+      raise ValueError(
+        "q and k must hold the two maps on axis 3, [B, N, H, 2, d] and [B, N, G, 2, d]; got "
+        f"q {tuple(q.shape)} and k {tuple(k.shape)}."
+      )
+    g = validation.check_kv_heads(q.shape[2], k.shape[2], "k")
+    if jnp.ndim(v) != 4 or tuple(v.shape[:3]) != (*q.shape[:2], g):
+      raise ValueError(
+        f"v must have shape [B, N, G, dv] with [B, N, G] = {[*q.shape[:2], g]} "
+        f"from q and k, got {tuple(jnp.shape(v))}."
+      )
+    if jnp.result_type(v) != jnp.result_type(q):
+      raise ValueError(
+        f"q, k and v must share one dtype, got {jnp.result_type(q)} and {jnp.result_type(v)}."
+      )
+    h = q.shape[2]
+    if jnp.ndim(lam) not in (0, 1) or (jnp.ndim(lam) == 1 and jnp.shape(lam)[0] != h):
+      raise ValueError(f"lam must be a scalar or [H] = [{h}], got shape {tuple(jnp.shape(lam))}.")
 
   def layer_heads(self, num_heads):
     if num_heads % 2:
@@ -104,3 +146,29 @@ class Differential(AttentionKind):
 
 
 DIFFERENTIAL = Differential()
+
+
+def diff_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  lam: jax.Array | float,
+  options: AttentionOptions | None = None,
+  **overrides: Any,
+) -> jax.Array:
+  """Differential attention `A1 v - lam * A2 v` (before the layer's norm and scale).
+
+  Args:
+    q: `[B, N, H, 2, d]` projections before RoPE (map i's queries at index i).
+    k: `[B, N, G, 2, d]` (map i's keys at index i), G dividing H: grouped-query
+      differential attention, head h reading key/value head `h // (H // G)` in both maps.
+    v: `[B, N, G, dv]` (the paper's layer uses dv = 2d).
+    lam: a scalar or `[H]` (per head).
+    options, **overrides: `AttentionOptions` as `mha_attention` (window in tokens);
+      `implementation` names an MHA implementation ("reference", "xla", "pallas_tpu",
+      "pallas_gpu", "pallas_gpu_mha", "auto"; not "cudnn"): both maps run through it.
+
+  Returns:
+    `[B, N, H, dv]` in q.dtype; the subtraction is done in float32.
+  """
+  return registry.attend(DIFFERENTIAL, q, k, v, lam, options=options, **overrides)

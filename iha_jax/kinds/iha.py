@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
+import jax
 from flax.linen import with_logical_constraint
 
+from iha_jax.core import validation
+from iha_jax.core.attention import iha_reference, iha_via_mha, iha_xla
+from iha_jax.core.cudnn_attention import mha_cudnn
+from iha_jax.core.interleave import deinterleave, interleave
+from iha_jax.core.mixing import collapse_heads, pseudo_mix
+from iha_jax.core.options import AttentionOptions
+from iha_jax.kernels.sharded import iha_on_current_mesh
+from iha_jax.kinds import registry
 from iha_jax.kinds.base import AttentionKind, Letter, ParamSpec, check_positive, project_qkv
 from iha_jax.kinds.initializers import identity_collapse_init, identity_mixing_init
-from iha_jax.ops import collapse_heads, deinterleave, iha_attention, interleave, pseudo_mix
+from iha_jax.kinds.mha import MHA
 from iha_jax.parallel.axes import HEADS, HEADS_DST, HEADS_SRC, PSEUDO, SOURCE_HEADS_AXES
 
 COLLAPSE_MODES = ("full", "per_head")
-_KERNELS = "iha_jax.kernels.sharded:iha_on_current_mesh"  # under shard_map on a mesh
 
 
 class Interleaved(AttentionKind):
@@ -27,13 +38,14 @@ class Interleaved(AttentionKind):
     Letter("L", True, "sliding-window IHA, window iha_window (virtual tokens)"),
   )
   implementations = {
-    "reference": ("iha_jax.ops.attention:iha_reference", {}),
-    "xla": ("iha_jax.ops.attention:iha_xla", {}),
-    "pallas_tpu": (_KERNELS, {"platform": "tpu"}),
-    "pallas_gpu": (_KERNELS, {"platform": "gpu"}),
+    "reference": iha_reference,
+    "xla": iha_xla,
+    # The fused kernels, under shard_map on a mesh.
+    "pallas_tpu": functools.partial(iha_on_current_mesh, platform="tpu"),
+    "pallas_gpu": functools.partial(iha_on_current_mesh, platform="gpu"),
     # Materialised pseudo q/k/v + an MHA implementation over the virtual sequence.
-    "pallas_gpu_mha": ("iha_jax.ops.attention:iha_via_mha", {"mha": "pallas_gpu"}),
-    "cudnn": ("iha_jax.ops.attention:iha_via_mha", {"mha": "cudnn"}),
+    "pallas_gpu_mha": functools.partial(iha_via_mha, mha=MHA.implementations["pallas_gpu"]),
+    "cudnn": functools.partial(iha_via_mha, mha=mha_cudnn),
   }
   config_fields = ("num_pseudo", "collapse_mode")
   virtual_tokens = True
@@ -45,6 +57,13 @@ class Interleaved(AttentionKind):
     check_positive("num_pseudo", cfg.num_pseudo, optional=True)
     if cfg.collapse_mode not in COLLAPSE_MODES:
       raise ValueError(f"collapse_mode must be one of {COLLAPSE_MODES}, got {cfg.collapse_mode!r}")
+
+  def check_arrays(self, q, k, v, alpha_q, alpha_k, alpha_v, collapse):
+    num_kv_heads = validation.check_qkv(q, k, v)
+    validation.check_mixing(q.shape[2], alpha_q, alpha_k, alpha_v, collapse, num_kv_heads)
+
+  def auto_inputs(self, q, k, v, alpha_q, alpha_k, alpha_v, collapse):
+    return q, v, alpha_q.shape[2]
 
   def virtual_per_token(self, cfg):
     return cfg.num_heads if cfg.num_pseudo is None else cfg.num_pseudo
@@ -83,3 +102,35 @@ class Interleaved(AttentionKind):
 
 
 IHA = Interleaved()
+
+
+def iha_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  alpha_q: jax.Array,
+  alpha_k: jax.Array,
+  alpha_v: jax.Array,
+  collapse: jax.Array,
+  options: AttentionOptions | None = None,
+  **overrides: Any,
+) -> jax.Array:
+  """Interleaved Head Attention core (docs/design.md, "The math").
+
+  Args:
+    q: source-head query projections before RoPE, `[B, N, H, d]`.
+    k, v: source key/value projections, `[B, N, G, d]`, G dividing H (G = H: multi-head;
+      G < H: grouped-query, G = 1: multi-query).
+    alpha_q: query mixing `[H, H, P]` (source, target, pseudo).
+    alpha_k, alpha_v: key/value mixing `[G, G, P]`.
+    collapse: `[H, H, P]` (full) or `[H, P]` (per_head).
+    options: the shared options (`AttentionOptions`; `window` in VIRTUAL tokens here).
+    **overrides: any `AttentionOptions` field as a keyword (`window=`, `segment_ids=`,
+      `positions=`, `rope_theta=`, `causal=`, `block_sizes=`, `implementation=`),
+      applied over `options`.
+
+  Returns:
+    `[B, N, H, d]` in q.dtype, before the output projection.
+  """
+  mixing = (alpha_q, alpha_k, alpha_v, collapse)
+  return registry.attend(IHA, q, k, v, *mixing, options=options, **overrides)

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from iha_jax.kinds.base import AttentionKind, Letter, project_qkv
-from iha_jax.ops import mha_attention
+import functools
+from typing import Any
 
-_KERNELS = "iha_jax.kernels.sharded:mha_on_current_mesh"  # under shard_map on a mesh
+import jax
+
+from iha_jax.core import validation
+from iha_jax.core.attention import mha_reference, mha_xla
+from iha_jax.core.cudnn_attention import mha_cudnn
+from iha_jax.core.options import AttentionOptions
+from iha_jax.kernels.sharded import mha_on_current_mesh
+from iha_jax.kinds import registry
+from iha_jax.kinds.base import AttentionKind, Letter, project_qkv
+
+# Under shard_map on a mesh; one object for both GPU names (see "pallas_gpu_mha" below).
+_GPU_KERNEL = functools.partial(mha_on_current_mesh, platform="gpu")
 
 
 class MultiHead(AttentionKind):
@@ -19,17 +30,24 @@ class MultiHead(AttentionKind):
     Letter("S", True, "sliding-window MHA, window mha_window (tokens)"),
   )
   implementations = {
-    "reference": ("iha_jax.ops.attention:mha_reference", {}),
-    "xla": ("iha_jax.ops.attention:mha_xla", {}),
-    "pallas_tpu": (_KERNELS, {"platform": "tpu"}),
-    "pallas_gpu": (_KERNELS, {"platform": "gpu"}),
-    # Nothing to materialise: the same kernel, so that a model-wide
+    "reference": mha_reference,
+    "xla": mha_xla,
+    "pallas_tpu": functools.partial(mha_on_current_mesh, platform="tpu"),
+    "pallas_gpu": _GPU_KERNEL,
+    # Nothing to materialise: the same kernel (the same object, so that "auto" does not
+    # take it for a path of its own), so that a model-wide
     # implementation="pallas_gpu_mha" also serves MHA and differential layers.
-    "pallas_gpu_mha": (_KERNELS, {"platform": "gpu"}),
-    "cudnn": ("iha_jax.ops.cudnn_attention:mha_cudnn", {}),
+    "pallas_gpu_mha": _GPU_KERNEL,
+    "cudnn": mha_cudnn,
   }
   decodes = True
   sequence_roles = ("q", "kv", "kv")
+
+  def check_arrays(self, q, k, v):
+    validation.check_qkv(q, k, v, value_width=True)
+
+  def auto_inputs(self, q, k, v):
+    return q, v, 1
 
   def core(self, params, x, cfg, options, layer):
     q, k, v = project_qkv(params, x)
@@ -37,3 +55,20 @@ class MultiHead(AttentionKind):
 
 
 MHA = MultiHead()
+
+
+def mha_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  options: AttentionOptions | None = None,
+  **overrides: Any,
+) -> jax.Array:
+  """Standard multi-head attention with the same conventions as `iha_attention`.
+
+  Args and returns as `iha_attention`, without mixing; `window` is in tokens. k and v
+  have G heads, G dividing H (grouped-query attention: query head h reads key/value
+  head `h // (H // G)`). v may be wider than q and k (`[B, N, G, dv]`, returned as
+  `[B, N, H, dv]`).
+  """
+  return registry.attend(MHA, q, k, v, options=options, **overrides)

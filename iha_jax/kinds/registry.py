@@ -1,16 +1,49 @@
-"""The registered attention kinds and their schedule letters.
+"""The registered attention kinds: their records, schedule letters and implementations,
+"auto", and the one checked call every kind's entry point makes.
 
-`register(record)` adds a kind: its record, its letters (`TransformerConfig`'s schedule)
-and its implementations (the ops registry's table, so `implementation=` resolves for it).
-The built-in kinds register when `iha_jax.kinds` is imported.
+`register(record)` adds a kind: its record (`AttentionKind`), its letters
+(`TransformerConfig`'s schedule) and its implementations (callables in the record, so
+`implementation=` resolves for it). The built-in kinds register when `iha_jax.kinds` is
+imported; nothing else lists them.
+
+`attend(kind, *arrays, options=...)` is the entry point's whole work, written once for
+every kind: the record's array checks (`AttentionKind.check_arrays`), the shared options
+checks, "auto" resolved (`resolve`), the implementation looked up (`lookup`: run
+context-parallel on a mesh with a `context` axis) and called. Every implementation of
+one kind takes the same arguments (the kind's arrays, then the checked
+`AttentionOptions`) and computes the same function. Kernel implementations run inside
+`shard_map` when a mesh is current (`iha_jax.kernels.sharded`), so callers never choose
+between the kernels and their sharded wrappers.
+
+| kind | entry point | implementations |
+| --- | --- | --- |
+| iha | `iha_attention` | reference, xla, pallas_tpu, pallas_gpu, pallas_gpu_mha, cudnn |
+| mha | `mha_attention` | reference, xla, pallas_tpu, pallas_gpu (= pallas_gpu_mha), cudnn |
+| talking_heads | `talking_heads_attention` | reference, xla |
+| diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu, pallas_gpu_mha (through mha's) |
+| simplicial | `simplicial_attention` | reference, xla |
+
+On a mesh with a `context` axis (sequence sharding, `iha_jax.parallel.context`) each shard
+runs one of the `SLICED` implementations (queries at an offset into longer keys): every
+one above but cuDNN.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+import math
 import types
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import jax
+
+from iha_jax.core import cudnn_attention, validation
+from iha_jax.core.options import AttentionOptions, with_overrides
 from iha_jax.kinds.base import AttentionKind, Letter
-from iha_jax.ops import registry as ops_registry
+from iha_jax.parallel import context
 
 _KINDS: dict[str, AttentionKind] = {}
 _LETTERS: dict[str, tuple[str, Letter]] = {}  # letter -> (kind name, Letter)
@@ -19,12 +52,25 @@ _DESCRIPTIONS: dict[str, str] = {}
 # Letter -> description, live (kinds registered later appear too).
 LETTER_DESCRIPTIONS = types.MappingProxyType(_DESCRIPTIONS)
 
+AUTO = "auto"
+# Implementations that take queries sliced from a longer key sequence
+# (`AttentionOptions.query_offset`, `kv_segment_ids`, `kv_positions`): the ones a
+# context-parallel call (`iha_jax.parallel.context`) can run on each shard. The Pallas
+# kernels take the offset as a scalar operand (one compiled kernel for every shard) and
+# visit only the key tiles a shard's queries see; cuDNN's attention does not (its packed
+# layout is private to jax), so "auto" skips it under a context axis.
+SLICED = frozenset({"reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha"})
+
+
+# --- the kinds and their letters ----------------------------------------------------------
+
 
 def register(record: AttentionKind) -> AttentionKind:
   """Adds `record` (an `AttentionKind` instance) and returns it.
 
-  Raises ValueError when its name or one of its letters is taken by another kind, or a
-  letter is not a single upper-case character.
+  Raises ValueError when its name or one of its letters is taken by another kind, a
+  letter is not a single upper-case character, or its implementations lack "reference"
+  and "xla" or name "auto"; TypeError when an implementation is not a callable.
   """
   if not isinstance(record, AttentionKind):
     raise TypeError(f"register takes an AttentionKind instance, got {record!r}")
@@ -37,13 +83,22 @@ def register(record: AttentionKind) -> AttentionKind:
     owner = _LETTERS.get(letter.letter, (name,))[0]
     if owner != name:
       raise ValueError(f"{name}: schedule letter {letter.letter!r} belongs to kind {owner!r}")
-  if "reference" not in record.implementations or "xla" not in record.implementations:
-    raise ValueError(f"{name}: implementations must include 'reference' and 'xla'")
+  table = record.implementations
+  if "reference" not in table or "xla" not in table or AUTO in table:
+    raise ValueError(
+      f"{name}: implementations must include 'reference' and 'xla' and not name {AUTO!r} "
+      f"(it resolves among them), got {sorted(table)}"
+    )
+  for implementation, fn in table.items():
+    if not callable(fn):
+      raise TypeError(
+        f"{name}: implementation {implementation!r} must be a callable (the kind's arrays, "
+        f"then AttentionOptions), got {fn!r}"
+      )
   _KINDS[name] = record
   for letter in record.letters:
     _LETTERS[letter.letter] = (name, letter)
     _DESCRIPTIONS[letter.letter] = letter.description
-  ops_registry.register(name, dict(record.implementations), record.sequence_roles)
   return record
 
 
@@ -54,7 +109,6 @@ def unregister(name: str) -> None:
     _LETTERS.pop(letter.letter, None)
     _DESCRIPTIONS.pop(letter.letter, None)
   del _KINDS[name]
-  ops_registry.unregister(name)
 
 
 def names() -> tuple[str, ...]:
@@ -86,3 +140,206 @@ def mixing_params() -> tuple[str, ...]:
 def kind_fields() -> tuple[str, ...]:
   """`AttentionConfig` fields that only some kinds read (each kind's `config_fields`)."""
   return tuple(dict.fromkeys(n for record in _KINDS.values() for n in record.config_fields))
+
+
+# --- implementations and "auto" ----------------------------------------------------------
+
+
+def _record(kind: str | AttentionKind) -> AttentionKind:
+  return get(kind.name if isinstance(kind, AttentionKind) else kind)
+
+
+def implementations(kind: str | AttentionKind) -> tuple[str, ...]:
+  """The concrete implementations of `kind` (without "auto")."""
+  return tuple(_record(kind).implementations)
+
+
+def implementation_names() -> tuple[str, ...]:
+  """Every implementation name of the registered kinds, then "auto"."""
+  found = (name for record in _KINDS.values() for name in record.implementations)
+  return (*dict.fromkeys(found), AUTO)
+
+
+def check_implementation_name(implementation: Any) -> None:
+  """Raises ValueError unless `implementation` names an implementation of some registered
+  kind, or "auto"."""
+  if implementation not in implementation_names():
+    raise ValueError(
+      f"implementation must be one of {implementation_names()}, got {implementation!r}"
+    )
+
+
+_AUTO_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+  "iha_auto_backend", default=None
+)
+
+
+@contextlib.contextmanager
+def auto_backend(backend: str) -> Iterator[None]:
+  """Resolves "auto" as on `backend` ("tpu", "gpu", "cpu") inside the block: for programs
+  lowered on this host for another platform (compile-only targets)."""
+  token = _AUTO_BACKEND.set(backend)
+  try:
+    yield
+  finally:
+    _AUTO_BACKEND.reset(token)
+
+
+# "auto" materialises IHA's pseudo q/k/v (P times q, k and v) only below this many bytes
+# per device for one call: a model saves them per layer for its backward pass, and the
+# paper's 2.4B step at P = 20 would need 508 GiB per H100 that way (the fused kernels
+# need 43). The ~350M benchmark model (configs/iha_350m.py) uses 0.75 GiB.
+MATERIALISE_LIMIT_BYTES = 2**30
+
+
+def _devices_sharing() -> int:
+  """Devices the arrays being traced are split over: the current mesh's axes that are not
+  manual (inside `shard_map` the arrays are already per-device)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  free = [
+    size
+    for size, axis_type in zip(mesh.axis_sizes, mesh.axis_types)
+    if axis_type != jax.sharding.AxisType.Manual
+  ]
+  return math.prod(free)
+
+
+def materialised_bytes(q, v, expansion: int) -> int:
+  """Bytes per device of the q, k and v a call materialises `expansion` (P) times: q
+  `[B, N, H, d]`, k `[B, N, G, d]` and v `[B, N, G, dv]` (G key/value heads, from v)."""
+  k_size = v.size // v.shape[-1] * q.shape[-1]
+  return expansion * (q.size + k_size + v.size) * q.dtype.itemsize // _devices_sharing()
+
+
+def resolve(
+  kind: str | AttentionKind,
+  implementation: str,
+  q=None,
+  v=None,
+  options=None,
+  expansion: int = 1,
+  *,
+  sliced: bool = False,
+) -> str:
+  """ "auto" -> the fastest path measured on the current backend (or `auto_backend`'s):
+  - GPU, given the call's `q`, `v`, `options` (and IHA's P as `expansion`): cuDNN's
+    attention where the call allows it (`cudnn_attention.unsupported` finds nothing; not
+    for `sliced` calls: sequence shards, which only the `SLICED` implementations take);
+    else, where a kind's "pallas_gpu_mha" is its own path (IHA: materialised pseudo
+    q/k/v + the Pallas MHA kernel), that;
+    IHA takes either only while `materialised_bytes` stays within
+    `MATERIALISE_LIMIT_BYTES`; else the fused Pallas kernels;
+  - TPU: the fused Pallas kernels;
+  - elsewhere, or where a kind has none of these: "xla".
+  On an H100 the fused IHA kernels ran 4 to 9 times slower than "pallas_gpu_mha" and 6
+  to 41 times slower than "cudnn" (docs/performance.md §12): they stay for the memory
+  they save ("pallas_gpu" by name).
+
+  Any other name is returned as is after checking that `kind` has it.
+  """
+  record = _record(kind)
+  table = record.implementations
+  check_implementation_name(implementation)
+  if implementation == AUTO:
+    backend = _AUTO_BACKEND.get() or jax.default_backend()
+    if backend == "gpu" and q is not None:
+      small = expansion == 1 or materialised_bytes(q, v, expansion) <= MATERIALISE_LIMIT_BYTES
+      cudnn = "cudnn" in table and not sliced
+      if small and cudnn and cudnn_attention.unsupported(q, v, options) is None:
+        return "cudnn"
+      materialises = table.get("pallas_gpu_mha", table.get("pallas_gpu")) != table.get("pallas_gpu")
+      if small and materialises:
+        return "pallas_gpu_mha"
+    kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend)
+    return kernel if kernel in table else "xla"
+  if implementation not in table:
+    raise ValueError(
+      f"{record.name} attention has no {implementation!r} implementation; "
+      f"choose one of {implementations(record)} or {AUTO!r}"
+    )
+  return implementation
+
+
+def lookup(
+  kind: str | AttentionKind, implementation: str, q=None, v=None, options=None, expansion: int = 1
+) -> Callable[..., jax.Array]:
+  """The callable of `kind`'s `implementation` ("auto" resolved first, from the call's
+  `q`, `v`, `options` and `expansion` where given).
+
+  It takes the kind's arrays and its `AttentionOptions`. On a mesh with a `context` axis
+  (given `q`, whose length it divides), the callable runs the implementation
+  context-parallel (`iha_jax.parallel.context.attend`) over the record's
+  `sequence_roles`; "auto" then takes the fastest implementation that can (`SLICED`: the
+  Pallas kernels on TPU and GPU, never cuDNN; "xla" for kinds without kernels).
+  """
+  record = _record(kind)
+  sharded = q is not None and context.applies(q.shape[1])
+  name = resolve(record, implementation, q, v, options, expansion, sliced=sharded)
+  inner = record.implementations[name]
+  if not sharded:
+    return inner
+  if record.sequence_roles is None:
+    raise ValueError(
+      f"{record.name} attention declares no sequence roles (AttentionKind.sequence_roles), "
+      f"so it cannot run on a mesh with a 'context' axis; use context=1 for its layers"
+    )
+  if name not in SLICED:  # only an explicit name: "auto" resolved among SLICED
+    raise ValueError(
+      f"implementation {implementation!r} cannot run sequence-sharded (mesh axis "
+      f"'context' > 1); use one of {sorted(SLICED & set(record.implementations))} or 'auto'"
+    )
+
+  def per_shard(*args: Any) -> jax.Array:  # each shard runs `name`, resolved here once
+    *arrays, options = args
+    return inner(*arrays, options.replace(implementation=name))
+
+  return functools.partial(context.attend, per_shard, record.sequence_roles, per_token=expansion)
+
+
+# --- the one checked call ----------------------------------------------------------------
+
+
+def attend(
+  kind: str | AttentionKind,
+  *arrays: jax.Array,
+  options: AttentionOptions | None = None,
+  **overrides: Any,
+) -> jax.Array:
+  """Checks and runs one call of `kind`: the work of every kind's entry point.
+
+  Args:
+    kind: a registered kind's name or record.
+    *arrays: the kind's arrays, queries `[B, N, ...]` first, in the order its
+      implementations take them.
+    options: the shared options (`AttentionOptions`; None: the defaults).
+    **overrides: any `AttentionOptions` field as a keyword, applied over `options`.
+
+  Returns:
+    what the chosen implementation returns (per-head outputs `[B, N, H, dv]`).
+
+  Raises:
+    ValueError: naming the argument, for arrays the record refuses
+      (`check_arrays`), options that do not fit the queries, or an implementation the
+      kind lacks.
+  """
+  record = _record(kind)
+  if any(isinstance(x, AttentionOptions) for x in arrays):
+    raise TypeError(f"attend({record.name!r}, ...): pass the AttentionOptions as options=")
+  options = with_overrides(options, overrides)
+  record.check_arrays(*arrays)
+  if not record.uses_rope:
+    options = options.replace(rope_theta=None)  # documented as ignored
+  options = validation.check_options(arrays[0], options)
+  q, v, expansion = record.auto_inputs(*arrays)
+  fn = lookup(record, options.implementation, q, v, options, expansion)
+  return fn(*arrays, options)
+
+
+def resolve_implementation(implementation: str, kind: str = "iha") -> str:
+  """ "auto" -> the fused Pallas kernels on TPU / GPU where `kind` has them, else "xla".
+
+  This is the answer without a call's arrays: on GPU a call may pick "cudnn" or
+  "pallas_gpu_mha" instead (`resolve`)."""
+  return resolve(kind, implementation)

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+
+from iha_jax.core import validation
+from iha_jax.core.masking import visible_pairs, visible_triples
+from iha_jax.core.options import AttentionOptions
+from iha_jax.core.simplicial import simplicial_reference, simplicial_xla
+from iha_jax.kinds import registry
 from iha_jax.kinds.base import (
   AttentionKind,
   Letter,
@@ -10,8 +19,6 @@ from iha_jax.kinds.base import (
   project,
   projection_spec,
 )
-from iha_jax.ops import simplicial_attention
-from iha_jax.ops.masking import visible_pairs, visible_triples
 
 
 class Simplicial(AttentionKind):
@@ -20,12 +27,13 @@ class Simplicial(AttentionKind):
 
   name = "simplicial"
   letters = (Letter("X", False, "global 2-simplicial attention (no RoPE)"),)
-  implementations = {
-    "reference": ("iha_jax.ops.simplicial:simplicial_reference", {}),
-    "xla": ("iha_jax.ops.simplicial:simplicial_xla", {}),
-  }
+  implementations = {"reference": simplicial_reference, "xla": simplicial_xla}
   uses_rope = False
   sequence_roles = ("q", "kv", "kv", "kv", "kv")
+
+  def check_arrays(self, q, k1, k2, v1, v2):
+    names = ("q", "k1", "k2", "v1", "v2")
+    validation.check_arrays(names, (q, k1, k2, v1, v2), 4, "[B, N, H, d]")
 
   def validate(self, cfg):
     check_no_groups(cfg, "every head has its own two key and two value projections")
@@ -47,3 +55,33 @@ class Simplicial(AttentionKind):
 
 
 SIMPLICIAL = Simplicial()
+
+
+def simplicial_attention(
+  q: jax.Array,
+  k1: jax.Array,
+  k2: jax.Array,
+  v1: jax.Array,
+  v2: jax.Array,
+  options: AttentionOptions | None = None,
+  **overrides: Any,
+) -> jax.Array:
+  """2-simplicial attention over `[B, N, H, d]` inputs.
+
+  Args:
+    q, k1, k2, v1, v2: `[B, N, H, d]`, one shape and dtype.
+    options, **overrides: `AttentionOptions` as `iha_attention` (window in tokens);
+      `positions` and `rope_theta` are unused (2-simplicial attention has no RoPE);
+      `implementation` "reference", "xla" or "auto" (= "xla"); `block_sizes.block_q`,
+      the most queries per block of the XLA path.
+
+  Returns:
+    `[B, N, H, d]` in q.dtype.
+
+  Raises:
+    ValueError: also when the scores in flight would exceed
+      `iha_jax.core.simplicial.MAX_SCORES` float32 elements (`B*H*N^3` for "reference",
+      `B*H*N^2` for one query of "xla" global layers); use a window, a smaller batch or
+      fewer heads.
+  """
+  return registry.attend(SIMPLICIAL, q, k1, k2, v1, v2, options=options, **overrides)

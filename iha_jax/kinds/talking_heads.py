@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 from flax.linen import with_logical_constraint
 
+from iha_jax.core import validation
+from iha_jax.core.masking import visible_pairs
+from iha_jax.core.options import AttentionOptions
+from iha_jax.core.talking_heads import talking_heads_reference, talking_heads_xla
+from iha_jax.kinds import registry
 from iha_jax.kinds.base import AttentionKind, Letter, ParamSpec, check_no_groups, project_qkv
 from iha_jax.kinds.initializers import identity_talking_init
-from iha_jax.ops import talking_heads_attention
-from iha_jax.ops.masking import visible_pairs
 from iha_jax.parallel.axes import HEADS, HEADS_SRC, SOURCE_HEADS_AXES
 
 
@@ -18,12 +25,22 @@ class TalkingHeads(AttentionKind):
 
   name = "talking_heads"
   letters = (Letter("T", False, "global Talking-Heads attention"),)
-  implementations = {
-    "reference": ("iha_jax.ops.talking_heads:talking_heads_reference", {}),
-    "xla": ("iha_jax.ops.talking_heads:talking_heads_xla", {}),
-  }
+  implementations = {"reference": talking_heads_reference, "xla": talking_heads_xla}
   mixing_params = ("talk_logits", "talk_weights")
   sequence_roles = ("q", "kv", "kv", "-", "-")
+
+  def check_arrays(self, q, k, v, talk_logits, talk_weights):
+    h = q.shape[2]
+    if validation.check_qkv(q, k, v, value_width=True) != h:
+      raise ValueError(
+        f"talking_heads_attention has no grouped-query form (it mixes whole heads): k and v "
+        f"need the H = {h} heads of q, got G = {k.shape[2]}."
+      )
+    for name, x in (("talk_logits", talk_logits), ("talk_weights", talk_weights)):
+      if tuple(jnp.shape(x)) != (h, h):
+        raise ValueError(
+          f"{name} must have shape [H, H] = [{h}, {h}] (H from q), got {tuple(jnp.shape(x))}."
+        )
 
   def validate(self, cfg):
     check_no_groups(cfg, "it mixes the score maps of all H heads, each with its own keys")
@@ -47,3 +64,29 @@ class TalkingHeads(AttentionKind):
 
 
 TALKING_HEADS = TalkingHeads()
+
+
+def talking_heads_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  talk_logits: jax.Array,
+  talk_weights: jax.Array,
+  options: AttentionOptions | None = None,
+  **overrides: Any,
+) -> jax.Array:
+  """Talking-Heads attention over `[B, N, H, ·]` inputs.
+
+  Args:
+    q, k: `[B, N, H, d]` projections before RoPE; v: `[B, N, H, dv]`.
+    talk_logits, talk_weights: `[H, H]`, axes (source head, target head); identity
+      matrices give plain multi-head attention.
+    options, **overrides: `AttentionOptions` as `iha_attention` (window in tokens);
+      `implementation` "reference", "xla" or "auto" (= "xla": no kernel exists);
+      `block_sizes.block_q`, queries per block of the XLA path.
+
+  Returns:
+    `[B, N, H, dv]` in q.dtype.
+  """
+  mixing = (talk_logits, talk_weights)
+  return registry.attend(TALKING_HEADS, q, k, v, *mixing, options=options, **overrides)

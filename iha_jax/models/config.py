@@ -8,8 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from iha_jax import kinds
+from iha_jax.core.validation import is_int
 from iha_jax.kinds import AttentionConfig
-from iha_jax.ops.validation import is_int
 
 # Schedule letter -> description, one entry per letter of every registered kind (a live
 # view: `iha_jax.kinds.register` adds a new kind's letters).
@@ -71,7 +71,8 @@ class TransformerConfig:
     tie_embeddings: output head shares the token embedding; else an `lm_head [D, V]`.
     dtype: computation dtype (logits are always float32).
     param_dtype: storage dtype of the parameters.
-    implementation: attention core backend, see `iha_jax.ops`.
+    implementation: attention core backend, see `iha_jax.ops` (each kind's
+      implementations: `iha_jax.kinds.registry.implementations`).
     norm_eps: RMSNorm epsilon.
     mlp_type: "swiglu" (`w_gate, w_up: [D, F]`, `w_down: [F, D]`), "gelu"
       (`w_up: [D, F]`, `w_down: [F, D]`) or "none" (attention-only blocks; `mlp_dim`

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from iha_jax.core.validation import is_int
 from iha_jax.models.kv_cache import (
   KVCache,
   check_cache_mode,
@@ -24,7 +25,6 @@ from iha_jax.models.kv_cache import (
   prefill_layer,
 )
 from iha_jax.models.transformer import TransformerLM, check_tokens
-from iha_jax.ops.validation import is_int
 
 
 def _prefill(

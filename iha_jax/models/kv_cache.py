@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from iha_jax import kinds
+from iha_jax.core.grouped import grouped_attention_heads_major
+from iha_jax.core.validation import default_positions
 from iha_jax.models.config import TransformerConfig
 from iha_jax.nn import (
   AttentionConfig,
@@ -44,8 +46,6 @@ from iha_jax.nn import (
   virtual_per_token,
 )
 from iha_jax.ops import virtual_positions
-from iha_jax.ops.grouped import grouped_attention_heads_major
-from iha_jax.ops.validation import default_positions
 
 CACHE_MODES = ("source", "pseudo")
 _HIGHEST = jax.lax.Precision.HIGHEST

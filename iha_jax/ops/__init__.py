@@ -1,29 +1,37 @@
-"""Pure functions of the attention kinds (no Flax): IHA, MHA and the paper's baselines.
+"""The functional API (no Flax): every attention kind's checked entry point, and the pure
+functions a user calls beside them.
 
 Entry points: `iha_attention`, `mha_attention`, `talking_heads_attention`,
 `diff_attention`, `simplicial_attention`. Each takes its arrays, then one
 `AttentionOptions` (window, causal, RoPE, segment ids, positions, tiles, implementation)
-and/or the same options as keywords; `iha_jax.ops.registry` picks the implementation.
+and/or the same options as keywords, checks them and runs the implementation its kind's
+record names (`iha_jax.kinds.registry.attend`; "auto" per backend and call).
+
+This package only gathers names: the entry points live with their kinds' records
+(`iha_jax.kinds`), the math in `iha_jax.core`. It sits above both (docs/design.md §8), so
+nothing below the layers imports it.
 """
 
-from iha_jax.ops.attention import iha_attention, mha_attention, resolve_implementation
-from iha_jax.ops.differential import diff_attention, diff_lambda_init
-from iha_jax.ops.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
-from iha_jax.ops.masking import visible
-from iha_jax.ops.mixing import collapse_heads, pseudo_mix
-from iha_jax.ops.options import IMPLEMENTATIONS, AttentionOptions, BlockSizes
-from iha_jax.ops.reference import attention_probs, dense_attention
-from iha_jax.ops.registry import KINDS
-from iha_jax.ops.rope import apply_rope, rope_frequencies
-from iha_jax.ops.simplicial import simplicial_attention
-from iha_jax.ops.talking_heads import talking_heads_attention
-from iha_jax.ops.xla_attention import attention_probabilities, flash_attention_heads_major
+from iha_jax.core.differential import diff_lambda_init
+from iha_jax.core.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
+from iha_jax.core.masking import visible
+from iha_jax.core.mixing import collapse_heads, pseudo_mix
+from iha_jax.core.options import AttentionOptions, BlockSizes
+from iha_jax.core.reference import attention_probs, dense_attention
+from iha_jax.core.rope import apply_rope, rope_frequencies
+from iha_jax.core.xla_attention import attention_probabilities, flash_attention_heads_major
+from iha_jax.kinds import (
+  diff_attention,
+  iha_attention,
+  mha_attention,
+  resolve_implementation,
+  simplicial_attention,
+  talking_heads_attention,
+)
 
 __all__ = [
   "AttentionOptions",
   "BlockSizes",
-  "IMPLEMENTATIONS",
-  "KINDS",
   "apply_rope",
   "attention_probabilities",
   "attention_probs",

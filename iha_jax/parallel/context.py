@@ -19,7 +19,7 @@ tensor crosses devices:
 Every device then calls the kind's own implementation on its queries against those keys
 (`AttentionOptions.query_offset`, `kv_segment_ids`, `kv_positions`), so positions and
 masks stay global: the result equals the unsharded computation. The implementations that
-take such calls are `iha_jax.ops.registry.SLICED` (the XLA paths and the Pallas kernels,
+take such calls are `iha_jax.kinds.registry.SLICED` (the XLA paths and the Pallas kernels,
 which read the offset as a scalar operand and visit only the key tiles a shard's queries
 see; a window layer's offset is static, a global layer's traced).
 

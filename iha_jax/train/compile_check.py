@@ -19,8 +19,8 @@ import ml_collections
 
 from iha_jax import parallel
 from iha_jax.errors import UserError
+from iha_jax.kinds import registry
 from iha_jax.models import FunctionalTransformerLM
-from iha_jax.ops import registry
 from iha_jax.parallel import compiled as compiled_lib
 from iha_jax.parallel import targets
 from iha_jax.train import config as config_lib

@@ -29,10 +29,10 @@ import optax
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
+from iha_jax.core.validation import is_int
 from iha_jax.models import TransformerConfig
 from iha_jax.models.functional_lm import FunctionalTransformerLM, Params
 from iha_jax.models.transformer import output_logits
-from iha_jax.ops.validation import is_int
 from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_LENGTH, RESIDUAL_AXES, VOCAB
 from iha_jax.parallel.rules import free_mesh_axes
 
@@ -328,7 +328,7 @@ def loss_terms(
     batch["inputs"],
     features=batch.get("features"),
     # Absent: one unpadded document per row (what cuDNN's attention needs, see
-    # iha_jax.ops.cudnn_attention); the input pipelines always give both.
+    # iha_jax.core.cudnn_attention); the input pipelines always give both.
     segment_ids=batch.get("segment_ids"),
     positions=batch.get("positions"),
   )  # [B, N, D]

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from iha_jax.ops.masking import visible
+from iha_jax.core.masking import visible
 
 
 @dataclasses.dataclass(frozen=True)

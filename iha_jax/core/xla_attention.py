@@ -18,8 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from iha_jax.ops.masking import MASK_VALUE, visible
-from iha_jax.ops.options import round_up
+from iha_jax.core.masking import MASK_VALUE, visible
+from iha_jax.core.options import round_up
 
 # Keys padded onto a tile boundary get this index: after every query, so the causal rule
 # hides them (bidirectional calls also mark them as padding segments).

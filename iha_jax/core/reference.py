@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from iha_jax.ops.masking import MASK_VALUE, visible
+from iha_jax.core.masking import MASK_VALUE, visible
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

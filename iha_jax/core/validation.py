@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from iha_jax.ops.options import AttentionOptions, BlockSizes
+from iha_jax.core.options import AttentionOptions, BlockSizes
 
 
 def _shape(x: Any) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 
 MHA hands its rotated q/k/v to `jax.nn.dot_product_attention(implementation="cudnn")`; IHA
 materialises its pseudo q/k/v (`[B, N * P, H, d]`, one XLA einsum each) and runs this over
-the virtual sequence (`iha_jax.ops.attention.iha_via_mha`). Grouped-query k and v (G heads
+the virtual sequence (`iha_jax.core.attention.iha_via_mha`). Grouped-query k and v (G heads
 dividing the H query heads, query head h reading key/value head `h // (H // G)`) go to
 cuDNN as they are: jax's attention takes them natively, with the same head convention.
 On an H100 this ran 5 to 41 times faster than the fused Pallas kernels at the paper's
@@ -13,7 +13,7 @@ unless the model's remat policy drops them.
 cuDNN covers bfloat16/float16 causal attention (global or a left window) and global
 bidirectional attention, without packed segments, with the value as wide as q/k and a head
 width that is a multiple of 8 up to 128. `unsupported` names what falls outside; "auto"
-(`iha_jax.ops.registry.resolve`) picks this path on GPU only when it returns None.
+(`iha_jax.kinds.registry.resolve`) picks this path on GPU only when it returns None.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from iha_jax.ops.options import AttentionOptions
-from iha_jax.ops.rope import apply_rope
+from iha_jax.core.options import AttentionOptions
+from iha_jax.core.rope import apply_rope
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 128

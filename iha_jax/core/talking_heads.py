@@ -11,62 +11,21 @@ the (masked) softmax, and the H probability maps by `talk_weights [H, H]` after 
 
 Every step mixes whole score maps across heads, so the online softmax of flash attention
 does not apply; the memory-efficient path ("xla") runs the dense math one query block at
-a time (`iha_jax.ops.query_blocks`), never a `[B, H, N, N]` tensor.
+a time (`iha_jax.core.query_blocks`), never a `[B, H, N, N]` tensor.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
-from iha_jax.ops import registry, validation
-from iha_jax.ops.masking import MASK_VALUE
-from iha_jax.ops.options import AttentionOptions, with_overrides
-from iha_jax.ops.query_blocks import block_mask, map_query_blocks, plan_query_blocks, zero_padding
-from iha_jax.ops.rope import apply_rope
+from iha_jax.core.masking import MASK_VALUE
+from iha_jax.core.options import AttentionOptions
+from iha_jax.core.query_blocks import block_mask, map_query_blocks, plan_query_blocks, zero_padding
+from iha_jax.core.rope import apply_rope
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 DEFAULT_BLOCK = 128  # queries per block of the XLA path
-
-
-def talking_heads_attention(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  talk_logits: jax.Array,
-  talk_weights: jax.Array,
-  options: AttentionOptions | None = None,
-  **overrides: Any,
-) -> jax.Array:
-  """Talking-Heads attention over `[B, N, H, ·]` inputs.
-
-  Args:
-    q, k: `[B, N, H, d]` projections before RoPE; v: `[B, N, H, dv]`.
-    talk_logits, talk_weights: `[H, H]`, axes (source head, target head); identity
-      matrices give plain multi-head attention.
-    options, **overrides: `AttentionOptions` as `iha_attention` (window in tokens);
-      `implementation` "reference", "xla" or "auto" (= "xla": no kernel exists);
-      `block_sizes.block_q`, queries per block of the XLA path.
-
-  Returns:
-    `[B, N, H, dv]` in q.dtype.
-  """
-  h = q.shape[2]
-  if validation.check_qkv(q, k, v, value_width=True) != h:
-    raise ValueError(
-      f"talking_heads_attention has no grouped-query form (it mixes whole heads): k and v "
-      f"need the H = {h} heads of q, got G = {k.shape[2]}."
-    )
-  for name, x in (("talk_logits", talk_logits), ("talk_weights", talk_weights)):
-    if tuple(jnp.shape(x)) != (h, h):
-      raise ValueError(
-        f"{name} must have shape [H, H] = [{h}, {h}] (H from q), got {tuple(jnp.shape(x))}."
-      )
-  options = validation.check_options(q, with_overrides(options, overrides))
-  fn = registry.lookup("talking_heads", options.implementation, q)
-  return fn(q, k, v, talk_logits, talk_weights, options)
 
 
 def _attend(q, k, v, talk_logits, talk_weights, mask, precision):

@@ -2,12 +2,8 @@
 (a leaf module).
 
 `AttentionOptions` is the one object for the keywords every kind shares: the layer
-builds it, `iha_jax.ops` checks it once, and the implementations, the Pallas kernels
-and their shard_map wrappers receive it as it is.
-
-`iha_jax.ops` (the public entry points) and `iha_jax.kernels` (the Pallas kernels)
-both import from here and from nowhere else in `ops` that could import them back,
-so the two packages form no import cycle.
+builds it, the kind's entry point checks it once (`iha_jax.kinds.registry.attend`), and
+the implementations, the Pallas kernels and their shard_map wrappers receive it as it is.
 """
 
 from __future__ import annotations
@@ -16,18 +12,6 @@ import dataclasses
 from typing import Any
 
 import jax
-
-# Every `implementation=` value the entry points accept. "auto" resolves per backend and
-# kind (`iha_jax.ops.registry.resolve`).
-IMPLEMENTATIONS = (
-  "reference",
-  "xla",
-  "pallas_tpu",
-  "pallas_gpu",
-  "pallas_gpu_mha",
-  "cudnn",
-  "auto",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +49,10 @@ class AttentionOptions:
       one unpadded sequence per row.
     positions: `[B, N]` int32 token positions; None: `arange(N)` per row.
     block_sizes: tile sizes of the blockwise implementations (None: their defaults).
-    implementation: "reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha"
-      (for MHA the same as "pallas_gpu"), "cudnn" or "auto"
-      (`iha_jax.ops.registry.resolve`).
+    implementation: one of the kind's implementations ("reference", "xla",
+      "pallas_tpu", "pallas_gpu", "pallas_gpu_mha", "cudnn" for IHA; each kind's record
+      lists its own, `iha_jax.kinds.registry.implementations`) or "auto"
+      (`iha_jax.kinds.registry.resolve`).
     query_offset: queries that are a slice of a longer sequence than the keys (a sequence
       shard, `iha_jax.parallel.context`): the token index of the first query minus that
       of the first key, an int or an int32 scalar (may be traced); 0 with keys and

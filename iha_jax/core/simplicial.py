@@ -8,7 +8,7 @@ Each query attends to PAIRS of keys through a trilinear form, no RoPE:
 
 Visibility of j and of l follows the causal / window / segment rule of the other kinds
 (window in tokens). Scores are `[N, N]` per query, so memory is O(N^2) per query by
-construction: the XLA path runs a block of queries at a time (`iha_jax.ops.query_blocks`;
+construction: the XLA path runs a block of queries at a time (`iha_jax.core.query_blocks`;
 global layers see all N keys, window layers only the band), and both paths refuse
 shapes whose scores in flight exceed `MAX_SCORES` float32 elements.
 """
@@ -20,10 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from iha_jax.ops import registry, validation
-from iha_jax.ops.masking import MASK_VALUE
-from iha_jax.ops.options import AttentionOptions, with_overrides
-from iha_jax.ops.query_blocks import (
+from iha_jax.core.masking import MASK_VALUE
+from iha_jax.core.options import AttentionOptions
+from iha_jax.core.query_blocks import (
   QueryBlocks,
   block_mask,
   map_query_blocks,
@@ -36,39 +35,6 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # B*H*N^3 of them, the XLA path B*H*block*slab^2 for one query block.
 MAX_SCORES = 2**27
 DEFAULT_BLOCK = 32  # queries per block of the XLA path (halved until the block fits)
-
-
-def simplicial_attention(
-  q: jax.Array,
-  k1: jax.Array,
-  k2: jax.Array,
-  v1: jax.Array,
-  v2: jax.Array,
-  options: AttentionOptions | None = None,
-  **overrides: Any,
-) -> jax.Array:
-  """2-simplicial attention over `[B, N, H, d]` inputs.
-
-  Args:
-    q, k1, k2, v1, v2: `[B, N, H, d]`, one shape and dtype.
-    options, **overrides: `AttentionOptions` as `iha_attention` (window in tokens);
-      `positions` and `rope_theta` are unused (2-simplicial attention has no RoPE);
-      `implementation` "reference", "xla" or "auto" (= "xla"); `block_sizes.block_q`,
-      the most queries per block of the XLA path.
-
-  Returns:
-    `[B, N, H, d]` in q.dtype.
-
-  Raises:
-    ValueError: also when the scores in flight would exceed `MAX_SCORES` float32
-      elements (`B*H*N^3` for "reference", `B*H*N^2` for one query of "xla" global
-      layers); use a window, a smaller batch or fewer heads.
-  """
-  names = ("q", "k1", "k2", "v1", "v2")
-  validation.check_arrays(names, (q, k1, k2, v1, v2), 4, "[B, N, H, d]")
-  options = validation.check_options(q, with_overrides(options, overrides).replace(rope_theta=None))
-  fn = registry.lookup("simplicial", options.implementation, q)
-  return fn(q, k1, k2, v1, v2, options)
 
 
 def _attend(q, k1, k2, v1, v2, mask, precision):
@@ -92,7 +58,7 @@ def _refuse(what: str, elements: int, shape: tuple[int, ...], hint: str) -> None
     raise ValueError(
       f"simplicial_attention: {what} would hold {elements:,} float32 scores "
       f"(B={b}, N={n}, H={h}), above the limit of {MAX_SCORES:,} "
-      f"(iha_jax.ops.simplicial.MAX_SCORES); {hint}"
+      f"(iha_jax.core.simplicial.MAX_SCORES); {hint}"
     )
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from iha_jax.ops.options import round_up
-from iha_jax.ops.xla_attention import (
+from iha_jax.core.options import round_up
+from iha_jax.core.xla_attention import (
   attention_probabilities,
   default_block_size,
   flash_attention_heads_major,

@@ -1,10 +1,12 @@
-"""IHA and MHA: the public entry points and their reference and XLA implementations.
+"""IHA and MHA: their reference and XLA implementations (pure functions).
 
 Both run one pipeline on a flat sequence: IHA mixes source heads into P pseudo-heads,
 interleaves them into `T = N * P` virtual tokens, applies RoPE at virtual positions,
 attends (causal or bidirectional), de-interleaves and collapses; MHA is the same
-pipeline without the mixing (P = 1). `implementation` picks one entry of
-`iha_jax.ops.registry`, and every entry computes the same function.
+pipeline without the mixing (P = 1). The checked entry points `iha_attention` and
+`mha_attention` live with their kinds' records (`iha_jax.kinds.iha`, `iha_jax.kinds.mha`),
+which name these functions among their implementations; every implementation of a kind
+computes the same function.
 
 Grouped-query attention (docs/design.md §9): k and v may have G heads, G dividing the H
 query heads; query head h reads key/value head `h // (H // G)`. IHA then mixes query heads
@@ -15,88 +17,23 @@ key/value head `h // (H // G)`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from iha_jax.ops import registry, validation
-from iha_jax.ops.grouped import grouped_attention_heads_major
-from iha_jax.ops.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
-from iha_jax.ops.mixing import collapse_from_virtual, collapse_heads, mix_to_virtual, pseudo_mix
-from iha_jax.ops.options import AttentionOptions, BlockSizes, with_overrides
-from iha_jax.ops.reference import dense_attention
-from iha_jax.ops.rope import rope_tables, rotate
+from iha_jax.core.grouped import grouped_attention_heads_major
+from iha_jax.core.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
+from iha_jax.core.mixing import collapse_from_virtual, collapse_heads, mix_to_virtual, pseudo_mix
+from iha_jax.core.options import AttentionOptions, BlockSizes
+from iha_jax.core.reference import dense_attention
+from iha_jax.core.rope import rope_tables, rotate
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def resolve_implementation(implementation: str, kind: str = "iha") -> str:
-  """ "auto" -> the fused Pallas kernels on TPU / GPU where `kind` has them, else "xla".
-
-  This is the answer without a call's arrays: on GPU a call may pick "cudnn" or
-  "pallas_gpu_mha" instead (`registry.resolve`)."""
-  return registry.resolve(kind, implementation)
-
-
-def iha_attention(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  alpha_q: jax.Array,
-  alpha_k: jax.Array,
-  alpha_v: jax.Array,
-  collapse: jax.Array,
-  options: AttentionOptions | None = None,
-  **overrides: Any,
-) -> jax.Array:
-  """Interleaved Head Attention core (docs/design.md, "The math").
-
-  Args:
-    q: source-head query projections before RoPE, `[B, N, H, d]`.
-    k, v: source key/value projections, `[B, N, G, d]`, G dividing H (G = H: multi-head;
-      G < H: grouped-query, G = 1: multi-query).
-    alpha_q: query mixing `[H, H, P]` (source, target, pseudo).
-    alpha_k, alpha_v: key/value mixing `[G, G, P]`.
-    collapse: `[H, H, P]` (full) or `[H, P]` (per_head).
-    options: the shared options (`AttentionOptions`; `window` in VIRTUAL tokens here).
-    **overrides: any `AttentionOptions` field as a keyword (`window=`, `segment_ids=`,
-      `positions=`, `rope_theta=`, `causal=`, `block_sizes=`, `implementation=`),
-      applied over `options`.
-
-  Returns:
-    `[B, N, H, d]` in q.dtype, before the output projection.
-  """
-  options = with_overrides(options, overrides)
-  num_kv_heads = validation.check_qkv(q, k, v)
-  validation.check_mixing(q.shape[2], alpha_q, alpha_k, alpha_v, collapse, num_kv_heads)
-  options = validation.check_options(q, options)
-  fn = registry.lookup("iha", options.implementation, q, v, options, alpha_q.shape[2])
-  return fn(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options)
-
-
-def mha_attention(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  options: AttentionOptions | None = None,
-  **overrides: Any,
-) -> jax.Array:
-  """Standard multi-head attention with the same conventions as `iha_attention`.
-
-  Args and returns as `iha_attention`, without mixing; `window` is in tokens. k and v
-  have G heads, G dividing H (grouped-query attention: query head h reads key/value
-  head `h // (H // G)`). v may be wider than q and k (`[B, N, G, dv]`, returned as
-  `[B, N, H, dv]`).
-  """
-  options = with_overrides(options, overrides)
-  validation.check_qkv(q, k, v, value_width=True)
-  options = validation.check_options(q, options)
-  fn = registry.lookup("mha", options.implementation, q, v, options)
-  return fn(q, k, v, options)
-
-
-# --- Implementations (registry entries): options checked, positions defaulted. ----------
+# --- Implementations: options checked, positions defaulted. ---------------------------
 
 
 class _Sequences(NamedTuple):
@@ -194,14 +131,22 @@ def iha_xla(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: AttentionOpti
 
 
 def iha_via_mha(
-  q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: AttentionOptions, *, mha: str
+  q,
+  k,
+  v,
+  alpha_q,
+  alpha_k,
+  alpha_v,
+  collapse,
+  options: AttentionOptions,
+  *,
+  mha: Callable[..., jax.Array],
 ):
-  """IHA as materialised pseudo q `[B, N * P, H, d]`, k/v `[B, N * P, G, d]` and the MHA
-  implementation `mha` over the virtual sequence (virtual segment ids and positions; the
-  window, in virtual tokens, and the block sizes carry over). Faster on GPU than the fused
-  kernels, which
-  rebuild every pseudo tile from all H source heads per tile pair (docs/performance.md
-  §12), for P-times larger activations."""
+  """IHA as materialised pseudo q `[B, N * P, H, d]`, k/v `[B, N * P, G, d]` and an MHA
+  implementation `mha(q, k, v, options)` over the virtual sequence (virtual segment ids and
+  positions; the window, in virtual tokens, and the block sizes carry over). Faster on GPU
+  than the fused kernels, which rebuild every pseudo tile from all H source heads per tile
+  pair (docs/performance.md §12), for P-times larger activations."""
   num_pseudo = alpha_q.shape[2]
   qv, kv, vv = (interleave(pseudo_mix(x, a)) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
   seq = _sequences(options, num_pseudo)
@@ -211,10 +156,9 @@ def iha_via_mha(
     query_offset=seq.q_offset,
     kv_segment_ids=seq.k_segment if options.sliced else None,
     kv_positions=seq.k_position if options.sliced else None,
-    implementation=mha,
   )
   # Options checked already: the MHA implementation itself (sliced keys may be longer).
-  out = registry.lookup("mha", mha, qv, vv, inner)(qv, kv, vv, inner)
+  out = mha(qv, kv, vv, inner)
   return collapse_heads(deinterleave(out, num_pseudo), collapse)
 
 
