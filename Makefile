@@ -38,10 +38,12 @@ test: $(VENV)/.installed $(TARGETS_DIR)/.installed
 	@echo "make test: about $(TEST_MINUTES) min on a 2-core CPU (measured); progress in % below"
 	IHA_REQUIRE_TARGETS=1 $(PY) -m pytest -n auto -q
 
-# Style (pyproject.toml): ruff's lint rules, and ruff format's 2-space, 100-column layout.
+# Style (pyproject.toml): ruff's lint rules, and ruff format's 2-space, 100-column layout;
+# the import layers of docs/design.md §8 (import-linter's contract in pyproject.toml).
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports --no-logo --no-cache
 
 format: $(VENV)/.installed
 	$(PY) -m ruff check --fix .
