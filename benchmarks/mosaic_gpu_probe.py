@@ -2,8 +2,9 @@
 Mosaic GPU, `jax.experimental.pallas.ops.gpu.attention_mgpu`) compiled for an H100 on this
 CPU host, and what the compile reports.
 
-    make targets SET=newest        # the newest set's venv and compile packages (jax 0.12)
-    .venv-newest/bin/python benchmarks/mosaic_gpu_probe.py [--causal] [--backward]
+    make targets SET=newest     # the newest set's venv and compile packages (jax 0.12)
+    IHA_TARGETS_DIR=.targets-newest .venv-newest/bin/python benchmarks/mosaic_gpu_probe.py \
+      [--causal] [--backward]
 
 Mosaic GPU is the Pallas GPU backend that replaces Triton (jax 0.12 warns that Pallas'
 Triton backend will be removed). This lowers the example for a compile-only H100
