@@ -1,7 +1,25 @@
 # Newcomer entry points. `make test` and `make train` build .venv from
 # requirements.txt on first use (a fresh machine needs only python3 + venv).
+# Two dependency sets, both tested by CI: SET=pinned (the default: requirements.txt,
+# Python 3.11, jax 0.10.2) and SET=newest (requirements-newest.txt, Python 3.12, jax
+# 0.12), each in its own venv and compile packages; e.g. `make train SET=newest`.
+SET ?= pinned
+ifeq ($(SET),newest)
+# python3.12 on PATH, else pyenv's newest 3.12 (installed there but not on PATH here);
+# `:=`, not `?=`: an environment's PYTHON (another version) must not win, a command line's does.
+PYTHON := $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || \
+  ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12.*/bin/python3.12 2>/dev/null | sort -V | tail -1)
+VENV ?= .venv-newest
+TARGETS_DIR ?= .targets-newest
+SUFFIX := -newest
+else ifeq ($(SET),pinned)
 PYTHON ?= python3
 VENV ?= .venv
+SUFFIX :=
+else
+$(error SET=$(SET): pinned (requirements.txt) or newest (requirements-newest.txt))
+endif
+REQUIREMENTS := requirements$(SUFFIX).txt
 PY := $(VENV)/bin/python
 WORKDIR ?= workdirs/default
 TWIN_WORKDIR ?= workdirs/global_local_default
@@ -14,19 +32,23 @@ TEST_MINUTES ?= 10-25
 # CPU runs never load them: compile checks put one directory on sys.path when asked.
 TARGETS_DIR ?= .targets
 
-.PHONY: test lint format train train-text bench targets compile-matrix clean-venv gpu-wheels
+.PHONY: test test-newest test-boundaries lint format train train-text bench targets \
+  compile-matrix clean-venv gpu-wheels
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+$(VENV)/.installed: $(REQUIREMENTS) pyproject.toml
+	@test -n "$(PYTHON)" || { echo "SET=$(SET) needs Python 3.12 (jax 0.11+ requires it):" \
+	  "put python3.12 on PATH or pass PYTHON=/path/to/python3.12" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r $(REQUIREMENTS)
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
-$(TARGETS_DIR)/.installed: requirements-targets-tpu.txt requirements-targets-cuda.txt $(VENV)/.installed
+TARGET_REQUIREMENTS := requirements-targets-tpu$(SUFFIX).txt requirements-targets-cuda$(SUFFIX).txt
+$(TARGETS_DIR)/.installed: $(TARGET_REQUIREMENTS) $(VENV)/.installed
 	rm -rf $(TARGETS_DIR)/tpu $(TARGETS_DIR)/cuda
-	$(PY) -m pip install --quiet --no-deps --target $(TARGETS_DIR)/tpu -r requirements-targets-tpu.txt
-	$(PY) -m pip install --quiet --no-deps --target $(TARGETS_DIR)/cuda -r requirements-targets-cuda.txt
+	$(PY) -m pip install --quiet --no-deps --target $(TARGETS_DIR)/tpu -r $(word 1,$(TARGET_REQUIREMENTS))
+	$(PY) -m pip install --quiet --no-deps --target $(TARGETS_DIR)/cuda -r $(word 2,$(TARGET_REQUIREMENTS))
 	touch $@
 
 # Compile-only TPU and H100 targets (`train.py --compile_only`, benchmarks/compile_matrix.py).
@@ -36,7 +58,26 @@ targets: $(TARGETS_DIR)/.installed
 # H100 by their own compilers), one worker per core.
 test: $(VENV)/.installed $(TARGETS_DIR)/.installed
 	@echo "make test: about $(TEST_MINUTES) min on a 2-core CPU (measured); progress in % below"
-	IHA_REQUIRE_TARGETS=1 $(PY) -m pytest -n auto -q
+	IHA_TARGETS_DIR=$(abspath $(TARGETS_DIR)) IHA_REQUIRE_TARGETS=1 $(PY) -m pytest -n auto -q
+
+# The newest set (SET=newest) through every package boundary, as CI runs it: kernels
+# interpreted and lowered, nn, models, train step, checkpoint restore, decoding, context
+# parallelism, and the TPU and H100 compile checks: 208 tests, about 18 min of CPU time (10
+# min on an idle 2-core machine, plus 2 min of installs from pip's cache). `make test
+# SET=newest` runs the whole suite on it.
+BOUNDARY_TESTS ?= tests/test_dependencies.py tests/test_kernels.py tests/test_kernels_export.py \
+  tests/test_nn.py tests/test_models.py tests/test_train_step.py tests/test_decode.py \
+  tests/test_context.py tests/test_compile_targets.py \
+  tests/test_train.py::test_resume_reproduces_uninterrupted_run \
+  tests/test_train.py::test_restore_onto_another_mesh
+test-newest:
+	$(MAKE) --no-print-directory SET=newest test-boundaries
+
+test-boundaries: $(VENV)/.installed $(TARGETS_DIR)/.installed
+	$(PY) --version
+	$(PY) -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)'
+	IHA_TARGETS_DIR=$(abspath $(TARGETS_DIR)) IHA_REQUIRE_TARGETS=1 $(PY) -m pytest -n auto -q \
+	  $(BOUNDARY_TESTS)
 
 # Style (pyproject.toml): ruff's lint rules, and ruff format's 2-space, 100-column layout;
 # the import layers of docs/design.md §8 (import-linter's contract in pyproject.toml).
@@ -81,7 +122,8 @@ bench: $(VENV)/.installed
 
 # Every kernel configuration compiled for TPU v5e/v5p/v6e and H100 (about an hour here).
 compile-matrix: $(TARGETS_DIR)/.installed
-	$(PY) benchmarks/compile_matrix.py --out docs/compile_matrix.md
+	IHA_TARGETS_DIR=$(abspath $(TARGETS_DIR)) $(PY) benchmarks/compile_matrix.py \
+	  --out docs/compile_matrix.md
 
 clean-venv:
 	rm -rf $(VENV)

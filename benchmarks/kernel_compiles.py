@@ -141,7 +141,8 @@ def compile_case(case: Case, target: targets.Target, device: jax.Device) -> Resu
   """Lowers and compiles `case` for `target` on `device` (one of `targets.devices`)."""
   start = time.perf_counter()
   try:
-    lowered = jax.jit(_function(case, target.kernel_platform)).lower(*_inputs(case, device))
+    with targets.lowering_for(target.platform):  # Triton's GPU named (jax 0.11+)
+      lowered = jax.jit(_function(case, target.kernel_platform)).lower(*_inputs(case, device))
     _, report = compiled.compile_with_report(lowered)
   except Exception as error:  # a compiler rejection is this harness's result, not a crash
     lines = [line for line in str(error).splitlines() if line.strip()]

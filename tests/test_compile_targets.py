@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from iha_jax.parallel import targets
@@ -87,6 +88,19 @@ def test_h100_kernels_compile_without_spills_at_default_tiles():
   control = rows["control: 128 x 128 tiles at P = 2"]
   assert control["ok"], control["error"]
   assert max(k["spill_bytes"] for k in control["kernels"].values()) > 0, control
+
+
+@_needs("cuda")
+def test_mosaic_gpu_attention_compiles_for_h100():
+  """jax's own Hopper attention in Pallas Mosaic GPU (the backend replacing Triton)
+  compiles deviceless for an H100 from jax 0.12 (docs/compile_checks.md); jax 0.10.2's
+  example needs a CUDA runtime to trace."""
+  if jax.__version_info__ < (0, 12):
+    pytest.skip(f"jax {jax.__version__}: Mosaic GPU's example needs a CUDA runtime before 0.12")
+  proc = _run("benchmarks/mosaic_gpu_probe.py", "--causal")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "1 Mosaic GPU custom calls" in proc.stdout, proc.stdout
+  assert "0 B spill stores" in proc.stdout and "m64n128k16" in proc.stdout, proc.stdout
 
 
 def _compile_only(target: str, *overrides: str) -> subprocess.CompletedProcess:

@@ -28,6 +28,7 @@ from iha_jax.core.masking import visible
 from iha_jax.kernels import common, fused
 from iha_jax.kernels.sharded import sharded_iha_attention
 from iha_jax.ops import AttentionOptions, BlockSizes, iha_attention, resolve_implementation
+from iha_jax.parallel import targets
 from tests import conformance as cf
 from tests.utils import assert_close, random_iha_inputs
 
@@ -323,9 +324,9 @@ def _lowered_shapes(implementation, platform):
   """Shapes of the float arrays of the lowered gradient program (pseudo q/k/v would be
   float; on CPU the interpreted kernels' gathers add int32 index arrays of tile size)."""
   args = random_iha_inputs(jax.random.key(0), B, N, H, D, P)
-  text = (
-    jax.jit(_grad_fn(implementation)).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-  )
+  with targets.lowering_for(platform):
+    lowered = jax.jit(_grad_fn(implementation)).trace(*args).lower(lowering_platforms=(platform,))
+  text = lowered.as_text()
   return [
     tuple(int(x) for x in dims.split("x")[:-1])
     for dims in re.findall(r"tensor<([\dx]+x(?:f32|bf16))>", text)

@@ -7,7 +7,8 @@ Triton custom call embeds Triton IR with no serialization-compatibility
 guarantee, so exporting it needs `DisabledSafetyCheck.custom_call` (checked below);
 the lowering itself is complete. Mosaic's final compile (layouts, VMEM limits)
 happens in the TPU compiler and Triton's PTX generation in XLA:GPU, neither of
-which runs here.
+which runs here. Triton lowers for the H100 named by `targets.lowering_for` (jax 0.11+
+needs a GPU named when none is present).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from iha_jax.ops import iha_attention, mha_attention
+from iha_jax.parallel import targets
 
 TARGETS = {"tpu": ("pallas_tpu", "tpu_custom_call"), "cuda": ("pallas_gpu", "__gpu$xla.gpu.triton")}
 # (B, N, H, d, P, window, causal): the paper's shape (docs/design.md §4: N = 8192, H = 20,
@@ -28,7 +30,8 @@ SHAPES = {"paper": (1, 8192, 20, 128, 4, 1024, True), "small": (2, 200, 4, 64, 2
 
 def _export(fn, platform, *args):
   checks = [jax.export.DisabledSafetyCheck.custom_call(TARGETS["cuda"][1])]
-  return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
+  with targets.lowering_for(platform):
+    return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
 
 
 def _custom_calls(exported) -> set[str]:
@@ -76,5 +79,5 @@ def test_mha_gradient_exports(platform):
 def test_triton_export_needs_the_custom_call_check_disabled():
   x = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.bfloat16)
   f = lambda *args: mha_attention(*args, implementation="pallas_gpu")
-  with pytest.raises(ValueError, match="no compatibility guarantees"):
+  with targets.lowering_for("cuda"), pytest.raises(ValueError, match="no compatibility guarantees"):
     jax.export.export(jax.jit(f), platforms=["cuda"])(x, x, x)

@@ -26,6 +26,13 @@ from iha_jax.parallel import targets
 # Custom-call targets of Pallas kernels: Mosaic (TPU) and Triton (GPU).
 KERNEL_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
 KERNEL_PREFIX = "iha_"  # the project's kernels are named iha_forward, iha_backward_dq, ...
+# jax 0.11+'s XLA:GPU writes the PTX into the dump only when this pattern matches the
+# dump's tag "ptx" (it is matched against tags such as "ptx", "llvm", "triton-fusion",
+# never kernel names); unset, jax 0.10.2's wrote PTX and LLVM IR always, jax 0.12's
+# neither (no registers, spills or tensor cores). ".*" also writes LLVM IR and every
+# emitter's MLIR pass logs (a small compile: 130 s against 15 s on this loaded 2-core
+# machine). XLA:TPU ignores it.
+DUMP_OPTIONS = {"xla_dump_emitter_re": "ptx"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +84,7 @@ class Report:
 def compile_with_report(lowered: Any) -> tuple[Any, Report]:
   """`lowered.compile()` for its (compile-only) target, and what the compiler reported."""
   with tempfile.TemporaryDirectory(prefix="iha_xla_dump_") as dump:
-    compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+    compiled = lowered.compile(compiler_options={"xla_dump_to": dump, **DUMP_OPTIONS})
     text = compiled.as_text()
     kernels = tuple(_tpu_kernels(Path(dump)) + _gpu_kernels(Path(dump)))
   memory = compiled.memory_analysis()

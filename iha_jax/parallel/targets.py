@@ -12,10 +12,16 @@ process load TPU/GPU runtimes): `make targets` puts them in `.targets/tpu` and
 `.targets/cuda` (pinned in requirements-targets-{tpu,cuda}.txt), and
 `use_compile_packages(platform)` puts one of them on `sys.path` before JAX starts its
 backends.
+
+Lowering Pallas GPU (Triton) kernels without a GPU needs the GPU named: jax 0.11+ reads
+the architecture from the current abstract mesh's device and refuses otherwise ("No
+supported GPU devices found"); `lowering_for("cuda")` names the H100 (jax 0.10.2 has the same
+API and assumed sm_90 itself).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -23,6 +29,7 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -73,6 +80,11 @@ _TPU = {
   "v6e": ("default", 32 * GiB, 1, 2),
 }
 H100_HBM = 84_942_979_072  # the H100 SXM spec's device_memory_size (79.1 GiB)
+# The H100 as lowering sees it: the spec's device_description_str (what a compile-only
+# device of `devices("h100")` reports as its kind) and its 132 SMs.
+H100_DEVICE = jax.sharding.AbstractDevice(
+  device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"
+)
 EXAMPLES = ("v5p-8", "v5p-128", "v5e-256", "v6e-256", "v4-128", "h100", "h100x8")
 
 
@@ -114,6 +126,24 @@ def parse(name: str) -> Target:
     f"unknown --target={name!r}; known kinds: v4-N, v5p-N, v5e-N, v6e-N, h100, h100xN "
     f"(e.g. {', '.join(EXAMPLES)})"
   )
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str, gpu: jax.sharding.AbstractDevice = H100_DEVICE) -> Iterator[None]:
+  """Lowers for `platform` inside: for "cuda", Pallas Triton kernels for `gpu` (an H100)
+  from a host without one (`jax.export(..., platforms=["cuda"])`, `.lower(
+  lowering_platforms=("cuda",))`, or `jit(...).lower` on a compile-only GPU device);
+  nothing for other platforms, or on a GPU machine (Triton lowers for the local GPU).
+
+  The current mesh's axes are kept (its shardings still apply), only its device is
+  replaced; without a mesh an empty one carries the device.
+  """
+  if platform != "cuda" or jax.default_backend() == "gpu":
+    yield
+    return
+  mesh = jax.sharding.get_abstract_mesh()
+  with jax.sharding.use_abstract_mesh(mesh.update(abstract_device=gpu)):
+    yield
 
 
 def packages_dir(platform: str) -> Path:

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from iha_jax import parallel
 from iha_jax.models import FunctionalTransformerLM, TransformerConfig
+from iha_jax.parallel import targets
 from iha_jax.train.lowering import abstract_batch
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import abstract_state
@@ -62,7 +63,9 @@ def export_train_step(
     # Triton calls carry no serialization-compatibility guarantee (Mosaic's do): allowed
     # explicitly, as a program exported for one jaxlib and run there.
     checks = [jax.export.DisabledSafetyCheck.custom_call(KERNEL_TARGETS[1])]
-    return jax.export.export(jitted, platforms=[platform], disabled_checks=checks)(target, batch)
+    export = jax.export.export(jitted, platforms=[platform], disabled_checks=checks)
+    with targets.lowering_for(platform):  # Triton's GPU named (jax 0.11+), on this mesh
+      return export(target, batch)
 
 
 @dataclasses.dataclass
