@@ -190,7 +190,8 @@ class Attention(nnx.Module):
       cache: a `LayerCache` (`init_cache`): x holds the next N tokens of every row after
         the `cache.length` it holds (a prompt, then one token per call); returns
         `(y, cache)`.
-      deterministic: True: no dropout; None: the constructor's.
+      deterministic: True: no dropout; None: the constructor's (cached calls and
+        probabilities never drop out).
       rngs: the dropout stream (`nnx.Rngs` or its `dropout` stream); None: the kept one.
       return_probabilities: also return the attention probabilities over the virtual
         sequence, float32 `[B, H, T, T]` (`T = N * P`; IHA and MHA): `(y, probs)`.

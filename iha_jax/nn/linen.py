@@ -86,14 +86,15 @@ class _AttentionLinen(_LinenLayer):
   head_dim: int
   num_kv_heads: int | None = None
   window: int | None = None
-  window_tokens: int | None = None
   causal: bool = True
   dtype: Any = None
   param_dtype: Any = jnp.float32
   implementation: str = "auto"
+  kernel_init: Initializer = DEFAULT_KERNEL_INIT
+  # Added after the fields above, so that positional construction keeps its meaning.
+  window_tokens: int | None = None
   dropout_rate: float = 0.0
   deterministic: bool | None = None
-  kernel_init: Initializer = DEFAULT_KERNEL_INIT
 
   def __post_init__(self):
     self.config  # noqa: B018 - validates every field now, as the NNX layer's constructor
