@@ -199,9 +199,6 @@ class Attention(nnx.Module):
     Returns:
       `y: [B, N, D]`, or `(y, cache)` with a cache, or `(y, probs)`.
     """
-    dropout_rng = None
-    if self.config.dropout_rate > 0 and cache is None and not return_probabilities:
-      dropout_rng = self._dropout_rng(deterministic, rngs)
     return apply_layer(
       self.param_values(),
       x,
@@ -211,7 +208,7 @@ class Attention(nnx.Module):
       positions=positions,
       layer=layer,
       cache=cache,
-      dropout_rng=dropout_rng,
+      dropout_rng=lambda: self._dropout_rng(deterministic, rngs),
       return_probabilities=return_probabilities,
     )
 

@@ -49,15 +49,17 @@ def apply_layer(
   positions: jax.Array | None = None,
   layer: int | jax.Array | None = None,
   cache: LayerCache | None = None,
-  dropout_rng: jax.Array | None = None,
+  dropout_rng: Callable[[], jax.Array | None] | None = None,
   return_probabilities: bool = False,
 ) -> Any:
   """One call of the layer of `cfg` with parameters `params` on `x: [B, N, D]`.
 
+  `dropout_rng`: called, only for a full forward of a layer with `cfg.dropout_rate > 0`,
+  for the dropout key (None: deterministic); cached and probability calls never drop out.
+
   Returns:
     - `y: [B, N, D]` (no cache, no probabilities): the full forward
-      (`attention_forward`), with key-validity `mask` and dropout when `dropout_rng` is
-      given;
+      (`attention_forward`), with key-validity `mask` and attention dropout;
     - `(y, cache)` with a `cache` (`iha_jax.nn.cache.cached_attention`): the next N
       tokens of every row after the `cache.length` it holds;
     - `(y, probabilities [B, H, T, T])` with `return_probabilities`
@@ -82,7 +84,8 @@ def apply_layer(
   arrays = dict(mask=mask, segment_ids=segment_ids, positions=positions)
   forward = lambda p, x, a, rng: attention_forward(p, x, cfg, layer=layer, dropout_rng=rng, **a)
   if not return_probabilities:
-    return _on_auto_axes(forward, lambda: _sharding(x), params, x, arrays, dropout_rng)
+    key = dropout_rng() if dropout_rng is not None and cfg.dropout_rate > 0 else None
+    return _on_auto_axes(forward, lambda: _sharding(x), params, x, arrays, key)
 
   def with_probabilities(p, x, a):
     return forward(p, x, a, None), layer_attention_probabilities(p, x, cfg, **a)

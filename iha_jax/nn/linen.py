@@ -32,9 +32,27 @@ def _check_deterministic(value: Any) -> None:
 
 class _LinenLayer(nn.Module):
   """What every Linen attention layer shares: parameters from `self.config` (a field or a
-  property of the subclass) and the one call."""
+  property of the subclass), the one call and `init_cache`.
 
-  def _call(self, x, *, mask, segment_ids, positions, layer, cache, deterministic, probs):
+  `__call__(x: [B, N, D], *, mask=None, segment_ids=None, positions=None, layer=None,
+  cache=None, deterministic=None, return_probabilities=False)` as the NNX layer's:
+  `[B, N, D]`, or `(y, cache)`, or `(y, probabilities)`; dropout draws from the "dropout"
+  rng collection (`apply(..., rngs={"dropout": key})`).
+  """
+
+  @nn.compact
+  def __call__(
+    self,
+    x: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    layer: int | jax.Array | None = None,
+    cache: LayerCache | None = None,
+    deterministic: bool | None = None,
+    return_probabilities: bool = False,
+  ) -> Any:
     cfg = self.config
     specs = param_specs(
       cfg, kernel_init=self.kernel_init, mixing_noise_std=getattr(self, "mixing_noise_std", 0.0)
@@ -45,10 +63,12 @@ class _LinenLayer(nn.Module):
       )
       for name, spec in specs.items()
     }
-    dropout_rng = None
-    if cfg.dropout_rate > 0 and cache is None and not probs:
-      deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-      dropout_rng = None if deterministic else self.make_rng("dropout")
+
+    def dropout_rng() -> jax.Array | None:
+      if nn.merge_param("deterministic", self.deterministic, deterministic):
+        return None
+      return self.make_rng("dropout")
+
     return apply_layer(
       params,
       x,
@@ -59,7 +79,7 @@ class _LinenLayer(nn.Module):
       layer=layer,
       cache=cache,
       dropout_rng=dropout_rng,
-      return_probabilities=probs,
+      return_probabilities=return_probabilities,
     )
 
   def init_cache(
@@ -72,12 +92,8 @@ class _LinenLayer(nn.Module):
 
 class _AttentionLinen(_LinenLayer):
   """Fields every kind shares; subclasses set `kind` and add the fields only their kind
-  reads (named as `AttentionConfig`'s, which validates them all on construction).
-
-  `__call__(x: [B, N, D], *, mask=None, segment_ids=None, positions=None, layer=None,
-  cache=None, deterministic=None, return_probabilities=False)` as the NNX layer's:
-  `[B, N, D]`, or `(y, cache)`, or `(y, probabilities)`; dropout draws from the "dropout"
-  rng collection (`apply(..., rngs={"dropout": key})`).
+  reads (named as `AttentionConfig`'s, which validates them all on construction). The
+  call is `_LinenLayer`'s.
   """
 
   kind: ClassVar[str]
@@ -108,30 +124,6 @@ class _AttentionLinen(_LinenLayer):
       f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _CONFIG_FIELDS
     }
     return layer_config(window_tokens=self.window_tokens, kind=self.kind, **fields)
-
-  @nn.compact
-  def __call__(
-    self,
-    x: jax.Array,
-    *,
-    mask: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-    positions: jax.Array | None = None,
-    layer: int | jax.Array | None = None,
-    cache: LayerCache | None = None,
-    deterministic: bool | None = None,
-    return_probabilities: bool = False,
-  ) -> Any:
-    return self._call(
-      x,
-      mask=mask,
-      segment_ids=segment_ids,
-      positions=positions,
-      layer=layer,
-      cache=cache,
-      deterministic=deterministic,
-      probs=return_probabilities,
-    )
 
 
 class InterleavedHeadAttentionLinen(_AttentionLinen):
@@ -195,27 +187,3 @@ class AttentionLinen(_LinenLayer):
       raise TypeError(f"config must be an AttentionConfig, got {type(self.config).__name__}")
     _check_deterministic(self.deterministic)
     super().__post_init__()
-
-  @nn.compact
-  def __call__(
-    self,
-    x: jax.Array,
-    *,
-    mask: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-    positions: jax.Array | None = None,
-    layer: int | jax.Array | None = None,
-    cache: LayerCache | None = None,
-    deterministic: bool | None = None,
-    return_probabilities: bool = False,
-  ) -> Any:
-    return self._call(
-      x,
-      mask=mask,
-      segment_ids=segment_ids,
-      positions=positions,
-      layer=layer,
-      cache=cache,
-      deterministic=deterministic,
-      probs=return_probabilities,
-    )
