@@ -126,7 +126,7 @@ def _rows(a: argparse.Namespace) -> dict[str, tuple]:
 def _label(name: str, acfg: AttentionConfig) -> str:
   window = "" if acfg.window is None else f" w={acfg.window}"
   groups = f" G={acfg.kv_heads}" if acfg.kv_heads != acfg.num_heads else ""
-  return name + (f" P={acfg.pseudo}" if acfg.interleaved else "") + groups + window
+  return name + (f" P={acfg.num_pseudo}" if acfg.record.virtual_tokens else "") + groups + window
 
 
 def main() -> None:

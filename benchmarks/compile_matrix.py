@@ -125,7 +125,7 @@ SMOKE = {
 
 
 # The shapes benchmarks/kernels.py times (B = 1, N = 8192, H = 20, d = 128, bf16,
-# forward+backward): what a lent GPU compiles to set beside its timings (`--cases timed`).
+# forward+backward): what a GPU compiles them to, beside its timings (`--cases timed`).
 TIMED = [
   ("timed: window IHA, P = 2", Case(heads=20, pseudo=2, window=2048, tokens=8192)),
   ("timed: window IHA, P = 4", Case(heads=20, pseudo=4, window=1024, tokens=8192)),
@@ -156,7 +156,7 @@ def worker(platform: str, which: str, on_device: bool = False) -> None:
   if which == "smoke" and platform == "tpu":
     names = ("v5p-8",)
   if on_device:
-    # A lent GPU: the same cases compiled by its own jax/Triton/ptxas for the real device.
+    # On a GPU: the same cases compiled by its own jax/Triton/ptxas for the real device.
     names = ("h100",)
   else:
     targets.use_compile_packages(platform)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A lent GPU's measurements, stage by stage (docs/performance.md §12 says what each gives).
+# The measurements to take on a GPU machine, stage by stage (docs/performance.md §12 says
+# what each gives).
 #
 #   bash benchmarks/gpu_session.sh STAGE[:SECONDS] ...     (on the GPU machine, repo root)
 #

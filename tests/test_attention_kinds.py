@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from iha_jax import ops
+from iha_jax.core.grouped import grouped_attention_heads_major
 from iha_jax.kinds import registry
 from tests import conformance as cf
 from tests.utils import assert_close, packed_segments, random_iha_inputs
@@ -244,3 +245,45 @@ def test_simplicial_refuses_oversized_scores():
   huge = jax.ShapeDtypeStruct((8, 8192, 4, 8), jnp.float32)
   with pytest.raises(ValueError, match="use a window"):
     jax.eval_shape(lambda *a: ops.simplicial_attention(*a, implementation="xla"), *[huge] * 5)
+
+
+def test_xla_attention_dropout_is_dense_attention_with_the_tile_masks():
+  """Dropout in the XLA core, forward and gradients, equals dense attention whose weights
+  take the same per-tile masks (drawn from the key folded with the tile numbers) and the
+  undropped normaliser; a window and grouped-query keys exercise the tile skipping."""
+  b, h, g, t, d, block, window, rate = 2, 4, 2, 12, 8, 4, 7, 0.4
+  r = h // g
+  key = jax.random.key(5)
+  q, k, v, ct = (
+    jax.random.normal(jax.random.key(i), (b, x, t, d)) for i, x in enumerate((h, g, g, h))
+  )
+  blocks = dict(segment_ids=None, window=window, block_q=block, block_k=block)
+
+  def core(q, k, v):
+    return grouped_attention_heads_major(q, k, v, **blocks, dropout_rate=rate, dropout_rng=key)
+
+  def dense(q, k, v):
+    # The grouped fold: row `t * r + m` of group g's query axis is query t of member m, so
+    # query tile i holds the `block` positions of every member (`block * r` rows).
+    qg = jnp.swapaxes(q.reshape(b, g, r, t, d), 2, 3).reshape(b, g, t * r, d)
+    s = jnp.einsum("bgqd,bgkd->bgqk", qg, k, precision="highest") * d**-0.5
+    qi, ki = jnp.repeat(jnp.arange(t), r)[:, None], jnp.arange(t)[None, :]
+    p = jax.nn.softmax(jnp.where((ki <= qi) & (qi - ki < window), s, -1e30), axis=-1)
+    tile = lambda i, j: jax.random.bernoulli(
+      jax.random.fold_in(jax.random.fold_in(key, i), j), 1 - rate, (b, g, block * r, block)
+    )
+    keep = jnp.block([[tile(i, j) for j in range(t // block)] for i in range(t // block)])
+    dropped = jnp.where(keep, p / (1 - rate), 0.0)
+    out = jnp.einsum("bgqk,bgkd->bgqd", dropped, v, precision="highest")
+    return jnp.swapaxes(out.reshape(b, g, t, r, d), 2, 3).reshape(b, h, t, d)
+
+  assert_close(core(q, k, v), dense(q, k, v), jnp.float32, "dropout forward")
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * ct)
+  got = jax.grad(loss(core), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)
+  for name, a, e in zip("qkv", got, want):
+    assert_close(a, e, jnp.float32, f"dropout d{name}")
+  plain = grouped_attention_heads_major(q, k, v, **blocks)
+  np.testing.assert_array_equal(
+    plain, grouped_attention_heads_major(q, k, v, **blocks, dropout_rng=key)
+  )

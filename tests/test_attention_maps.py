@@ -13,7 +13,6 @@ from iha_jax.eval.attention_maps import (
   PANEL_PIXELS,
   attention_maps,
   grid_step,
-  layer_attention_probs,
   plot_attention_maps,
 )
 from iha_jax.models import TransformerConfig, TransformerLM
@@ -75,7 +74,8 @@ def test_maps_reproduce_the_layer_output(model):
   block = model.layers[0]
   x = block.attn_norm(model.embed(_tokens()[None]))
   attn = block.attn
-  probs = layer_attention_probs(attn, x)
+  y, probs = attn(x, return_probabilities=True)  # the layer's own call
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(attn(x)))
   v = jnp.einsum("bnD,Dhd->bnhd", x, attn.wv[...])
   values = interleave(pseudo_mix(v, attn.alpha_v[...]))
   out = jnp.einsum("bhts,bshd->bthd", probs, values)

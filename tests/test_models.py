@@ -104,7 +104,7 @@ def test_layers_follow_schedule():
     (MultiHeadAttention, 2),
     (InterleavedHeadAttention, None),
   ]
-  assert model.layers[0].attn.config.pseudo == 3
+  assert model.layers[0].attn.config.num_pseudo == 3
   assert [b.letter for b in model.layers] == list("ILMSI")
   model = TransformerLM(
     _config(attention_schedule="TDX", num_layers=3, causal=False), rngs=nnx.Rngs(0)

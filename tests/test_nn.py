@@ -401,3 +401,91 @@ def test_rejects_bad_input(shape):
   for m in (_iha(), _mha()):
     with pytest.raises(ValueError, match="x must have shape"):
       m(_x(shape=shape))
+
+
+def test_rejects_an_empty_sequence_and_a_traced_window():
+  with pytest.raises(ValueError, match="x has N = 0 tokens"):
+    _iha()(_x(shape=(B, 0, D)))
+  with pytest.raises(ValueError, match="window must be a static Python int"):
+    jax.jit(lambda w: _iha(window=w)(_x()))(4)
+
+
+# --- a layer to drop in: mask=, window units, dropout, Linen checks, unboxing ----------
+
+
+def test_mask_is_key_validity_and_other_masks_are_refused():
+  m = _iha(num_pseudo=2, window=5)
+  valid = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+  x = _x()
+  y = m(x, mask=valid[:, None, None, :])
+  chex.assert_trees_all_equal(y, m(x, segment_ids=valid.astype(jnp.int32)))
+  np.testing.assert_array_equal(y[0, 4:], 0.0)  # padding positions
+  with pytest.raises(ValueError, match=r"mask of shape \(2, 1, 6, 6\).*window=.*segment_ids"):
+    m(x, mask=nnx.make_causal_mask(jnp.ones((B, N))))
+
+
+def test_window_in_tokens_at_the_layer():
+  # window_tokens=w takes w * P virtual tokens; window keeps the kind's unit.
+  assert _iha(num_pseudo=2, window_tokens=3).config.window == 6
+  assert _iha(window_tokens=2).config.window == 2 * H  # P = H when num_pseudo is None
+  assert _mha(window_tokens=3).config.window == 3
+  linen = InterleavedHeadAttentionLinen(D, H, HEAD_DIM, num_pseudo=2, window_tokens=3)
+  assert linen.config.window == 6
+  with pytest.raises(ValueError, match="window.*or window_tokens.*not both"):
+    _iha(window=4, window_tokens=2)
+  with pytest.raises(ValueError, match="window_tokens must be a positive integer"):
+    _iha(window_tokens=0)
+
+
+def test_linen_validates_at_construction():
+  with pytest.raises(ValueError, match="num_pseudo"):
+    InterleavedHeadAttentionLinen(D, H, HEAD_DIM, num_pseudo=0)
+  with pytest.raises(ValueError, match="dropout_rate"):
+    MultiHeadAttentionLinen(D, H, HEAD_DIM, dropout_rate=1.5)
+  with pytest.raises(TypeError, match="unexpected keyword"):  # explicit keywords, NNX too
+    InterleavedHeadAttention(D, H, HEAD_DIM, num_pseudos=2, rngs=nnx.Rngs(0))
+
+
+def test_attention_dropout_nnx_and_linen():
+  x = _x()
+  kw = dict(num_pseudo=2, window=5, implementation="xla")
+  plain = _iha(**kw)
+  drop = _iha(**kw, dropout_rate=0.5)
+  chex.assert_trees_all_equal(drop(x, deterministic=True), plain(x))
+  with pytest.raises(ValueError, match="pass deterministic"):
+    drop(x)
+  y1, y2 = drop(x, deterministic=False), drop(x, deterministic=False)
+  assert not np.allclose(y1, plain(x)) and not np.allclose(y1, y2)  # a fresh mask per call
+  grads = nnx.grad(lambda m: jnp.sum(m(x, deterministic=False) ** 2))(drop)
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+  linen = InterleavedHeadAttentionLinen(D, H, HEAD_DIM, **kw, dropout_rate=0.5)
+  params = linen.init(jax.random.key(0), x, deterministic=True)
+  rngs = {"dropout": jax.random.key(3)}
+  a = linen.apply(params, x, deterministic=False, rngs=rngs)
+  chex.assert_trees_all_equal(a, linen.apply(params, x, deterministic=False, rngs=rngs))
+  assert not np.allclose(a, linen.apply(params, x, deterministic=True))
+  # Implementations without dropout refuse in one line.
+  with pytest.raises(ValueError, match="'reference' implementation has no attention dropout"):
+    _iha(num_pseudo=2, implementation="reference", dropout_rate=0.1)
+  with pytest.raises(ValueError, match="no attention dropout in any implementation"):
+    TalkingHeadsAttention(D, H, HEAD_DIM, dropout_rate=0.1, rngs=nnx.Rngs(0))
+  from iha_jax.kinds import auto_backend  # pylint: disable=import-outside-toplevel
+
+  auto = _iha(num_pseudo=2, implementation="auto", dropout_rate=0.1)
+  with auto_backend("tpu"), pytest.raises(ValueError, match="'auto' chose 'pallas_tpu'"):
+    auto(x, deterministic=False)
+
+
+def test_unbox_and_logical_specs():
+  from iha_jax.nn import logical_specs, unbox  # pylint: disable=import-outside-toplevel
+
+  linen = InterleavedHeadAttentionLinen(D, H, HEAD_DIM, num_pseudo=2)
+  variables = linen.init(jax.random.key(0), _x())
+  params = unbox(variables)["params"]
+  assert params["wq"].shape == (D, H, HEAD_DIM)
+  specs = logical_specs(variables)["params"]
+  assert specs["wq"] == jax.sharding.PartitionSpec("embed", "heads", "head_dim")
+  nnx_specs = logical_specs(_iha(num_pseudo=2))
+  assert nnx_specs["alpha_q"].get_value() == jax.sharding.PartitionSpec(
+    "heads_src", "heads", "pseudo"
+  )

@@ -120,3 +120,18 @@ def test_old_kernel_names_are_deprecated_aliases():
   )
   want = ops.iha_attention(*args, implementation="reference")
   assert jnp.allclose(got, want, atol=2e-5)
+
+
+def test_clear_errors_for_traced_window_heads_first_layout_and_empty_sequence():
+  args = _args()
+  with pytest.raises(ValueError, match=r"window must be a static Python int.*static_argnames"):
+    jax.jit(lambda w: ops.iha_attention(*args, window=w))(4)
+  q, k, v, *mixing = args
+  heads_first = [jnp.swapaxes(t, 1, 2) for t in (q, k, v)]  # [B, H, N, d]
+  with pytest.raises(ValueError, match=r"looks laid out \[B, H, N, d\].*swapaxes"):
+    ops.iha_attention(*heads_first, *mixing)
+  empty = [t[:, :0] for t in (q, k, v)]
+  with pytest.raises(ValueError, match="N = 0 tokens"):
+    ops.iha_attention(*empty, *mixing)
+  with pytest.raises(ValueError, match="N = 0 tokens"):
+    ops.mha_attention(*empty)

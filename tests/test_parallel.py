@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ def test_rules_map_logical_names_to_mesh_axes():
     (dict(data=-1, fsdp=1, tensor=4), 8, (2, 1, 1, 4)),
     (dict(data=1, fsdp=2, tensor=1), 8, (1, 2, 1, 1)),
     (dict(data=1, fsdp=1, context=-1, tensor=2), 8, (1, 1, 4, 2)),
+    (dict(data=2, tensor=2), 8, (2, 1, 1, 2)),  # every axis left out: size one
   ],
 )
 def test_resolve_mesh_shape(sizes, devices, expected):
@@ -116,3 +118,24 @@ def test_kernel_axes_follow_the_rules_and_skip_manual_axes():
   assert kernel_axes(mesh(manual, auto, manual)) == dict(batch_axes=("fsdp",), head_axis=None)
   assert kernel_axes(mesh(manual, manual, manual)) is None
   assert kernel_axes(AbstractMesh((), ())) is None
+
+
+def test_rules_for_a_mesh_of_your_own():
+  """Roles map a user's own axis names; roles left out stay unsharded; an axis the mesh
+  lacks fails in one line naming it; the project's rules drop the axes a mesh lacks."""
+  mesh = jax.make_mesh((4, 2), ("dp", "tp"))
+  rules = dict(parallel.logical_rules({"batch": "dp", "heads": "tp", "mlp": None}, mesh))
+  assert rules["activation_batch"] == ("dp",) and rules["activation_heads"] == ("tp",)
+  assert rules["heads"] == ("tp",) and rules["mlp"] is None and rules["embed"] is None
+  assert rules["activation_length"] is None
+  with pytest.raises(ValueError, match=r"'heads' -> 'model': the mesh has no axis 'model' "):
+    parallel.logical_rules({"heads": "model"}, mesh)
+  with pytest.raises(ValueError, match="'head' is neither a role"):
+    parallel.logical_rules({"head": "tp"})
+  with pytest.raises(ValueError, match="'embed' -> 'fsdp': the mesh has no axis 'fsdp'"):
+    with parallel.activate(mesh, parallel.LOGICAL_AXIS_RULES):
+      pass
+  only_data = jax.make_mesh((8,), ("data",))
+  with parallel.activate(only_data):  # the project's rules: fsdp, context, tensor size one
+    active = dict(nn.get_logical_axis_rules())
+  assert active["activation_batch"] == ("data",) and active["heads"] is None

@@ -108,6 +108,8 @@ def _xla_core(q, k, v, options: AttentionOptions, seq: _Sequences):
     causal=options.causal,
     block_q=blocks.block_q,
     block_k=blocks.block_k,
+    dropout_rate=options.dropout_rate,
+    dropout_rng=options.dropout_rng,
   )
 
 

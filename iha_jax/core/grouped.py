@@ -46,11 +46,14 @@ def grouped_attention_heads_major(
   kv_segment_ids: jax.Array | None = None,
   q_index: jax.Array | None = None,
   k_index: jax.Array | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
 ) -> jax.Array:
   """`flash_attention_heads_major` for `q: [B, H, Tq, d]` over `k: [B, G, Tk, d]`,
   `v: [B, G, Tk, dv]`, G dividing H: query head h attends with key/value head
   `h // (H // G)`. Arguments as `flash_attention_heads_major` (`segment_ids: [B, Tq]`,
-  `kv_segment_ids: [B, Tk]`, `q_index: [Tq]`, `k_index: [Tk]`); G = H is that call itself.
+  `kv_segment_ids: [B, Tk]`, `q_index: [Tq]`, `k_index: [Tk]`, attention dropout); G = H
+  is that call itself.
 
   Returns:
     `[B, H, Tq, dv]` in q.dtype.
@@ -71,6 +74,8 @@ def grouped_attention_heads_major(
       kv_segment_ids=kv_segment_ids,
       q_index=q_index,
       k_index=k_index,
+      dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
     )
   r = h // g
   if kv_segment_ids is None and segment_ids is not None:
@@ -103,6 +108,8 @@ def grouped_attention_heads_major(
     kv_segment_ids=kv_segment_ids,
     q_index=jnp.repeat(q_index, r),
     k_index=k_index,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
   )
   out = jnp.swapaxes(out.reshape(b, g, tq, r, -1), 2, 3)
   return out[:, :, :, :t_q].reshape(b, h, t_q, -1)

@@ -59,6 +59,11 @@ class AttentionOptions:
       queries of one sequence. Keys and values may then hold `Nk != N` tokens.
     kv_segment_ids: `[B, Nk]` segment ids of the keys (None: `segment_ids`, Nk = N).
     kv_positions: `[B, Nk]` token positions of the keys (None: `positions`, Nk = N).
+    dropout_rate: attention dropout: each attention weight is dropped with this
+      probability and the kept ones scaled by `1 / (1 - rate)`; 0: none (the layers set it
+      only while training). Only some implementations apply it (a kind's
+      `dropout_implementations`: "xla"); the others refuse a rate > 0.
+    dropout_rng: the PRNG key of the dropout masks (required when `dropout_rate` > 0).
   """
 
   window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
@@ -71,6 +76,8 @@ class AttentionOptions:
   query_offset: Any = 0
   kv_segment_ids: Any = None
   kv_positions: Any = None
+  dropout_rate: float = dataclasses.field(default=0.0, metadata=dict(static=True))
+  dropout_rng: Any = None
 
   @property
   def key_segment_ids(self) -> Any:

@@ -24,7 +24,7 @@ def repeat_kv_heads(x: jax.Array, num_heads: int) -> jax.Array:
   return x if groups == 1 else jnp.repeat(x, groups, axis=2)
 
 
-def attention_probs(
+def dense_attention_probabilities(
   q: jax.Array,
   k: jax.Array,
   q_index: jax.Array,
@@ -83,7 +83,7 @@ def dense_attention(
   q_index = q_offset + jnp.arange(q.shape[1])
   k_index = jnp.arange(k.shape[1])
   k_segment = segment_ids if kv_segment_ids is None else kv_segment_ids
-  probs = attention_probs(
+  probs = dense_attention_probabilities(
     q, k, q_index, k_index, window=window, q_segment=segment_ids, k_segment=k_segment, causal=causal
   )
   v = repeat_kv_heads(v, q.shape[2])

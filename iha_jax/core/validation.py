@@ -13,21 +13,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from iha_jax.checks import is_int, is_traced
 from iha_jax.core.options import AttentionOptions, BlockSizes
 
 
 def _shape(x: Any) -> tuple[int, ...]:
   return tuple(jnp.shape(x))
-
-
-def is_int(value: Any, minimum: int | None = None) -> bool:
-  """Whether `value` is a Python int (not a bool) and, if `minimum` is given, >= it.
-
-  The one check behind every "must be a positive integer" message of the project.
-  """
-  return (
-    isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
-  )
 
 
 def check_arrays(
@@ -72,6 +63,18 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, value_width: bool = F
       "[B, N, G, d])."
     )
   return check_kv_heads(_shape(q)[2], _shape(k)[2])
+
+
+def check_head_axis(q: jax.Array, num_heads: int, source: str) -> None:
+  """Raises ValueError for q `[B, H, N, d]` (heads on axis 1) where `[B, N, H, d]` is
+  expected: q's axis 2 is not the H = `num_heads` of `source` but its axis 1 is."""
+  shape = _shape(q)
+  if len(shape) == 4 and shape[2] != num_heads and shape[1] == num_heads:
+    raise ValueError(
+      f"q {shape} looks laid out [B, H, N, d] (axis 1 has the H = {num_heads} heads of "
+      f"{source}); the entry points take [B, N, H, d]: pass jnp.swapaxes(q, 1, 2), and k, v "
+      "likewise."
+    )
 
 
 def check_kv_heads(num_heads: int, num_kv_heads: int, names: str = "k and v") -> int:
@@ -129,10 +132,26 @@ def check_options(q: jax.Array, options: AttentionOptions) -> AttentionOptions:
   """`options` checked against q `[B, N, H, ...]`, with `positions` defaulted (`arange(N)`
   per row): what every implementation receives."""
   window, causal, rope_theta = options.window, options.causal, options.rope_theta
+  if _shape(q)[1] == 0:
+    raise ValueError(
+      f"q has N = 0 tokens (shape {_shape(q)}, [B, N, H, d]): attention needs at least one "
+      "token per sequence."
+    )
+  if is_traced(window):
+    raise ValueError(
+      f"window must be a static Python int, got a traced value ({window!r}): it sets the band "
+      "of key tiles at trace time; pass it as a static argument (jax.jit(..., static_argnames="
+      "'window')) or close over it."
+    )
   if window is not None and not is_int(window, 1):
     raise ValueError(f"window must be None (global) or an int >= 1, got {window!r}.")
   if not isinstance(causal, bool):
     raise ValueError(f"causal must be a bool (True: causal, False: bidirectional), got {causal!r}.")
+  rate = options.dropout_rate
+  if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+    raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}.")
+  if rate and options.dropout_rng is None:
+    raise ValueError(f"dropout_rate={rate} needs dropout_rng, a PRNG key (jax.random.key).")
   if options.block_sizes is not None and not isinstance(options.block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes or None, got {options.block_sizes!r}.")
   batch_tokens = _shape(q)[:2]

@@ -9,6 +9,10 @@ online softmax in float32. No `[T, T]` score or mask tensor ever exists:
   when bidirectional: the window is symmetric).
 The backward pass is a custom VJP that recomputes score tiles from the saved
 log-sum-exp (as FlashAttention-2 does), so training memory is O(T * d) too.
+Attention dropout (`dropout_rate`, `dropout_rng`) drops each weight of a tile with a
+mask drawn from the key folded with the tile's (query block, key block) numbers, so the
+backward pass redraws exactly the forward's masks; the softmax normaliser is the
+undropped one (as `jax.nn.dot_product_attention`'s reference and flax's attention).
 """
 
 from __future__ import annotations
@@ -83,11 +87,36 @@ def _slice_segments(seg: jax.Array | None, start, size: int) -> jax.Array | None
   return None if seg is None else _slice(seg, start, size, 1)
 
 
+def _kept(dropout, i, j, p: jax.Array) -> jax.Array:
+  """`p` with attention dropout applied (`dropout = (rate, key)`; None: `p`): the weights of
+  tile (query block i, key block j) kept with probability `1 - rate` and scaled by
+  `1 / (1 - rate)`. The mask depends only on the key and (i, j): the backward redraws it."""
+  if dropout is None:
+    return p
+  rate, key = dropout
+  keep = jax.random.bernoulli(jax.random.fold_in(jax.random.fold_in(key, i), j), 1 - rate, p.shape)
+  return jnp.where(keep, p / (1 - rate), 0.0)
+
+
 def _forward(
-  q, k, v, seg_q, seg_k, q_index, k_index, *, window, causal, block_q, block_k, precision
+  q,
+  k,
+  v,
+  seg_q,
+  seg_k,
+  q_index,
+  k_index,
+  *,
+  window,
+  causal,
+  block_q,
+  block_k,
+  precision,
+  dropout=None,
 ):
   """`q, k: [B, H, T, d]`, `v: [B, H, T, dv]`, segments `[B, T]` and indices `[T]` padded
-  to block multiples -> (out [B, H, Tq, dv], lse [B, H, Tq])."""
+  to block multiples -> (out [B, H, Tq, dv], lse [B, H, Tq]). `dropout`: None or
+  `(rate, key)` (attention dropout, `_kept`)."""
   b, h, tq, d = q.shape
   dv = v.shape[-1]
   num_q_blocks = tq // block_q
@@ -118,7 +147,7 @@ def _forward(
       l = l * correction + p.sum(axis=-1)
       acc = acc * correction[..., None] + jnp.einsum(
         "bhqk,bhkd->bhqd",
-        p.astype(v.dtype),
+        _kept(dropout, i, j, p).astype(v.dtype),
         v_j,
         precision=precision,
         preferred_element_type=jnp.float32,
@@ -160,8 +189,12 @@ def _backward(
   block_q,
   block_k,
   precision,
+  dropout=None,
 ):
-  """FlashAttention-2 backward: loop over key blocks, recompute tiles, accumulate dq."""
+  """FlashAttention-2 backward: loop over key blocks, recompute tiles, accumulate dq. With
+  dropout the output is `D(P) V` (`D` the tile masks and scale of `_kept`): dV takes
+  `D(P)`, dP the masked and scaled `dO V^T`, and `delta = rowsum(dO * out)` still equals
+  `rowsum(P * dP)`."""
   b, h, tq, d = q.shape
   dv = v.shape[-1]
   tk = k.shape[2]
@@ -198,13 +231,18 @@ def _backward(
       p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
       dv_j += jnp.einsum(
         "bhqk,bhqd->bhkd",
-        p.astype(d_out.dtype),
+        _kept(dropout, i, j, p).astype(d_out.dtype),
         do_i,
         precision=precision,
         preferred_element_type=jnp.float32,
       )
-      dp = jnp.einsum(
-        "bhqd,bhkd->bhqk", do_i, v_j, precision=precision, preferred_element_type=jnp.float32
+      dp = _kept(
+        dropout,
+        i,
+        j,
+        jnp.einsum(
+          "bhqd,bhkd->bhqk", do_i, v_j, precision=precision, preferred_element_type=jnp.float32
+        ),
       )
       ds = (p * (dp - delta_i[..., None]) * scale).astype(q.dtype)
       dk_j += jnp.einsum(
@@ -247,6 +285,37 @@ def _flash_bwd(window, causal, block_q, block_k, precision, residuals, d_out):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# The same with attention dropout (`_kept`): its key is an argument, its rate static. A
+# function of its own, so that calls without dropout lower exactly as before it existed.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _flash_dropout(
+  q, k, v, segments, indices, key, window, causal, block_q, block_k, precision, rate
+):
+  args = (window, causal, block_q, block_k, precision, rate)
+  return _flash_dropout_fwd(q, k, v, segments, indices, key, *args)[0]
+
+
+def _flash_dropout_fwd(
+  q, k, v, segments, indices, key, window, causal, block_q, block_k, precision, rate
+):
+  static = dict(window=window, causal=causal, block_q=block_q, block_k=block_k, precision=precision)
+  out, lse = _forward(q, k, v, *(segments or (None, None)), *indices, **static, dropout=(rate, key))
+  return out, (q, k, v, segments, indices, key, out, lse)
+
+
+def _flash_dropout_bwd(window, causal, block_q, block_k, precision, rate, residuals, d_out):
+  q, k, v, segments, indices, key, out, lse = residuals
+  static = dict(window=window, causal=causal, block_q=block_q, block_k=block_k, precision=precision)
+  segments_or_none = segments or (None, None)
+  dq, dk, dv = _backward(
+    q, k, v, *segments_or_none, *indices, out, lse, d_out, **static, dropout=(rate, key)
+  )
+  return dq, dk, dv, None, None, None
+
+
+_flash_dropout.defvjp(_flash_dropout_fwd, _flash_dropout_bwd)
 
 
 def default_block_size(seq_len: int, window: int | None) -> int:
@@ -324,6 +393,8 @@ def flash_attention_heads_major(
   kv_segment_ids: jax.Array | None = None,
   q_index: jax.Array | None = None,
   k_index: jax.Array | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
 ) -> jax.Array:
   """Blockwise attention over a flat sequence, head-major layout.
 
@@ -342,6 +413,8 @@ def flash_attention_heads_major(
       the flat sequence, for the causal and window rules (default `arange`): queries
       and keys that are a slice of a longer sequence (a decoding step, a sequence
       shard). Any order is correct; sorted indices skip the most tiles.
+    dropout_rate, dropout_rng: attention dropout (module docstring): each weight dropped
+      with probability `dropout_rate` (0: none), masks drawn from the key `dropout_rng`.
 
   Returns:
     `[B, H, Tq, dv]` in q.dtype.
@@ -360,7 +433,11 @@ def flash_attention_heads_major(
     block_q=block_q,
     block_k=block_k,
   )
-  out = _flash(q, k, v, segments, indices, window, causal, block_q, block_k, precision)
+  static = (window, causal, block_q, block_k, precision)
+  if dropout_rate:
+    out = _flash_dropout(q, k, v, segments, indices, dropout_rng, *static, dropout_rate)
+  else:
+    out = _flash(q, k, v, segments, indices, *static)
   return out if out.shape[2] == t_q else out[:, :, :t_q]
 
 

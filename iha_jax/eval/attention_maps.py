@@ -2,10 +2,11 @@
 
 An IHA layer attends over `T = N*P` virtual tokens (`t = n*P + p`, docs/design.md §1.3), so a
 head's map is `[T, T]` and shows P x P blocks: pseudo-query p of token n against the
-pseudo-keys of token m. The maps come from the same XLA attention core and mask as the
-training forward (`iha_jax.ops.attention_probabilities`: its log-sum-exp, then each
-query block's weights), dense in keys (O(T^2) output: for small N); MHA layers give
-`[N, N]` maps (P = 1). Layers are numbered from 1, as everywhere in the project.
+pseudo-keys of token m. The maps are the layer's own call with
+`return_probabilities=True` (the XLA attention core's log-sum-exp and mask, as in
+training; `iha_jax.nn.layer_attention_probabilities`), dense in keys (O(T^2) output: for
+small N); MHA layers give `[N, N]` maps (P = 1). Layers are numbered from 1, as
+everywhere in the project.
 """
 
 from __future__ import annotations
@@ -20,60 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from iha_jax.core.grouped import grouped_attention_probabilities
-from iha_jax.core.validation import default_positions, is_int
+from iha_jax.checks import is_int
 from iha_jax.models import TransformerLM
-from iha_jax.nn import project_qkv, rotated_pseudo_heads, to_compute_dtype, virtual_per_token
-from iha_jax.ops import virtual_segment_ids
 
 if TYPE_CHECKING:
   from matplotlib.figure import Figure
-
-
-def layer_attention_probs(
-  attn: nnx.Module,
-  x: jax.Array,
-  *,
-  segment_ids: jax.Array | None = None,
-  positions: jax.Array | None = None,
-) -> jax.Array:
-  """Attention probabilities of one attention module, float32 `[B, H, T, T]`.
-
-  Args:
-    attn: an attention module of a kind that reads as pseudo-head attention (IHA, MHA:
-      `AttentionKind.decodes`).
-    x: the module's input `[B, N, D]`.
-    segment_ids: optional `[B, N]` int32 (0 = padding: its rows are all zeros).
-    positions: optional `[B, N]` int32 token positions (default `arange(N)`).
-
-  Returns:
-    `probs[b, h, t, s]`: weight of virtual key s in virtual query t of target head h,
-    `T = N*P` (N for MHA); every non-padding row sums to 1.
-  """
-  cfg = attn.config
-  if not cfg.record.decodes:
-    raise ValueError(
-      f"attention maps need a kind that reads as pseudo-head attention (IHA, MHA); "
-      f"this layer is {cfg.kind!r}"
-    )
-  params, x = to_compute_dtype(attn.param_values(), x, cfg)
-  q, k, _ = project_qkv(params, x)
-  positions = default_positions(x, positions)
-  queries, keys = (
-    jnp.swapaxes(rotated_pseudo_heads(params, cfg, which, t, positions), 1, 2)
-    for which, t in (("q", q), ("k", k))
-  )
-  segments = None
-  if segment_ids is not None:
-    segments = virtual_segment_ids(segment_ids, virtual_per_token(cfg))
-  return grouped_attention_probabilities(  # keys may have G < H heads (grouped-query)
-    queries,
-    keys,
-    segment_ids=segments,
-    window=cfg.window,
-    causal=cfg.causal,
-    precision=jax.lax.Precision.HIGHEST,
-  )
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layer_number"))
@@ -83,9 +35,10 @@ def _maps_jit(state, tokens, segment_ids, positions, *, graphdef, layer_number):
   for block in model.layers[: layer_number - 1]:
     x = block(x, segment_ids=segment_ids, positions=positions)
   block = model.layers[layer_number - 1]
-  return layer_attention_probs(
-    block.attn, block.attn_norm(x), segment_ids=segment_ids, positions=positions
+  _, probabilities = block(
+    x, segment_ids=segment_ids, positions=positions, return_probabilities=True
   )
+  return probabilities
 
 
 def attention_maps(

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from iha_jax import data as data_lib
 from iha_jax import parallel, storage
-from iha_jax.core.validation import is_int
+from iha_jax.checks import is_int
 from iha_jax.errors import UserError
 from iha_jax.eval.attention_maps import attention_maps, plot_attention_maps
 from iha_jax.models import TransformerConfig

@@ -18,6 +18,7 @@ import jax
 import ml_collections
 
 from iha_jax import storage
+from iha_jax.checks import is_int
 from iha_jax.eval.runs import EvalError, chance_exact_match, restore_run
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ def length_sweep(
   if not workdirs:
     raise EvalError("--workdir: give at least one run directory to sweep")
   lengths = parse_lengths(lengths)
-  if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 1:
+  if not is_int(num_examples, 1):
     raise EvalError(f"--sweep_examples must be a positive integer, got {num_examples!r}")
   runs: dict[str, Any] = {}
   for workdir in workdirs:

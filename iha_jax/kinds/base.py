@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.core.masking import visible_pairs
 from iha_jax.core.options import AttentionOptions
-from iha_jax.core.validation import is_int
 from iha_jax.kinds.initializers import fold_fan_in
 from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS
 
@@ -42,16 +41,6 @@ QUERY_PROJ = "query_proj"
 KEY_PROJ = "key_proj"
 VALUE_PROJ = "value_proj"
 ATTENTION_OUT = "attention_out"
-
-
-def check_positive(name: str, value: Any, *, optional: bool = False) -> None:
-  """Raises ValueError naming `name` unless `value` is a positive int (or None)."""
-  if optional and value is None:
-    return
-  if not is_int(value, 1):
-    raise ValueError(
-      f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}"
-    )
 
 
 class ParamSpec(NamedTuple):
@@ -127,6 +116,8 @@ class AttentionKind:
       in virtual tokens (`TransformerConfig.iha_window`), else in tokens (`mha_window`).
     uses_rope: False: the model gives its layers `rope_theta=None`.
     mixing_params: its identity-initialised head mixings (weight decay switch, noise).
+    dropout_implementations: its implementations that apply attention dropout
+      (`AttentionOptions.dropout_rate`); the others refuse a rate > 0 in one line.
     decodes: KV-cache decoding and attention maps read the kind as pseudo-head
       attention (`pseudo_heads`, `collapse`; wq, wk, wv and wo projections).
     sequence_roles: one per array argument of its implementations: "q" (query side,
@@ -145,6 +136,7 @@ class AttentionKind:
   virtual_tokens: ClassVar[bool] = False
   uses_rope: ClassVar[bool] = True
   mixing_params: ClassVar[tuple[str, ...]] = ()
+  dropout_implementations: ClassVar[frozenset[str]] = frozenset()
   decodes: ClassVar[bool] = False
   sequence_roles: ClassVar[tuple[str, ...] | None] = None
 

@@ -12,9 +12,10 @@ from typing import Any
 
 import jax
 
+from iha_jax.checks import check_positive
 from iha_jax.core.options import AttentionOptions
 from iha_jax.kinds import registry
-from iha_jax.kinds.base import AttentionKind, check_positive
+from iha_jax.kinds.base import AttentionKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,8 @@ class AttentionConfig:
       attention refuse it.
     kind: a registered kind (`iha_jax.kinds.names()`): "iha" (Interleaved Head
       Attention), "mha", "talking_heads", "diff" (differential), "simplicial".
-    num_pseudo: P pseudo-heads per head (IHA only; None means P = H, the paper's default).
+    num_pseudo: P pseudo-heads per head (IHA only; None means P = H, the paper's default,
+      stored resolved: an IHA layer's `num_pseudo` is always its P).
     window: sliding window in the kind's sequence units: VIRTUAL tokens for IHA (`N * P`
       per sequence), tokens for the other kinds; None is global.
     rope_theta: RoPE base; None disables RoPE (kinds without RoPE, 2-simplicial, store
@@ -44,6 +46,9 @@ class AttentionConfig:
     dtype: computation dtype; None promotes the input and parameter dtypes.
     implementation: the attention core's implementation, one of the kind's
       (`iha_jax.kinds.registry.implementations`) or "auto".
+    dropout_rate: attention dropout, the probability of dropping each attention weight
+      while training (the layers apply it only when not deterministic); 0: none. Only
+      the implementations of the kind's `dropout_implementations` ("xla") do it.
   """
 
   model_dim: int
@@ -59,6 +64,7 @@ class AttentionConfig:
   dtype: Any = None
   implementation: str = "auto"
   num_kv_heads: int | None = None
+  dropout_rate: float = 0.0
 
   def __post_init__(self):
     record = registry.get(self.kind)  # names the registered kinds otherwise
@@ -93,8 +99,11 @@ class AttentionConfig:
     if not record.uses_rope:
       object.__setattr__(self, "rope_theta", None)  # documented as ignored: stored as such
     record.validate(self)
+    if "num_pseudo" in record.config_fields and self.num_pseudo is None:
+      object.__setattr__(self, "num_pseudo", self.num_heads)  # P = H, the paper's default
     if self.implementation != "auto":
       registry.resolve(self.kind, self.implementation)  # e.g. no kernel for talking_heads
+    check_dropout(record, self.dropout_rate, self.implementation)
 
   @property
   def record(self) -> AttentionKind:
@@ -102,10 +111,15 @@ class AttentionConfig:
     return registry.get(self.kind)
 
   def options(
-    self, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    self,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    dropout_rng: jax.Array | None = None,
   ) -> AttentionOptions:
-    """The layer's options for its attention call (`window` in the kind's units)."""
-    return AttentionOptions(
+    """The layer's options for its attention call (`window` in the kind's units); with a
+    `dropout_rng` (training, not deterministic) the layer's `dropout_rate` applies."""
+    options = AttentionOptions(
       window=self.window,
       causal=self.causal,
       rope_theta=self.rope_theta if self.record.uses_rope else None,
@@ -113,21 +127,14 @@ class AttentionConfig:
       positions=positions,
       implementation=self.implementation,
     )
+    if dropout_rng is None or not self.dropout_rate:
+      return options  # the same object as without dropout: the same program
+    return options.replace(dropout_rate=self.dropout_rate, dropout_rng=dropout_rng)
 
   @property
   def kv_heads(self) -> int:
     """G: key/value heads (`num_kv_heads`, or H when None)."""
     return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-  @property
-  def interleaved(self) -> bool:
-    """True for kinds over virtual tokens (IHA): the window counts virtual tokens."""
-    return self.record.virtual_tokens
-
-  @property
-  def pseudo(self) -> int:
-    """Virtual tokens per token: IHA's P with P = H resolved, 1 for every other kind."""
-    return self.record.virtual_per_token(self)
 
   @property
   def value_dim(self) -> int:
@@ -136,3 +143,23 @@ class AttentionConfig:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AttentionConfig)}
+
+
+def check_dropout(record: AttentionKind, rate: Any, implementation: str) -> None:
+  """Raises ValueError naming `dropout_rate` unless it is a number in [0, 1) that `record`
+  can apply with `implementation` (checked again after "auto" resolves, per call)."""
+  if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+    raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}")
+  if not rate:
+    return
+  allowed = sorted(record.dropout_implementations)
+  if not allowed:
+    raise ValueError(
+      f"dropout_rate={rate}: {record.name} attention has no attention dropout in any "
+      "implementation; use dropout_rate=0"
+    )
+  if implementation != "auto" and implementation not in allowed:
+    raise ValueError(
+      f"dropout_rate={rate}: {record.name} attention's {implementation!r} implementation "
+      f"has no attention dropout; use implementation={allowed[0]!r}"
+    )

@@ -58,6 +58,7 @@ class Differential(AttentionKind):
     "pallas_gpu": _GPU,
     "pallas_gpu_mha": _GPU,
   }
+  dropout_implementations = frozenset({"xla"})  # MHA's, over both maps
   sequence_roles = ("q", "kv", "kv", "-")
 
   def check_arrays(self, q, k, v, lam):

@@ -6,8 +6,10 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax.linen import with_logical_constraint
 
+from iha_jax.checks import check_positive
 from iha_jax.core import validation
 from iha_jax.core.attention import iha_reference, iha_via_mha, iha_xla
 from iha_jax.core.cudnn_attention import mha_cudnn
@@ -16,7 +18,7 @@ from iha_jax.core.mixing import collapse_heads, pseudo_mix
 from iha_jax.core.options import AttentionOptions
 from iha_jax.kernels.sharded import iha_on_current_mesh
 from iha_jax.kinds import registry
-from iha_jax.kinds.base import AttentionKind, Letter, ParamSpec, check_positive, project_qkv
+from iha_jax.kinds.base import AttentionKind, Letter, ParamSpec, project_qkv
 from iha_jax.kinds.initializers import identity_collapse_init, identity_mixing_init
 from iha_jax.kinds.mha import MHA
 from iha_jax.parallel.axes import HEADS, HEADS_DST, HEADS_SRC, PSEUDO, SOURCE_HEADS_AXES
@@ -50,6 +52,7 @@ class Interleaved(AttentionKind):
   config_fields = ("num_pseudo", "collapse_mode")
   virtual_tokens = True
   mixing_params = ("alpha_q", "alpha_k", "alpha_v", "collapse")
+  dropout_implementations = frozenset({"xla"})
   decodes = True
   sequence_roles = ("q", "kv", "kv", "-", "-", "-", "-")
 
@@ -59,6 +62,8 @@ class Interleaved(AttentionKind):
       raise ValueError(f"collapse_mode must be one of {COLLAPSE_MODES}, got {cfg.collapse_mode!r}")
 
   def check_arrays(self, q, k, v, alpha_q, alpha_k, alpha_v, collapse):
+    if jnp.ndim(alpha_q) == 3:
+      validation.check_head_axis(q, jnp.shape(alpha_q)[0], "alpha_q [H, H, P]")
     num_kv_heads = validation.check_qkv(q, k, v)
     validation.check_mixing(q.shape[2], alpha_q, alpha_k, alpha_v, collapse, num_kv_heads)
 
@@ -66,7 +71,7 @@ class Interleaved(AttentionKind):
     return q, v, alpha_q.shape[2]
 
   def virtual_per_token(self, cfg):
-    return cfg.num_heads if cfg.num_pseudo is None else cfg.num_pseudo
+    return cfg.num_pseudo  # resolved by AttentionConfig (None -> H)
 
   def param_specs(self, cfg, kernel_init, mixing_noise_std):
     specs = super().param_specs(cfg, kernel_init, mixing_noise_std)

@@ -40,6 +40,7 @@ class MultiHead(AttentionKind):
     "pallas_gpu_mha": _GPU_KERNEL,
     "cudnn": mha_cudnn,
   }
+  dropout_implementations = frozenset({"xla"})
   decodes = True
   sequence_roles = ("q", "kv", "kv")
 

@@ -333,8 +333,26 @@ def attend(
     options = options.replace(rope_theta=None)  # documented as ignored
   options = validation.check_options(arrays[0], options)
   q, v, expansion = record.auto_inputs(*arrays)
+  if options.dropout_rate:
+    _check_dropout(record, options, q, v, expansion)
   fn = lookup(record, options.implementation, q, v, options, expansion)
   return fn(*arrays, options)
+
+
+def _check_dropout(record: AttentionKind, options: AttentionOptions, q, v, expansion) -> None:
+  """Raises ValueError unless the implementation this call runs applies attention dropout
+  (the record's `dropout_implementations`)."""
+  sliced = context.applies(q.shape[1])
+  name = resolve(record, options.implementation, q, v, options, expansion, sliced=sliced)
+  if name not in record.dropout_implementations:
+    chose = f" ('auto' chose {name!r} here)" if options.implementation == AUTO else ""
+    fix = sorted(record.dropout_implementations)
+    raise ValueError(
+      f"dropout_rate={options.dropout_rate}: {record.name} attention's {name!r} implementation"
+      f"{chose} has no attention dropout; "
+      + (f"use implementation={fix[0]!r}" if fix else "use dropout_rate=0")
+      + " (or no dropout: deterministic=True)."
+    )
 
 
 def resolve_implementation(implementation: str, kind: str = "iha") -> str:

@@ -30,6 +30,8 @@ class TalkingHeads(AttentionKind):
   sequence_roles = ("q", "kv", "kv", "-", "-")
 
   def check_arrays(self, q, k, v, talk_logits, talk_weights):
+    if jnp.ndim(talk_logits) == 2:
+      validation.check_head_axis(q, jnp.shape(talk_logits)[0], "talk_logits [H, H]")
     h = q.shape[2]
     if validation.check_qkv(q, k, v, value_width=True) != h:
       raise ValueError(

@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from iha_jax import kinds
-from iha_jax.core.validation import is_int
+from iha_jax.checks import is_int
 from iha_jax.kinds import AttentionConfig
 
 # Schedule letter -> description, one entry per letter of every registered kind (a live

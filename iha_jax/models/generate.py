@@ -1,10 +1,12 @@
 """Autoregressive generation with a KV cache for `TransformerLM`.
 
-`prefill` runs the full forward over the prompt (its logits are the model's) and fills
-the caches; `decode_step` feeds one token per call; `generate` jit-compiles prefill plus
-a `lax.scan` over the new tokens with static cache shapes. All rows of a batch share one
+`prefill` runs the prompt through the model with empty caches (every attention layer's
+cached call, `iha_jax.nn.cache`: the same per-layer API a model of your own uses,
+docs/your_model.md), so its logits are the model's and the caches hold the prompt;
+`decode_step` feeds one token per call; `generate` jit-compiles prefill plus a
+`lax.scan` over the new tokens with static cache shapes. All rows of a batch share one
 position (prompts of equal length, no padding); positions are `arange` as in the
-default full forward. See `iha_jax.models.kv_cache` for the cache layouts.
+default full forward. See `iha_jax.nn.cache` for the cache layouts.
 """
 
 from __future__ import annotations
@@ -15,44 +17,34 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from iha_jax.core.validation import is_int
-from iha_jax.models.kv_cache import (
-  KVCache,
-  check_cache_mode,
-  check_decodable,
-  decode_layer,
-  init_cache,
-  prefill_layer,
-)
+from iha_jax.checks import is_int
+from iha_jax.models.kv_cache import KVCache, check_cache_mode, check_decodable, init_cache
 from iha_jax.models.transformer import TransformerLM, check_tokens
+
+
+def check_model(model: object, name: str) -> None:
+  """Raises TypeError unless `model` is a `TransformerLM` (a model of your own decodes
+  through its attention layers' `cache=` call instead)."""
+  if not isinstance(model, TransformerLM):
+    raise TypeError(
+      f"{name} runs an iha_jax.models.TransformerLM, got {type(model).__name__}; in a model "
+      "of your own, call each attention layer with cache= (layer.init_cache(batch, max_len), "
+      "then y, cache = layer(x, cache=cache); docs/your_model.md)"
+    )
 
 
 def _prefill(
   model: TransformerLM, tokens: jax.Array, max_len: int, cache_mode: str
 ) -> tuple[jax.Array, KVCache]:
   cache = init_cache(model.config, tokens.shape[0], max_len, cache_mode)
-  x = model.embed(tokens)
-  layers = []
-  for block, layer_cache in zip(model.layers, cache.layers):
-    x, layer_cache = block.apply_with(
-      x, lambda h, c=layer_cache, a=block.attn: (a(h), prefill_layer(a, h, c, cache_mode))
-    )
-    layers.append(layer_cache)
-  length = jnp.asarray(tokens.shape[1], jnp.int32)
-  return model.logits(x), cache.replace(layers=tuple(layers), length=length)
+  return model(tokens, cache=cache)
 
 
 def _decode_step(
   model: TransformerLM, token: jax.Array, cache: KVCache
 ) -> tuple[jax.Array, KVCache]:
-  x = model.embed(token[:, None])
-  layers = []
-  for block, layer_cache in zip(model.layers, cache.layers):
-    x, layer_cache = block.apply_with(
-      x, lambda h, c=layer_cache, a=block.attn: decode_layer(a, h, c, cache.length, cache.mode)
-    )
-    layers.append(layer_cache)
-  return model.logits(x)[:, 0], cache.replace(layers=tuple(layers), length=cache.length + 1)
+  logits, cache = model(token[:, None], cache=cache)
+  return logits[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "cache_mode"))
@@ -79,6 +71,7 @@ def prefill(
   Returns:
     `(logits [B, L0, V] float32, cache)` with `cache.length == L0`.
   """
+  check_model(model, "prefill")
   check_decodable(model.config)
   check_cache_mode(cache_mode)
   check_tokens(tokens, "tokens")
@@ -98,6 +91,7 @@ def decode_step(
   `token: [B]` int. Returns `(logits [B, V] float32, cache)` with the token written. The
   caller keeps `cache.length < cache.max_len` (the length is traced, so not checked here).
   """
+  check_model(model, "decode_step")
   batch = cache.layers[0].k.shape[0]
   if jnp.shape(token) != (batch,) or not jnp.issubdtype(jnp.result_type(token), jnp.integer):
     raise ValueError(
@@ -173,6 +167,7 @@ def generate(
   Returns:
     `[B, L0 + max_new_tokens]` tokens: the prompt, then the generated tokens.
   """
+  check_model(model, "generate")
   check_decodable(model.config)
   check_cache_mode(cache_mode)
   check_tokens(prompt_tokens, "prompt_tokens")

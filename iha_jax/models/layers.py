@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -11,7 +10,7 @@ from flax import nnx
 from flax.linen import with_logical_constraint
 
 from iha_jax.models.config import TransformerConfig
-from iha_jax.nn import Attention, logical_param
+from iha_jax.nn import Attention, LayerCache, logical_param
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT
 from iha_jax.parallel.axes import EMBED, MLP, RESIDUAL_AXES
 
@@ -97,7 +96,9 @@ class DecoderBlock(nnx.Module):
   """Pre-norm residual block: `x + attn(norm(x))`, then `x + mlp(norm(x))` (no MLP and no
   `mlp_norm` with `mlp_type="none"`: attention-only blocks, e.g. for theory probes).
 
-  Kept a standalone module so scan-over-layers and remat can wrap it unchanged.
+  Kept a standalone module so scan-over-layers and remat can wrap it unchanged. Its call
+  passes a KV cache or the request for attention probabilities on to the attention layer
+  (decoding and attention maps run the block itself).
   """
 
   def __init__(self, config: TransformerConfig, letter: str, *, layer: int = 1, rngs: nnx.Rngs):
@@ -124,26 +125,33 @@ class DecoderBlock(nnx.Module):
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     layer: jax.Array | None = None,
-  ) -> jax.Array:
+    cache: LayerCache | None = None,
+    return_probabilities: bool = False,
+  ) -> Any:
     """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32.
 
     `layer` (the layer's number, counted from 1, may be traced) overrides the one the
     block was built with (a scan over layers passes it; of the built-in kinds only
-    differential attention reads it).
+    differential attention reads it). With a `cache` (the attention layer's, holding the
+    tokens before x) returns `(out, cache)`; with `return_probabilities`, `(out, the
+    attention probabilities [B, H, T, T])`: the attention layer's own call either way.
     """
-    attend = lambda h: (
-      self.attn(h, segment_ids=segment_ids, positions=positions, layer=layer),
-      None,
-    )
-    return self.apply_with(x, attend)[0]
-
-  def apply_with(
-    self, x: jax.Array, attend: Callable[[jax.Array], tuple[jax.Array, Any]]
-  ) -> tuple[jax.Array, Any]:
-    """The block with `attend(normalised x) -> (attention output, aux)` as its attention
-    (e.g. cached attention when decoding); returns `(block output, aux)`."""
-    y, aux = attend(self.attn_norm(x))
+    h = self.attn_norm(x)
+    aux = None
+    if cache is not None:
+      y, aux = self.attn(h, cache=cache)
+    else:
+      y = self.attn(
+        h,
+        segment_ids=segment_ids,
+        positions=positions,
+        layer=layer,
+        return_probabilities=return_probabilities,
+      )
+      if return_probabilities:
+        y, aux = y
     x = x + y
     if hasattr(self, "mlp"):
       x = x + self.mlp(self.mlp_norm(x))
-    return with_logical_constraint(x, RESIDUAL_AXES), aux
+    x = with_logical_constraint(x, RESIDUAL_AXES)
+    return x if aux is None else (x, aux)

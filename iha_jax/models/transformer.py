@@ -12,6 +12,7 @@ from flax import nnx
 from flax.linen import with_logical_constraint
 
 from iha_jax.models.config import TransformerConfig
+from iha_jax.models.kv_cache import KVCache
 from iha_jax.models.layers import DecoderBlock, RMSNorm
 from iha_jax.nn import logical_param
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT
@@ -79,7 +80,8 @@ class TransformerLM(nnx.Module):
     features: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
-  ) -> jax.Array:
+    cache: KVCache | None = None,
+  ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Per-token outputs: next-token logits, or the `num_outputs` head's outputs.
 
     Args:
@@ -88,13 +90,24 @@ class TransformerLM(nnx.Module):
         (F), refused without.
       segment_ids: optional `[B, N]` int32 packed-sequence ids (0 = padding).
       positions: optional `[B, N]` int32 token positions (default `arange(N)`).
+      cache: a `KVCache` (`iha_jax.models.kv_cache.init_cache`) holding the tokens before
+        these: every block runs its attention layer's cached call (a prompt, then one
+        token per call; `iha_jax.models.generate`).
 
     Returns:
       `[B, N, V]` (or `[B, N, num_outputs]`) float32; with `causal`, position n depends
-      only on tokens `<= n`.
+      only on tokens `<= n`. With a cache: `(logits, cache)` with the tokens written.
     """
     check_tokens(tokens, "tokens")
     x = self.embed(tokens, features)
+    if cache is not None:
+      if segment_ids is not None or positions is not None:
+        raise ValueError("cache= takes unpadded rows at positions cache.length + arange(N)")
+      layers = []
+      for block, layer_cache in zip(self.layers, cache.layers):
+        x, layer_cache = block(x, cache=layer_cache)
+        layers.append(layer_cache)
+      return self.logits(x), cache.replace(layers=tuple(layers))
     for block in self.layers:
       x = block(x, segment_ids=segment_ids, positions=positions)
     return self.logits(x)
@@ -110,7 +123,8 @@ class TransformerLM(nnx.Module):
     """Last block's output `x: [B, N, D]` -> float32 `[B, N, V or num_outputs]` (final
     norm + head).
 
-    `embed` and `logits` are separate so KV-cache decoding can run the blocks itself.
+    `embed` and `logits` are separate so that tools can run the blocks themselves
+    (attention maps stop at one block).
     """
     heads = {
       name: getattr(self, name)[...]

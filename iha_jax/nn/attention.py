@@ -2,7 +2,7 @@
 paper's baselines `TalkingHeadsAttention`, `DifferentialAttention`, `SimplicialAttention`.
 
 One module, `Attention`, builds the parameters of any kind (`iha_jax.kinds`) and applies
-`attention_forward`; the named classes fix the kind. Parameters are `nnx.Param`
+`iha_jax.nn.call.apply_layer`; the named classes fix the kind. Parameters are `nnx.Param`
 attributes named as the kind lays them out (`wq, wk, wv, wo`, plus `alpha_q, alpha_k,
 alpha_v, collapse` for IHA, ...), so `nnx.state(m, nnx.Param)` is a flat dict of exactly
 those keys. Each carries its logical axis names as metadata only
@@ -19,39 +19,56 @@ import jax.numpy as jnp
 from flax import nnx
 
 from iha_jax.kinds import AttentionConfig
-from iha_jax.nn.config import DEFAULT_KERNEL_INIT, param_specs
-from iha_jax.nn.functional import attention_forward
+from iha_jax.nn.cache import LayerCache, init_layer_cache
+from iha_jax.nn.call import apply_layer
+from iha_jax.nn.config import DEFAULT_KERNEL_INIT, layer_config, param_specs
 from iha_jax.nn.partitioning import logical_param
 
 Initializer = jax.nn.initializers.Initializer
 
 
 class Attention(nnx.Module):
-  """An attention layer of any registered kind.
+  """An attention layer of any registered kind: `x: [B, N, D]` -> `[B, N, D]`.
 
-  `Attention(model_dim, num_heads, head_dim, kind=..., **options, rngs=...)`, or
-  `Attention.from_config(AttentionConfig(...), rngs=...)`.
+  `Attention(model_dim, num_heads, head_dim, kind=..., <options>, rngs=...)`, or
+  `Attention.from_config(AttentionConfig(...), rngs=...)`; the named subclasses
+  (`InterleavedHeadAttention`, `MultiHeadAttention`, ...) fix `kind`. Every option is
+  checked on construction, naming the option.
 
   Args:
     model_dim: D.
     num_heads: H.
     head_dim: d (even when RoPE is on).
-    rngs: `nnx.Rngs` with a `params` stream.
+    kind: a registered kind (`iha_jax.kinds.names()`; default "iha"); fixed by a subclass.
+    num_kv_heads: G key/value heads dividing H (grouped-query attention: query head h
+      reads key/value head `h // (H // G)`; G = 1 multi-query); None: G = H.
+    num_pseudo: IHA's P pseudo-heads per head; None: P = H, the paper's default, which
+      costs P^2 times MHA's attention work per global layer (IHA only).
+    window: sliding window in the kind's units: VIRTUAL tokens for IHA (`N * P` per
+      sequence), tokens for the other kinds; None: global.
+    window_tokens: the window in TOKENS instead (IHA: `window_tokens * P` virtual tokens);
+      give `window` or `window_tokens`, not both.
+    rope_theta: RoPE base, on by default (10000.0); None: no RoPE (a model that adds its
+      own positions).
+    collapse_mode: IHA's "full" (`collapse: [H, H, P]`) or "per_head" (`[H, P]`).
+    causal: causal attention (default); False: bidirectional (encoders).
+    layer: the layer's number, counted from 1 (differential attention's depth).
+    dtype: computation dtype; None promotes the input and parameter dtypes.
+    implementation: "auto" (default), "reference", "xla", "pallas_tpu", "pallas_gpu",
+      "pallas_gpu_mha", "cudnn" (those of the kind).
+    dropout_rate: attention dropout while not deterministic (the "xla" implementation;
+      the others refuse a rate > 0); 0: none.
+    deterministic: default of the call's `deterministic` (True: no dropout); required,
+      here or at the call, when `dropout_rate > 0` (`model.eval()` / `model.train()`
+      set it).
     param_dtype: storage dtype of the parameters.
     kernel_init: 2-D initializer for the projections, applied to `[D, H*d]` and `[H*d, D]`
       so that fan-in is the true input width.
     mixing_noise_std: std of Gaussian noise added to the identity init of the head
       mixings (IHA's `alpha_*` and `collapse`, Talking-Heads' `talk_*`).
-    **options: the `AttentionConfig` fields of the layer: `kind`, `num_kv_heads` (G key/value
-      heads dividing H, grouped-query attention; None: G = H), `window` (VIRTUAL tokens
-      for IHA, tokens otherwise; None: global), `rope_theta` (None: no RoPE), `causal`
-      (False: bidirectional), `dtype` (computation; None promotes input and parameters),
-      `implementation` ("reference", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_mha",
-      "cudnn", "auto"), and the kind's own: IHA's `num_pseudo` (P; None: P = H) and
-      `collapse_mode` ("full" or "per_head"), the layer number `layer` (from 1;
-      differential attention's depth).
-
-  `__call__(x: [B, N, D], *, segment_ids=None, positions=None, layer=None) -> [B, N, D]`.
+    keep_rngs: keep a fork of `rngs.dropout` for dropout (when `dropout_rate > 0`), so the
+      call needs no `rngs`.
+    rngs: `nnx.Rngs` with a `params` stream (and `dropout` when dropping out).
   """
 
   kind: ClassVar[str | None] = None  # fixed by the named subclasses
@@ -68,28 +85,57 @@ class Attention(nnx.Module):
     num_heads: int,
     head_dim: int,
     *,
-    rngs: nnx.Rngs,
+    kind: str | None = None,
+    num_kv_heads: int | None = None,
+    num_pseudo: int | None = None,
+    window: int | None = None,
+    window_tokens: int | None = None,
+    rope_theta: float | None = 10000.0,
+    collapse_mode: str = "full",
+    causal: bool = True,
+    layer: int = 1,
+    dtype: Any = None,
+    implementation: str = "auto",
+    dropout_rate: float = 0.0,
+    deterministic: bool | None = None,
     param_dtype: Any = jnp.float32,
     kernel_init: Initializer = DEFAULT_KERNEL_INIT,
     mixing_noise_std: float = 0.0,
-    **options: Any,
+    keep_rngs: bool = True,
+    rngs: nnx.Rngs,
   ):
-    if self.kind is not None:
-      if options.setdefault("kind", self.kind) != self.kind:
-        raise ValueError(
-          f"{type(self).__name__} is kind {self.kind!r}, got kind={options['kind']!r}"
-        )
-    try:
-      config = AttentionConfig(model_dim, num_heads, head_dim, **options)
-    except TypeError as e:  # an unknown keyword: name the known ones
-      raise TypeError(f"{type(self).__name__}: {e}; options are AttentionConfig's fields") from None
+    if self.kind is not None and kind not in (None, self.kind):
+      raise ValueError(f"{type(self).__name__} is kind {self.kind!r}, got kind={kind!r}")
+    config = layer_config(
+      window_tokens=window_tokens,
+      model_dim=model_dim,
+      num_heads=num_heads,
+      head_dim=head_dim,
+      kind=kind or self.kind or "iha",
+      num_kv_heads=num_kv_heads,
+      num_pseudo=num_pseudo,
+      window=window,
+      rope_theta=rope_theta,
+      collapse_mode=collapse_mode,
+      causal=causal,
+      layer=layer,
+      dtype=dtype,
+      implementation=implementation,
+      dropout_rate=dropout_rate,
+    )
+    if deterministic not in (None, True, False):
+      raise ValueError(f"deterministic must be None or a bool, got {deterministic!r}")
     self.config = config
+    self.deterministic = deterministic
     specs = param_specs(config, kernel_init=kernel_init, mixing_noise_std=mixing_noise_std)
     for name, spec in specs.items():
       setattr(
         self, name, logical_param(spec.init, spec.axes, rngs.params(), spec.shape, param_dtype)
       )
     self._param_names = tuple(specs)
+    # Only a layer that drops out holds a stream (no state otherwise: TransformerLM's
+    # layers are unchanged).
+    self.rngs = rngs.dropout.fork() if keep_rngs and config.dropout_rate > 0 else None
 
   @classmethod
   def from_config(
@@ -100,6 +146,7 @@ class Attention(nnx.Module):
     param_dtype: Any = jnp.float32,
     kernel_init: Initializer = DEFAULT_KERNEL_INIT,
     mixing_noise_std: float = 0.0,
+    deterministic: bool | None = None,
   ) -> Attention:
     """The layer of `config`: on `Attention` itself, the kind's named class where one
     exists (e.g. `InterleavedHeadAttention` for "iha"), else `Attention`."""
@@ -113,6 +160,7 @@ class Attention(nnx.Module):
       param_dtype=param_dtype,
       kernel_init=kernel_init,
       mixing_noise_std=mixing_noise_std,
+      deterministic=deterministic,
       **fields,
     )
 
@@ -120,15 +168,74 @@ class Attention(nnx.Module):
     self,
     x: jax.Array,
     *,
+    mask: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     layer: int | jax.Array | None = None,
-  ) -> jax.Array:
-    """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32;
-    `layer` overrides the configured layer number (may be traced, e.g. in a scan)."""
-    return attention_forward(
-      self.param_values(), x, self.config, segment_ids=segment_ids, positions=positions, layer=layer
+    cache: LayerCache | None = None,
+    deterministic: bool | None = None,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    return_probabilities: bool = False,
+  ) -> Any:
+    """One call of the layer (`iha_jax.nn.call.apply_layer`).
+
+    Args:
+      x: `[B, N, D]`.
+      mask: key validity in flax's convention, `[B, 1, 1, N]` bool (True: a real token);
+        False keys are padding (never seen, zero outputs). Other masks are refused: use
+        `causal`, `window` and `segment_ids`.
+      segment_ids: `[B, N]` int32 packed-sequence ids (0 = padding).
+      positions: `[B, N]` int32 token positions (default `arange(N)`; RoPE only).
+      layer: overrides the configured layer number (may be traced, e.g. in a scan).
+      cache: a `LayerCache` (`init_cache`): x holds the next N tokens of every row after
+        the `cache.length` it holds (a prompt, then one token per call); returns
+        `(y, cache)`.
+      deterministic: True: no dropout; None: the constructor's (cached calls and
+        probabilities never drop out).
+      rngs: the dropout stream (`nnx.Rngs` or its `dropout` stream); None: the kept one.
+      return_probabilities: also return the attention probabilities over the virtual
+        sequence, float32 `[B, H, T, T]` (`T = N * P`; IHA and MHA): `(y, probs)`.
+
+    Returns:
+      `y: [B, N, D]`, or `(y, cache)` with a cache, or `(y, probs)`.
+    """
+    return apply_layer(
+      self.param_values(),
+      x,
+      self.config,
+      mask=mask,
+      segment_ids=segment_ids,
+      positions=positions,
+      layer=layer,
+      cache=cache,
+      dropout_rng=lambda: self._dropout_rng(deterministic, rngs),
+      return_probabilities=return_probabilities,
     )
+
+  def _dropout_rng(
+    self, deterministic: bool | None, rngs: nnx.Rngs | nnx.RngStream | None
+  ) -> jax.Array | None:
+    """A dropout key, or None when deterministic (flax's `nnx.MultiHeadAttention` rules)."""
+    deterministic = self.deterministic if deterministic is None else deterministic
+    if deterministic is None:
+      raise ValueError(
+        f"dropout_rate={self.config.dropout_rate}: pass deterministic=True (no dropout) or "
+        "False to the call or the constructor (or nnx.view(model, deterministic=...))"
+      )
+    if deterministic:
+      return None
+    stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else rngs
+    stream = self.rngs if stream is None else stream
+    if stream is None:
+      raise ValueError("dropout needs rngs: pass rngs= to the call (the layer kept none)")
+    return stream()
+
+  def init_cache(
+    self, batch: int, max_len: int, *, mode: str = "source", dtype: Any = None
+  ) -> LayerCache:
+    """An empty `LayerCache` for `batch` rows of at most `max_len` tokens each
+    (`iha_jax.nn.cache.init_layer_cache`; mode "source" or "pseudo")."""
+    return init_layer_cache(self.config, batch, max_len, mode, dtype)
 
   def param_values(self) -> dict[str, jax.Array]:
     """`{name: array}` of the layer's parameters, as `attention_forward` takes them."""
@@ -138,12 +245,24 @@ class Attention(nnx.Module):
 class InterleavedHeadAttention(Attention):
   """Interleaved Head Attention layer, causal or bidirectional, optionally windowed.
 
+  A drop-in for a multi-head attention layer (docs/your_model.md):
+
+      attn = InterleavedHeadAttention(
+        D, num_heads=8, head_dim=64, num_pseudo=2, rope_theta=None, rngs=nnx.Rngs(0)
+      )
+      y = attn(x)  # x: [B, N, D] -> [B, N, D]
+
+  Defaults to know: RoPE is ON (`rope_theta=10000.0`) at virtual positions `pos*P + p`;
+  pass `rope_theta=None` when your model adds its own positions. `num_pseudo=None` means
+  P = H, the paper's default: a global layer then does P^2 = H^2 times MHA's attention
+  work, so choose a small P (2-4) unless you mean it. The layer is causal (`causal=False`:
+  bidirectional). `window` counts VIRTUAL tokens (N * P per sequence): `window=8` at P = 2
+  reaches 4 tokens back; `window_tokens=8` counts tokens (8 * P virtual tokens).
+
   Parameters: `wq: [D, H, d]`, `wk, wv: [D, G, d]`, `wo: [H, d, D]`, `alpha_q: [H, H, P]`
   and `alpha_k, alpha_v: [G, G, P]` (source, target, pseudo), `collapse: [H, H, P]`
   ("full") or `[H, P]` ("per_head"); G = `num_kv_heads` (None: G = H). Mixing and collapse
-  start at the identity (docs/design.md §1). Options as `Attention`: `num_kv_heads`,
-  `num_pseudo` (P; None: P = H), `window` in VIRTUAL tokens (`N * P` per sequence),
-  `collapse_mode`, `rope_theta`, `causal`, `dtype`, `implementation`.
+  start at the identity (docs/design.md §1). Options and the call as `Attention`.
   """
 
   kind = "iha"
@@ -151,8 +270,9 @@ class InterleavedHeadAttention(Attention):
 
 class MultiHeadAttention(Attention):
   """Standard multi-head attention with the same conventions as IHA: `wq: [D, H, d]`,
-  `wk, wv: [D, G, d]`, `wo: [H, d, D]`; `window` in tokens. `num_kv_heads` G < H is
-  grouped-query attention (query head h reads key/value head `h // (H // G)`)."""
+  `wk, wv: [D, G, d]`, `wo: [H, d, D]`; `window` in tokens; causal and with RoPE by
+  default. `num_kv_heads` G < H is grouped-query attention (query head h reads key/value
+  head `h // (H // G)`). IHA's own options (`num_pseudo`, `collapse_mode`) are refused."""
 
   kind = "mha"
 

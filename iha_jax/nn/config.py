@@ -11,9 +11,13 @@ rules replicate their head and pseudo axes.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 
 from iha_jax import kinds
+from iha_jax.checks import check_positive
 from iha_jax.kinds import AttentionConfig, ParamSpec
 from iha_jax.kinds.iha import COLLAPSE_MODES
 
@@ -49,6 +53,25 @@ def param_specs(
   return cfg.record.param_specs(cfg, kernel_init, mixing_noise_std)
 
 
+def layer_config(*, window_tokens: int | None = None, **fields: Any) -> AttentionConfig:
+  """The `AttentionConfig` of a layer built with `fields` (its fields) and, instead of
+  `window`, optionally `window_tokens`: a window counted in TOKENS, which a kind over
+  virtual tokens (IHA) takes as `window_tokens * P` virtual tokens (the span of
+  `window_tokens` tokens; a pseudo-query then reaches `window_tokens` tokens back), and
+  any other kind as its window. Raises ValueError naming the field for a bad one, or for
+  both windows at once."""
+  if window_tokens is None:
+    return AttentionConfig(**fields)
+  if fields.get("window") is not None:
+    raise ValueError(
+      f"give window (in the kind's units: VIRTUAL tokens for IHA) or window_tokens (in "
+      f"tokens), not both: got window={fields['window']!r}, window_tokens={window_tokens!r}"
+    )
+  check_positive("window_tokens", window_tokens)
+  cfg = AttentionConfig(**{**fields, "window": None})
+  return dataclasses.replace(cfg, window=window_tokens * cfg.record.virtual_per_token(cfg))
+
+
 # Head-mixing parameters of the built-in kinds (identity-initialised coefficients, no
 # projections): the optimizer's weight-decay switch and noise option act on these and on
 # those of any kind registered later (`iha_jax.kinds.mixing_params()`).
@@ -60,5 +83,6 @@ __all__ = [
   "MIXING_PARAMS",
   "AttentionConfig",
   "ParamSpec",
+  "layer_config",
   "param_specs",
 ]

@@ -2,8 +2,9 @@
 
 `params` holds the names `iha_jax.nn.config.param_specs` lays out (`wq, wk, wv, wo`, plus
 `alpha_q, alpha_k, alpha_v, collapse` for IHA, ...), boxed in `nn.LogicallyPartitioned`
-with their logical axis names; the forward pass is the shared `attention_forward`, so
-NNX and Linen compute one function.
+with their logical axis names (`iha_jax.nn.partitioning.unbox` gives the plain arrays);
+the call is the shared `iha_jax.nn.call.apply_layer`, so NNX and Linen compute one
+function. A layer checks its fields when it is constructed, as the NNX layers do.
 """
 
 from __future__ import annotations
@@ -16,18 +17,83 @@ import jax
 import jax.numpy as jnp
 
 from iha_jax.kinds import AttentionConfig
-from iha_jax.nn.config import DEFAULT_KERNEL_INIT, param_specs
-from iha_jax.nn.functional import attention_forward
+from iha_jax.nn.cache import LayerCache, init_layer_cache
+from iha_jax.nn.call import apply_layer
+from iha_jax.nn.config import DEFAULT_KERNEL_INIT, layer_config, param_specs
 
 Initializer = jax.nn.initializers.Initializer
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(AttentionConfig))
 
 
-class _AttentionLinen(nn.Module):
-  """Fields every kind shares; subclasses set `kind` and add the fields only their kind
-  reads (named as `AttentionConfig`'s, which validates them all).
+def _check_deterministic(value: Any) -> None:
+  if value not in (None, True, False):
+    raise ValueError(f"deterministic must be None or a bool, got {value!r}")
 
-  `__call__(x: [B, N, D], *, segment_ids=None, positions=None) -> [B, N, D]`.
+
+class _LinenLayer(nn.Module):
+  """What every Linen attention layer shares: parameters from `self.config` (a field or a
+  property of the subclass), the one call and `init_cache`.
+
+  `__call__(x: [B, N, D], *, mask=None, segment_ids=None, positions=None, layer=None,
+  cache=None, deterministic=None, return_probabilities=False)` as the NNX layer's:
+  `[B, N, D]`, or `(y, cache)`, or `(y, probabilities)`; dropout draws from the "dropout"
+  rng collection (`apply(..., rngs={"dropout": key})`).
+  """
+
+  @nn.compact
+  def __call__(
+    self,
+    x: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    layer: int | jax.Array | None = None,
+    cache: LayerCache | None = None,
+    deterministic: bool | None = None,
+    return_probabilities: bool = False,
+  ) -> Any:
+    cfg = self.config
+    specs = param_specs(
+      cfg, kernel_init=self.kernel_init, mixing_noise_std=getattr(self, "mixing_noise_std", 0.0)
+    )
+    params = {
+      name: self.param(
+        name, nn.with_logical_partitioning(spec.init, spec.axes), spec.shape, self.param_dtype
+      )
+      for name, spec in specs.items()
+    }
+
+    def dropout_rng() -> jax.Array | None:
+      if nn.merge_param("deterministic", self.deterministic, deterministic):
+        return None
+      return self.make_rng("dropout")
+
+    return apply_layer(
+      params,
+      x,
+      cfg,
+      mask=mask,
+      segment_ids=segment_ids,
+      positions=positions,
+      layer=layer,
+      cache=cache,
+      dropout_rng=dropout_rng,
+      return_probabilities=return_probabilities,
+    )
+
+  def init_cache(
+    self, batch: int, max_len: int, *, mode: str = "source", dtype: Any = None
+  ) -> LayerCache:
+    """An empty `LayerCache` for `batch` rows of at most `max_len` tokens each (no
+    parameters needed: callable on an unbound module)."""
+    return init_layer_cache(self.config, batch, max_len, mode, dtype)
+
+
+class _AttentionLinen(_LinenLayer):
+  """Fields every kind shares; subclasses set `kind` and add the fields only their kind
+  reads (named as `AttentionConfig`'s, which validates them all on construction). The
+  call is `_LinenLayer`'s.
   """
 
   kind: ClassVar[str]
@@ -41,6 +107,15 @@ class _AttentionLinen(nn.Module):
   param_dtype: Any = jnp.float32
   implementation: str = "auto"
   kernel_init: Initializer = DEFAULT_KERNEL_INIT
+  # Added after the fields above, so that positional construction keeps its meaning.
+  window_tokens: int | None = None
+  dropout_rate: float = 0.0
+  deterministic: bool | None = None
+
+  def __post_init__(self):
+    self.config  # noqa: B018 - validates every field now, as the NNX layer's constructor
+    _check_deterministic(self.deterministic)
+    super().__post_init__()
 
   @property
   def config(self) -> AttentionConfig:
@@ -48,34 +123,12 @@ class _AttentionLinen(nn.Module):
     fields = {
       f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _CONFIG_FIELDS
     }
-    return AttentionConfig(kind=self.kind, **fields)
-
-  @nn.compact
-  def __call__(
-    self,
-    x: jax.Array,
-    *,
-    segment_ids: jax.Array | None = None,
-    positions: jax.Array | None = None,
-    layer: int | jax.Array | None = None,
-  ) -> jax.Array:
-    config = self.config
-    specs = param_specs(
-      config, kernel_init=self.kernel_init, mixing_noise_std=getattr(self, "mixing_noise_std", 0.0)
-    )
-    params = {
-      name: self.param(
-        name, nn.with_logical_partitioning(spec.init, spec.axes), spec.shape, self.param_dtype
-      )
-      for name, spec in specs.items()
-    }
-    return attention_forward(
-      params, x, config, segment_ids=segment_ids, positions=positions, layer=layer
-    )
+    return layer_config(window_tokens=self.window_tokens, kind=self.kind, **fields)
 
 
 class InterleavedHeadAttentionLinen(_AttentionLinen):
-  """Linen Interleaved Head Attention; fields and semantics as `InterleavedHeadAttention`."""
+  """Linen Interleaved Head Attention; fields, defaults (RoPE on, P = H when `num_pseudo`
+  is None, `window` in VIRTUAL tokens) and the call as `InterleavedHeadAttention`."""
 
   kind: ClassVar[str] = "iha"
   num_pseudo: int | None = None
@@ -115,36 +168,22 @@ class SimplicialAttentionLinen(_AttentionLinen):
   kind: ClassVar[str] = "simplicial"
 
 
-class AttentionLinen(nn.Module):
+class AttentionLinen(_LinenLayer):
   """Linen layer of any registered kind (e.g. one a user registered), from its config.
 
-  `AttentionLinen(config)(x: [B, N, D], *, segment_ids=None, positions=None, layer=None)`;
-  the same parameter tree as `Attention.from_config(config, ...)` (NNX).
+  `AttentionLinen(config)(x: [B, N, D], *, mask=None, segment_ids=None, positions=None,
+  layer=None, cache=None, deterministic=None, return_probabilities=False)`; the same
+  parameter tree as `Attention.from_config(config, ...)` (NNX).
   """
 
   config: AttentionConfig
   param_dtype: Any = jnp.float32
   kernel_init: Initializer = DEFAULT_KERNEL_INIT
   mixing_noise_std: float = 0.0
+  deterministic: bool | None = None
 
-  @nn.compact
-  def __call__(
-    self,
-    x: jax.Array,
-    *,
-    segment_ids: jax.Array | None = None,
-    positions: jax.Array | None = None,
-    layer: int | jax.Array | None = None,
-  ) -> jax.Array:
-    specs = param_specs(
-      self.config, kernel_init=self.kernel_init, mixing_noise_std=self.mixing_noise_std
-    )
-    params = {
-      name: self.param(
-        name, nn.with_logical_partitioning(spec.init, spec.axes), spec.shape, self.param_dtype
-      )
-      for name, spec in specs.items()
-    }
-    return attention_forward(
-      params, x, self.config, segment_ids=segment_ids, positions=positions, layer=layer
-    )
+  def __post_init__(self):
+    if not isinstance(self.config, AttentionConfig):
+      raise TypeError(f"config must be an AttentionConfig, got {type(self.config).__name__}")
+    _check_deterministic(self.deterministic)
+    super().__post_init__()

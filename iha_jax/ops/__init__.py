@@ -17,7 +17,7 @@ from iha_jax.core.interleave import deinterleave, interleave, virtual_positions,
 from iha_jax.core.masking import visible
 from iha_jax.core.mixing import collapse_heads, pseudo_mix
 from iha_jax.core.options import AttentionOptions, BlockSizes
-from iha_jax.core.reference import attention_probs, dense_attention
+from iha_jax.core.reference import dense_attention, dense_attention_probabilities
 from iha_jax.core.rope import apply_rope, rope_frequencies
 from iha_jax.core.xla_attention import attention_probabilities, flash_attention_heads_major
 from iha_jax.kinds import (
@@ -34,10 +34,10 @@ __all__ = [
   "BlockSizes",
   "apply_rope",
   "attention_probabilities",
-  "attention_probs",
   "collapse_heads",
   "deinterleave",
   "dense_attention",
+  "dense_attention_probabilities",
   "diff_attention",
   "diff_lambda_init",
   "flash_attention_heads_major",

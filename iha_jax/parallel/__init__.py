@@ -2,7 +2,14 @@
 
 from iha_jax.parallel.distributed import initialize
 from iha_jax.parallel.mesh import create_mesh, resolve_mesh_shape
-from iha_jax.parallel.rules import BATCH_AXES, LOGICAL_AXIS_RULES, MESH_AXES, logical_to_mesh_spec
+from iha_jax.parallel.rules import (
+  BATCH_AXES,
+  LOGICAL_AXIS_RULES,
+  MESH_AXES,
+  ROLES,
+  logical_rules,
+  logical_to_mesh_spec,
+)
 from iha_jax.parallel.sharding import (
   activate,
   batch_sharding,
@@ -15,10 +22,12 @@ __all__ = [
   "BATCH_AXES",
   "LOGICAL_AXIS_RULES",
   "MESH_AXES",
+  "ROLES",
   "activate",
   "batch_sharding",
   "create_mesh",
   "initialize",
+  "logical_rules",
   "logical_to_mesh_spec",
   "named_shardings",
   "replicated",

@@ -43,10 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
-from iha_jax.parallel.axes import ACTIVATION_BATCH
+from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_LENGTH
 from iha_jax.parallel.rules import free_mesh_axes
 
-CONTEXT = "context"
+CONTEXT = "context"  # the project's mesh axis for the sequence (a user's rules may name another)
 LAYOUTS = ("contiguous", "balanced")
 QUERY, KEY, OTHER = "q", "kv", "-"  # roles of an implementation's array arguments
 
@@ -91,14 +91,27 @@ def balance_tokens(x: np.ndarray, shards: int, axis: int = 1) -> np.ndarray:
   return np.concatenate([parts[c] for c in chunk_order(shards, 2)], axis=axis)
 
 
-def context_shards(mesh: Any | None = None) -> int:
-  """Size of the current mesh's `context` axis when it is automatic (not already inside
-  a `shard_map` over it), else 1."""
+def context_axis(mesh: Any | None = None) -> str | None:
+  """The mesh axis the sequence splits over: the one the active logical-axis rules (the
+  project's, `context`, when none are active) map `activation_length` to, when the mesh
+  (default: the current one) has it and is not already inside a `shard_map` over it."""
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  if mesh.empty or CONTEXT not in mesh.axis_names:
-    return 1
-  i = mesh.axis_names.index(CONTEXT)
-  return 1 if mesh.axis_types[i] == AxisType.Manual else mesh.axis_sizes[i]
+  if mesh.empty:
+    return None
+  axes = free_mesh_axes(mesh, ACTIVATION_LENGTH)
+  if len(axes) > 1:
+    raise ValueError(
+      f"the logical-axis rules split the sequence ({ACTIVATION_LENGTH}) over {axes}; "
+      "context parallelism takes one mesh axis"
+    )
+  return axes[0] if axes else None
+
+
+def context_shards(mesh: Any | None = None) -> int:
+  """Size of the current mesh's sequence axis (`context_axis`), else 1."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  axis = context_axis(mesh)
+  return 1 if axis is None else dict(zip(mesh.axis_names, mesh.axis_sizes))[axis]
 
 
 def applies(num_tokens: int) -> bool:
@@ -114,20 +127,20 @@ def reach_tokens(window: int | None, per_token: int) -> int | None:
   return None if window is None else -(-(window - 1) // per_token)
 
 
-def _shift(x: jax.Array, hops: int, shards: int) -> jax.Array:
+def _shift(x: jax.Array, hops: int, shards: int, axis: str) -> jax.Array:
   """Shard s receives shard s - hops's `x` (zeros where that shard does not exist)."""
   pairs = [(i, i + hops) for i in range(shards) if 0 <= i + hops < shards]
-  return jax.lax.ppermute(x, CONTEXT, pairs) if pairs else jnp.zeros_like(x)
+  return jax.lax.ppermute(x, axis, pairs) if pairs else jnp.zeros_like(x)
 
 
-def _halo(x: jax.Array, reach: int, shards: int, after: bool) -> jax.Array:
+def _halo(x: jax.Array, reach: int, shards: int, after: bool, axis: str) -> jax.Array:
   """The `reach` tokens before (after) this shard's `x: [B, n, ...]` along axis 1, from
-  `ceil(reach / n)` neighbouring shards (zeros past the sequence ends)."""
+  `ceil(reach / n)` neighbouring shards over mesh axis `axis` (zeros past the ends)."""
   hops = -(-reach // x.shape[1])
   if after:
-    pieces = [_shift(x, -hop, shards) for hop in range(1, hops + 1)]
+    pieces = [_shift(x, -hop, shards, axis) for hop in range(1, hops + 1)]
     return jnp.concatenate(pieces, axis=1)[:, :reach]
-  pieces = [_shift(x, hop, shards) for hop in range(hops, 0, -1)]
+  pieces = [_shift(x, hop, shards, axis) for hop in range(hops, 0, -1)]
   return jnp.concatenate(pieces, axis=1)[:, -reach:]
 
 
@@ -136,9 +149,9 @@ def _natural(chunked: jax.Array, shards: int, chunks: int) -> jax.Array:
   return chunked[:, np.argsort(chunk_order(shards, chunks))]
 
 
-def _gather(x: jax.Array, shards: int, chunks: int) -> jax.Array:
+def _gather(x: jax.Array, shards: int, chunks: int, axis: str) -> jax.Array:
   """The whole sequence `[B, N, ...]` in natural token order, from every shard's `x`."""
-  full = jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)  # shard-major slots
+  full = jax.lax.all_gather(x, axis, axis=1, tiled=True)  # shard-major slots
   if chunks == 1:
     return full
   b, n = full.shape[:2]
@@ -146,30 +159,32 @@ def _gather(x: jax.Array, shards: int, chunks: int) -> jax.Array:
   return _natural(per_chunk, shards, chunks).reshape(full.shape)
 
 
-def _chunk_edges(x: jax.Array, reach: int, shards: int, chunks: int) -> tuple[jax.Array, ...]:
+def _chunk_edges(
+  x: jax.Array, reach: int, shards: int, chunks: int, axis: str
+) -> tuple[jax.Array, ...]:
   """Every chunk's first and last `reach` tokens, natural chunk order: two
   `[B, S*K, reach, ...]` (the balanced layout's halo source)."""
   c = x.shape[1] // chunks
   firsts = jnp.stack([x[:, k * c : k * c + reach] for k in range(chunks)], axis=1)
   lasts = jnp.stack([x[:, (k + 1) * c - reach : (k + 1) * c] for k in range(chunks)], axis=1)
-  gathered = (jax.lax.all_gather(e, CONTEXT, axis=1, tiled=True) for e in (firsts, lasts))
+  gathered = (jax.lax.all_gather(e, axis, axis=1, tiled=True) for e in (firsts, lasts))
   return tuple(_natural(g, shards, chunks) for g in gathered)
 
 
-def _key_views(keys, segments, reach, causal, shards, chunks):
+def _key_views(keys, segments, reach, causal, shards, chunks, axis):
   """For each local chunk: (key-side arrays `[B, Nk, ...]`, their segment ids `[B, Nk]`,
   the chunk's first query index minus the first key's). `keys` end with the positions."""
   c = segments.shape[1] // chunks
   slot_chunk = jnp.asarray(chunk_order(shards, chunks)).reshape(shards, chunks)
-  here = jax.lax.axis_index(CONTEXT)
+  here = jax.lax.axis_index(axis)
   total_chunks = shards * chunks
   if reach is None:  # global: the whole sequence, natural order
-    every = [_gather(x, shards, chunks) for x in (*keys, segments)]
+    every = [_gather(x, shards, chunks, axis) for x in (*keys, segments)]
     return [(every[:-1], every[-1], slot_chunk[here, k] * c) for k in range(chunks)]
   views = []
   if chunks == 1:  # a neighbour exchange
     start = here * c
-    for_side = lambda after: [_halo(x, reach, shards, after) for x in (*keys, segments)]
+    for_side = lambda after: [_halo(x, reach, shards, after, axis) for x in (*keys, segments)]
     parts, valid = [for_side(False)], [jnp.arange(reach) >= reach - start]
     parts.append([*keys, segments])
     valid.append(jnp.ones((c,), bool))
@@ -179,7 +194,7 @@ def _key_views(keys, segments, reach, causal, shards, chunks):
     joined = [jnp.concatenate(p, axis=1) for p in zip(*parts)]
     segs = jnp.where(jnp.concatenate(valid), joined[-1], 0)
     return [(joined[:-1], segs, reach)]
-  edges = [_chunk_edges(x, reach, shards, chunks) for x in (*keys, segments)]
+  edges = [_chunk_edges(x, reach, shards, chunks, axis) for x in (*keys, segments)]
   for k in range(chunks):
     chunk = slot_chunk[here, k]
     own = [x[:, k * c : (k + 1) * c] for x in (*keys, segments)]
@@ -195,17 +210,17 @@ def _key_views(keys, segments, reach, causal, shards, chunks):
   return views
 
 
-def _manual_axes(mesh: Any, batch_size: int) -> tuple[tuple[str, ...], set[str]]:
-  """(the batch axes, every axis `attend`'s shard_map takes): `context`, the batch axes of
-  the active logical rules (when they divide `batch_size`) and the axes of size one, minus
-  those already manual."""
+def _manual_axes(mesh: Any, batch_size: int, axis: str) -> tuple[tuple[str, ...], set[str]]:
+  """(the batch axes, every axis `attend`'s shard_map takes): the sequence axis `axis`,
+  the batch axes of the active logical rules (when they divide `batch_size`) and the axes
+  of size one, minus those already manual."""
   free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
   batch = free_mesh_axes(mesh, ACTIVATION_BATCH)
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   if batch_size % int(np.prod([sizes[a] for a in batch])):
     batch = ()  # e.g. one prompt on a data-parallel mesh: the batch stays automatic
   unit = {a for a, size in zip(mesh.axis_names, mesh.axis_sizes) if size == 1}
-  return batch, ({CONTEXT, *batch} | unit) & free
+  return batch, ({axis, *batch} | unit) & free
 
 
 def attend(
@@ -229,6 +244,7 @@ def attend(
   if len(arrays) != len(roles) or QUERY not in roles:
     raise ValueError(f"roles {tuple(roles)} must name every one of {len(arrays)} arrays")
   mesh = jax.sharding.get_abstract_mesh()
+  axis = context_axis(mesh)
   shards, chunks = context_shards(mesh), chunks_per_shard()
   query = arrays[roles.index(QUERY)]
   reach = reach_tokens(options.window, per_token)
@@ -239,13 +255,13 @@ def attend(
   segment_ids = options.segment_ids
   if segment_ids is None:  # halo keys past the sequence ends need segment 0
     segment_ids = jnp.ones(query.shape[:2], jnp.int32)
-  batch_axes, manual = _manual_axes(mesh, query.shape[0])
-  sequence = PartitionSpec(batch_axes or None, CONTEXT)
+  batch_axes, manual = _manual_axes(mesh, query.shape[0], axis)
+  sequence = PartitionSpec(batch_axes or None, axis)
   specs = tuple(sequence if r in (QUERY, KEY) else PartitionSpec() for r in roles)
 
   def body(segments, positions, *local):
     keys = [x for x, r in zip(local, roles) if r == KEY] + [positions]
-    views = _key_views(keys, segments, reach, options.causal, shards, chunks)
+    views = _key_views(keys, segments, reach, options.causal, shards, chunks, axis)
     c = segments.shape[1] // chunks
     outs = []
     for k, (key_side, key_segments, offset) in enumerate(views):

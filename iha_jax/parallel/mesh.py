@@ -9,12 +9,13 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from iha_jax.parallel.rules import MESH_AXES, OPTIONAL_AXES
+from iha_jax.checks import is_int
+from iha_jax.parallel.rules import MESH_AXES
 
 
 def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
   """`{"data": a, "fsdp": b, "context": c, "tensor": t}` with at most one -1 -> concrete
-  `(a, b, c, t)`; `context` may be left out (1).
+  `(a, b, c, t)`; an axis left out has size 1.
 
   -1 takes all devices the other axes leave. The product may be smaller than
   `num_devices` (the mesh then uses the first devices), never larger.
@@ -24,8 +25,8 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
   """
   shape = []
   for axis in MESH_AXES:
-    size = sizes[axis] if axis in sizes or axis not in OPTIONAL_AXES else OPTIONAL_AXES[axis]
-    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+    size = sizes.get(axis, 1)
+    if not (is_int(size, 1) or (is_int(size) and size == -1)):
       raise ValueError(f"mesh.{axis} must be a positive integer or -1, got {size!r}")
     shape.append(size)
   wildcards = [a for a, s in zip(MESH_AXES, shape) if s == -1]

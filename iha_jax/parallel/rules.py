@@ -19,6 +19,7 @@ so no `[B, N, H, P, d]` tensor is ever communicated.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -47,8 +48,6 @@ from iha_jax.parallel.axes import (
 DATA, FSDP, CONTEXT, TENSOR = "data", "fsdp", "context", "tensor"
 # Outermost first: tensor (most traffic) innermost, then context, as MaxText orders them.
 MESH_AXES = (DATA, FSDP, CONTEXT, TENSOR)
-# A mesh config may leave these out (size 1): configs and checkpoints from before them.
-OPTIONAL_AXES = {CONTEXT: 1}
 BATCH_AXES = (DATA, FSDP)
 
 LogicalRules = tuple[tuple[str, Any], ...]
@@ -77,9 +76,96 @@ LOGICAL_AXIS_RULES: LogicalRules = (
 
 _RULES = dict(LOGICAL_AXIS_RULES)
 
+# The roles a mesh of your own maps its axes to (`logical_rules`; docs/your_model.md): each
+# stands for the logical axes that the project's mesh axis of that role takes above.
+ROLES: dict[str, tuple[str, ...]] = {
+  "batch": (ACTIVATION_BATCH,),  # data parallelism: the batch's rows (data, fsdp)
+  "embed": (EMBED,),  # FSDP: every parameter's model-width axis D (fsdp)
+  "heads": (HEADS, MLP, VOCAB, ACTIVATION_HEADS, ACTIVATION_VOCAB),  # tensor parallelism
+  "length": (ACTIVATION_LENGTH,),  # context parallelism: the tokens (context)
+}
 
-def logical_to_mesh_spec(logical: PartitionSpec | None) -> PartitionSpec:
-  """`PartitionSpec` of logical names -> `PartitionSpec` of mesh axes.
+
+def _axes(value: Any) -> tuple[str, ...]:
+  """A rule's mesh axes: None, one name, or a sequence of names -> a tuple of names."""
+  return (value,) if isinstance(value, str) else tuple(value or ())
+
+
+def logical_rules(mapping: Mapping[str, Any], mesh: Any | None = None) -> LogicalRules:
+  """Logical-axis rules for a mesh of your own, from a few roles.
+
+  Args:
+    mapping: `{role or logical axis: mesh axes}`, e.g. `{"batch": "dp", "heads": "tp"}`
+      or `{"batch": ("replica", "dp")}`; roles (`ROLES`): "batch" (data parallelism),
+      "embed" (parameters' D, FSDP), "heads" (heads, MLP width and vocabulary: tensor
+      parallelism), "length" (the sequence: context parallelism); a logical axis name of
+      `iha_jax.parallel.axes` (e.g. `"mlp": None`) overrides what its role gave it. Roles
+      left out, and every other logical axis, stay unsharded (size one).
+    mesh: when given, every mesh axis named must be one of its axes.
+
+  Returns:
+    rules for every logical axis of the project, for `activate(mesh, rules)`,
+    `flax.linen.logical_axis_rules` or `named_shardings`.
+
+  Raises:
+    ValueError: in one line, for an unknown role or logical axis, or an axis the mesh
+      does not have.
+  """
+  rules = dict.fromkeys(_RULES)
+  for key, value in mapping.items():
+    if key not in ROLES and key not in _RULES:
+      raise ValueError(
+        f"logical_rules: {key!r} is neither a role {tuple(ROLES)} nor a logical axis "
+        f"({', '.join(sorted(_RULES))})"
+      )
+    if mesh is not None:
+      check_rules(((key, value),), mesh)  # names the key as given
+    if key in ROLES:
+      rules.update(dict.fromkeys(ROLES[key], _axes(value) or None))
+  for key, value in mapping.items():
+    if key in _RULES and key not in ROLES:
+      rules[key] = _axes(value) or None
+  out = tuple(rules.items())
+  if mesh is not None:
+    check_rules(out, mesh)
+  return out
+
+
+def check_rules(rules: LogicalRules, mesh: Any) -> None:
+  """Raises ValueError in one line naming the first rule whose mesh axis `mesh` lacks."""
+  names = tuple(mesh.axis_names)
+  for logical, value in rules:
+    for axis in _axes(value):
+      if axis not in names:
+        raise ValueError(
+          f"logical-axis rule {logical!r} -> {axis!r}: the mesh has no axis {axis!r} (its "
+          f"axes: {', '.join(names) or 'none'}); name one of them, or leave the role out "
+          "(size one)"
+        )
+
+
+def rules_for(mesh: Any, rules: Mapping[str, Any] | LogicalRules | None = None) -> LogicalRules:
+  """The rules to use on `mesh`: `rules` checked against it (a mapping goes through
+  `logical_rules`), or, None, the project's own with the mesh axes it lacks left out
+  (those count as size one)."""
+  if rules is None:
+    names = set(mesh.axis_names)
+    if all(set(_axes(value)) <= names for _, value in LOGICAL_AXIS_RULES):
+      return LOGICAL_AXIS_RULES
+    kept = lambda value: tuple(a for a in _axes(value) if a in names) or None
+    return tuple((logical, kept(value)) for logical, value in LOGICAL_AXIS_RULES)
+  if isinstance(rules, Mapping):
+    return logical_rules(rules, mesh)
+  rules = tuple((logical, value) for logical, value in rules)
+  check_rules(rules, mesh)
+  return rules
+
+
+def logical_to_mesh_spec(
+  logical: PartitionSpec | None, rules: LogicalRules | None = None
+) -> PartitionSpec:
+  """`PartitionSpec` of logical names -> `PartitionSpec` of mesh axes, by `rules` (default:
+  the project's, `LOGICAL_AXIS_RULES`).
 
   A mesh axis is used at most once per array: a later dimension whose rule names an
   axis already taken stays unsharded (e.g. `heads` and `mlp` both on `tensor`).
@@ -89,17 +175,18 @@ def logical_to_mesh_spec(logical: PartitionSpec | None) -> PartitionSpec:
   """
   if logical is None:
     return PartitionSpec()
+  table = _RULES if rules is None else dict(rules)
   used: set[str] = set()
   out = []
   for name in logical:
     if name is None:
       out.append(None)
       continue
-    if name not in _RULES:
+    if name not in table:
       raise ValueError(
-        f"logical axis {name!r} has no rule in iha_jax/parallel/rules.py; known: {sorted(_RULES)}"
+        f"logical axis {name!r} has no rule in iha_jax/parallel/rules.py; known: {sorted(table)}"
       )
-    axes = _RULES[name]
+    axes = table[name]
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     axes = tuple(a for a in axes if a not in used)
     used.update(axes)

@@ -16,24 +16,37 @@ from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_HEADS
 from iha_jax.parallel.rules import (
   BATCH_AXES,
   CONTEXT,
-  LOGICAL_AXIS_RULES,
+  LogicalRules,
   free_mesh_axes,
   logical_to_mesh_spec,
+  rules_for,
 )
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh) -> Iterator[None]:
+def activate(mesh: Mesh, rules: Mapping[str, Any] | LogicalRules | None = None) -> Iterator[None]:
   """Makes `mesh` current and the logical-axis rules active, so the layers' activation
-  constraints (`with_logical_constraint`) apply while tracing under it."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+  constraints (`with_logical_constraint`) and the kernels' and context parallelism's
+  `shard_map`s apply while tracing under it.
+
+  `rules`: None for the project's own (mesh axes data, fsdp, context, tensor; those the
+  mesh lacks count as size one); for a mesh of your own, roles to your axes
+  (`{"batch": "dp", "heads": "tp"}`, `iha_jax.parallel.rules.logical_rules`) or whole
+  rules. A rule naming an axis the mesh lacks fails in one line naming it. Auto or
+  Explicit axis types alike (the layers run in `auto_axes` on Explicit ones).
+  """
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules_for(mesh, rules)):
     yield
 
 
-def named_shardings(mesh: Mesh, logical_specs: Any) -> Any:
-  """Tree of logical `PartitionSpec`s -> tree of `NamedSharding`s on `mesh`."""
+def named_shardings(
+  mesh: Mesh, logical_specs: Any, rules: Mapping[str, Any] | LogicalRules | None = None
+) -> Any:
+  """Tree of logical `PartitionSpec`s -> tree of `NamedSharding`s on `mesh`, by `rules`
+  (as `activate` takes them; None: the project's)."""
+  table = None if rules is None else rules_for(mesh, rules)
   return jax.tree.map(
-    lambda spec: NamedSharding(mesh, logical_to_mesh_spec(spec)),
+    lambda spec: NamedSharding(mesh, logical_to_mesh_spec(spec, table)),
     logical_specs,
     is_leaf=lambda x: isinstance(x, PartitionSpec),
   )

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from iha_jax import data as data_lib
+from iha_jax.checks import is_int
 from iha_jax.core.options import round_up
-from iha_jax.core.validation import is_int
 from iha_jax.errors import UserError
 from iha_jax.models import TransformerConfig
 from iha_jax.parallel import resolve_mesh_shape

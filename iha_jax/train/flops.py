@@ -158,7 +158,7 @@ def layer_budgets(config: TransformerConfig, seq_len: int) -> list[LayerBudget]:
         core_flops=core_flops_per_sequence(acfg, seq_len),
         mlp_flops=2 * mlp_params,
         seq_len=seq_len,
-        virtual_tokens=acfg.interleaved,
+        virtual_tokens=acfg.record.virtual_tokens,
         heads=(acfg.num_heads, acfg.kv_heads),
       )
     )

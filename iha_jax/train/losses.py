@@ -29,7 +29,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from iha_jax.core.validation import is_int
+from iha_jax.checks import is_int
 from iha_jax.models import TransformerConfig
 from iha_jax.models.functional_lm import FunctionalTransformerLM, Params
 from iha_jax.models.transformer import output_logits

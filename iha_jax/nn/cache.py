@@ -1,0 +1,249 @@
+"""One attention layer's KV cache and its cached call: prefill and decoding through the layer.
+
+`LayerCache` is a ring buffer over token slots (token `n` in slot `n % C`) plus the number
+of tokens written. Global layers hold `C = max_len` slots (the ring never wraps); window
+layers only the tokens their window can see (`window_tokens`). The layer's call with a
+cache (`Attention.__call__(x, cache=...)`, or `cached_attention` on a parameter dict) takes
+the next `n >= 1` tokens of every row (a prompt, a chunk of one, or one token), attends
+with them over what the cache holds plus themselves, writes them, and returns the output
+and the new cache: prefill and one-token decoding are the same call. Its output equals the
+full forward's at those positions (the same XLA attention core and mask).
+
+Layouts (head-major, the XLA core's), G the layer's key/value heads (`num_kv_heads`):
+- "source" (IHA): the SOURCE-head k and v before mixing and RoPE, `[B, G, C, d]`, the size
+  of a multi-head cache with G heads; each call rebuilds the cached tokens' pseudo-keys
+  and pseudo-values (mix with `alpha_k`, `alpha_v`; RoPE at virtual positions `pos*P + p`).
+- "pseudo" (IHA): the rotated pseudo-keys and the pseudo-values, `[B, G, C*P, d]` (P times
+  larger; slot c holds virtual tokens `c*P .. c*P+P-1`): a call mixes and rotates only its
+  new tokens.
+MHA layers store rotated keys and values `[B, G, C, d]` in either mode (P = 1, no
+mixing). A kind decodes when its record says so (`AttentionKind.decodes`: it reads as
+pseudo-head attention, `pseudo_heads` and `collapse`; IHA and MHA built in).
+
+Every row of a batch is at the same position (`length`): equal-length prompts, no
+padding; positions are `length + arange(n)`, as the full forward's default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from iha_jax.checks import is_int
+from iha_jax.core.grouped import grouped_attention_heads_major
+from iha_jax.core.interleave import virtual_positions
+from iha_jax.kinds.config import AttentionConfig
+from iha_jax.nn.functional import (
+  check_input,
+  project_qkv,
+  pseudo_heads,
+  rotated_pseudo_heads,
+  to_compute_dtype,
+)
+
+CACHE_MODES = ("source", "pseudo")
+# Virtual index of an empty slot: after every query, so the causal rule hides it and the
+# core's tile ranges skip it (its segment id is 0 as well).
+_EMPTY_INDEX = 2**30
+
+
+class LayerCache(struct.PyTreeNode):
+  """One layer's KV cache.
+
+  Attributes:
+    k, v: the ring buffer, `[B, G, C, d]` ("source" IHA, or MHA) or `[B, G, C*P, d]`
+      ("pseudo" IHA): C token slots, token n in slot `n % C`.
+    length: int32 scalar, tokens written so far = the position of the next token.
+    mode: "source" or "pseudo" (static).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  length: jax.Array
+  mode: str = struct.field(pytree_node=False, default="source")
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the cached keys and values."""
+    return self.k.nbytes + self.v.nbytes
+
+
+def check_cache_mode(cache_mode: str) -> None:
+  """Raises ValueError naming `cache_mode` unless it is one of `CACHE_MODES`."""
+  if cache_mode not in CACHE_MODES:
+    raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
+
+
+def check_decodes(cfg: AttentionConfig) -> None:
+  """Raises ValueError unless a layer of `cfg` can run with a cache: a causal layer of a
+  kind that decodes."""
+  if not cfg.record.decodes:
+    raise ValueError(
+      f"{cfg.kind} attention has no KV cache (its kind does not read as pseudo-head "
+      "attention: AttentionKind.decodes); IHA and MHA layers decode. Run the full forward."
+    )
+  if not cfg.causal:
+    raise ValueError(
+      "a KV cache needs a causal layer; this one has causal=False (bidirectional: every "
+      "position sees later tokens). Run the full forward."
+    )
+
+
+def _stores_source(cfg: AttentionConfig, mode: str) -> bool:
+  """Whether the cache holds source heads (IHA's "source" mode), rebuilt every call."""
+  return mode == "source" and cfg.record.virtual_tokens
+
+
+def _per_token(cfg: AttentionConfig, mode: str) -> int:
+  """Cache entries per token: 1 for source heads, P for pseudo-heads (1 for MHA)."""
+  return 1 if _stores_source(cfg, mode) else cfg.record.virtual_per_token(cfg)
+
+
+def window_tokens(cfg: AttentionConfig, max_len: int) -> int:
+  """Token slots C of a layer's ring buffer.
+
+  A window of `w` virtual tokens lets query `n*P + p` see keys down to `n*P - w + 1`,
+  which belong to tokens `n - ceil((w-1)/P) .. n`: `ceil((w-1)/P) + 1` tokens (`w` for
+  MHA, P = 1). Global layers, and windows longer than the sequence, need `max_len`.
+  """
+  if cfg.window is None:
+    return max_len
+  span = -(-(cfg.window - 1) // cfg.record.virtual_per_token(cfg)) + 1
+  return min(span, max_len)
+
+
+def slot_tokens(position: jax.Array, capacity: int) -> jax.Array:
+  """Token held by each of `capacity` slots once token `position` is written, `[C]` int32.
+
+  Slot j holds the latest token `t <= position` with `t % C == j`; negative = empty.
+  """
+  return position - jnp.mod(position - jnp.arange(capacity, dtype=jnp.int32), capacity)
+
+
+def init_layer_cache(
+  cfg: AttentionConfig, batch: int, max_len: int, mode: str = "source", dtype: Any = None
+) -> LayerCache:
+  """An empty cache for a layer of `cfg` (zeros; slots are masked until written).
+
+  Args:
+    cfg: the layer's configuration (a kind that decodes, causal).
+    batch: B, rows decoded together.
+    max_len: tokens each row may hold in all (prompt plus every token fed later); window
+      layers keep only `window_tokens(cfg, max_len)` of them.
+    mode: "source" or "pseudo" (module docstring).
+    dtype: of the cached keys and values (None: `cfg.dtype`, else float32).
+  """
+  check_decodes(cfg)
+  check_cache_mode(mode)
+  for name, value in (("batch", batch), ("max_len", max_len)):
+    if not is_int(value, 1):
+      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  dtype = dtype or cfg.dtype or jnp.float32
+  slots = window_tokens(cfg, max_len) * _per_token(cfg, mode)
+  shape = (batch, cfg.kv_heads, slots, cfg.head_dim)
+  zeros = jnp.zeros(shape, dtype)
+  return LayerCache(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32), mode=mode)
+
+
+def _heads_major(x: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x, 1, 2)
+
+
+def _write(buf: jax.Array, new: jax.Array, start: jax.Array, per_token: int) -> jax.Array:
+  """Writes tokens `start .. start+n-1` into a ring buffer, keeping the last C of them.
+
+  `buf: [B, G, C*per_token, d]`, `new: [B, n*per_token, G, d]`; token t goes to slot t % C.
+  """
+  b, h, size, d = buf.shape
+  capacity, n = size // per_token, new.shape[1] // per_token
+  kept = min(n, capacity)  # Older tokens would be overwritten anyway; keeps slots unique.
+  new = new[:, (n - kept) * per_token :].reshape(b, kept, per_token, h, d).astype(buf.dtype)
+  new = jnp.transpose(new, (0, 3, 1, 2, 4))  # [B, G, kept, per_token, d]
+  slots = jnp.mod(start + n - kept + jnp.arange(kept, dtype=jnp.int32), capacity)
+  ring = buf.reshape(b, h, capacity, per_token, d)
+  return ring.at[:, :, slots].set(new).reshape(buf.shape)
+
+
+def _check_cache(cfg: AttentionConfig, cache: LayerCache, batch: int) -> None:
+  if not isinstance(cache, LayerCache):
+    raise TypeError(f"cache must be a LayerCache (init_layer_cache), got {type(cache).__name__}")
+  check_cache_mode(cache.mode)
+  want = (batch, cfg.kv_heads, None, cfg.head_dim)
+  got = tuple(cache.k.shape)
+  per_token = _per_token(cfg, cache.mode)
+  if len(got) != 4 or got[:2] != want[:2] or got[3] != want[3] or got[2] % per_token:
+    raise ValueError(
+      f"cache.k has shape {got}; this layer's {cache.mode!r} cache is [B, G, C * "
+      f"{per_token}, d] = [{batch}, {cfg.kv_heads}, C * {per_token}, {cfg.head_dim}] "
+      "(init_layer_cache with this layer's config and batch)"
+    )
+
+
+def cached_attention(
+  params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig, cache: LayerCache
+) -> tuple[jax.Array, LayerCache]:
+  """The layer on the next `n` tokens of every row, with a KV cache.
+
+  Args:
+    params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`.
+    x: the layer's input for tokens `cache.length .. cache.length + n - 1`, `[B, n, D]`.
+    cfg: the layer configuration (a kind that decodes, causal).
+    cache: the layer's cache holding the tokens before them.
+
+  Returns:
+    `([B, n, D], cache)`: the output, equal to the full forward's at those positions, and
+    the cache with the n tokens written and `length` advanced by n. The caller keeps
+    `length + n <= max_len` for global layers (the length is traced, so not checked).
+  """
+  check_input(x, cfg)
+  check_decodes(cfg)
+  _check_cache(cfg, cache, x.shape[0])
+  p, x = to_compute_dtype(params, x, cfg)
+  b, n = x.shape[:2]
+  per_virtual = cfg.record.virtual_per_token(cfg)
+  per_token = _per_token(cfg, cache.mode)
+  start = jnp.asarray(cache.length, jnp.int32)
+  q, k, v = project_qkv(p, x)  # [B, n, H, d], [B, n, G, d]
+  new_tokens = start + jnp.arange(n, dtype=jnp.int32)  # [n]
+  positions = jnp.broadcast_to(new_tokens, (b, n))
+  new_k = rotated_pseudo_heads(p, cfg, "k", k, positions)  # [B, n*P, G, d]
+  new_v = pseudo_heads(p, cfg, "v", v)
+  # The tokens the cache holds before this call (negative: an empty slot).
+  slots = slot_tokens(start - 1, cache.k.shape[2] // per_token)  # [C]
+  old_k, old_v = cache.k.astype(x.dtype), cache.v.astype(x.dtype)
+  if _stores_source(cfg, cache.mode):
+    # Rebuild the cached tokens' pseudo-keys/values: less memory, more work per call.
+    slot_positions = jnp.broadcast_to(slots, (b, slots.shape[0]))
+    old_k = _heads_major(rotated_pseudo_heads(p, cfg, "k", _heads_major(old_k), slot_positions))
+    old_v = _heads_major(pseudo_heads(p, cfg, "v", _heads_major(old_v)))
+  keys = jnp.concatenate([old_k, _heads_major(new_k)], axis=2)  # [B, G, (C + n)*P, d]
+  values = jnp.concatenate([old_v, _heads_major(new_v)], axis=2)
+  filled = jnp.repeat(slots >= 0, per_virtual)
+  slot_index = jnp.where(filled, virtual_positions(slots[None], per_virtual)[0], _EMPTY_INDEX)
+  q_index = virtual_positions(new_tokens[None], per_virtual)[0]  # [n*P]
+  kv_segments = jnp.concatenate([filled, jnp.ones(q_index.shape, bool)]).astype(jnp.int32)
+  queries = _heads_major(rotated_pseudo_heads(p, cfg, "q", q, positions))  # [B, H, n*P, d]
+  # queries [B, H, n*P, d] over keys [B, G, (C + n)*P, d]: head h reads key head h // (H/G).
+  out = grouped_attention_heads_major(
+    queries,
+    keys,
+    values,
+    segment_ids=jnp.ones((b, q_index.shape[0]), jnp.int32),
+    kv_segment_ids=jnp.broadcast_to(kv_segments, (b, kv_segments.shape[0])),
+    q_index=q_index,
+    k_index=jnp.concatenate([slot_index, q_index]),
+    window=cfg.window,
+  )
+  out = cfg.record.collapse(p, cfg, _heads_major(out))  # [B, n, H, d]
+  y = jnp.einsum("bnhd,hdD->bnD", out, p["wo"])
+  written = (k, v) if _stores_source(cfg, cache.mode) else (new_k, new_v)
+  cache = cache.replace(
+    k=_write(cache.k, written[0], start, per_token),
+    v=_write(cache.v, written[1], start, per_token),
+    length=start + n,
+  )
+  return y, cache
