@@ -47,7 +47,7 @@ from jax import lax
 from iha_jax.core.options import AttentionOptions
 from iha_jax.core.rope import apply_rope, rope_frequencies
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import gpu, tpu
+from iha_jax.kernels import gpu, tpu, tpu_attention
 from iha_jax.kernels.common import Config
 
 _BACKENDS = {"gpu": gpu, "tpu": tpu}
@@ -337,6 +337,8 @@ def collapsed_outputs(
   Returns `(y, restore)`: y `[B, Np, H', Wv]` float32 (H' = H for a full `[H, Ht, P]`
   collapse: a partial sum over the local target heads; H' = Ht for per_head `[Ht, P]`).
   """
+  if platform == "tpu":  # mixing in HBM, then flash attention (iha_jax.kernels.tpu_attention)
+    return tpu_attention.collapsed(q, k, v, alphas, collapse, options), lambda y: y
   cfg, args, restore = _prepare(q, k, v, alphas, options, platform)
   return _attend_collapse(platform, cfg, *args, collapse), restore
 
@@ -377,6 +379,8 @@ def fused_mha_attention(
   differ from d, e.g. 2d for differential attention) -> `[B, N, H, dv]`; G divides H. A
   sequence shard's k, v hold Nk tokens (`pseudo_outputs`).
   """
+  if platform == "tpu":
+    return tpu_attention.mha(q, k, v, options)
   o, restore = pseudo_outputs(q, k, v, None, options, platform=platform)
   # The pseudo view's P axis has one entry (GPU tiles may pad it: take entry 0).
   o = jnp.take(o, 0, axis=_BACKENDS[platform].OUTPUT_SPEC.index("p"))
