@@ -22,6 +22,7 @@ kernels as a scalar operand, so one compiled kernel serves every shard.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -36,16 +37,24 @@ from iha_jax.core.options import AttentionOptions, round_up
 from iha_jax.core.rope import rope_frequencies
 from iha_jax.core.validation import default_positions
 
-DEFAULT_BLOCK_Q = 512  # rows; the estimate's choice at the paper's shape (performance.md)
-DEFAULT_BLOCK_K = 512
+# Default tiles (rows), the estimate's choice on v5p at the paper's shape
+# (docs/performance.md): global layers amortise a step's fixed cost over 1024 x 1024
+# pairs; a window's band wastes less of a 512-row tile (and 1024 x 1024 window backward
+# kernels exceed the default scoped VMEM).
+GLOBAL_BLOCK = 1024
+WINDOW_BLOCK = 512
 SUBLANES = 16  # bf16 packs 16 rows per vreg: tiles are multiples of it
 
 
-def _tile(rows: int, requested: int | None, default: int) -> tuple[int, int]:
-  """(tile edge, padded rows): one tile for short sequences, else 128-multiples."""
-  block = round_up(requested or default, tpu_flash.LANES)
-  if rows <= block:
-    block = round_up(rows, SUBLANES)
+def _tile(rows: int, requested: int | None, default: int, name: str) -> tuple[int, int]:
+  """(tile edge, padded rows): the requested or default edge, or one tile for a shorter
+  sequence. Tiles are multiples of 16 rows (bf16 packs 16 rows per vreg)."""
+  if requested is not None and (requested <= 0 or requested % SUBLANES):
+    raise ValueError(
+      f"block_sizes.{name}={requested}: TPU tiles are positive multiples of {SUBLANES} rows "
+      f"(virtual tokens for IHA), e.g. 512"
+    )
+  block = min(requested or default, round_up(rows, SUBLANES))
   return block, round_up(rows, block)
 
 
@@ -58,27 +67,50 @@ def _run(fn: Callable, *args):
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(call: tpu_flash.Call, q, k, v, seg, offset):
-  return _flash_fwd(call, q, k, v, seg, offset)[0]
+@dataclasses.dataclass(frozen=True)
+class _Mixing:
+  """Source heads -> the kernels' padded virtual rows (static: a custom_vjp argument)."""
+
+  theta: float | None
+  scale: float  # the softmax scale, carried by the queries
+  rows_q: int
+  rows_k: int
+
+  def __call__(self, q, k, v, alphas, positions, key_positions):
+    a_q, a_k, a_v = alphas if alphas is not None else (None, None, None)
+    qv = _mix(q, a_q, positions, self.theta, scale=self.scale)
+    kv = _mix(k, a_k, key_positions, self.theta)
+    vv = _mix(v, a_v, key_positions, None)
+    return _pad_rows(qv, self.rows_q), _pad_rows(kv, self.rows_k), _pad_rows(vv, self.rows_k)
 
 
-def _flash_fwd(call, q, k, v, seg, offset):
-  o, lse = _run(functools.partial(tpu_flash.forward, call), q, k, v, seg, offset)
-  return o, (q, k, v, seg, offset, o, lse[..., 0])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _pipeline(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
+  """Padded pseudo outputs `[B, Ht, rows_q, dv]` of mixing + flash attention."""
+  return _pipeline_fwd(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset)[0]
 
 
-def _flash_bwd(call, residuals, do):
-  q, k, v, seg, offset, o, lse = residuals
+def _pipeline_fwd(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
+  qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
+  o, lse = _run(functools.partial(tpu_flash.forward, call), qv, kv, vv, seg, offset)
+  # Saved: the source heads, not the P-times larger pseudo q/k/v (remade below).
+  return o, (q, k, v, alphas, positions, key_positions, seg, offset, o, lse[..., 0])
+
+
+def _pipeline_bwd(mixing, call, residuals, do):
+  q, k, v, alphas, positions, key_positions, seg, offset, o, lse = residuals
+  mix = lambda q, k, v, alphas: mixing(q, k, v, alphas, positions, key_positions)
+  (qv, kv, vv), mix_vjp = jax.vjp(mix, q, k, v, alphas)
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-  dq, dk, dv = _run(
-    functools.partial(tpu_flash.backward, call), q, k, v, seg, offset, do.astype(q.dtype), lse,
-    delta,
+  dqv, dkv, dvv = _run(
+    functools.partial(tpu_flash.backward, call), qv, kv, vv, seg, offset, do.astype(qv.dtype),
+    lse, delta,
   )
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  dq, dk, dv, dalphas = mix_vjp((dqv.astype(qv.dtype), dkv.astype(kv.dtype), dvv.astype(vv.dtype)))
+  return dq, dk, dv, dalphas, None, None, None, None
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
 def _rotate_virtual(x: jax.Array, positions: jax.Array, num_pseudo: int, theta: float | None):
@@ -145,14 +177,10 @@ def attend_virtual(
     key_ids, key_positions = options.key_segment_ids, options.key_positions
     if key_positions is None:
       key_positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
-  theta = options.rope_theta
-  a_q, a_k, a_v = alphas if alphas is not None else (None, None, None)
-  qv = _mix(q, a_q, positions, theta, scale=1 / math.sqrt(d))
-  kv = _mix(k, a_k, key_positions, theta)
-  vv = _mix(v, a_v, key_positions, None)
   blocks = options.block_sizes
-  block_q, rows_q = _tile(n * p, blocks and blocks.block_q, DEFAULT_BLOCK_Q)
-  block_k, rows_k = _tile(nk * p, blocks and blocks.block_k, DEFAULT_BLOCK_K)
+  default = GLOBAL_BLOCK if options.window is None else WINDOW_BLOCK
+  block_q, rows_q = _tile(n * p, blocks and blocks.block_q, default, "block_q")
+  block_k, rows_k = _tile(nk * p, blocks and blocks.block_k, default, "block_k")
   offset = options.query_offset if sliced else 0
   static = isinstance(offset, int)
   tiles = Tiles(
@@ -175,15 +203,17 @@ def attend_virtual(
     if key_ids is None:
       key_ids = jnp.ones((b, nk), jnp.int32)
     key_ids = jnp.where(key_ids == 0, -1, key_ids)  # padding keys: seen by no query
-    seg = (
+    seg = (  # query ids as columns [B, Tq, 1], key ids as rows of a tile [B, tiles, 1, bk]
       _segments(query_ids, p, rows_q, 0)[..., None],
-      _segments(key_ids, p, rows_k, -1)[:, None, :],
+      _segments(key_ids, p, rows_k, -1).reshape(b, rows_k // block_k, 1, block_k),
     )
-  call = tpu_flash.Call(tiles, heads=qv.shape[1], kv_heads=kv.shape[1], segments=segments)
+  heads = h if alphas is None else alphas[0].shape[1]
+  kv_heads = k.shape[2] if alphas is None else alphas[1].shape[1]
+  call = tpu_flash.Call(tiles, heads=heads, kv_heads=kv_heads, segments=segments)
   offset_operand = None if static else (jnp.asarray(offset, jnp.int32) * p).reshape(1)
-  o = _flash(call, _pad_rows(qv, rows_q), _pad_rows(kv, rows_k), _pad_rows(vv, rows_k), seg,
-             offset_operand)
-  return o[:, :, : n * p].reshape(b, o.shape[1], n, p, v.shape[-1])
+  mixing = _Mixing(options.rope_theta, 1 / math.sqrt(d), rows_q, rows_k)
+  o = _pipeline(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset_operand)
+  return o[:, :, : n * p].reshape(b, heads, n, p, v.shape[-1])
 
 
 def collapsed(

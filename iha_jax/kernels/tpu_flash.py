@@ -136,13 +136,7 @@ def _forward_kernel(*refs, call: Call):
     pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
     acc_sc[...] = _broadcast_lanes(rescale, pv.shape[1]) * acc_sc[...] + pv
 
-  @pl.when(step.compute & ~step.masked)
-  def _():
-    attend(masked=False)
-
-  @pl.when(step.compute & step.masked)
-  def _():
-    attend(masked=True)
+  _attend_pairs(step, call, attend)
 
   @pl.when(step.last)
   def _():
@@ -154,6 +148,16 @@ def _forward_kernel(*refs, call: Call):
       out = jnp.where(keep, out, 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse[:, :1]
+
+
+def _attend_pairs(step, call: Call, attend) -> None:
+  """Runs `attend(masked)` on the steps that attend a pair: without mask work where the
+  pair is entirely visible, else masked. Packed segments need the mask on every pair."""
+  if call.segments:
+    pl.when(step.compute)(lambda: attend(masked=True))
+    return
+  pl.when(step.compute & ~step.masked)(lambda: attend(masked=False))
+  pl.when(step.compute & step.masked)(lambda: attend(masked=True))
 
 
 def _spec(block, index):
@@ -177,12 +181,12 @@ def _specs(call: Call, d: int, dv: int):
   def seg_q_index(bh, row, s, *offset):
     return _div(bh, h), step(row, s, offset).home, 0
 
-  def seg_k_index(bh, row, s, *offset):
-    return _div(bh, h), 0, step(row, s, offset).tile
+  def seg_k_index(bh, row, s, *offset):  # key ids as rows, one per key tile
+    return _div(bh, h), step(row, s, offset).tile, 0, 0
 
   per_query = lambda width: _spec((None, None, bq, width), q_index)
   inputs = [per_query(d), _spec((None, None, bk, d), kv_index), _spec((None, None, bk, dv), kv_index)]
-  segments = [_spec((None, bq, 1), seg_q_index), _spec((None, 1, bk), seg_k_index)]
+  segments = [_spec((None, bq, 1), seg_q_index), _spec((None, None, 1, bk), seg_k_index)]
   return per_query, inputs, segments
 
 
@@ -269,13 +273,7 @@ def _dq_kernel(*refs, call: Call):
     ds = p * (dp - delta_ref[...])
     dq_sc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
 
-  @pl.when(step.compute & ~step.masked)
-  def _():
-    attend(masked=False)
-
-  @pl.when(step.compute & step.masked)
-  def _():
-    attend(masked=True)
+  _attend_pairs(step, call, attend)
 
   @pl.when(step.last)
   def _():
@@ -314,13 +312,7 @@ def _dkv_kernel(*refs, call: Call):
     ds_t = p_t * (dp_t - delta_ref[...])
     dk_sc[...] += lax.dot_general(ds_t.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32)
 
-  @pl.when(step.compute & ~step.masked)
-  def _():
-    attend(masked=False)
-
-  @pl.when(step.compute & step.masked)
-  def _():
-    attend(masked=True)
+  _attend_pairs(step, call, attend)
 
   @pl.when(step.last & (head == r - 1))
   def _():
@@ -338,7 +330,9 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
   bq, bk = tiles.block_q, tiles.block_k
   segments = seg if call.segments else ()
   columns = lambda x: x[..., None]  # [B, H, Tq] -> [B, H, Tq, 1]
-  rows_of = lambda x: x[..., None, :]  # -> [B, H, 1, Tq]
+  # Rows of one tile each, [B, H, tiles, 1, bq]: a (1, bq) block is then a whole trailing
+  # pair of dimensions, legal for Mosaic at any tile size.
+  rows_of = lambda x: x.reshape(*x.shape[:-1], x.shape[-1] // bq, 1, bq)
 
   rows, steps = tiles.query_major()
   per_query, inputs, seg_specs = _specs(call, d, dv)
@@ -371,14 +365,14 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
   def q_index(bg, row, flat, *offset):
     return _div(bg, g), _rem(bg, g) * r + _rem(flat, r), step(row, flat, offset).tile, 0
 
-  def row_index(bg, row, flat, *offset):  # lse, delta as rows [B, H, 1, Tq]
-    return _div(bg, g), _rem(bg, g) * r + _rem(flat, r), 0, step(row, flat, offset).tile
+  def row_index(bg, row, flat, *offset):  # lse, delta as rows [B, H, tiles, 1, bq]
+    return _div(bg, g), _rem(bg, g) * r + _rem(flat, r), step(row, flat, offset).tile, 0, 0
 
   def kv_index(bg, row, flat, *offset):
     return _div(bg, g), _rem(bg, g), step(row, flat, offset).home, 0
 
-  def seg_q_index(bg, row, flat, *offset):  # query ids as rows [B, 1, Tq]
-    return _div(bg, g), 0, step(row, flat, offset).tile
+  def seg_q_index(bg, row, flat, *offset):  # query ids as rows [B, tiles, 1, bq]
+    return _div(bg, g), step(row, flat, offset).tile, 0, 0
 
   def seg_k_index(bg, row, flat, *offset):  # key ids as columns [B, Tk, 1]
     return _div(bg, g), step(row, flat, offset).home, 0
@@ -389,14 +383,16 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
     per_key(d),
     per_key(dv),
     _spec((None, None, bq, dv), q_index),
-    _spec((None, None, 1, bq), row_index),
-    _spec((None, None, 1, bq), row_index),
+    _spec((None, None, None, 1, bq), row_index),
+    _spec((None, None, None, 1, bq), row_index),
   ]
   transposed_segments = ()
   if call.segments:
     seg_q_cols, seg_k_rows = seg
-    transposed_segments = (jnp.swapaxes(seg_q_cols, 1, 2), jnp.swapaxes(seg_k_rows, 1, 2))
-    in_specs += [_spec((None, 1, bq), seg_q_index), _spec((None, bk, 1), seg_k_index)]
+    query_rows = seg_q_cols.reshape(b, tq // bq, 1, bq)
+    key_columns = seg_k_rows.reshape(b, tk, 1)
+    transposed_segments = (query_rows, key_columns)
+    in_specs += [_spec((None, None, 1, bq), seg_q_index), _spec((None, bk, 1), seg_k_index)]
   dk, dv_ = _call(
     _dkv_kernel,
     call,
@@ -417,5 +413,4 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
     rows_of(delta),
     *transposed_segments,
   )
-  del tk
   return dq, dk, dv_
