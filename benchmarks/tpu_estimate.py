@@ -17,6 +17,15 @@ cotangent).
     python benchmarks/tpu_estimate.py                       # v5p, every default case
     python benchmarks/tpu_estimate.py --target v6e --cases global_p4,mha --json out.json
 
+`--calibrate` checks the estimator against three programs whose time is known: an
+8192^3 bf16 matmul (MXU-bound: 2 * 8192^3 / peak), a float32 elementwise op over 1 GiB
+(HBM-bound: bytes / bandwidth) and splash attention's MHA forward at the shape above
+(1.32 ms on v5p as first estimated here), each with its tolerance (10%, 15%, 15%).
+
+`--write_ranking` estimates the default IHA and MHA cases through "pallas_tpu" and
+"splash" and rewrites `iha_jax/kinds/tpu_ranking.py`, the table TPU "auto" follows
+(`iha_jax.kinds.tpu_auto`).
+
 `--json FILE` writes rows {"target", "case", "implementation", "pass", "estimated_ms"}
 ("pass": "fwd" or "fwd_bwd"; a case that does not compile has "estimated_ms": null and
 its "error"). Needs libtpu (`make targets`).
@@ -73,9 +82,7 @@ def implementations_of(kind: str) -> tuple[str, ...]:
   return tuple(i for i in TPU_IMPLEMENTATIONS if i in have or i == "auto")
 
 
-def build(
-  case: str, implementation: str, backward: bool, shape: Shape, device, blocks=None
-):
+def build(case: str, implementation: str, backward: bool, shape: Shape, device, blocks=None):
   """(jitted function, its ShapeDtypeStruct arguments) of one case."""
   import jax
   import jax.numpy as jnp
@@ -140,11 +147,35 @@ def main(argv: list[str] | None = None) -> int:
     "--blocks", default="", help="tiles to try, e.g. 512x512,1024x512 (default: each's own)"
   )
   parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+  parser.add_argument(
+    "--rows",
+    type=Path,
+    default=None,
+    help="with --write_ranking: take the estimates from an earlier run's --json file",
+  )
+  parser.add_argument(
+    "--calibrate", action="store_true", help="check the estimator on three known programs"
+  )
+  parser.add_argument(
+    "--write_ranking",
+    action="store_true",
+    help=f"rewrite {RANKING_FILE.relative_to(_REPO)} (TPU auto's table) from these estimates",
+  )
   parser.add_argument("--ops", action="store_true", help="print each estimate's op table")
   parser.add_argument(
     "--keep_schedule", type=Path, default=None, help="copy libtpu's schedules here, per case"
   )
   args = parser.parse_args(argv)
+  if args.write_ranking and args.target != "v5p":
+    print("tpu_estimate: --write_ranking estimates on v5p (drop --target)", file=sys.stderr)
+    return 2
+  if args.write_ranking and args.rows is not None:
+    rows = [dict(r, pass_=r["pass"]) for r in json.loads(args.rows.read_text())]
+    write_ranking([r for r in rows if r["target"] == "v5p" and not r.get("blocks")], Shape())
+    return 0
+  if args.write_ranking:
+    args.cases = ",".join(c for c in CASES if c != "matmul")
+    args.implementations, args.passes, args.blocks = ",".join(RANKED), ",".join(PASSES), ""
 
   def fail(message: str) -> int:
     print(f"tpu_estimate: {message}", file=sys.stderr)
@@ -159,25 +190,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
       case_setup(case, shape)
     except ValueError:
-      return fail(f"unknown case {case!r}; choose among {', '.join(CASES)} (or global_pN/window_pN)")
+      return fail(
+        f"unknown case {case!r}; choose among {', '.join(CASES)} (or global_pN/window_pN)"
+      )
   passes = [p for p in args.passes.split(",") if p]
   if set(passes) - set(PASSES):
     return fail(f"unknown --passes {args.passes!r}; choose among {', '.join(PASSES)}")
 
   tpu_estimate.prepare()
   try:
-    devices = targets.devices(targets.parse(f"{generation}-8" if generation == "v5p" else f"{generation}-4"))
+    devices = targets.devices(
+      targets.parse(f"{generation}-8" if generation == "v5p" else f"{generation}-4")
+    )
   except targets.TargetError as error:
     return fail(str(error))
   from iha_jax.kinds import registry
 
   chip = tpu_estimate.CHIPS[generation]
+  if args.calibrate:
+    rows = calibrate(chip, devices[0])
+    if args.json:
+      args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if all(row["within"] for row in rows) else 1
   rows = []
   print(
     f"Estimated on one {generation} chip from libtpu's final schedule: ESTIMATES, not "
     f"measurements. B={shape.batch} N={shape.tokens} H={shape.heads} d={shape.head_dim} bf16 causal"
   )
-  print(f"{'case':<12} {'implementation':<26} {'pass':<8} {'est. ms':>10} {'ideal ms':>9} {'% MXU':>6}")
+  print(
+    f"{'case':<12} {'implementation':<26} {'pass':<8} {'est. ms':>10} {'ideal ms':>9} {'% MXU':>6}"
+  )
   for case in cases:
     kind, _, _ = case_setup(case, shape)
     wanted = [i for i in args.implementations.split(",") if i] or implementations_of(kind)
@@ -205,26 +247,130 @@ def main(argv: list[str] | None = None) -> int:
             row["lower_bound"] = True
         except Exception as error:  # a compile failure is this case's result
           row["estimated_ms"] = None
-          row["error"] = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+          row["error"] = (
+            str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+          )
           est = None
         rows.append(row)
         ideal = ideal_ms(case, backward, shape, chip)
         if est is None:
-          print(f"{case:<12} {label:<26} {pass_:<8} {'failed':>10} {ideal:>9.3f}      -  {row['error']}")
+          print(
+            f"{case:<12} {label:<26} {pass_:<8} {'failed':>10} {ideal:>9.3f}      -  {row['error']}"
+          )
         else:
           at_least = ">=" if est.lower_bound else "  "
           print(
-            f"{case:<12} {label:<26} {pass_:<8} {at_least}{row['estimated_ms']:>8.3f} {ideal:>9.3f} "
-            f"{100 * ideal / row['estimated_ms']:>5.0f}%  ({time.perf_counter() - start:.0f} s)"
+            f"{case:<12} {label:<26} {pass_:<8} {at_least}{row['estimated_ms']:>8.3f} "
+            f"{ideal:>9.3f} {100 * ideal / row['estimated_ms']:>5.0f}%  "
+            f"({time.perf_counter() - start:.0f} s)"
             + ("  lower bound: run-time loop trips counted once" if est.lower_bound else "")
           )
           if args.ops:
             print(est.table())
         sys.stdout.flush()
+  if args.write_ranking:
+    write_ranking(rows, shape)
   if args.json:
     payload = [{("pass" if k == "pass_" else k): v for k, v in row.items()} for row in rows]
     args.json.write_text(json.dumps(payload, indent=1) + "\n")
   return 0
+
+
+SPLASH_MHA_MS = {"v5p": 1.32}  # the first estimate of splash's MHA forward (IHA_SPEC §11)
+
+
+def calibrate(chip: tpu_estimate.Chip, device) -> list[dict]:
+  """Estimates three programs of known time and compares (one row each)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  m, n, h, d = 8192, 8192, 20, 128
+  big = spec((8192, 32768), jnp.float32)  # 1 GiB in, 1 GiB out
+  mask = splash.MultiHeadMask([splash.CausalMask((n, n)) for _ in range(h)])
+  blocks = splash.BlockSizes(**{f: 512 for f in ("block_q", "block_kv", "block_kv_compute")})
+  kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=blocks)
+  heads = spec((h, n, d), jnp.bfloat16)
+  programs = [
+    (
+      "matmul 8192^3 bf16",
+      jax.jit(lambda a, b: a @ b),
+      (spec((m, m), jnp.bfloat16),) * 2,
+      2 * m**3 / chip.peak_bf16_flops,
+      0.10,
+    ),
+    (
+      "elementwise f32 1 GiB",
+      jax.jit(lambda x: x * 2.0 + 1.0),
+      (big,),
+      2 * big.size * 4 / chip.hbm_bytes_per_s,
+      0.15,
+    ),
+  ]
+  if chip.name in SPLASH_MHA_MS:
+    programs.append(
+      (
+        "splash MHA forward",
+        jax.jit(lambda q, k, v: kernel(q, k, v)),
+        (heads,) * 3,
+        SPLASH_MHA_MS[chip.name] / 1e3,
+        0.15,
+      )
+    )
+  rows = []
+  print(f"Calibration on one {chip.name} chip (estimates from libtpu's schedule vs known times)")
+  for name, fn, args, known_s, tolerance in programs:
+    est = tpu_estimate.estimate(fn, *args, target=chip.name)
+    error = est.seconds / known_s - 1
+    within = abs(error) <= tolerance
+    rows.append(
+      dict(
+        program=name,
+        estimated_ms=est.seconds * 1e3,
+        known_ms=known_s * 1e3,
+        error=error,
+        tolerance=tolerance,
+        within=within,
+      )
+    )
+    print(
+      f"  {name:<24} estimate {est.seconds * 1e3:8.3f} ms  known {known_s * 1e3:8.3f} ms  "
+      f"{error:+6.1%} (tolerance {tolerance:.0%}) {'ok' if within else 'OUT OF TOLERANCE'}"
+    )
+  return rows
+
+
+RANKING_FILE = _REPO / "iha_jax" / "kinds" / "tpu_ranking.py"
+RANKED = ("pallas_tpu", "splash")
+
+
+def write_ranking(rows: list[dict], shape: Shape) -> None:
+  """Rewrites `RANKING_FILE` from the estimated rows (both passes of every case)."""
+  times: dict[tuple, dict[str, float]] = {}
+  for row in rows:
+    # Ranked: the kernels. XLA's estimates are lower bounds (run-time loop trips); "auto"
+    # is what the ranking picks, not an implementation.
+    if row.get("estimated_ms") is None or row["implementation"] not in RANKED:
+      continue
+    kind, pseudo, window = case_setup(row["case"], shape)
+    key = (kind, pseudo, window is not None, row["implementation"])
+    times.setdefault(key, {})[row["pass_"]] = row["estimated_ms"]
+  entries = [
+    f"  ({kind!r}, {p}, {windowed}, {name!r}, {t['fwd']:.3f}, {t['fwd_bwd']:.3f}),"
+    for (kind, p, windowed, name), t in sorted(times.items())
+    if set(t) == set(PASSES)
+  ]
+  RANKING_FILE.write_text(
+    '"""Generated by `python benchmarks/tpu_estimate.py --write_ranking`: do not edit.\n\n'
+    "Estimated on one v5p chip from libtpu's final schedule (estimates, not measurements):\n"
+    f"B = {shape.batch}, N = {shape.tokens}, H = {shape.heads}, d = {shape.head_dim}, bf16, "
+    "causal; windows of N / (2P) virtual\ntokens. Rows: (kind, P, windowed, "
+    'implementation, estimated fwd ms, estimated fwd+bwd ms).\n"""\n\n'
+    "RANKING = (\n" + "\n".join(entries) + "\n)\n"
+  )
+  print(f"wrote {RANKING_FILE.relative_to(_REPO)} ({len(entries)} rows)")
 
 
 def _resolved(kind: str, case: str, shape: Shape) -> str:

@@ -47,10 +47,10 @@ from jax import lax
 from iha_jax.core.options import AttentionOptions
 from iha_jax.core.rope import apply_rope, rope_frequencies
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import gpu, tpu, tpu_attention
+from iha_jax.kernels import gpu, tpu_attention
 from iha_jax.kernels.common import Config
 
-_BACKENDS = {"gpu": gpu, "tpu": tpu}
+_BACKENDS = {"gpu": gpu}  # TPU: iha_jax.kernels.tpu_attention (pseudo-heads mixed in HBM)
 
 
 def _run(platform: str, name: str, cfg: Config, *args):
@@ -318,6 +318,11 @@ def pseudo_outputs(
   `[B, N, H', dv]`. The VJP saves o; IHA layers use `collapsed_outputs`, which saves
   nothing P-sized.
   """
+  if platform == "tpu":
+    raise ValueError(
+      "pseudo_outputs is the GPU kernels' layout; on TPU use "
+      "iha_jax.kernels.tpu_attention.attend_virtual (pseudo outputs [B, Ht, N, P, dv])"
+    )
   cfg, args, restore = _prepare(q, k, v, alphas, options, platform)
   return _BACKENDS[platform].pseudo_view(_attend(platform, cfg, *args), cfg), restore
 

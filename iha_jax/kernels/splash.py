@@ -55,7 +55,8 @@ def _mask(seq_len: int, window: int | None, causal: bool):
 
 def _kernel(heads: int, seq_len: int, window, causal: bool, block: int, interpret: bool):
   """A splash kernel for one example `[H, T, d]` (vmapped over the batch)."""
-  mask = splash.MultiHeadMask([_mask(seq_len, window, causal) for _ in range(heads)])
+  # One mask object for every head: splash processes identical masks once.
+  mask = splash.MultiHeadMask([_mask(seq_len, window, causal)] * heads)
   sizes = splash.BlockSizes(
     block_q=block,
     block_kv=block,

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -49,11 +48,18 @@ class Step(NamedTuple):
 _BIAS = 1 << 24  # |rows| bound for floor division through truncation
 
 
+def _xp(*values):
+  """NumPy for static values (Python or NumPy ints: sizes fixed while tracing), jax.numpy
+  for traced ones (grid indices, a shard's offset)."""
+  static = all(isinstance(v, (int, np.integer, np.ndarray)) for v in values)
+  return np if static else jnp
+
+
 def _floor_div(a, b: int):
   """Floor division by a positive constant, also of negative int32 scalars, through
   truncating division of a shifted value (Mosaic has no floor division of scalars)."""
-  if isinstance(a, int):
-    return jnp.asarray(a // b)
+  if _xp(a) is np:
+    return np.floor_divide(a, b)
   shift = -(-_BIAS // b)
   return lax.div(a + shift * b, jnp.int32(b)) - shift
 
@@ -93,33 +99,35 @@ class Tiles:
     """Key tiles `[lo, hi)` that query tile i sees any key of (hi <= lo: none)."""
     first, last = self._rows(i, offset)
     key_tiles = -(-self.keys // self.block_k)
+    xp = _xp(i, offset)
     if self.causal:
       hi = _floor_div(last, self.block_k) + 1
     elif self.window is None:
-      hi = jnp.asarray(key_tiles)
+      hi = key_tiles + 0 * i
     else:
       hi = _floor_div(last + self.window - 1, self.block_k) + 1
-    lo = jnp.asarray(0)
+    lo = 0 * i
     if self.window is not None:
-      lo = jnp.maximum(_floor_div(first - self.window + 1, self.block_k), 0)
-    return lo, jnp.clip(hi, 0, key_tiles)
+      lo = xp.maximum(_floor_div(first - self.window + 1, self.block_k), 0)
+    return lo, xp.clip(hi, 0, key_tiles)
 
   def query_band(self, j, offset=0):
     """Query tiles `[lo, hi)` that see any key of key tile j."""
     first = j * self.block_k - offset  # key rows in query-row units
     last = first + self.block_k - 1
+    xp = _xp(j, offset)
     if self.causal:
       lo = _floor_div(first, self.block_q)
     elif self.window is None:
-      lo = jnp.asarray(0)
+      lo = 0 * j
     else:
       lo = _floor_div(first - self.window + 1, self.block_q)
-    hi = jnp.asarray(self.num_q)
+    hi = self.num_q + 0 * j
     if self.window is not None:
       hi = _floor_div(last + self.window - 1, self.block_q) + 1
     valid = j * self.block_k < self.keys  # a tile of padding keys only: seen by none
-    lo = jnp.clip(lo, 0, self.num_q)
-    return lo, jnp.where(valid, jnp.clip(hi, 0, self.num_q), lo)
+    lo = xp.clip(lo, 0, self.num_q)
+    return lo, xp.where(valid, xp.clip(hi, 0, self.num_q), lo)
 
   def fully_visible(self, i, j, offset=0):
     """Whether every row of query tile i sees every key of key tile j."""
@@ -147,18 +155,17 @@ class Tiles:
 
   def _widest(self, band, count: int) -> int:
     """The widest band over all tiles (and, for a traced offset, offsets)."""
-    with jax.ensure_compile_time_eval():  # static sizes, also while tracing a jit
-      widths = [
-        int(np.asarray(band(i, off)[1] - band(i, off)[0]))
-        for off in self._static_offsets()
-        for i in range(count)
-      ]
+    widths = [
+      int(band(i, off)[1] - band(i, off)[0]) for off in self._static_offsets() for i in range(count)
+    ]
     return max(1, *widths)
 
   def query_major(self) -> tuple[int, int]:
     """(rows, steps) of the forward / dQ grid."""
     if self.folded:
-      widths = [self._fold_widths(r, self.key_band, self.num_q) for r in range(self._fold_rows(self.num_q))]
+      widths = [
+        self._fold_widths(r, self.key_band, self.num_q) for r in range(self._fold_rows(self.num_q))
+      ]
       return self._fold_rows(self.num_q), max(1, max(a + b for a, b in widths))
     if self.offset is None:  # any offset: the whole key axis, or a window's reach
       return self.num_q, self._traced_width(self.block_q, self.block_k, self.num_k)
@@ -167,7 +174,10 @@ class Tiles:
   def key_major(self) -> tuple[int, int]:
     """(rows, steps) of the dK/dV grid (per query head of a group)."""
     if self.folded:
-      widths = [self._fold_widths(r, self.query_band, self.num_k) for r in range(self._fold_rows(self.num_k))]
+      widths = [
+        self._fold_widths(r, self.query_band, self.num_k)
+        for r in range(self._fold_rows(self.num_k))
+      ]
       return self._fold_rows(self.num_k), max(1, max(a + b for a, b in widths))
     if self.offset is None:
       return self.num_k, self._traced_width(self.block_k, self.block_q, self.num_q)
@@ -184,10 +194,9 @@ class Tiles:
     return (count + 1) // 2
 
   def _fold_widths(self, r: int, band, count: int) -> tuple[int, int]:
-    with jax.ensure_compile_time_eval():
-      width = lambda i: max(1, int(np.asarray(band(i)[1] - band(i)[0])))
-      partner = count - 1 - r
-      return width(r), (width(partner) if partner != r else 0)
+    width = lambda i: max(1, int(band(i)[1] - band(i)[0]))
+    partner = count - 1 - r
+    return width(r), (width(partner) if partner != r else 0)
 
   def query_step(self, row, step, offset=None) -> Step:
     """Forward / dQ order: `home` a query tile, `tile` a key tile."""
@@ -202,32 +211,33 @@ class Tiles:
   def _step(self, row, step, offset, band, count: int, query_home: bool) -> Step:
     # Plain scalar arithmetic: cheaper per step on v5p than reading a per-row table from
     # SMEM (every index map and the kernel body evaluate it; loads add latency).
-    width = lambda lo, hi: jnp.maximum(hi - lo, 1)  # an empty band still gets a step
+    xp = _xp(row, step, offset)
+    width = lambda lo, hi: xp.maximum(hi - lo, 1)  # an empty band still gets a step
     if self.folded:
       partner = count - 1 - row
       lo_a, hi_a = band(row, offset)
       lo_b, hi_b = band(partner, offset)
       in_a = step < width(lo_a, hi_a)
-      home = jnp.where(in_a, row, partner)
-      lo = jnp.where(in_a, lo_a, lo_b)
-      hi = jnp.where(in_a, hi_a, hi_b)
-      local = jnp.where(in_a, step, step - width(lo_a, hi_a))
+      home = xp.where(in_a, row, partner)
+      lo = xp.where(in_a, lo_a, lo_b)
+      hi = xp.where(in_a, hi_a, hi_b)
+      local = xp.where(in_a, step, step - width(lo_a, hi_a))
       exists = in_a | (partner != row)  # the middle row of an odd count has no partner
     else:
-      home = row
+      home = row + 0 * step
       lo, hi = band(row, offset)
-      local = step
-      exists = jnp.asarray(True)
+      local = step + 0 * row
+      exists = local == local
     tile = lo + local
     compute = exists & (tile < hi)
     # Past the band, repeat its last tile: the block stays in VMEM (no copy is issued).
-    tile = jnp.maximum(jnp.minimum(tile, hi - 1), 0)
+    tile = xp.maximum(xp.minimum(tile, hi - 1), 0)
     i, j = (home, tile) if query_home else (tile, home)
     return Step(
       home=home,
       tile=tile,
       compute=compute,
       first=exists & (local == 0),
-      last=exists & jnp.where(hi <= lo, local == 0, compute & (tile == hi - 1)),
+      last=exists & xp.where(hi <= lo, local == 0, compute & (tile == hi - 1)),
       masked=~self.fully_visible(i, j, offset),
     )

@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from iha_jax.kernels import tpu_flash
-from iha_jax.kernels.tile_schedule import Tiles
 from iha_jax.core.options import AttentionOptions, round_up
 from iha_jax.core.rope import rope_frequencies
 from iha_jax.core.validation import default_positions
+from iha_jax.kernels import tpu_flash
+from iha_jax.kernels.tile_schedule import Tiles
 
 # Default tiles (rows), the estimate's choice on v5p at the paper's shape
 # (docs/performance.md): global layers amortise a step's fixed cost over 1024 x 1024
@@ -61,9 +61,7 @@ def _tile(rows: int, requested: int | None, default: int, name: str) -> tuple[in
 def _run(fn: Callable, *args):
   """`fn(*args, interpret=...)`: Mosaic on TPU, Pallas' interpreter elsewhere."""
   return lax.platform_dependent(
-    *args,
-    tpu=functools.partial(fn, interpret=False),
-    default=functools.partial(fn, interpret=True),
+    *args, tpu=functools.partial(fn, interpret=False), default=functools.partial(fn, interpret=True)
   )
 
 
@@ -103,8 +101,15 @@ def _pipeline_bwd(mixing, call, residuals, do):
   (qv, kv, vv), mix_vjp = jax.vjp(mix, q, k, v, alphas)
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
   dqv, dkv, dvv = _run(
-    functools.partial(tpu_flash.backward, call), qv, kv, vv, seg, offset, do.astype(qv.dtype),
-    lse, delta,
+    functools.partial(tpu_flash.backward, call),
+    qv,
+    kv,
+    vv,
+    seg,
+    offset,
+    do.astype(qv.dtype),
+    lse,
+    delta,
   )
   dq, dk, dv, dalphas = mix_vjp((dqv.astype(qv.dtype), dkv.astype(kv.dtype), dvv.astype(vv.dtype)))
   return dq, dk, dv, dalphas, None, None, None, None

@@ -33,13 +33,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from iha_jax.kernels.tile_schedule import Tiles
 from iha_jax.core.masking import MASK_VALUE
+from iha_jax.kernels.tile_schedule import Tiles
 
 LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +63,13 @@ def _div(a, b: int):
 
 def _rem(a, b: int):
   return jnp.zeros_like(a) if b == 1 else lax.rem(a, jnp.int32(b))
+
+
+def _dot(a: jax.Array, b: jax.Array, dims, like) -> jax.Array:
+  """A float32-accumulated matmul on the MXU; float32 inputs (`like`'s dtype) get true
+  float32 products (the MXU's default precision rounds them to bf16)."""
+  precision = lax.Precision.HIGHEST if like.dtype == jnp.float32 else None
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
 
 
 def _params(*semantics: str) -> pltpu.CompilerParams:
@@ -121,7 +127,7 @@ def _forward_kernel(*refs, call: Call):
 
   def attend(masked: bool):
     q, k = q_ref[...], k_ref[...]
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+    s = _dot(q, k, _NT, q_ref)
     if masked:
       segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
       mask = _visible(call, step.home, step.tile, offset, s.shape, False, *segs)
@@ -133,7 +139,7 @@ def _forward_kernel(*refs, call: Call):
     l_sc[...] = rescale * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
     m_sc[...] = m_next
     v = v_ref[...]
-    pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+    pv = _dot(p.astype(v.dtype), v, _NN, q_ref)
     acc_sc[...] = _broadcast_lanes(rescale, pv.shape[1]) * acc_sc[...] + pv
 
   _attend_pairs(step, call, attend)
@@ -185,13 +191,29 @@ def _specs(call: Call, d: int, dv: int):
     return _div(bh, h), step(row, s, offset).tile, 0, 0
 
   per_query = lambda width: _spec((None, None, bq, width), q_index)
-  inputs = [per_query(d), _spec((None, None, bk, d), kv_index), _spec((None, None, bk, dv), kv_index)]
+  inputs = [
+    per_query(d),
+    _spec((None, None, bk, d), kv_index),
+    _spec((None, None, bk, dv), kv_index),
+  ]
   segments = [_spec((None, bq, 1), seg_q_index), _spec((None, None, 1, bk), seg_k_index)]
   return per_query, inputs, segments
 
 
-def _call(kernel, call: Call, grid, in_specs, out_specs, out_shape, scratch, semantics, name,
-          interpret, prefetch, *args):
+def _call(
+  kernel,
+  call: Call,
+  grid,
+  in_specs,
+  out_specs,
+  out_shape,
+  scratch,
+  semantics,
+  name,
+  interpret,
+  prefetch,
+  *args,
+):
   """`prefetch`: the scalar-prefetch operands (a sliced call's query offset, or none)."""
   spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=len(prefetch),
@@ -263,15 +285,15 @@ def _dq_kernel(*refs, call: Call):
 
   def attend(masked: bool):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+    s = _dot(q, k, _NT, q_ref)
     p = jnp.exp(s - lse_ref[...])
     if masked:
       segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
       p = jnp.where(_visible(call, step.home, step.tile, offset, s.shape, False, *segs), p, 0.0)
     do = do_ref[...]
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    dp = _dot(do, v, _NT, q_ref)
     ds = p * (dp - delta_ref[...])
-    dq_sc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
+    dq_sc[...] += _dot(ds.astype(k.dtype), k, _NN, q_ref)
 
   _attend_pairs(step, call, attend)
 
@@ -301,16 +323,16 @@ def _dkv_kernel(*refs, call: Call):
 
   def attend(masked: bool):
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    s_t = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)  # [bk, bq]
+    s_t = _dot(k, q, _NT, q_ref)  # [bk, bq]
     p_t = jnp.exp(s_t - lse_ref[...])
     if masked:
       segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
       mask = _visible(call, step.tile, step.home, offset, s_t.shape, True, *segs)
       p_t = jnp.where(mask, p_t, 0.0)
-    dv_sc[...] += lax.dot_general(p_t.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32)
-    dp_t = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+    dv_sc[...] += _dot(p_t.astype(do.dtype), do, _NN, q_ref)
+    dp_t = _dot(v, do, _NT, q_ref)
     ds_t = p_t * (dp_t - delta_ref[...])
-    dk_sc[...] += lax.dot_general(ds_t.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32)
+    dk_sc[...] += _dot(ds_t.astype(q.dtype), q, _NN, q_ref)
 
   _attend_pairs(step, call, attend)
 

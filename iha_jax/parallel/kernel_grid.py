@@ -200,7 +200,9 @@ def _analyse(eqn, operands: list, cores: int) -> KernelCall:
   semantics = getattr(params, "dimension_semantics", None)
   if isinstance(params, dict):  # older jax: {"mosaic": {...}}
     semantics = params.get("mosaic", {}).get("dimension_semantics")
-  semantics = tuple(str(s).split(".")[-1].lower() for s in (semantics or ("arbitrary",) * len(grid)))
+  semantics = tuple(
+    str(s).split(".")[-1].lower() for s in (semantics or ("arbitrary",) * len(grid))
+  )
   prefetch = operands[: mapping.num_index_operands]
   kernel = eqn.params["jaxpr"]
   core_steps, per_core_whens, dma_bytes, weighted = [], [], 0, True
@@ -230,9 +232,7 @@ def _merge(per_core: list[list[When]]) -> list[When]:
   merged = []
   for nodes in zip(*per_core):
     merged.append(
-      When(
-        tuple(s for n in nodes for s in n.steps), _merge([list(n.children) for n in nodes])
-      )
+      When(tuple(s for n in nodes for s in n.steps), _merge([list(n.children) for n in nodes]))
     )
   return merged
 

@@ -143,8 +143,9 @@ class Estimate:
         lines.append(f"      {region:<16} {bundles:>7} bundles x {runs:>9.0f} runs per core")
     if len(ranked) > top:
       rest = sum(op.total_s for op in ranked[top:])
-      lines.append(f"  {f'({len(ranked) - top} more ops)':<44} {'':<7} {'':>6} {'':>12} "
-                   f"{rest * 1e3:>13.4f}")
+      lines.append(
+        f"  {f'({len(ranked) - top} more ops)':<44} {'':<7} {'':>6} {'':>12} {rest * 1e3:>13.4f}"
+      )
     if self.collectives:
       lines.append(f"  collectives left out: {', '.join(sorted(set(self.collectives)))}")
     at_least = "at least " if self.lower_bound else ""
@@ -174,12 +175,26 @@ def estimate(
   """Compiles `jitted` (a `jax.jit` function) for `args` (ShapeDtypeStructs placed on
   compile-only devices of `target`'s generation) and estimates one run on one chip.
   `keep_schedule`: a directory to copy libtpu's schedule files into (else deleted)."""
+  return estimate_traced(jitted.trace(*args), target=target, keep_schedule=keep_schedule)[1]
+
+
+def estimate_traced(
+  traced: Any,
+  *,
+  target: str = "v5p",
+  compile_fn: Callable[[Any], Any] | None = None,
+  keep_schedule: Path | None = None,
+) -> tuple[Any, Estimate]:
+  """`estimate` of a traced program (`jax.jit(f).trace(...)`), compiled by
+  `compile_fn(lowered)` (default `lowered.compile()`); returns (its result, the estimate),
+  so a caller that compiles anyway (a memory report) compiles once."""
   dump = prepare()
   spec = chip(target)
-  traced = jitted.trace(*args)
+  if keep_schedule is None and os.environ.get("IHA_TPU_SCHEDULE_DIR"):
+    keep_schedule = Path(os.environ["IHA_TPU_SCHEDULE_DIR"])  # read the schedule yourself
   calls = kernel_grid.kernel_calls_in(traced.jaxpr, cores=spec.cores)
   before = set(dump.iterdir())
-  traced.lower().compile()
+  result = (compile_fn or (lambda lowered: lowered.compile()))(traced.lower())
   new_files = [p for p in dump.iterdir() if p not in before]
   written = [p for p in new_files if p.name.endswith("final_bundles.txt")]
   if not written:
@@ -193,13 +208,10 @@ def estimate(
       if path.is_file():
         shutil.copy(path, keep_schedule / path.name)
   try:
-    return _estimate(written, calls, spec)
+    return result, _estimate(written, calls, spec)
   finally:
-    for path in written:
-      path.unlink(missing_ok=True)
-    for path in dump.iterdir():  # this compile's HLO and VMEM reports
-      if path not in before:
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    for path in new_files:
+      shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _estimate(paths: list[Path], calls: list[kernel_grid.KernelCall], spec: Chip) -> Estimate:
@@ -229,9 +241,12 @@ def _estimate(paths: list[Path], calls: list[kernel_grid.KernelCall], spec: Chip
   cycles = top.cycles(call_cycles=lambda name: 0.0)
   seconds = cycles / spec.clock_hz + sum(op.total_s for op in ops.values())
   # A top-level loop of run-time trips (an XLA `while` whose bound is computed on the
-  # chip) repeats whole ops: the total is then a lower bound. Inside one op such loops are
-  # copies' remainders, bounded by the op's memory floor: flagged on the op only.
-  lower = top.unknown_trips > 0
+  # chip) that calls ops repeats them: the total is then a lower bound. Inside one op such
+  # loops are copies' remainders, bounded by the op's memory floor: flagged on the op only.
+  lower = any(
+    node.kind == "loop" and node.trips is None and any(n.calls for n in node.walk())
+    for node in top.root.walk()
+  )
   return Estimate(spec, seconds, tuple(ops.values()), lower_bound=lower)
 
 
@@ -241,13 +256,22 @@ def _op(name: str, program: llo.Program, calls: list, spec: Chip) -> OpEstimate:
   call = _matching_call(name, program, calls)
   if call is None:
     return OpEstimate(
-      name, "xla", 0.0, program.cycles() / spec.clock_hz,
-      program.hbm_bytes() / spec.hbm_bytes_per_s, lower_bound=program.unknown_trips > 0,
+      name,
+      "xla",
+      0.0,
+      program.cycles() / spec.clock_hz,
+      program.hbm_bytes() / spec.hbm_bytes_per_s,
+      lower_bound=program.unknown_trips > 0,
     )
   cycles, weighted = kernel_cycles(program, call)
   return OpEstimate(
-    name, "kernel", 0.0, cycles / spec.clock_hz, call.dma_bytes / spec.hbm_bytes_per_s,
-    weighted and call.weighted, lower_bound=program.unknown_trips > 0,
+    name,
+    "kernel",
+    0.0,
+    cycles / spec.clock_hz,
+    call.dma_bytes / spec.hbm_bytes_per_s,
+    weighted and call.weighted,
+    lower_bound=program.unknown_trips > 0,
     regions=kernel_regions(program, call),
   )
 
@@ -273,7 +297,7 @@ def kernel_cycles(program: llo.Program, call: kernel_grid.KernelCall) -> tuple[f
     weights: dict[int, float] = {}
     ok = _match(grid_loop.children, call.whens, steps, core, weights, top=grid_loop)
     matched &= ok
-    cycles = program.cycles(span_weight=lambda node: weights.get(id(node), 1.0))
+    cycles = program.cycles(span_weight=lambda node, w=weights: w.get(id(node), 1.0))
     worst = max(worst, cycles)
   return worst, matched
 
@@ -286,11 +310,15 @@ def kernel_regions(program: llo.Program, call: kernel_grid.KernelCall):
   grid_loop = max(loops, key=lambda n: n.size * (n.trips or 1), default=program.root)
   core = max(range(len(call.core_steps)), key=lambda c: call.core_steps[c])
   weights: dict[int, float] = {}
-  if not _match(grid_loop.children, call.whens, call.core_steps[core], core, weights, top=grid_loop):
+  if not _match(
+    grid_loop.children, call.whens, call.core_steps[core], core, weights, top=grid_loop
+  ):
     return ()
   body = lambda node: program_cycles(node, weights)
   matched = [n for n in grid_loop.walk() if id(n) in weights]
-  always = body(grid_loop) - sum(weights[id(n)] * body(n) for n in matched if _outermost(n, matched))
+  always = body(grid_loop) - sum(
+    weights[id(n)] * body(n) for n in matched if _outermost(n, matched)
+  )
   steps = call.core_steps[core]
   rows = [("every step", round(always), float(grid_loop.trips or 1))]
   for index, node in enumerate(n for n in matched):
@@ -299,8 +327,9 @@ def kernel_regions(program: llo.Program, call: kernel_grid.KernelCall):
 
 
 def _outermost(node, matched) -> bool:
-  return not any(other is not node and other.start <= node.start and node.end <= other.end
-                 for other in matched)
+  return not any(
+    other is not node and other.start <= node.start and node.end <= other.end for other in matched
+  )
 
 
 def program_cycles(node: llo.Node, weights: dict[int, float]) -> float:
