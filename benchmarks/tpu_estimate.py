@@ -213,9 +213,15 @@ def main(argv: list[str] | None = None) -> int:
       args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0 if all(row["within"] for row in rows) else 1
   rows = []
+  caveat = (
+    f" {generation} is uncalibrated ({chip.uncalibrated}): compare rows, not absolute times."
+    if chip.uncalibrated
+    else ""
+  )
   print(
     f"Estimated on one {generation} chip from libtpu's final schedule: ESTIMATES, not "
-    f"measurements. B={shape.batch} N={shape.tokens} H={shape.heads} d={shape.head_dim} bf16 causal"
+    f"measurements.{caveat} B={shape.batch} N={shape.tokens} H={shape.heads} "
+    f"d={shape.head_dim} bf16 causal"
   )
   print(
     f"{'case':<12} {'implementation':<26} {'pass':<8} {'est. ms':>10} {'ideal ms':>9} {'% MXU':>6}"

@@ -141,7 +141,9 @@ def test_calibration_on_known_programs(tmp_path):
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
   rows = json.loads(out.read_text())
   assert [r["program"] for r in rows] == [
-    "matmul 8192^3 bf16", "elementwise f32 1 GiB", "splash MHA forward"
+    "matmul 8192^3 bf16",
+    "elementwise f32 1 GiB",
+    "splash MHA forward",
   ]
   assert all(r["within"] for r in rows), rows
   assert "estimate" in proc.stdout

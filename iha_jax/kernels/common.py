@@ -1,4 +1,5 @@
-"""Tile math shared by the Mosaic TPU and Triton GPU kernels.
+"""Tile math of the Triton GPU kernels (the TPU path, `iha_jax.kernels.tpu_attention`, mixes
+pseudo-heads in HBM and needs none of it).
 
 Everything here works on values already loaded from refs (2-D tiles), using only ops
 both Pallas backends lower: 2-D dots, elementwise math, last-axis reductions and scalar

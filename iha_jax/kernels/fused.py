@@ -1,10 +1,12 @@
 """Fused IHA / MHA attention: layouts, custom VJP and platform dispatch.
 
-`fused_iha_attention` feeds the SOURCE heads (q `[B, N, H, d]`, k and v `[B, N, G, d]`)
-and the mixing tensors (`alpha_q: [H, H, P]`, `alpha_k, alpha_v: [G, G, P]`) to the
-Pallas kernels, which build every pseudo q/k/v tile on chip; G < H is grouped-query
-attention (query head h reads key/value head `h // (H // G)`; keys and values stay G heads
-in HBM, `iha_jax.kernels.common`).
+On GPU, `fused_iha_attention` feeds the SOURCE heads (q `[B, N, H, d]`, k and v
+`[B, N, G, d]`) and the mixing tensors (`alpha_q: [H, H, P]`, `alpha_k, alpha_v:
+[G, G, P]`) to the Pallas Triton kernels, which build every pseudo q/k/v tile on chip; G <
+H is grouped-query attention (query head h reads key/value head `h // (H // G)`; keys and
+values stay G heads in HBM, `iha_jax.kernels.common`). On TPU the entry points hand over
+to `iha_jax.kernels.tpu_attention` (pseudo-heads mixed in HBM, then Mosaic flash
+attention); everything below about layouts and residuals is the GPU path's.
 Attention is causal or bidirectional (`causal=False`), global or windowed, with
 the mask of `iha_jax.core.masking.visible`; `fused_mha_attention`'s v may be wider than
 q and k (`[B, N, G, dv]`, e.g. dv = 2d for differential attention). RoPE at virtual

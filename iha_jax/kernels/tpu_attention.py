@@ -40,7 +40,7 @@ from iha_jax.kernels.tile_schedule import Tiles
 # Default tiles (rows), the estimate's choice on v5p at the paper's shape
 # (docs/performance.md): global layers amortise a step's fixed cost over 1024 x 1024
 # pairs; a window's band wastes less of a 512-row tile (and 1024 x 1024 window backward
-# kernels exceed the default scoped VMEM).
+# kernels exceed the default scoped VMEM, as float32 ones would).
 GLOBAL_BLOCK = 1024
 WINDOW_BLOCK = 512
 SUBLANES = 16  # bf16 packs 16 rows per vreg: tiles are multiples of it
@@ -183,7 +183,9 @@ def attend_virtual(
     if key_positions is None:
       key_positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
   blocks = options.block_sizes
-  default = GLOBAL_BLOCK if options.window is None else WINDOW_BLOCK
+  # float32 tiles take twice the VMEM: global layers fall back to the window's tiles.
+  wide = options.window is None and jnp.dtype(q.dtype).itemsize <= 2
+  default = GLOBAL_BLOCK if wide else WINDOW_BLOCK
   block_q, rows_q = _tile(n * p, blocks and blocks.block_q, default, "block_q")
   block_k, rows_k = _tile(nk * p, blocks and blocks.block_k, default, "block_k")
   offset = options.query_offset if sliced else 0

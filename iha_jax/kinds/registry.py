@@ -20,7 +20,7 @@ between the kernels and their sharded wrappers.
 | iha | `iha_attention` | reference, xla, pallas_tpu, pallas_gpu, pallas_gpu_mha, cudnn, splash |
 | mha | `mha_attention` | reference, xla, pallas_tpu, pallas_gpu (= pallas_gpu_mha), cudnn, splash |
 | talking_heads | `talking_heads_attention` | reference, xla |
-| diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu, pallas_gpu_mha, splash (through mha's) |
+| diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu(_mha), splash (via mha) |
 | simplicial | `simplicial_attention` | reference, xla |
 
 On a mesh with a `context` axis (sequence sharding, `iha_jax.parallel.context`) each shard
