@@ -45,6 +45,12 @@ flags.DEFINE_string(
   "target", None, "--compile_only target: v5p-128, v5e-256, v6e-256, v4-128, h100, h100x8, ..."
 )
 flags.DEFINE_bool(
+  "estimate",
+  False,
+  "With --compile_only on a TPU target: also print the step's estimated time per chip and "
+  "MFU from libtpu's schedule (an estimate, not a measurement).",
+)
+flags.DEFINE_bool(
   "distributed",
   False,
   "Call jax.distributed.initialize() with cluster "
@@ -62,8 +68,10 @@ def main(argv):
       cli.fail("--compile_only and --target go together (e.g. --compile_only --target=v5p-128)")
     from iha_jax.train import compile_check  # pylint: disable=import-outside-toplevel
 
-    compile_check.compile_only(FLAGS.config, FLAGS.target)
+    compile_check.compile_only(FLAGS.config, FLAGS.target, estimate=FLAGS.estimate)
     return
+  if FLAGS.estimate:
+    cli.fail("--estimate goes with --compile_only --target=<TPU slice> (e.g. v5p-128)")
   if FLAGS.workdir is None:
     cli.fail("--workdir is required (a local path or gs://...), unless --compile_only")
   # Before any JAX computation: joining a multi-process run must precede backend start.

@@ -63,7 +63,7 @@ def test_tpu_kernels_compile_within_scoped_vmem():
     paper = rows[case]
     assert paper["ok"], paper["error"]
     assert paper["target"] == "v5p-8"
-    assert set(paper["kernels"]) == {"iha_forward", "iha_backward_dq", "iha_backward_dkv"}
+    assert set(paper["kernels"]) == {"iha_flash_forward", "iha_flash_dq", "iha_flash_dkv"}
     for name, kernel in paper["kernels"].items():
       assert 0 < kernel["vmem_bytes"] <= SCOPED_VMEM_LIMIT, (case, name, kernel)
   # Control: tiles of 2048 virtual rows each way break Mosaic's scoped-VMEM limit.
@@ -130,7 +130,7 @@ def test_train_step_compiles_for_target(target, platform, mesh):
   assert "compiled, not run" in out
   calls = int(out.split("Pallas kernel calls: ")[1].split()[0])
   assert calls >= 3, out  # forward, dQ, dK/dV of the IHA layer at least
-  assert "per-device memory" in out and "iha_backward_dkv" in out
+  assert "per-device memory" in out and "iha_flash_dkv" in out
 
 
 @_needs("cuda")

@@ -15,7 +15,6 @@ tile-band arithmetic at any offset against brute force.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -94,9 +93,9 @@ KERNEL_CASES = [
     b=1,
   ),
   # P = H = 20 (the paper's default): GPU tiles of 128 rows hold 4 tokens of 32 rows
-  # (12 dead), five tiles each way. TPU: P = 5 > H = 3 (P not a power of two) stacks
-  # 8 tokens x 5 pseudo-heads per tile (P = 20 costs ten minutes in Mosaic's interpreter;
-  # the TPU compiler checks it in tests/test_compile_targets.py).
+  # (12 dead), five tiles each way. TPU: P = 5 > H = 3 (P not a power of two): 100 virtual
+  # rows in 32-row tiles, a token's pseudo-heads straddling tiles (P = 20 is checked by
+  # the TPU compiler in tests/test_compile_targets.py).
   _case(
     "gpu-p20-h20",
     cf.iha(20, 16, 20),
@@ -107,13 +106,12 @@ KERNEL_CASES = [
     blocks=BlockSizes(128, 128),
   ),
   _case(
-    "tpu-p5-h3", cf.iha(3, 16, 5), TPU, 20, {**CAUSAL, "window": 40}, blocks=BlockSizes(40, 40)
+    "tpu-p5-h3", cf.iha(3, 16, 5), TPU, 20, {**CAUSAL, "window": 40}, blocks=BlockSizes(32, 32)
   ),
-  # Mosaic interpret: N = 136 with 128-token key tiles gives two key tiles and eight
-  # query tiles (padded to 256; five hold tokens). Bidirectional window 100 at P = 2:
-  # query tiles 0-1 see key tile 0 only, 2-5 both, and key tile 0 is seen by query tiles
-  # 0-5 only; row 1 is one document across both key tiles (row 0's second key tile is
-  # padding). The causal case has one key/value head for both query heads (G = 1).
+  # Mosaic interpret: N = 136 at P = 2 is 272 virtual rows: five 64-row query tiles and
+  # two 256-row key tiles (padded to 320 and 512). Bidirectional window 100: the bands
+  # differ per tile and the last key tile is mostly padding; row 1 is one document across
+  # both key tiles. The causal case has one key/value head for both query heads (G = 1).
   *[
     _case(
       f"tpu-multi-tile-{name}",
@@ -182,7 +180,7 @@ SLICED_CASES = [
     queries=(20, 36),
     keys=(0, 40),
     mask={**CAUSAL, "window": None},
-    blocks=BlockSizes(8, 8),
+    blocks=BlockSizes(16, 16),
     traced=True,
   ),
   # Bidirectional window at P = 4 (halo ceil(8 / 4) = 2 tokens each side) on the last shard:
@@ -211,9 +209,9 @@ def test_kernels_match_reference_on_sequence_shards(
 
 
 def test_tile_bands_with_query_offsets():
-  """`kv_range` / `q_range` at any query offset visit exactly the tiles holding a visible
-  (query, key) pair, and the TPU grid's band axes (`max_kv_band`, `max_q_band`) cover every
-  offset's band: causal and bidirectional, global and window, P in {1, 3}."""
+  """The GPU kernels' `kv_range` / `q_range` at any query offset visit exactly the tiles
+  holding a visible (query, key) pair: causal and bidirectional, global and window, P in
+  {1, 3} (the TPU schedules: tests/test_tile_schedule.py)."""
   for causal, window, p in [(True, None, 1), (True, 7, 3), (False, 5, 3), (False, None, 1)]:
     base = common.Config(
       num_heads=1,
@@ -236,30 +234,27 @@ def test_tile_bands_with_query_offsets():
       static_offset=None,
     )
     q_rows, k_rows = np.arange(24 * p), np.arange(48 * p)
-    widest_kv, widest_q = common.max_kv_band(base), common.max_q_band(base)
     for offset in range(-30, 60, 3):
       seen = visible((offset * p + q_rows)[:, None], k_rows[None, :], None, None, window, causal)
       tiles = seen.reshape(3, 8 * p, 3, 16 * p).any(axis=(1, 3))  # [query tile, key tile]
-      static = dataclasses.replace(base, static_offset=offset)
       every = np.arange(3)
-      for ranges, needed, band, widest in [
-        (common.kv_range(every, base, offset, np), tiles, common.max_kv_band(static), widest_kv),
-        (common.q_range(every, base, offset, np), tiles.T, common.max_q_band(static), widest_q),
+      for ranges, needed in [
+        (common.kv_range(every, base, offset, np), tiles),
+        (common.q_range(every, base, offset, np), tiles.T),
       ]:
         for (lo, hi), row in zip(zip(*ranges), needed):
           want = np.flatnonzero(row)
           got = np.arange(lo, hi)
           np.testing.assert_array_equal(got, want, err_msg=f"{causal} {window} {p} {offset}")
-          assert hi - lo <= band <= widest
 
 
 def test_block_sizes_are_checked():
   args = random_iha_inputs(jax.random.key(0), 1, 16, 2, 16, 4)
-  # TPU tiles hold whole tokens (multiples of P virtual tokens) of 8 sublanes (f32).
-  with pytest.raises(ValueError, match="multiple of P"):
+  # TPU tiles are multiples of 16 rows (virtual tokens), the bf16 sublane packing.
+  with pytest.raises(ValueError, match="block_sizes.block_q=30: TPU tiles"):
     iha_attention(*args, implementation="pallas_tpu", block_sizes=BlockSizes(30, 32))
-  with pytest.raises(ValueError, match="multiples of 8 tokens"):
-    iha_attention(*args, implementation="pallas_tpu", block_sizes=BlockSizes(16, 32))
+  with pytest.raises(ValueError, match="block_sizes.block_k=8: TPU tiles"):
+    iha_attention(*args, implementation="pallas_tpu", block_sizes=BlockSizes(16, 8))
   # GPU tiles are powers of two of at least 16 rows and at least one token's Pr rows.
   with pytest.raises(ValueError, match="power-of-two"):
     iha_attention(*args, implementation="pallas_gpu", block_sizes=BlockSizes(24, 16))
@@ -333,11 +328,18 @@ def _lowered_shapes(implementation, platform):
   ]
 
 
-@pytest.mark.parametrize(
-  "implementation, platform", [("pallas_gpu", "cuda"), ("pallas_tpu", "tpu"), ("pallas_gpu", "cpu")]
-)
+@pytest.mark.parametrize("implementation, platform", [(GPU, "cuda"), (GPU, "cpu")])
 def test_lowered_gradient_program_has_no_pseudo_qkv(implementation, platform):
   assert not _virtual_axis_shapes(_lowered_shapes(implementation, platform))
+
+
+def test_tpu_saves_only_the_pseudo_output(capsys):
+  """On TPU pseudo q/k/v are made by einsums (in the forward and again in the backward),
+  never saved: of the residuals only the pseudo output o is P-sized."""
+  shapes = _residual_shapes("pallas_tpu", capsys)
+  virtual = _virtual_axis_shapes(shapes)
+  assert len(virtual) == 1, shapes  # o [B, H, N * P (padded), d]
+  assert np.prod(virtual[0]) <= B * H * 32 * P * D
 
 
 def test_lowered_scan_flags_materialised_path():

@@ -1,7 +1,8 @@
-"""Pallas fused IHA attention kernels (TPU: Mosaic, GPU: Triton), forward and backward.
+"""Pallas IHA attention kernels (TPU: Mosaic, GPU: Triton), forward and backward.
 
-`fused_iha_attention` / `fused_mha_attention` take the source heads and build
-pseudo-heads on chip (`iha_jax.kernels.fused`: layouts, residuals, platform dispatch);
+`fused_iha_attention` / `fused_mha_attention` take the source heads (GPU: pseudo-heads
+built on chip, `iha_jax.kernels.fused`; TPU: mixed in HBM, then flash attention,
+`iha_jax.kernels.tpu_attention`);
 `sharded_iha_attention` / `sharded_mha_attention` run them inside `jax.shard_map`
 (`iha_jax.kernels.sharded`). Most callers want `iha_jax.ops.iha_attention(...,
 implementation="pallas_tpu")`, which checks its arguments and picks between the two.

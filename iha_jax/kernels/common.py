@@ -1,4 +1,5 @@
-"""Tile math shared by the Mosaic TPU and Triton GPU kernels.
+"""Tile math of the Triton GPU kernels (the TPU path, `iha_jax.kernels.tpu_attention`, mixes
+pseudo-heads in HBM and needs none of it).
 
 Everything here works on values already loaded from refs (2-D tiles), using only ops
 both Pallas backends lower: 2-D dots, elementwise math, last-axis reductions and scalar
@@ -29,7 +30,7 @@ ids; keys outside the sequence are padding, segment 0). Query token n then has v
 index `(offset + n) * P + p` on the keys' axis, where `offset` (the first query's token
 index minus the first key's) is an int32 scalar operand, so one compiled kernel serves
 every shard; the band arithmetic (`kv_range`, `q_range`) shifts by it, and the TPU
-grid's band axis is as wide as any offset needs (`max_kv_band`, `max_q_band`).
+GPU's band loops run as far as each offset needs.
 
 Grouped-query attention: G key/value heads, G dividing H; query target h attends with the
 pseudo-keys and pseudo-values of key/value target `h // r` (`r = group`, `kv_target`).
@@ -253,38 +254,6 @@ def q_range(j, cfg: Config, offset=None, xp=jnp):
     return _overlap(j * bkv, (j + 1) * bkv - 1, ahead, behind, bqv, cfg.num_q_blocks, xp)
   first = (j * cfg.block_k - offset) * cfg.num_pseudo
   return _overlap(first, first + bkv - 1, ahead, behind, bqv, cfg.num_q_blocks, xp, True)
-
-
-def _widest(cfg: Config, own: int, other: int, before, after, count: int) -> int:
-  """The widest band over every offset: a tile of `own` tokens against tiles of `other`
-  tokens (`count` of them). Unclipped, the width depends only on where the tile starts
-  modulo `other` tokens; clipping at either end only narrows it."""
-  if before is None or after is None:
-    return count
-  p = cfg.num_pseudo
-  first = np.arange(other) * p
-  lo = (first - before) // (other * p)
-  hi = (first + own * p - 1 + after) // (other * p) + 1
-  return int(min(count, max(1, np.max(hi - lo))))
-
-
-def max_kv_band(cfg: Config) -> int:
-  """Most key tiles any query tile visits (the TPU grid's key axis): at the static offset,
-  or, when it is traced, at any offset."""
-  if cfg.static_offset is None:
-    behind, ahead = _reach(cfg, ahead=False), _reach(cfg, ahead=True)
-    return _widest(cfg, cfg.block_q, cfg.block_k, behind, ahead, cfg.num_k_blocks)
-  lo, hi = kv_range(np.arange(cfg.num_q_blocks), cfg, cfg.static_offset, np)
-  return max(1, int(np.max(hi - lo)))
-
-
-def max_q_band(cfg: Config) -> int:
-  """Most query tiles any key tile is seen by (the TPU dK/dV grid's query axis)."""
-  if cfg.static_offset is None:
-    behind, ahead = _reach(cfg, ahead=False), _reach(cfg, ahead=True)
-    return _widest(cfg, cfg.block_k, cfg.block_q, ahead, behind, cfg.num_q_blocks)
-  lo, hi = q_range(np.arange(cfg.num_k_blocks), cfg, cfg.static_offset, np)
-  return max(1, int(np.max(hi - lo)))
 
 
 # --- Pseudo tiles: mixing and RoPE on chip. ------------------------------------------------

@@ -1,10 +1,12 @@
 """Fused IHA / MHA attention: layouts, custom VJP and platform dispatch.
 
-`fused_iha_attention` feeds the SOURCE heads (q `[B, N, H, d]`, k and v `[B, N, G, d]`)
-and the mixing tensors (`alpha_q: [H, H, P]`, `alpha_k, alpha_v: [G, G, P]`) to the
-Pallas kernels, which build every pseudo q/k/v tile on chip; G < H is grouped-query
-attention (query head h reads key/value head `h // (H // G)`; keys and values stay G heads
-in HBM, `iha_jax.kernels.common`).
+On GPU, `fused_iha_attention` feeds the SOURCE heads (q `[B, N, H, d]`, k and v
+`[B, N, G, d]`) and the mixing tensors (`alpha_q: [H, H, P]`, `alpha_k, alpha_v:
+[G, G, P]`) to the Pallas Triton kernels, which build every pseudo q/k/v tile on chip; G <
+H is grouped-query attention (query head h reads key/value head `h // (H // G)`; keys and
+values stay G heads in HBM, `iha_jax.kernels.common`). On TPU the entry points hand over
+to `iha_jax.kernels.tpu_attention` (pseudo-heads mixed in HBM, then Mosaic flash
+attention); everything below about layouts and residuals is the GPU path's.
 Attention is causal or bidirectional (`causal=False`), global or windowed, with
 the mask of `iha_jax.core.masking.visible`; `fused_mha_attention`'s v may be wider than
 q and k (`[B, N, G, dv]`, e.g. dv = 2d for differential attention). RoPE at virtual
@@ -47,10 +49,10 @@ from jax import lax
 from iha_jax.core.options import AttentionOptions
 from iha_jax.core.rope import apply_rope, rope_frequencies
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import gpu, tpu
+from iha_jax.kernels import gpu, tpu_attention
 from iha_jax.kernels.common import Config
 
-_BACKENDS = {"gpu": gpu, "tpu": tpu}
+_BACKENDS = {"gpu": gpu}  # TPU: iha_jax.kernels.tpu_attention (pseudo-heads mixed in HBM)
 
 
 def _run(platform: str, name: str, cfg: Config, *args):
@@ -318,6 +320,11 @@ def pseudo_outputs(
   `[B, N, H', dv]`. The VJP saves o; IHA layers use `collapsed_outputs`, which saves
   nothing P-sized.
   """
+  if platform == "tpu":
+    raise ValueError(
+      "pseudo_outputs is the GPU kernels' layout; on TPU use "
+      "iha_jax.kernels.tpu_attention.attend_virtual (pseudo outputs [B, Ht, N, P, dv])"
+    )
   cfg, args, restore = _prepare(q, k, v, alphas, options, platform)
   return _BACKENDS[platform].pseudo_view(_attend(platform, cfg, *args), cfg), restore
 
@@ -337,6 +344,8 @@ def collapsed_outputs(
   Returns `(y, restore)`: y `[B, Np, H', Wv]` float32 (H' = H for a full `[H, Ht, P]`
   collapse: a partial sum over the local target heads; H' = Ht for per_head `[Ht, P]`).
   """
+  if platform == "tpu":  # mixing in HBM, then flash attention (iha_jax.kernels.tpu_attention)
+    return tpu_attention.collapsed(q, k, v, alphas, collapse, options), lambda y: y
   cfg, args, restore = _prepare(q, k, v, alphas, options, platform)
   return _attend_collapse(platform, cfg, *args, collapse), restore
 
@@ -377,6 +386,8 @@ def fused_mha_attention(
   differ from d, e.g. 2d for differential attention) -> `[B, N, H, dv]`; G divides H. A
   sequence shard's k, v hold Nk tokens (`pseudo_outputs`).
   """
+  if platform == "tpu":
+    return tpu_attention.mha(q, k, v, options)
   o, restore = pseudo_outputs(q, k, v, None, options, platform=platform)
   # The pseudo view's P axis has one entry (GPU tiles may pad it: take entry 0).
   o = jnp.take(o, 0, axis=_BACKENDS[platform].OUTPUT_SPEC.index("p"))

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from iha_jax.core.options import AttentionOptions, with_overrides
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import fused
+from iha_jax.kernels import fused, splash
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
@@ -229,9 +229,11 @@ def sharded_mha_attention(
   batch_axes: Sequence[str] = ("data",),
   head_axis: str | None = "tensor",
   platform: str = "gpu",
+  kernel: Callable[..., jax.Array] = fused.fused_mha_attention,
   **overrides: Any,
 ) -> jax.Array:
-  """`fused_mha_attention` via `jax.shard_map`: heads are independent, so q
+  """`kernel` (`fused_mha_attention`, or `splash.splash_mha_attention`) via
+  `jax.shard_map`: heads are independent, so q
   `[B, N, H, d]`, k, v `[B, N, G, dv]` and the output stay split over batch and heads (G
   divisible by the `head_axis` size: each shard holds whole grouped-query groups).
 
@@ -241,9 +243,7 @@ def sharded_mha_attention(
   mesh, batch, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
 
   def local(q, k, v, *token_arrays):
-    return fused.fused_mha_attention(
-      q, k, v, tokens.options(options, token_arrays), platform=platform
-    )
+    return kernel(q, k, v, tokens.options(options, token_arrays), platform=platform)
 
   heads = P(batch, None, head_axis, None)
   return _shard_map(
@@ -266,4 +266,11 @@ iha_on_current_mesh = functools.partial(
 )
 mha_on_current_mesh = functools.partial(
   _on_current_mesh, fused.fused_mha_attention, sharded_mha_attention
+)
+# jax's splash attention (TPU), under shard_map on a mesh like the kernels above.
+splash_on_current_mesh = functools.partial(
+  _on_current_mesh,
+  splash.splash_mha_attention,
+  functools.partial(sharded_mha_attention, kernel=splash.splash_mha_attention),
+  platform="tpu",
 )

@@ -57,6 +57,7 @@ class Differential(AttentionKind):
     "pallas_tpu": _via("pallas_tpu"),
     "pallas_gpu": _GPU,
     "pallas_gpu_mha": _GPU,
+    "splash": _via("splash"),
   }
   dropout_implementations = frozenset({"xla"})  # MHA's, over both maps
   sequence_roles = ("q", "kv", "kv", "-")

@@ -48,6 +48,7 @@ class Interleaved(AttentionKind):
     # Materialised pseudo q/k/v + an MHA implementation over the virtual sequence.
     "pallas_gpu_mha": functools.partial(iha_via_mha, mha=MHA.implementations["pallas_gpu"]),
     "cudnn": functools.partial(iha_via_mha, mha=mha_cudnn),
+    "splash": functools.partial(iha_via_mha, mha=MHA.implementations["splash"]),
   }
   config_fields = ("num_pseudo", "collapse_mode")
   virtual_tokens = True

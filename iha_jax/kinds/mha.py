@@ -11,7 +11,7 @@ from iha_jax.core import validation
 from iha_jax.core.attention import mha_reference, mha_xla
 from iha_jax.core.cudnn_attention import mha_cudnn
 from iha_jax.core.options import AttentionOptions
-from iha_jax.kernels.sharded import mha_on_current_mesh
+from iha_jax.kernels.sharded import mha_on_current_mesh, splash_on_current_mesh
 from iha_jax.kinds import registry
 from iha_jax.kinds.base import AttentionKind, Letter, project_qkv
 
@@ -39,6 +39,7 @@ class MultiHead(AttentionKind):
     # implementation="pallas_gpu_mha" also serves MHA and differential layers.
     "pallas_gpu_mha": _GPU_KERNEL,
     "cudnn": mha_cudnn,
+    "splash": splash_on_current_mesh,  # jax's splash attention kernel (TPU)
   }
   dropout_implementations = frozenset({"xla"})
   decodes = True

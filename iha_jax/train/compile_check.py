@@ -8,6 +8,10 @@ Nothing is read: no data, no tokenizer (`model.vocab_size` must be given). It pr
 per-device memory the compiler assigned against the chip's HBM and each Pallas kernel's
 static resources, and raises a one-line `CompileCheckError` when the step does not
 compile or does not fit. Compiled, not run: no speed is measured.
+
+`--estimate` (TPU targets) adds the step's *estimated* time per chip from libtpu's final
+schedule (`iha_jax.parallel.tpu_estimate`; collectives left out, as the output says) and
+the MFU it implies: an estimate, never a measurement.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from iha_jax.errors import UserError
 from iha_jax.kinds import registry
 from iha_jax.models import FunctionalTransformerLM
 from iha_jax.parallel import compiled as compiled_lib
-from iha_jax.parallel import targets
+from iha_jax.parallel import targets, tpu_estimate
 from iha_jax.train import config as config_lib
+from iha_jax.train import flops as flops_lib
 from iha_jax.train import lowering
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
@@ -58,8 +63,11 @@ def _target_config(config: ml_collections.ConfigDict, target: targets.Target):
   return config
 
 
-def compile_only(config: ml_collections.ConfigDict, target_name: str, *, log=print):
-  """Compiles `config`'s train step for `target_name`; returns `(target, report)`.
+def compile_only(
+  config: ml_collections.ConfigDict, target_name: str, *, estimate: bool = False, log=print
+):
+  """Compiles `config`'s train step for `target_name`; returns `(target, report)`, and
+  with `estimate` (TPU targets) logs the step's estimated time per chip and its MFU.
 
   Raises:
     TargetError: unknown target or its compiler packages missing (`make targets`).
@@ -68,6 +76,12 @@ def compile_only(config: ml_collections.ConfigDict, target_name: str, *, log=pri
       has.
   """
   target = targets.parse(target_name)
+  if estimate:
+    if target.platform != "tpu":
+      raise targets.TargetError(
+        f"--estimate reads libtpu's schedule: use a TPU target (e.g. v5p-128), not {target.name}"
+      )
+    tpu_estimate.prepare()  # before libtpu starts
   devices = targets.devices(target)
   config = _target_config(config, target)
   model_cfg = config_lib.validate(config, len(devices))
@@ -88,19 +102,29 @@ def compile_only(config: ml_collections.ConfigDict, target_name: str, *, log=pri
     + (f" (as on {target.kernel_platform})" if config.model.implementation == "auto" else "")
   )
   start = time.perf_counter()
+  step_args = (
+    model,
+    tx,
+    config.train,
+    config.train.get("loss", "cross_entropy"),
+    mesh,
+    target_state,
+    shardings,
+    seq_len,
+  )
+  estimated = None
   try:
     with registry.auto_backend(target.kernel_platform):  # "auto": the target's kernels
-      lowered = lowering.lower_train_step(
-        model,
-        tx,
-        config.train,
-        config.train.get("loss", "cross_entropy"),
-        mesh,
-        target_state,
-        shardings,
-        seq_len,
-      )
-    _, report = compiled_lib.compile_with_report(lowered)
+      if estimate:
+        traced = lowering.trace_train_step(*step_args)
+        with parallel.activate(mesh):
+          (executable, report), estimated = tpu_estimate.estimate_traced(
+            traced, target=target.name, compile_fn=compiled_lib.compile_with_report
+          )
+      else:
+        lowered = lowering.lower_train_step(*step_args)
+    if not estimate:
+      _, report = compiled_lib.compile_with_report(lowered)
   except jax.errors.JaxRuntimeError as error:
     raise CompileCheckError(
       f"{target.name}: the compiler rejects the train step: {_compiler_message(error)} "
@@ -120,6 +144,8 @@ def compile_only(config: ml_collections.ConfigDict, target_name: str, *, log=pri
   log(f"Pallas kernel calls: {report.kernel_calls}")
   for line in compiled_lib.kernel_table(report):
     log(line)
+  if estimated is not None:
+    _log_estimate(estimated, executable, model_cfg, batch, seq_len, target, log)
   if report.total_bytes > target.hbm_bytes:
     raise CompileCheckError(
       f"{target.name}: the train step needs {report.total_bytes / GiB:.1f} GiB per device, "
@@ -127,3 +153,36 @@ def compile_only(config: ml_collections.ConfigDict, target_name: str, *, log=pri
       "train.grad_accum_steps), use model.remat_policy='full', or a larger mesh.fsdp"
     )
   return target, report
+
+
+def _log_estimate(estimated, executable, model_cfg, batch: int, seq_len: int, target, log):
+  """The step's estimated time per chip, the largest ops, and the MFU it implies; XLA's
+  own FLOP count of the program (remat recomputation included) bounds it from below."""
+  step_flops = flops_lib.train_flops_per_step(model_cfg, batch, seq_len)
+  per_chip = step_flops / target.chips
+  peak = estimated.chip.peak_bf16_flops
+  mfu = per_chip / (estimated.seconds * peak)
+  log(estimated.table(top=8))
+  analysis = executable.cost_analysis() or {}
+  if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
+    analysis = analysis[0] if analysis else {}
+  xla_flops = float(analysis.get("flops", 0.0))  # XLA ops only: Pallas calls count none
+  if xla_flops:
+    floor = xla_flops / peak
+    log(
+      f"XLA counts {xla_flops / 1e12:.1f} TFLOP per chip in its own ops (Pallas kernels "
+      f"not counted): at peak those alone take {floor * 1e3:.1f} ms"
+      + (
+        "; the estimate is below that: read it as a lower bound"
+        if estimated.seconds - estimated.kernel_seconds() < floor
+        else ""
+      )
+    )
+  left_out = " (collectives left out)" if estimated.collectives else ""
+  log(
+    f"estimated step time per chip: {estimated.seconds * 1e3:.1f} ms{left_out}, "
+    f"{estimated.kernel_seconds() * 1e3:.1f} ms of it in Pallas kernels; model FLOPs "
+    f"{step_flops / 1e15:.2f} PFLOP per step -> estimated MFU {mfu:.1%} at "
+    f"{estimated.chip.peak_bf16_flops / 1e12:.0f} TFLOP/s per chip (an estimate from the "
+    "compiler's schedule, not a measurement)"
+  )

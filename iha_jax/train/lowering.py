@@ -62,6 +62,24 @@ def jit_train_step(
   )
 
 
+def trace_train_step(
+  model: FunctionalTransformerLM,
+  tx: Any,
+  train_cfg: Any,
+  loss: str,
+  mesh: Mesh,
+  target: Any,
+  shardings: Any,
+  seq_len: int,
+) -> jax.stages.Traced:
+  """`jit_train_step` traced on `target` (the abstract state) and an abstract batch of
+  `train_cfg.batch_size` rows of `seq_len` tokens, under `mesh`'s logical-axis rules."""
+  rows = parallel.batch_sharding(mesh)
+  batch = abstract_batch(model.config, train_cfg.batch_size, seq_len, loss, rows)
+  with parallel.activate(mesh):
+    return jit_train_step(model, tx, train_cfg, loss, mesh, shardings).trace(target, batch)
+
+
 def lower_train_step(
   model: FunctionalTransformerLM,
   tx: Any,
@@ -72,9 +90,7 @@ def lower_train_step(
   shardings: Any,
   seq_len: int,
 ) -> jax.stages.Lowered:
-  """`jit_train_step` lowered on `target` (the abstract state) and an abstract batch of
-  `train_cfg.batch_size` rows of `seq_len` tokens, under `mesh`'s logical-axis rules."""
-  rows = parallel.batch_sharding(mesh)
-  batch = abstract_batch(model.config, train_cfg.batch_size, seq_len, loss, rows)
+  """`trace_train_step(...).lower()`, lowered under the mesh's rules as well."""
+  traced = trace_train_step(model, tx, train_cfg, loss, mesh, target, shardings, seq_len)
   with parallel.activate(mesh):
-    return jit_train_step(model, tx, train_cfg, loss, mesh, shardings).lower(target, batch)
+    return traced.lower()

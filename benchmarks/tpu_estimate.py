@@ -1,0 +1,397 @@
+"""Estimated TPU time of every TPU attention implementation at the paper's shape.
+
+Compiles each case for a compile-only TPU chip and estimates its time from libtpu's
+final schedule (`iha_jax.parallel.tpu_estimate`): an ESTIMATE from the compiler's
+schedule, not a measurement (no TPU runs here). Default cases, at B = 1, N = 8192,
+H = 20, d = 128, bf16, causal (IHA: RoPE at virtual positions):
+
+  global_p4, global_p20   global IHA, P = 4 / 20
+  window_p4, window_p20   IHA with a window of N / (2P) virtual tokens (the paper's L)
+  mha                     global multi-head attention (P = 1, no mixing)
+  matmul                  an 8192^3 bf16 matmul (the calibration: ideal 2.40 ms on v5p)
+
+each through every TPU implementation ("xla", "pallas_tpu", "splash", "auto"), forward
+and forward+backward (gradients of q, k, v and the mixing weights under a random
+cotangent).
+
+    python benchmarks/tpu_estimate.py                       # v5p, every default case
+    python benchmarks/tpu_estimate.py --target v6e --cases global_p4,mha --json out.json
+
+`--calibrate` checks the estimator against three programs whose time is known: an
+8192^3 bf16 matmul (MXU-bound: 2 * 8192^3 / peak), a float32 elementwise op over 1 GiB
+(HBM-bound: bytes / bandwidth) and splash attention's MHA forward at the shape above
+(1.32 ms on v5p as first estimated here), each with its tolerance (10%, 15%, 15%).
+
+`--write_ranking` estimates the default IHA and MHA cases through "pallas_tpu" and
+"splash" and rewrites `iha_jax/kinds/tpu_ranking.py`, the table TPU "auto" follows
+(`iha_jax.kinds.tpu_auto`).
+
+`--json FILE` writes rows {"target", "case", "implementation", "pass", "estimated_ms"}
+("pass": "fwd" or "fwd_bwd"; a case that does not compile has "estimated_ms": null and
+its "error"). Needs libtpu (`make targets`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+  sys.path.insert(0, str(_REPO))
+
+from iha_jax.parallel import targets, tpu_estimate  # noqa: E402
+
+CASES = ("global_p4", "window_p4", "global_p20", "window_p20", "mha", "matmul")
+TPU_IMPLEMENTATIONS = ("xla", "pallas_tpu", "splash", "auto")
+PASSES = ("fwd", "fwd_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  batch: int = 1
+  tokens: int = 8192
+  heads: int = 20
+  head_dim: int = 128
+  matmul: int = 8192
+
+
+def case_setup(case: str, shape: Shape) -> tuple[str, int, int | None]:
+  """`case` -> (kind "iha" / "mha" / "matmul", P, window in the kind's units)."""
+  if case == "mha":
+    return "mha", 1, None
+  if case == "matmul":
+    return "matmul", 1, None
+  name, _, p = case.partition("_p")
+  if name not in ("global", "window") or not p.isdigit() or int(p) < 1:
+    raise ValueError(case)
+  pseudo = int(p)
+  return "iha", pseudo, shape.tokens // (2 * pseudo) if name == "window" else None
+
+
+def implementations_of(kind: str) -> tuple[str, ...]:
+  from iha_jax.kinds import registry  # after the TPU packages are on sys.path
+
+  if kind == "matmul":
+    return ("xla",)
+  have = registry.implementations(kind)
+  return tuple(i for i in TPU_IMPLEMENTATIONS if i in have or i == "auto")
+
+
+def build(case: str, implementation: str, backward: bool, shape: Shape, device, blocks=None):
+  """(jitted function, its ShapeDtypeStruct arguments) of one case."""
+  import jax
+  import jax.numpy as jnp
+
+  from iha_jax.ops import AttentionOptions, BlockSizes, iha_attention, mha_attention
+
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  spec = lambda shape_, dtype: jax.ShapeDtypeStruct(shape_, dtype, sharding=sharding)
+  kind, pseudo, window = case_setup(case, shape)
+  if kind == "matmul":
+    m = shape.matmul
+    x = spec((m, m), jnp.bfloat16)
+    return jax.jit(lambda a, b: a @ b), (x, x)
+  b, n, h, d = shape.batch, shape.tokens, shape.heads, shape.head_dim
+  qkv = [spec((b, n, h, d), jnp.bfloat16)] * 3
+  mixing = [spec((h, h, pseudo), jnp.float32)] * 4 if kind == "iha" else []
+  options = AttentionOptions(
+    window=window,
+    implementation=implementation,
+    block_sizes=None if blocks is None else BlockSizes(*blocks),
+  )
+  entry = iha_attention if kind == "iha" else mha_attention
+
+  def forward(*arrays):
+    return entry(*arrays, options)
+
+  if not backward:
+    return jax.jit(forward), (*qkv, *mixing)
+
+  def loss(*arrays_and_cotangent):
+    *arrays, cotangent = arrays_and_cotangent
+    out = forward(*arrays)
+    return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+  grads = jax.grad(loss, argnums=tuple(range(len(qkv) + len(mixing))))
+  return jax.jit(grads), (*qkv, *mixing, spec((b, n, h, d), jnp.float32))
+
+
+def ideal_ms(case: str, backward: bool, shape: Shape, chip: tpu_estimate.Chip) -> float:
+  """Unmasked matmul FLOPs (docs/design.md §2) at the chip's bf16 peak, in ms."""
+  kind, pseudo, window = case_setup(case, shape)
+  if kind == "matmul":
+    return 2 * shape.matmul**3 / chip.peak_bf16_flops * 1e3
+  t = shape.tokens * pseudo
+  pairs = t * (t + 1) / 2 if window is None else t * window - window * (window - 1) / 2
+  flops = 4 * shape.head_dim * pairs * shape.heads * shape.batch
+  return flops * (3 if backward else 1) / chip.peak_bf16_flops * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--target", default="v5p", help="v5p, v5e or v6e (one chip)")
+  parser.add_argument("--cases", default=",".join(CASES))
+  parser.add_argument("--implementations", default="", help="default: every TPU one + auto")
+  parser.add_argument("--passes", default=",".join(PASSES))
+  parser.add_argument("--tokens", type=int, default=Shape.tokens)
+  parser.add_argument("--heads", type=int, default=Shape.heads)
+  parser.add_argument("--head_dim", type=int, default=Shape.head_dim)
+  parser.add_argument("--batch", type=int, default=Shape.batch)
+  parser.add_argument("--matmul", type=int, default=Shape.matmul, help="matmul edge")
+  parser.add_argument(
+    "--blocks", default="", help="tiles to try, e.g. 512x512,1024x512 (default: each's own)"
+  )
+  parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+  parser.add_argument(
+    "--rows",
+    type=Path,
+    default=None,
+    help="with --write_ranking: take the estimates from an earlier run's --json file",
+  )
+  parser.add_argument(
+    "--calibrate", action="store_true", help="check the estimator on three known programs"
+  )
+  parser.add_argument(
+    "--write_ranking",
+    action="store_true",
+    help=f"rewrite {RANKING_FILE.relative_to(_REPO)} (TPU auto's table) from these estimates",
+  )
+  parser.add_argument("--ops", action="store_true", help="print each estimate's op table")
+  parser.add_argument(
+    "--keep_schedule", type=Path, default=None, help="copy libtpu's schedules here, per case"
+  )
+  args = parser.parse_args(argv)
+  if args.write_ranking and args.target != "v5p":
+    print("tpu_estimate: --write_ranking estimates on v5p (drop --target)", file=sys.stderr)
+    return 2
+  if args.write_ranking and args.rows is not None:
+    rows = [dict(r, pass_=r["pass"]) for r in json.loads(args.rows.read_text())]
+    write_ranking([r for r in rows if r["target"] == "v5p" and not r.get("blocks")], Shape())
+    return 0
+  if args.write_ranking:
+    args.cases = ",".join(c for c in CASES if c != "matmul")
+    args.implementations, args.passes, args.blocks = ",".join(RANKED), ",".join(PASSES), ""
+
+  def fail(message: str) -> int:
+    print(f"tpu_estimate: {message}", file=sys.stderr)
+    return 2
+
+  generation = args.target.split("-")[0]
+  if generation not in tpu_estimate.CHIPS:
+    return fail(f"unknown --target {args.target!r}; choose one of {', '.join(tpu_estimate.CHIPS)}")
+  cases = [c for c in args.cases.split(",") if c]
+  shape = Shape(args.batch, args.tokens, args.heads, args.head_dim, args.matmul)
+  for case in cases:
+    try:
+      case_setup(case, shape)
+    except ValueError:
+      return fail(
+        f"unknown case {case!r}; choose among {', '.join(CASES)} (or global_pN/window_pN)"
+      )
+  passes = [p for p in args.passes.split(",") if p]
+  if set(passes) - set(PASSES):
+    return fail(f"unknown --passes {args.passes!r}; choose among {', '.join(PASSES)}")
+
+  tpu_estimate.prepare()
+  try:
+    devices = targets.devices(
+      targets.parse(f"{generation}-8" if generation == "v5p" else f"{generation}-4")
+    )
+  except targets.TargetError as error:
+    return fail(str(error))
+  from iha_jax.kinds import registry
+
+  chip = tpu_estimate.CHIPS[generation]
+  if args.calibrate:
+    rows = calibrate(chip, devices[0])
+    if args.json:
+      args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if all(row["within"] for row in rows) else 1
+  rows = []
+  caveat = (
+    f" {generation} is uncalibrated ({chip.uncalibrated}): compare rows, not absolute times."
+    if chip.uncalibrated
+    else ""
+  )
+  print(
+    f"Estimated on one {generation} chip from libtpu's final schedule: ESTIMATES, not "
+    f"measurements.{caveat} B={shape.batch} N={shape.tokens} H={shape.heads} "
+    f"d={shape.head_dim} bf16 causal"
+  )
+  print(
+    f"{'case':<12} {'implementation':<26} {'pass':<8} {'est. ms':>10} {'ideal ms':>9} {'% MXU':>6}"
+  )
+  for case in cases:
+    kind, _, _ = case_setup(case, shape)
+    wanted = [i for i in args.implementations.split(",") if i] or implementations_of(kind)
+    tilings = [tuple(int(x) for x in b.split("x")) for b in args.blocks.split(",") if b] or [None]
+    for implementation, blocks in ((i, b) for i in wanted for b in tilings):
+      for pass_ in passes:
+        backward = pass_ == "fwd_bwd"
+        if kind == "matmul" and backward:
+          continue
+        label = implementation + (f" {blocks[0]}x{blocks[1]}" if blocks else "")
+        if implementation == "auto" and kind != "matmul":
+          with registry.auto_backend("tpu"):
+            label = f"auto ({_resolved(kind, case, shape)})"
+        start = time.perf_counter()
+        row = dict(target=generation, case=case, implementation=implementation, pass_=pass_)
+        if blocks:
+          row["blocks"] = list(blocks)
+        try:
+          with registry.auto_backend("tpu"):
+            fn, fn_args = build(case, implementation, backward, shape, devices[0], blocks)
+            keep = args.keep_schedule and args.keep_schedule / f"{case}-{implementation}-{pass_}"
+            est = tpu_estimate.estimate(fn, *fn_args, target=generation, keep_schedule=keep)
+          row["estimated_ms"] = est.seconds * 1e3
+          if est.lower_bound:
+            row["lower_bound"] = True
+        except Exception as error:  # a compile failure is this case's result
+          row["estimated_ms"] = None
+          row["error"] = (
+            str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+          )
+          est = None
+        rows.append(row)
+        ideal = ideal_ms(case, backward, shape, chip)
+        if est is None:
+          print(
+            f"{case:<12} {label:<26} {pass_:<8} {'failed':>10} {ideal:>9.3f}      -  {row['error']}"
+          )
+        else:
+          at_least = ">=" if est.lower_bound else "  "
+          print(
+            f"{case:<12} {label:<26} {pass_:<8} {at_least}{row['estimated_ms']:>8.3f} "
+            f"{ideal:>9.3f} {100 * ideal / row['estimated_ms']:>5.0f}%  "
+            f"({time.perf_counter() - start:.0f} s)"
+            + ("  lower bound: run-time loop trips counted once" if est.lower_bound else "")
+          )
+          if args.ops:
+            print(est.table())
+        sys.stdout.flush()
+  if args.write_ranking:
+    write_ranking(rows, shape)
+  if args.json:
+    payload = [{("pass" if k == "pass_" else k): v for k, v in row.items()} for row in rows]
+    args.json.write_text(json.dumps(payload, indent=1) + "\n")
+  return 0
+
+
+SPLASH_MHA_MS = {"v5p": 1.32}  # the first estimate of splash's MHA forward (IHA_SPEC §11)
+
+
+def calibrate(chip: tpu_estimate.Chip, device) -> list[dict]:
+  """Estimates three programs of known time and compares (one row each)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  m, n, h, d = 8192, 8192, 20, 128
+  big = spec((8192, 32768), jnp.float32)  # 1 GiB in, 1 GiB out
+  mask = splash.MultiHeadMask([splash.CausalMask((n, n)) for _ in range(h)])
+  blocks = splash.BlockSizes(**{f: 512 for f in ("block_q", "block_kv", "block_kv_compute")})
+  kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=blocks)
+  heads = spec((h, n, d), jnp.bfloat16)
+  programs = [
+    (
+      "matmul 8192^3 bf16",
+      jax.jit(lambda a, b: a @ b),
+      (spec((m, m), jnp.bfloat16),) * 2,
+      2 * m**3 / chip.peak_bf16_flops,
+      0.10,
+    ),
+    (
+      "elementwise f32 1 GiB",
+      jax.jit(lambda x: x * 2.0 + 1.0),
+      (big,),
+      2 * big.size * 4 / chip.hbm_bytes_per_s,
+      0.15,
+    ),
+  ]
+  if chip.name in SPLASH_MHA_MS:
+    programs.append(
+      (
+        "splash MHA forward",
+        jax.jit(lambda q, k, v: kernel(q, k, v)),
+        (heads,) * 3,
+        SPLASH_MHA_MS[chip.name] / 1e3,
+        0.15,
+      )
+    )
+  rows = []
+  print(f"Calibration on one {chip.name} chip (estimates from libtpu's schedule vs known times)")
+  for name, fn, args, known_s, tolerance in programs:
+    est = tpu_estimate.estimate(fn, *args, target=chip.name)
+    error = est.seconds / known_s - 1
+    within = abs(error) <= tolerance
+    rows.append(
+      dict(
+        program=name,
+        estimated_ms=est.seconds * 1e3,
+        known_ms=known_s * 1e3,
+        error=error,
+        tolerance=tolerance,
+        within=within,
+      )
+    )
+    print(
+      f"  {name:<24} estimate {est.seconds * 1e3:8.3f} ms  known {known_s * 1e3:8.3f} ms  "
+      f"{error:+6.1%} (tolerance {tolerance:.0%}) {'ok' if within else 'OUT OF TOLERANCE'}"
+    )
+  return rows
+
+
+RANKING_FILE = _REPO / "iha_jax" / "kinds" / "tpu_ranking.py"
+RANKED = ("pallas_tpu", "splash")
+
+
+def write_ranking(rows: list[dict], shape: Shape) -> None:
+  """Rewrites `RANKING_FILE` from the estimated rows (both passes of every case)."""
+  times: dict[tuple, dict[str, float]] = {}
+  for row in rows:
+    # Ranked: the kernels. XLA's estimates are lower bounds (run-time loop trips); "auto"
+    # is what the ranking picks, not an implementation.
+    if row.get("estimated_ms") is None or row["implementation"] not in RANKED:
+      continue
+    kind, pseudo, window = case_setup(row["case"], shape)
+    key = (kind, pseudo, window is not None, row["implementation"])
+    times.setdefault(key, {})[row["pass_"]] = row["estimated_ms"]
+  entries = [
+    f"  ({kind!r}, {p}, {windowed}, {name!r}, {t['fwd']:.3f}, {t['fwd_bwd']:.3f}),"
+    for (kind, p, windowed, name), t in sorted(times.items())
+    if set(t) == set(PASSES)
+  ]
+  RANKING_FILE.write_text(
+    '"""Generated by `python benchmarks/tpu_estimate.py --write_ranking`: do not edit.\n\n'
+    "Estimated on one v5p chip from libtpu's final schedule (estimates, not measurements):\n"
+    f"B = {shape.batch}, N = {shape.tokens}, H = {shape.heads}, d = {shape.head_dim}, bf16, "
+    "causal; windows of N / (2P) virtual\ntokens. Rows: (kind, P, windowed, "
+    'implementation, estimated fwd ms, estimated fwd+bwd ms).\n"""\n\n'
+    "RANKING = (\n" + "\n".join(entries) + "\n)\n"
+  )
+  print(f"wrote {RANKING_FILE.relative_to(_REPO)} ({len(entries)} rows)")
+
+
+def _resolved(kind: str, case: str, shape: Shape) -> str:
+  """What "auto" picks for this case on TPU (given the call's shapes)."""
+  import jax
+  import jax.numpy as jnp
+
+  from iha_jax.kinds import registry
+
+  _, pseudo, window = case_setup(case, shape)
+  q = jax.ShapeDtypeStruct((shape.batch, shape.tokens, shape.heads, shape.head_dim), jnp.bfloat16)
+  from iha_jax.ops import AttentionOptions
+
+  return registry.resolve(kind, "auto", q, q, AttentionOptions(window=window), pseudo)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

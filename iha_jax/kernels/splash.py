@@ -1,0 +1,125 @@
+"""Multi-head attention on jax's splash attention kernel (TPU), this project's conventions.
+
+`splash_mha_attention(q, k, v, options)` computes what `mha_attention` does (RoPE at the
+given positions, scale `1/sqrt(d)`, causal or bidirectional, a window, packed segments,
+grouped-query heads) with `jax.experimental.pallas.ops.tpu.splash_attention`: the
+well-kept TPU kernel, forward and backward. IHA runs on it through materialised pseudo
+q/k/v over the `N * P` virtual tokens (`iha_jax.core.attention.iha_via_mha`, the "splash"
+implementation of both kinds).
+
+Conventions mapped onto splash's:
+- masks are static: `CausalMask`, `LocalMask` with `window_size = (window - 1, 0)`
+  (causal) or `(window - 1, window - 1)` (bidirectional), or `FullMask`;
+- segment ids: splash's `SegmentIds`; padding (id 0) queries output zeros here, as
+  everywhere in this project (splash lets padding queries attend to padding keys);
+- sequences are padded to a multiple of the block size: causal padding keys come after
+  every real query and are never seen; bidirectional calls mark padding with id 0;
+- sequence shards (a query offset into longer keys) are refused: splash's masks are
+  static, while a shard's offset is traced (run those layers with "pallas_tpu").
+Runs compiled on TPU and in Pallas interpret mode elsewhere (`lax.platform_dependent`),
+so CPU tests exercise the same code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+from iha_jax.core.options import AttentionOptions, round_up
+from iha_jax.core.rope import apply_rope
+from iha_jax.core.validation import default_positions
+
+LANES = 128  # splash's blocks are multiples of the lane width
+DEFAULT_BLOCK = 512  # the estimate's choice at the paper's shape (docs/performance.md)
+
+
+def block_size(seq_len: int, requested: int | None = None) -> int:
+  """Splash's square block for a `seq_len`-long sequence: `requested` (rounded up to the
+  lane width) or the default, never beyond the padded sequence."""
+  block = round_up(requested or DEFAULT_BLOCK, LANES)
+  return min(block, round_up(seq_len, LANES))
+
+
+def _mask(seq_len: int, window: int | None, causal: bool):
+  shape = (seq_len, seq_len)
+  if window is not None:
+    reach = (window - 1, 0 if causal else window - 1)
+    return splash.LocalMask(shape, window_size=reach, offset=0)
+  return splash.CausalMask(shape) if causal else splash.FullMask(shape)
+
+
+def _kernel(heads: int, seq_len: int, window, causal: bool, block: int, interpret: bool):
+  """A splash kernel for one example `[H, T, d]` (vmapped over the batch)."""
+  # One mask object for every head: splash processes identical masks once.
+  mask = splash.MultiHeadMask([_mask(seq_len, window, causal)] * heads)
+  sizes = splash.BlockSizes(
+    block_q=block,
+    block_kv=block,
+    block_kv_compute=block,
+    block_q_dkv=block,
+    block_kv_dkv=block,
+    block_kv_dkv_compute=block,
+    block_q_dq=block,
+    block_kv_dq=block,
+  )
+  return splash.make_splash_mha(
+    mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
+  )
+
+
+def splash_mha_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, options: AttentionOptions, *, platform: str = "tpu"
+) -> jax.Array:
+  """q `[B, N, H, d]`, k `[B, N, G, d]`, v `[B, N, G, dv]` -> `[B, N, H, dv]` in q.dtype.
+
+  `options`: checked and defaulted (`window` in tokens of this sequence, `causal`,
+  `segment_ids`, `positions`, `rope_theta`, `block_sizes.block_q` as splash's block);
+  `platform` is accepted for the kernel registry's uniform call and not read."""
+  del platform
+  if options.sliced:
+    raise ValueError(
+      "implementation 'splash' cannot run a sequence shard (a query offset into longer "
+      "keys; splash's masks are static): use 'pallas_tpu' under a 'context' mesh axis"
+    )
+  b, n, h, d = q.shape
+  dtype = q.dtype
+  if options.rope_theta is not None:
+    positions = default_positions(q, options.positions)
+    q = apply_rope(q, positions, options.rope_theta).astype(dtype)
+    k = apply_rope(k, positions, options.rope_theta).astype(dtype)
+  q = (q.astype(jnp.float32) / math.sqrt(d)).astype(dtype)
+  requested = options.block_sizes.block_q if options.block_sizes else None
+  block = block_size(n, requested)
+  padded = round_up(n, block)
+  segment_ids = options.segment_ids
+  if segment_ids is None and padded != n and not options.causal:
+    segment_ids = jnp.ones((b, n), jnp.int32)  # padding keys get id 0 below
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - n)] + [(0, 0)] * (x.ndim - 2))
+  heads_major = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, H, T, d]
+  args = [heads_major(q), heads_major(k), heads_major(v)]
+  if segment_ids is not None:
+    args.append(pad(segment_ids.astype(jnp.int32)))
+
+  def run(interpret: bool):
+    kernel = _kernel(h, padded, options.window, options.causal, block, interpret)
+
+    def one(q, k, v, ids=None):
+      return kernel(q, k, v, segment_ids=None if ids is None else splash.SegmentIds(ids, ids))
+
+    return lambda *arrays: jax.vmap(one)(*arrays)
+
+  out = lax.platform_dependent(*args, tpu=run(False), default=run(True))
+  out = jnp.swapaxes(out, 1, 2)[:, :n].astype(dtype)  # [B, N, H, dv]
+  if options.segment_ids is not None:  # padding queries output zeros
+    out = jnp.where((options.segment_ids != 0)[:, :, None, None], out, jnp.zeros((), dtype))
+  return out
+
+
+def mask_table(seq_len: int, window: int | None, causal: bool) -> np.ndarray:
+  """The `[T, T]` boolean mask splash applies (for tests against `ops.masking`)."""
+  return np.asarray(_mask(seq_len, window, causal)[:, :])

@@ -1,0 +1,244 @@
+"""IHA and MHA on TPU: pseudo-heads mixed on the MXU in HBM, then flash attention.
+
+IHA's P pseudo-queries, keys and values per head are linear in the source heads, so
+they are made once per call by einsums (`bnmd,mhp->bhnpd`: the MXU, HBM-bound at these
+sizes), rotated at their virtual positions `pos * P + p` and laid out head-major as the
+`T = N * P` virtual rows each target head attends over; `iha_jax.kernels.tpu_flash` then
+runs plain flash attention on them (no per-tile rebuild of pseudo tiles from all H
+source heads, which bound the earlier fused kernels by the vector units), and the P
+outputs collapse by one more einsum. The softmax scale `1/sqrt(d)` rides on `alpha_q`
+(on q for MHA), so the kernels do no scaling.
+
+What the custom VJP keeps for the backward: the source q, k, v (the caller's), the
+mixing tensors, the pseudo output o (P times the MHA output, bfloat16 at bf16 inputs)
+and the float32 log-sum-exp. Pseudo q/k/v are remade by the einsums in the backward (as
+cheap as in the forward) rather than saved; o is saved rather than recomputed by a second
+forward pass (its one full attention pass cost more than its memory: docs/performance.md).
+
+Sequence shards (a query offset into longer keys, `iha_jax.parallel.context`): the keys
+rotate at their own positions and carry their own segment ids; the offset reaches the
+kernels as a scalar operand, so one compiled kernel serves every shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from iha_jax.core.options import AttentionOptions, round_up
+from iha_jax.core.rope import rope_frequencies
+from iha_jax.core.validation import default_positions
+from iha_jax.kernels import tpu_flash
+from iha_jax.kernels.tile_schedule import Tiles
+
+# Default tiles (rows), the estimate's choice on v5p at the paper's shape
+# (docs/performance.md): global layers amortise a step's fixed cost over 1024 x 1024
+# pairs; a window's band wastes less of a 512-row tile (and 1024 x 1024 window backward
+# kernels exceed the default scoped VMEM, as float32 ones would).
+GLOBAL_BLOCK = 1024
+WINDOW_BLOCK = 512
+SUBLANES = 16  # bf16 packs 16 rows per vreg: tiles are multiples of it
+
+
+def _tile(rows: int, requested: int | None, default: int, name: str) -> tuple[int, int]:
+  """(tile edge, padded rows): the requested or default edge, or one tile for a shorter
+  sequence. Tiles are multiples of 16 rows (bf16 packs 16 rows per vreg)."""
+  if requested is not None and (requested <= 0 or requested % SUBLANES):
+    raise ValueError(
+      f"block_sizes.{name}={requested}: TPU tiles are positive multiples of {SUBLANES} rows "
+      f"(virtual tokens for IHA), e.g. 512"
+    )
+  block = min(requested or default, round_up(rows, SUBLANES))
+  return block, round_up(rows, block)
+
+
+def _run(fn: Callable, *args):
+  """`fn(*args, interpret=...)`: Mosaic on TPU, Pallas' interpreter elsewhere."""
+  return lax.platform_dependent(
+    *args, tpu=functools.partial(fn, interpret=False), default=functools.partial(fn, interpret=True)
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mixing:
+  """Source heads -> the kernels' padded virtual rows (static: a custom_vjp argument)."""
+
+  theta: float | None
+  scale: float  # the softmax scale, carried by the queries
+  rows_q: int
+  rows_k: int
+
+  def __call__(self, q, k, v, alphas, positions, key_positions):
+    a_q, a_k, a_v = alphas if alphas is not None else (None, None, None)
+    qv = _mix(q, a_q, positions, self.theta, scale=self.scale)
+    kv = _mix(k, a_k, key_positions, self.theta)
+    vv = _mix(v, a_v, key_positions, None)
+    return _pad_rows(qv, self.rows_q), _pad_rows(kv, self.rows_k), _pad_rows(vv, self.rows_k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _pipeline(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
+  """Padded pseudo outputs `[B, Ht, rows_q, dv]` of mixing + flash attention."""
+  return _pipeline_fwd(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset)[0]
+
+
+def _pipeline_fwd(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
+  qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
+  o, lse = _run(functools.partial(tpu_flash.forward, call), qv, kv, vv, seg, offset)
+  # Saved: the source heads, not the P-times larger pseudo q/k/v (remade below).
+  return o, (q, k, v, alphas, positions, key_positions, seg, offset, o, lse[..., 0])
+
+
+def _pipeline_bwd(mixing, call, residuals, do):
+  q, k, v, alphas, positions, key_positions, seg, offset, o, lse = residuals
+  mix = lambda q, k, v, alphas: mixing(q, k, v, alphas, positions, key_positions)
+  (qv, kv, vv), mix_vjp = jax.vjp(mix, q, k, v, alphas)
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+  dqv, dkv, dvv = _run(
+    functools.partial(tpu_flash.backward, call),
+    qv,
+    kv,
+    vv,
+    seg,
+    offset,
+    do.astype(qv.dtype),
+    lse,
+    delta,
+  )
+  dq, dk, dv, dalphas = mix_vjp((dqv.astype(qv.dtype), dkv.astype(kv.dtype), dvv.astype(vv.dtype)))
+  return dq, dk, dv, dalphas, None, None, None, None
+
+
+_pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
+
+
+def _rotate_virtual(x: jax.Array, positions: jax.Array, num_pseudo: int, theta: float | None):
+  """RoPE of `x: [B, Hx, N, P, d]` (float32) at virtual positions `pos * P + p`."""
+  if theta is None:
+    return x
+  d = x.shape[-1]
+  virtual = positions[:, :, None] * num_pseudo + jnp.arange(num_pseudo, dtype=jnp.int32)
+  angles = virtual.astype(jnp.float32)[..., None] * rope_frequencies(d, theta)  # [B,N,P,d/2]
+  cos, sin = (f(angles)[:, None] for f in (jnp.cos, jnp.sin))
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _mix(x: jax.Array, alpha: jax.Array | None, positions, theta, scale: float = 1.0):
+  """Source heads `[B, N, S, d]` -> virtual rows `[B, Ht, N * P, d]` in x.dtype: mixed
+  by `alpha: [S, Ht, P]` (None: each head itself, P = 1), rotated, times `scale`."""
+  b, n, _, d = x.shape
+  if alpha is None:
+    mixed = jnp.swapaxes(x.astype(jnp.float32), 1, 2)[:, :, :, None]  # [B, S, N, 1, d]
+    p = 1
+  else:
+    p = alpha.shape[2]
+    mixed = jnp.einsum(
+      "bnmd,mhp->bhnpd", x, (alpha * scale).astype(x.dtype), preferred_element_type=jnp.float32
+    )
+    scale = 1.0
+  mixed = _rotate_virtual(mixed, positions, p, theta) * scale
+  return mixed.reshape(b, mixed.shape[1], n * p, d).astype(x.dtype)
+
+
+def _segments(ids: jax.Array, num_pseudo: int, rows: int, padding: int) -> jax.Array:
+  """Token ids `[B, N]` -> virtual ids `[B, rows]` (padded with `padding`)."""
+  virtual = jnp.repeat(ids.astype(jnp.int32), num_pseudo, axis=1)
+  return jnp.pad(virtual, ((0, 0), (0, rows - virtual.shape[1])), constant_values=padding)
+
+
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+  return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, 0)))
+
+
+def attend_virtual(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  alphas: tuple[jax.Array, jax.Array, jax.Array] | None,
+  options: AttentionOptions,
+) -> jax.Array:
+  """Pseudo outputs `[B, Ht, N, P, dv]` (q.dtype) of mixing + flash attention.
+
+  q `[B, N, H, d]`, k `[B, Nk, G, d]`, v `[B, Nk, G, dv]` source heads (Nk = N unless a
+  sequence shard); `alphas = (alpha_q [H, Ht, P], alpha_k [G, Gt, P], alpha_v [G, Gt, P])`
+  (Ht, Gt: the target heads computed here, all or a head shard) or None for MHA (P = 1).
+  `options`: checked (window in virtual rows, causal, segment ids, positions, RoPE,
+  block sizes in virtual rows, a shard's query offset and key-side ids / positions)."""
+  b, n, h, d = q.shape
+  nk = k.shape[1]
+  sliced = options.sliced or nk != n
+  p = 1 if alphas is None else alphas[0].shape[2]
+  positions = default_positions(q, options.positions)
+  key_positions = positions
+  key_ids = options.segment_ids
+  if sliced:
+    key_ids, key_positions = options.key_segment_ids, options.key_positions
+    if key_positions is None:
+      key_positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
+  blocks = options.block_sizes
+  # float32 tiles take twice the VMEM: global layers fall back to the window's tiles.
+  wide = options.window is None and jnp.dtype(q.dtype).itemsize <= 2
+  default = GLOBAL_BLOCK if wide else WINDOW_BLOCK
+  block_q, rows_q = _tile(n * p, blocks and blocks.block_q, default, "block_q")
+  block_k, rows_k = _tile(nk * p, blocks and blocks.block_k, default, "block_k")
+  offset = options.query_offset if sliced else 0
+  static = isinstance(offset, int)
+  tiles = Tiles(
+    block_q=block_q,
+    block_k=block_k,
+    num_q=rows_q // block_q,
+    num_k=rows_k // block_k,
+    keys=nk * p,
+    causal=options.causal,
+    window=options.window,
+    offset=offset * p if static else None,
+    max_offset=nk * p,
+  )
+  segments = options.segment_ids is not None or (sliced and key_ids is not None)
+  seg = None
+  if segments:
+    query_ids = options.segment_ids
+    if query_ids is None:
+      query_ids = jnp.ones((b, n), jnp.int32)
+    if key_ids is None:
+      key_ids = jnp.ones((b, nk), jnp.int32)
+    key_ids = jnp.where(key_ids == 0, -1, key_ids)  # padding keys: seen by no query
+    seg = (  # query ids as columns [B, Tq, 1], key ids as rows of a tile [B, tiles, 1, bk]
+      _segments(query_ids, p, rows_q, 0)[..., None],
+      _segments(key_ids, p, rows_k, -1).reshape(b, rows_k // block_k, 1, block_k),
+    )
+  heads = h if alphas is None else alphas[0].shape[1]
+  kv_heads = k.shape[2] if alphas is None else alphas[1].shape[1]
+  call = tpu_flash.Call(tiles, heads=heads, kv_heads=kv_heads, segments=segments)
+  offset_operand = None if static else (jnp.asarray(offset, jnp.int32) * p).reshape(1)
+  mixing = _Mixing(options.rope_theta, 1 / math.sqrt(d), rows_q, rows_k)
+  o = _pipeline(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset_operand)
+  return o[:, :, : n * p].reshape(b, heads, n, p, v.shape[-1])
+
+
+def collapsed(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  alphas: tuple[jax.Array, jax.Array, jax.Array],
+  collapse: jax.Array,
+  options: AttentionOptions,
+) -> jax.Array:
+  """IHA on TPU -> `[B, N, H', d]` float32: H' = H for a full collapse `[H, Ht, P]` (a
+  partial sum over the Ht local target heads), Ht for per_head `[Ht, P]`."""
+  o = attend_virtual(q, k, v, alphas, options)
+  spec = "bgnpd,hgp->bnhd" if collapse.ndim == 3 else "bhnpd,hp->bnhd"
+  return jnp.einsum(spec, o, collapse.astype(o.dtype), preferred_element_type=jnp.float32)
+
+
+def mha(q: jax.Array, k: jax.Array, v: jax.Array, options: AttentionOptions) -> jax.Array:
+  """MHA on TPU: q `[B, N, H, d]`, k `[B, Nk, G, d]`, v `[B, Nk, G, dv]` -> `[B, N, H, dv]`."""
+  o = attend_virtual(q, k, v, None, options)
+  return jnp.swapaxes(o[:, :, :, 0], 1, 2)

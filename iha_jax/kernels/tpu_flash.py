@@ -1,0 +1,438 @@
+"""Flash attention over a (virtual) sequence on TPU: Pallas Mosaic kernels.
+
+The TPU hot path of IHA and MHA (`iha_jax.kernels.tpu_attention` builds their inputs):
+plain flash attention, every matmul on the MXU, over sequences already mixed, rotated
+and scaled outside (IHA: the N*P virtual tokens of each target head).
+
+Layouts (rows: the attended sequence, padded to whole tiles):
+  q `[B, H, Tq, d]`, k `[B, G, Tk, d]`, v `[B, G, Tk, dv]` (G divides H: query head h
+  reads key/value head `h // (H // G)`), o `[B, H, Tq, dv]`, lse `[B, H, Tq, 1]` f32;
+  segment ids (optional) as columns `[B, T, 1]` and rows `[B, 1, T]` int32, padding keys
+  marked -1 (never equal to a query's id), padding queries 0 (zeroed outputs).
+The query offset of a sequence shard (rows; `Tiles.offset is None`) is a `[1]` int32
+scalar-prefetch operand.
+
+Grids (`iha_jax.kernels.tile_schedule`): forward and dQ run `(B*H, rows, steps)` in the
+query-major order, dK/dV `(B*G, rows, group * steps)` in the key-major order (the r query
+heads of a group, innermost, add into one resident key/value block). The first two
+dimensions are "parallel" (v5p's two TensorCores split the first one of size > 1);
+steps "arbitrary" (accumulators in VMEM scratch). Each kernel body is four `pl.when`s, in
+this order: initialise, attend an entirely visible pair (no mask work), attend a partly
+visible pair (masked), finalise; `iha_jax.parallel.tpu_estimate` weights them by the steps
+that run them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from iha_jax.core.masking import MASK_VALUE
+from iha_jax.kernels.tile_schedule import Tiles
+
+LANES = 128
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """Static shape of one call (hashable: a custom_vjp nondiff argument)."""
+
+  tiles: Tiles
+  heads: int  # H query heads
+  kv_heads: int  # G key/value heads
+  segments: bool  # segment ids given
+
+  @property
+  def group(self) -> int:
+    return self.heads // self.kv_heads
+
+
+def _div(a, b: int):
+  """Division of non-negative int32 scalars (grid indices) by a constant; Mosaic lowers
+  `lax.div`, not jnp's floor division."""
+  return a if b == 1 else lax.div(a, jnp.int32(b))
+
+
+def _rem(a, b: int):
+  return jnp.zeros_like(a) if b == 1 else lax.rem(a, jnp.int32(b))
+
+
+def _dot(a: jax.Array, b: jax.Array, dims, like) -> jax.Array:
+  """A float32-accumulated matmul on the MXU; float32 inputs (`like`'s dtype) get true
+  float32 products (the MXU's default precision rounds them to bf16)."""
+  precision = lax.Precision.HIGHEST if like.dtype == jnp.float32 else None
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _params(*semantics: str) -> pltpu.CompilerParams:
+  return pltpu.CompilerParams(dimension_semantics=semantics, disable_bounds_checks=True)
+
+
+def _broadcast_lanes(x: jax.Array, width: int) -> jax.Array:
+  """`[rows, 128]` lane-replicated (or `[rows, 1]`) -> `[rows, width]`."""
+  if x.shape[1] == LANES and width % LANES == 0:
+    return jnp.tile(x, (1, width // LANES))
+  return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+def _visible(call: Call, q_tile, k_tile, offset, shape, transposed: bool, seg_q=None, seg_k=None):
+  """The mask of one tile pair, `shape` `[bq, bk]` (or `[bk, bq]` if `transposed`)."""
+  tiles = call.tiles
+  row_axis, col_axis = (1, 0) if transposed else (0, 1)
+  t = q_tile * tiles.block_q + offset + lax.broadcasted_iota(jnp.int32, shape, row_axis)
+  s = k_tile * tiles.block_k + lax.broadcasted_iota(jnp.int32, shape, col_axis)
+  ok = s < tiles.keys
+  if tiles.causal:
+    ok &= s <= t
+  if tiles.window is not None:
+    ok &= t - s < tiles.window
+    if not tiles.causal:
+      ok &= s - t < tiles.window
+  if call.segments:
+    ok &= seg_q == seg_k
+  return ok
+
+
+def _offset(refs, call: Call):
+  """Splits the scalar-prefetch offset (rows; sliced calls) off the refs."""
+  if call.tiles.offset is None:
+    return refs[0][0], refs[1:]
+  return call.tiles.offset, refs
+
+
+# --- forward ------------------------------------------------------------------------------
+
+
+def _forward_kernel(*refs, call: Call):
+  offset, refs = _offset(refs, call)
+  q_ref, k_ref, v_ref, *refs = refs
+  if call.segments:
+    seg_q_ref, seg_k_ref, *refs = refs
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
+  step = call.tiles.query_step(pl.program_id(1), pl.program_id(2), offset)
+
+  @pl.when(step.first)
+  def _():
+    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  def attend(masked: bool):
+    q, k = q_ref[...], k_ref[...]
+    s = _dot(q, k, _NT, q_ref)
+    if masked:
+      segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
+      mask = _visible(call, step.home, step.tile, offset, s.shape, False, *segs)
+      s = jnp.where(mask, s, MASK_VALUE)
+    m_prev = m_sc[...]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - _broadcast_lanes(m_next, s.shape[1]))
+    rescale = jnp.exp(m_prev - m_next)
+    l_sc[...] = rescale * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_sc[...] = m_next
+    v = v_ref[...]
+    pv = _dot(p.astype(v.dtype), v, _NN, q_ref)
+    acc_sc[...] = _broadcast_lanes(rescale, pv.shape[1]) * acc_sc[...] + pv
+
+  _attend_pairs(step, call, attend)
+
+  @pl.when(step.last)
+  def _():
+    l = l_sc[...]
+    out = acc_sc[...] / _broadcast_lanes(l, acc_sc.shape[1])
+    lse = m_sc[...] + jnp.log(l)
+    if call.segments:  # padding queries (segment 0) output zeros
+      keep = seg_q_ref[...] != 0
+      out = jnp.where(keep, out, 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse[:, :1]
+
+
+def _attend_pairs(step, call: Call, attend) -> None:
+  """Runs `attend(masked)` on the steps that attend a pair: without mask work where the
+  pair is entirely visible, else masked. Packed segments need the mask on every pair."""
+  if call.segments:
+    pl.when(step.compute)(lambda: attend(masked=True))
+    return
+  pl.when(step.compute & ~step.masked)(lambda: attend(masked=False))
+  pl.when(step.compute & step.masked)(lambda: attend(masked=True))
+
+
+def _spec(block, index):
+  return pl.BlockSpec(block, index)
+
+
+def _specs(call: Call, d: int, dv: int):
+  """BlockSpecs of the query-major grid (forward and dQ)."""
+  tiles, h, r = call.tiles, call.heads, call.group
+  bq, bk = tiles.block_q, tiles.block_k
+
+  def step(row, s, offset):
+    return tiles.query_step(row, s, offset[0][0] if tiles.offset is None else None)
+
+  def q_index(bh, row, s, *offset):
+    return _div(bh, h), _rem(bh, h), step(row, s, offset).home, 0
+
+  def kv_index(bh, row, s, *offset):
+    return _div(bh, h), _div(_rem(bh, h), r), step(row, s, offset).tile, 0
+
+  def seg_q_index(bh, row, s, *offset):
+    return _div(bh, h), step(row, s, offset).home, 0
+
+  def seg_k_index(bh, row, s, *offset):  # key ids as rows, one per key tile
+    return _div(bh, h), step(row, s, offset).tile, 0, 0
+
+  per_query = lambda width: _spec((None, None, bq, width), q_index)
+  inputs = [
+    per_query(d),
+    _spec((None, None, bk, d), kv_index),
+    _spec((None, None, bk, dv), kv_index),
+  ]
+  segments = [_spec((None, bq, 1), seg_q_index), _spec((None, None, 1, bk), seg_k_index)]
+  return per_query, inputs, segments
+
+
+def _call(
+  kernel,
+  call: Call,
+  grid,
+  in_specs,
+  out_specs,
+  out_shape,
+  scratch,
+  semantics,
+  name,
+  interpret,
+  prefetch,
+  *args,
+):
+  """`prefetch`: the scalar-prefetch operands (a sliced call's query offset, or none)."""
+  spec = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=len(prefetch),
+    grid=grid,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    scratch_shapes=scratch,
+  )
+  fn = pl.pallas_call(
+    functools.partial(kernel, call=call),
+    grid_spec=spec,
+    out_shape=out_shape,
+    compiler_params=_params(*semantics),
+    interpret=interpret,
+    name=name,
+  )
+  return fn(*prefetch, *args)
+
+
+def forward(call: Call, q, k, v, seg, offset, *, interpret: bool):
+  """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq, 1]` float32). `seg`: (ids as
+  columns `[B, Tq, 1]`, keys' ids as rows `[B, 1, Tk]`) or None; `offset`: `[1]` int32
+  (sliced calls) or None."""
+  b, h, tq, d = q.shape
+  dv = v.shape[-1]
+  rows, steps = call.tiles.query_major()
+  per_query, inputs, segments = _specs(call, d, dv)
+  bq = call.tiles.block_q
+  return _call(
+    _forward_kernel,
+    call,
+    (b * h, rows, steps),
+    inputs + (segments if call.segments else []),
+    [per_query(dv), per_query(1)],
+    [
+      jax.ShapeDtypeStruct((b, h, tq, dv), q.dtype),
+      jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32),
+    ],
+    [
+      pltpu.VMEM((bq, LANES), jnp.float32),
+      pltpu.VMEM((bq, LANES), jnp.float32),
+      pltpu.VMEM((bq, dv), jnp.float32),
+    ],
+    ("parallel", "parallel", "arbitrary"),
+    "iha_flash_forward",
+    interpret,
+    () if offset is None else (offset,),
+    q,
+    k,
+    v,
+    *(seg or ()),
+  )
+
+
+# --- backward: dQ ---------------------------------------------------------------------------
+
+
+def _dq_kernel(*refs, call: Call):
+  offset, refs = _offset(refs, call)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+  if call.segments:
+    seg_q_ref, seg_k_ref, *refs = refs
+  dq_ref, dq_sc = refs
+  step = call.tiles.query_step(pl.program_id(1), pl.program_id(2), offset)
+
+  @pl.when(step.first)
+  def _():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  def attend(masked: bool):
+    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    s = _dot(q, k, _NT, q_ref)
+    p = jnp.exp(s - lse_ref[...])
+    if masked:
+      segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
+      p = jnp.where(_visible(call, step.home, step.tile, offset, s.shape, False, *segs), p, 0.0)
+    do = do_ref[...]
+    dp = _dot(do, v, _NT, q_ref)
+    ds = p * (dp - delta_ref[...])
+    dq_sc[...] += _dot(ds.astype(k.dtype), k, _NN, q_ref)
+
+  _attend_pairs(step, call, attend)
+
+  @pl.when(step.last)
+  def _():
+    dq_ref[...] = dq_sc[...]
+
+
+# --- backward: dK, dV -----------------------------------------------------------------------
+
+
+def _dkv_kernel(*refs, call: Call):
+  offset, refs = _offset(refs, call)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+  if call.segments:
+    seg_q_ref, seg_k_ref, *refs = refs
+  dk_ref, dv_ref, dk_sc, dv_sc = refs
+  r = call.group
+  flat = pl.program_id(2)
+  step = call.tiles.key_step(pl.program_id(1), _div(flat, r), offset)
+  head = _rem(flat, r)  # the query head of the group, innermost
+
+  @pl.when(step.first & (head == 0))
+  def _():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  def attend(masked: bool):
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    s_t = _dot(k, q, _NT, q_ref)  # [bk, bq]
+    p_t = jnp.exp(s_t - lse_ref[...])
+    if masked:
+      segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
+      mask = _visible(call, step.tile, step.home, offset, s_t.shape, True, *segs)
+      p_t = jnp.where(mask, p_t, 0.0)
+    dv_sc[...] += _dot(p_t.astype(do.dtype), do, _NN, q_ref)
+    dp_t = _dot(v, do, _NT, q_ref)
+    ds_t = p_t * (dp_t - delta_ref[...])
+    dk_sc[...] += _dot(ds_t.astype(q.dtype), q, _NN, q_ref)
+
+  _attend_pairs(step, call, attend)
+
+  @pl.when(step.last & (head == r - 1))
+  def _():
+    dk_ref[...] = dk_sc[...]
+    dv_ref[...] = dv_sc[...]
+
+
+def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: bool):
+  """-> (dq `[B, H, Tq, d]`, dk `[B, G, Tk, d]`, dv `[B, G, Tk, dv]`), float32.
+
+  `do` `[B, H, Tq, dv]` (q.dtype), `lse`, `delta` (`rowsum(o * do)`) `[B, H, Tq]` f32."""
+  b, h, tq, d = q.shape
+  g, tk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  tiles, r = call.tiles, call.group
+  bq, bk = tiles.block_q, tiles.block_k
+  segments = seg if call.segments else ()
+  columns = lambda x: x[..., None]  # [B, H, Tq] -> [B, H, Tq, 1]
+  # Rows of one tile each, [B, H, tiles, 1, bq]: a (1, bq) block is then a whole trailing
+  # pair of dimensions, legal for Mosaic at any tile size.
+  rows_of = lambda x: x.reshape(*x.shape[:-1], x.shape[-1] // bq, 1, bq)
+
+  rows, steps = tiles.query_major()
+  per_query, inputs, seg_specs = _specs(call, d, dv)
+  (dq,) = _call(
+    _dq_kernel,
+    call,
+    (b * h, rows, steps),
+    inputs + [per_query(dv), per_query(1), per_query(1)] + (seg_specs if call.segments else []),
+    [per_query(d)],
+    [jax.ShapeDtypeStruct(q.shape, jnp.float32)],
+    [pltpu.VMEM((bq, d), jnp.float32)],
+    ("parallel", "parallel", "arbitrary"),
+    "iha_flash_dq",
+    interpret,
+    () if offset is None else (offset,),
+    q,
+    k,
+    v,
+    do,
+    columns(lse),
+    columns(delta),
+    *segments,
+  )
+
+  rows, steps = tiles.key_major()
+
+  def step(row, flat, offset):
+    return tiles.key_step(row, _div(flat, r), offset[0][0] if tiles.offset is None else None)
+
+  def q_index(bg, row, flat, *offset):
+    return _div(bg, g), _rem(bg, g) * r + _rem(flat, r), step(row, flat, offset).tile, 0
+
+  def row_index(bg, row, flat, *offset):  # lse, delta as rows [B, H, tiles, 1, bq]
+    return _div(bg, g), _rem(bg, g) * r + _rem(flat, r), step(row, flat, offset).tile, 0, 0
+
+  def kv_index(bg, row, flat, *offset):
+    return _div(bg, g), _rem(bg, g), step(row, flat, offset).home, 0
+
+  def seg_q_index(bg, row, flat, *offset):  # query ids as rows [B, tiles, 1, bq]
+    return _div(bg, g), step(row, flat, offset).tile, 0, 0
+
+  def seg_k_index(bg, row, flat, *offset):  # key ids as columns [B, Tk, 1]
+    return _div(bg, g), step(row, flat, offset).home, 0
+
+  per_key = lambda width: _spec((None, None, bk, width), kv_index)
+  in_specs = [
+    _spec((None, None, bq, d), q_index),
+    per_key(d),
+    per_key(dv),
+    _spec((None, None, bq, dv), q_index),
+    _spec((None, None, None, 1, bq), row_index),
+    _spec((None, None, None, 1, bq), row_index),
+  ]
+  transposed_segments = ()
+  if call.segments:
+    seg_q_cols, seg_k_rows = seg
+    query_rows = seg_q_cols.reshape(b, tq // bq, 1, bq)
+    key_columns = seg_k_rows.reshape(b, tk, 1)
+    transposed_segments = (query_rows, key_columns)
+    in_specs += [_spec((None, None, 1, bq), seg_q_index), _spec((None, bk, 1), seg_k_index)]
+  dk, dv_ = _call(
+    _dkv_kernel,
+    call,
+    (b * g, rows, r * steps),
+    in_specs,
+    [per_key(d), per_key(dv)],
+    [jax.ShapeDtypeStruct(k.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)],
+    [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)],
+    ("parallel", "parallel", "arbitrary"),
+    "iha_flash_dkv",
+    interpret,
+    () if offset is None else (offset,),
+    q,
+    k,
+    v,
+    do,
+    rows_of(lse),
+    rows_of(delta),
+    *transposed_segments,
+  )
+  return dq, dk, dv_

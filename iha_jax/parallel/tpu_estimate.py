@@ -1,0 +1,378 @@
+"""Estimated TPU time of a jitted program, from libtpu's final schedule, on a CPU host.
+
+TPUs are statically scheduled VLIW machines: XLA:TPU and Mosaic fix every bundle a core
+issues, and a core issues one bundle per cycle unless it waits. So, compiled for a
+compile-only TPU (`iha_jax.parallel.targets`), a program's schedule gives an *estimate*
+of its time (never a measurement; never print it beside one):
+- every HLO op and Mosaic kernel: its bundles, loops times their trip counts
+  (`iha_jax.parallel.llo`);
+- a Mosaic kernel's `pl.when` bodies weighted by the grid steps that run them, and its
+  block copies, both counted from the kernel itself (`iha_jax.parallel.kernel_grid`);
+- each op bounded from below by memory: the HBM bytes it must move (its HBM operands,
+  or a kernel's block copies) over the chip's HBM bandwidth;
+- the top-level program's own bundles, and every op it calls, as many times as it calls
+  them (loops over layers included).
+Left out: DMA waits and stalls inside an op (bundles undercount MXU-bound code by a few
+percent), and collectives (all-reduce, all-gather, ...: their time depends on the
+interconnect), which `Estimate.collectives` lists.
+
+Usage (a fresh process; libtpu must start with the schedule dump switched on):
+
+    tpu_estimate.prepare()            # before anything loads libtpu
+    devices = targets.devices(targets.parse("v5p-8"))
+    est = tpu_estimate.estimate(jax.jit(f), *shape_dtype_structs_on(devices[0]))
+    print(est.table())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from iha_jax.errors import UserError
+from iha_jax.parallel import kernel_grid, llo
+
+_DUMP_FLAGS = (
+  "--xla_jf_dump_to={dir} --xla_jf_dump_llo_text=true "
+  "--xla_jf_dump_llo_pass_label_regex=final_bundles"
+)
+_COLLECTIVES = re.compile(
+  r"^(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|send|recv)"
+)
+
+
+class EstimateError(UserError, RuntimeError):
+  """The schedule cannot be read (dump not enabled, libtpu missing, unknown chip)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """What turns bundles and bytes into seconds (public specifications)."""
+
+  name: str
+  cores: int  # TensorCores per chip that split a kernel's "parallel" grid dimension
+  clock_hz: float  # one bundle per cycle
+  hbm_bytes_per_s: float
+  peak_bf16_flops: float  # per chip, for MFU
+  # How far the 8192^3 bf16 matmul's estimate is from its time at peak
+  # (`benchmarks/tpu_estimate.py --calibrate`); None: within 10%.
+  uncalibrated: str | None = None
+
+
+CHIPS = {
+  "v5p": Chip("v5p", 2, 1.75e9, 2.765e12, 459e12),
+  # v5e and v6e: clocks from their public peaks and MXU counts; their schedules put the
+  # calibration matmul 17% under (v5e) and 27% over (v6e) its time at peak, so compare
+  # implementations there, not absolute times.
+  "v5e": Chip("v5e", 1, 1.5e9, 8.19e11, 197e12, uncalibrated="matmul -17%"),
+  "v6e": Chip("v6e", 1, 1.75e9, 1.64e12, 918e12, uncalibrated="matmul +27%"),
+}
+
+
+def chip(name: str) -> Chip:
+  """`v5p`, `v5e`, `v6e` (or a slice name such as `v5p-128`) -> its `Chip`."""
+  generation = name.split("-")[0]
+  if generation not in CHIPS:
+    raise EstimateError(f"unknown TPU {name!r}; choose one of {', '.join(CHIPS)}")
+  return CHIPS[generation]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpEstimate:
+  """One compiled op (an XLA op or a Mosaic kernel) of the program, estimated.
+
+  `runs`: times the program runs it; `bundle_s` / `memory_s`: one run's schedule time
+  and HBM floor; `seconds`: their maximum; `weighted`: a kernel's `pl.when` bodies were
+  matched to its schedule and weighted by their grid steps (False: counted on every
+  step, an upper bound)."""
+
+  name: str
+  kind: str  # "kernel", "xla" or "collective" (left out)
+  runs: float
+  bundle_s: float
+  memory_s: float
+  weighted: bool = True
+  lower_bound: bool = False  # a loop's trip count is only known at run time (counted once)
+  regions: tuple[tuple[str, int, float], ...] = ()  # kernels: (region, bundles, runs/core)
+
+  @property
+  def seconds(self) -> float:
+    return max(self.bundle_s, self.memory_s)
+
+  @property
+  def total_s(self) -> float:
+    return 0.0 if self.kind == "collective" else self.runs * self.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """A program's estimated time on one chip: `seconds` (ops plus the top-level program's
+  own bundles), per op in `ops`; collectives are listed but not counted."""
+
+  chip: Chip
+  seconds: float
+  ops: tuple[OpEstimate, ...]
+  lower_bound: bool = False  # top-level loops of run-time trips counted once: at least this
+
+  @property
+  def collectives(self) -> tuple[str, ...]:
+    return tuple(op.name for op in self.ops if op.kind == "collective")
+
+  def kernel_seconds(self) -> float:
+    return sum(op.total_s for op in self.ops if op.kind == "kernel")
+
+  def table(self, top: int = 12) -> str:
+    """The largest ops, then the total; every figure labelled as an estimate."""
+    caveat = f"; uncalibrated: {self.chip.uncalibrated}" if self.chip.uncalibrated else ""
+    lines = [
+      f"estimated time on one {self.chip.name} chip (libtpu schedule; an estimate, not a "
+      f"measurement{caveat})",
+      f"  {'op':<44} {'kind':<7} {'runs':>6} {'est. ms each':>12} {'est. ms total':>13}",
+    ]
+    ranked = sorted(self.ops, key=lambda op: -op.total_s)
+    for op in ranked[:top]:
+      note = "" if op.weighted else "  (pl.when not matched: every step counted)"
+      note += "  (lower bound: run-time loop trips)" if op.lower_bound else ""
+      bound = " mem" if op.memory_s > op.bundle_s else ""
+      lines.append(
+        f"  {op.name[:44]:<44} {op.kind:<7} {op.runs:>6.0f} {op.seconds * 1e3:>12.4f} "
+        f"{op.total_s * 1e3:>13.4f}{bound}{note}"
+      )
+      for region, bundles, runs in op.regions:
+        lines.append(f"      {region:<16} {bundles:>7} bundles x {runs:>9.0f} runs per core")
+    if len(ranked) > top:
+      rest = sum(op.total_s for op in ranked[top:])
+      lines.append(
+        f"  {f'({len(ranked) - top} more ops)':<44} {'':<7} {'':>6} {'':>12} {rest * 1e3:>13.4f}"
+      )
+    if self.collectives:
+      lines.append(f"  collectives left out: {', '.join(sorted(set(self.collectives)))}")
+    at_least = "at least " if self.lower_bound else ""
+    lines.append(f"  estimated total: {at_least}{self.seconds * 1e3:.4f} ms")
+    if self.lower_bound:
+      lines.append("  (loops whose trip count is only known at run time were counted once)")
+    return "\n".join(lines)
+
+
+_DUMP_DIR: Path | None = None
+
+
+def prepare() -> Path:
+  """Switches on libtpu's schedule dump for this process (into a fresh temporary
+  directory) and returns it. Call before libtpu starts (before `targets.devices`)."""
+  global _DUMP_DIR
+  if _DUMP_DIR is None:
+    _DUMP_DIR = Path(tempfile.mkdtemp(prefix="iha_tpu_schedule_"))
+    flags = _DUMP_FLAGS.format(dir=_DUMP_DIR)
+    os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flags}".strip()
+  return _DUMP_DIR
+
+
+def estimate(
+  jitted: Any, *args: Any, target: str = "v5p", keep_schedule: Path | None = None
+) -> Estimate:
+  """Compiles `jitted` (a `jax.jit` function) for `args` (ShapeDtypeStructs placed on
+  compile-only devices of `target`'s generation) and estimates one run on one chip.
+  `keep_schedule`: a directory to copy libtpu's schedule files into (else deleted)."""
+  return estimate_traced(jitted.trace(*args), target=target, keep_schedule=keep_schedule)[1]
+
+
+def estimate_traced(
+  traced: Any,
+  *,
+  target: str = "v5p",
+  compile_fn: Callable[[Any], Any] | None = None,
+  keep_schedule: Path | None = None,
+) -> tuple[Any, Estimate]:
+  """`estimate` of a traced program (`jax.jit(f).trace(...)`), compiled by
+  `compile_fn(lowered)` (default `lowered.compile()`); returns (its result, the estimate),
+  so a caller that compiles anyway (a memory report) compiles once."""
+  dump = prepare()
+  spec = chip(target)
+  if keep_schedule is None and os.environ.get("IHA_TPU_SCHEDULE_DIR"):
+    keep_schedule = Path(os.environ["IHA_TPU_SCHEDULE_DIR"])  # read the schedule yourself
+  calls = kernel_grid.kernel_calls_in(traced.jaxpr, cores=spec.cores)
+  before = set(dump.iterdir())
+  result = (compile_fn or (lambda lowered: lowered.compile()))(traced.lower())
+  new_files = [p for p in dump.iterdir() if p not in before]
+  written = [p for p in new_files if p.name.endswith("final_bundles.txt")]
+  if not written:
+    raise EstimateError(
+      "libtpu wrote no schedule: call iha_jax.parallel.tpu_estimate.prepare() before "
+      "libtpu starts (before targets.devices), in a fresh process"
+    )
+  if keep_schedule is not None:
+    keep_schedule.mkdir(parents=True, exist_ok=True)
+    for path in new_files:  # the schedules, the scheduled HLO and VMEM reports
+      if path.is_file():
+        shutil.copy(path, keep_schedule / path.name)
+  try:
+    return result, _estimate(written, calls, spec)
+  finally:
+    for path in new_files:
+      shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _estimate(paths: list[Path], calls: list[kernel_grid.KernelCall], spec: Chip) -> Estimate:
+  programs = {}
+  top = None
+  for path in paths:
+    if "-01-final_bundles" not in path.name and "final_bundles" not in path.name:
+      continue
+    if "schedule-analysis" in path.name:
+      continue
+    program = llo.read(path)
+    if program.name == "TLP":
+      top = program
+    elif not program.name.startswith("<"):
+      programs[program.name] = program
+  if top is None:
+    raise EstimateError("libtpu's schedule has no top-level program (TLP)")
+  ops: dict[str, OpEstimate] = {}
+  for name, program in programs.items():
+    ops[name] = _op(name, program, calls, spec)
+  counts = top.call_counts()
+  ops = {
+    name: dataclasses.replace(op, runs=counts.get(name, 0.0))
+    for name, op in ops.items()
+    if counts.get(name, 0.0) > 0
+  }
+  cycles = top.cycles(call_cycles=lambda name: 0.0)
+  seconds = cycles / spec.clock_hz + sum(op.total_s for op in ops.values())
+  # A top-level loop of run-time trips (an XLA `while` whose bound is computed on the
+  # chip) that calls ops repeats them: the total is then a lower bound. Inside one op such
+  # loops are copies' remainders, bounded by the op's memory floor: flagged on the op only.
+  lower = any(
+    node.kind == "loop" and node.trips is None and any(n.calls for n in node.walk())
+    for node in top.root.walk()
+  )
+  return Estimate(spec, seconds, tuple(ops.values()), lower_bound=lower)
+
+
+def _op(name: str, program: llo.Program, calls: list, spec: Chip) -> OpEstimate:
+  if _COLLECTIVES.match(name):
+    return OpEstimate(name, "collective", 0.0, 0.0, 0.0)
+  call = _matching_call(name, program, calls)
+  if call is None:
+    return OpEstimate(
+      name,
+      "xla",
+      0.0,
+      program.cycles() / spec.clock_hz,
+      program.hbm_bytes() / spec.hbm_bytes_per_s,
+      lower_bound=program.unknown_trips > 0,
+    )
+  cycles, weighted = kernel_cycles(program, call)
+  return OpEstimate(
+    name,
+    "kernel",
+    0.0,
+    cycles / spec.clock_hz,
+    call.dma_bytes / spec.hbm_bytes_per_s,
+    weighted and call.weighted,
+    lower_bound=program.unknown_trips > 0,
+    regions=kernel_regions(program, call),
+  )
+
+
+def _matching_call(name: str, program: llo.Program, calls: list):
+  base = re.sub(r"\.\d+$", "", name)
+  # XLA may list a kernel's operands in another order than the call: compare as sets.
+  shapes = sorted(op.shape for op in program.operands if op.kind == "input")
+  found = [c for c in calls if c.name == base and sorted(c.input_shapes) == shapes]
+  if not found:
+    found = [c for c in calls if c.name == base]
+  return found[0] if found else None
+
+
+def kernel_cycles(program: llo.Program, call: kernel_grid.KernelCall) -> tuple[float, bool]:
+  """The slowest core's cycles of one kernel run: its grid loop's bundles, with each
+  `pl.when` body (matched in source order to the branches the loop body holds) weighted
+  by the share of the core's steps that run it. Returns (cycles, matched)."""
+  loops = [n for n in program.root.children if n.kind == "loop"]
+  grid_loop = max(loops, key=lambda n: n.size * (n.trips or 1), default=program.root)
+  worst, matched = 0.0, True
+  for core, steps in enumerate(call.core_steps):
+    weights: dict[int, float] = {}
+    ok = _match(grid_loop.children, call.whens, steps, core, weights, top=grid_loop)
+    matched &= ok
+    cycles = program.cycles(span_weight=lambda node, w=weights: w.get(id(node), 1.0))
+    worst = max(worst, cycles)
+  return worst, matched
+
+
+def kernel_regions(program: llo.Program, call: kernel_grid.KernelCall):
+  """(region, bundles per run, runs on the busiest core) of a kernel: its grid loop's
+  unconditional bundles, then each matched `pl.when` body (bundles including what nests
+  in it), for reading where a kernel's time goes."""
+  loops = [n for n in program.root.children if n.kind == "loop"]
+  grid_loop = max(loops, key=lambda n: n.size * (n.trips or 1), default=program.root)
+  core = max(range(len(call.core_steps)), key=lambda c: call.core_steps[c])
+  weights: dict[int, float] = {}
+  if not _match(
+    grid_loop.children, call.whens, call.core_steps[core], core, weights, top=grid_loop
+  ):
+    return ()
+  body = lambda node: program_cycles(node, weights)
+  matched = [n for n in grid_loop.walk() if id(n) in weights]
+  always = body(grid_loop) - sum(
+    weights[id(n)] * body(n) for n in matched if _outermost(n, matched)
+  )
+  steps = call.core_steps[core]
+  rows = [("every step", round(always), float(grid_loop.trips or 1))]
+  for index, node in enumerate(n for n in matched):
+    rows.append((f"pl.when #{index + 1}", round(body(node)), weights[id(node)] * steps))
+  return tuple(rows)
+
+
+def _outermost(node, matched) -> bool:
+  return not any(
+    other is not node and other.start <= node.start and node.end <= other.end for other in matched
+  )
+
+
+def program_cycles(node: llo.Node, weights: dict[int, float]) -> float:
+  """Bundles issued by one run of `node` (nested loops by trips, matched spans weighted)."""
+  total = float(node.own)
+  for child in node.children:
+    scale = (child.trips or 1) if child.kind == "loop" else weights.get(id(child), 1.0)
+    total += scale * program_cycles(child, weights)
+  return total
+
+
+def _match(nodes, whens, parent_steps: int, core: int, weights: dict[int, float], top=None) -> bool:
+  spans = [n for n in nodes if n.kind == "span"]
+  # A software-pipelined grid wraps the kernel body in a predicated stage spanning most of
+  # the loop body (beside smaller branches of the pipeline's copies): look inside it.
+  while top is not None and len(spans) != len(whens):
+    stage = [n for n in spans if n.size * 2 >= top.size]
+    if len(stage) != 1:
+      break
+    spans = [n for n in stage[0].children if n.kind == "span"]
+  if len(spans) != len(whens):
+    return not whens
+  ok = True
+  for node, when in zip(spans, whens):
+    steps = when.steps[core]
+    weights[id(node)] = steps / max(parent_steps, 1)
+    ok &= _match(node.children, when.children, steps, core, weights)
+  return ok
+
+
+def format_ms(seconds: float) -> str:
+  return f"{seconds * 1e3:.3f}"
+
+
+def estimate_function(
+  fn: Callable, *args: Any, target: str = "v5p", jit_kwargs: dict | None = None
+) -> Estimate:
+  """`estimate(jax.jit(fn, **jit_kwargs), *args)`."""
+  return estimate(jax.jit(fn, **(jit_kwargs or {})), *args, target=target)
