@@ -134,7 +134,8 @@ def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 @needs_tpu
 def test_calibration_on_known_programs(tmp_path):
-  """An 8192^3 bf16 matmul within 10% of its MXU time, a float32 elementwise op within
+  """An 8192^3 bf16 matmul within 10% of its MXU time, three identical matmuls (one
+  compiled program, three runs) within 10% of theirs, a float32 elementwise op within
   15% of its HBM time, splash's MHA forward within 15% of its first estimate."""
   out = tmp_path / "calibration.json"
   proc = _cli("--calibrate", "--json", str(out))
@@ -142,6 +143,7 @@ def test_calibration_on_known_programs(tmp_path):
   rows = json.loads(out.read_text())
   assert [r["program"] for r in rows] == [
     "matmul 8192^3 bf16",
+    "3 identical matmuls 4096^3",
     "elementwise f32 1 GiB",
     "splash MHA forward",
   ]

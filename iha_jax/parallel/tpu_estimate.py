@@ -40,9 +40,15 @@ import jax
 from iha_jax.errors import UserError
 from iha_jax.parallel import kernel_grid, llo
 
+# `hlo_deduplication_all_unique`: by default libtpu compiles identical ops (a scanned
+# block's repeated layers, q/k/v projections of one shape) once and writes one schedule
+# for all of them, so the top-level program calls names that have no schedule of their
+# own; with it every op gets its own program and file (the same code: only compile time
+# grows).
 _DUMP_FLAGS = (
   "--xla_jf_dump_to={dir} --xla_jf_dump_llo_text=true "
-  "--xla_jf_dump_llo_pass_label_regex=final_bundles"
+  "--xla_jf_dump_llo_pass_label_regex=final_bundles "
+  "--xla_jf_hlo_deduplication_all_unique=true"
 )
 _COLLECTIVES = re.compile(
   r"^(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|send|recv)"
@@ -121,6 +127,8 @@ class Estimate:
   seconds: float
   ops: tuple[OpEstimate, ...]
   lower_bound: bool = False  # top-level loops of run-time trips counted once: at least this
+  # Programs the top level calls that have no schedule file (left out: at least this).
+  unscheduled: tuple[str, ...] = ()
 
   @property
   def collectives(self) -> tuple[str, ...]:
@@ -155,10 +163,15 @@ class Estimate:
       )
     if self.collectives:
       lines.append(f"  collectives left out: {', '.join(sorted(set(self.collectives)))}")
+    if self.unscheduled:
+      lines.append(
+        f"  {len(self.unscheduled)} called programs have no schedule (left out): "
+        f"{', '.join(self.unscheduled[:8])}{' ...' if len(self.unscheduled) > 8 else ''}"
+      )
     at_least = "at least " if self.lower_bound else ""
     lines.append(f"  estimated total: {at_least}{self.seconds * 1e3:.4f} ms")
     if self.lower_bound:
-      lines.append("  (loops whose trip count is only known at run time were counted once)")
+      lines.append("  (a lower bound: run-time loop trips counted once, or programs left out)")
     return "\n".join(lines)
 
 
@@ -245,6 +258,9 @@ def _estimate(paths: list[Path], calls: list[kernel_grid.KernelCall], spec: Chip
     for name, op in ops.items()
     if counts.get(name, 0.0) > 0
   }
+  unscheduled = tuple(
+    sorted(name for name in counts if name not in programs and not name.startswith("<"))
+  )
   cycles = top.cycles(call_cycles=lambda name: 0.0)
   seconds = cycles / spec.clock_hz + sum(op.total_s for op in ops.values())
   # A top-level loop of run-time trips (an XLA `while` whose bound is computed on the
@@ -254,7 +270,8 @@ def _estimate(paths: list[Path], calls: list[kernel_grid.KernelCall], spec: Chip
     node.kind == "loop" and node.trips is None and any(n.calls for n in node.walk())
     for node in top.root.walk()
   )
-  return Estimate(spec, seconds, tuple(ops.values()), lower_bound=lower)
+  lower = lower or bool(unscheduled)
+  return Estimate(spec, seconds, tuple(ops.values()), lower_bound=lower, unscheduled=unscheduled)
 
 
 def _op(name: str, program: llo.Program, calls: list, spec: Chip) -> OpEstimate:
