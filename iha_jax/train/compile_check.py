@@ -179,10 +179,13 @@ def _log_estimate(estimated, executable, model_cfg, batch: int, seq_len: int, ta
       )
     )
   left_out = " (collectives left out)" if estimated.collectives else ""
+  at_least = "at least " if estimated.lower_bound else ""
   log(
-    f"estimated step time per chip: {estimated.seconds * 1e3:.1f} ms{left_out}, "
+    f"estimated step time per chip: {at_least}{estimated.seconds * 1e3:.1f} ms{left_out}, "
     f"{estimated.kernel_seconds() * 1e3:.1f} ms of it in Pallas kernels; model FLOPs "
     f"{step_flops / 1e15:.2f} PFLOP per step -> estimated MFU {mfu:.1%} at "
     f"{estimated.chip.peak_bf16_flops / 1e12:.0f} TFLOP/s per chip (an estimate from the "
     "compiler's schedule, not a measurement)"
   )
+  if mfu > 1.0:  # the schedule cannot beat the chip's peak: work was left out
+    log("an estimated MFU above 100% means the estimate left work out: do not use it")
