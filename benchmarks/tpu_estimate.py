@@ -387,7 +387,7 @@ def write_ranking(rows: list[dict], shape: Shape) -> None:
     key = (kind, pseudo, window is not None, row["implementation"])
     times.setdefault(key, {})[row["pass_"]] = row["estimated_ms"]
   entries = [
-    f"  ({kind!r}, {p}, {windowed}, {name!r}, {t['fwd']:.3f}, {t['fwd_bwd']:.3f}),"
+    f'  ("{kind}", {p}, {windowed}, "{name}", {t["fwd"]:.3f}, {t["fwd_bwd"]:.3f}),'
     for (kind, p, windowed, name), t in sorted(times.items())
     if set(t) == set(PASSES)
   ]

@@ -121,13 +121,17 @@ def _compile_only(target: str, *overrides: str) -> subprocess.CompletedProcess:
 )
 def test_train_step_compiles_for_target(target, platform, mesh):
   """The TPU step runs sequence-sharded: the kernels inside context parallelism's
-  shard_map, as the 64k configs run them."""
+  shard_map, as the 64k configs run them; its estimate (`--estimate`) counts every op."""
   if not _installed(platform):
     pytest.skip(f"{platform} compiler packages missing: `make targets`")
-  proc = _compile_only(target, *mesh)
+  estimate = ("--estimate",) if platform == "tpu" else ()
+  proc = _compile_only(target, *mesh, *estimate)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
   assert "compiled, not run" in out
+  if estimate:  # the step's estimated time per chip, every op counted (no MFU over 100%)
+    assert "estimated step time per chip" in out and "not a measurement" in out, out
+    assert "no schedule" not in out and "MFU above 100%" not in out, out
   calls = int(out.split("Pallas kernel calls: ")[1].split()[0])
   assert calls >= 3, out  # forward, dQ, dK/dV of the IHA layer at least
   dkv_kernel = "iha_flash_dkv" if platform == "tpu" else "iha_backward_dkv"

@@ -111,6 +111,48 @@ def test_kernel_grid_reads_splash_mask_tables():
   assert [w.steps for w in call.whens] == [(8, 8), (36, 36), (8, 8)]
 
 
+# --- TPU "auto" by estimate ---------------------------------------------------------------
+
+
+def test_tpu_auto_takes_the_fastest_ranked_and_never_one_slower_than_splash():
+  """Every class of the committed ranking: "auto" picks its fastest row by
+  forward+backward (never one estimated slower than `splash`), and never `splash` for a
+  sequence shard or above the materialisation limit."""
+  from iha_jax.kinds import tpu_auto
+
+  classes = tpu_auto.classes()
+  assert classes, "the ranking is empty: python benchmarks/tpu_estimate.py --write_ranking"
+  for (kind, pseudo, windowed), rows in classes.items():
+    names = [row[3] for row in rows]
+    chosen = tpu_auto.choose(kind, pseudo, windowed, names, sliced=False, small=True)
+    by_name = {row[3]: row for row in rows}
+    assert by_name[chosen][5] == min(row[5] for row in rows), (kind, pseudo, windowed)
+    if "splash" in by_name:
+      assert by_name[chosen][5] <= by_name["splash"][5]
+    for sliced, small in ((True, True), (False, False)):
+      assert tpu_auto.choose(kind, pseudo, windowed, names, sliced=sliced, small=small) != "splash"
+
+
+def test_registry_resolves_tpu_auto_through_the_ranking(monkeypatch):
+  """On TPU, "auto" is the ranking's choice for the call's class (nearest P): a ranking
+  that puts `splash` first makes "auto" `splash`, except for a sequence shard."""
+  from iha_jax.kinds import registry, tpu_auto, tpu_ranking
+  from iha_jax.ops import AttentionOptions
+
+  q = jax.ShapeDtypeStruct((1, 256, 4, 32), jnp.bfloat16)
+  flipped = tuple(
+    (*row[:4], row[4], 0.0 if row[3] == "splash" else row[5]) for row in tpu_ranking.RANKING
+  )
+  fastest = tpu_auto.classes()[("iha", 4, False)][0][3]  # P = 3's nearest class: P = 4
+  with registry.auto_backend("tpu"):
+    assert registry.resolve("iha", "auto", q, q, AttentionOptions(), 3) == fastest
+    monkeypatch.setattr(tpu_ranking, "RANKING", flipped)
+    assert registry.resolve("iha", "auto", q, q, AttentionOptions(window=64), 3) == "splash"
+    assert registry.resolve("mha", "auto", q, q, AttentionOptions(), 1) == "splash"
+    sliced = registry.resolve("iha", "auto", q, q, AttentionOptions(), 3, sliced=True)
+    assert sliced == "pallas_tpu"
+
+
 # --- compiled by libtpu (subprocess) -------------------------------------------------------
 
 needs_tpu = pytest.mark.skipif(
