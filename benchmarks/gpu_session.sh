@@ -2,17 +2,36 @@
 # The measurements to take on a GPU machine, stage by stage (docs/performance.md §12 says
 # what each gives).
 #
-#   bash benchmarks/gpu_session.sh STAGE[:SECONDS] ...     (on the GPU machine, repo root)
+#   bash benchmarks/gpu_session.sh                       (the default plan, below)
+#   bash benchmarks/gpu_session.sh STAGE[:SECONDS] ...   (chosen stages)
+#   bash benchmarks/gpu_session.sh --plan                (print the default plan, run nothing)
 #
-# Stages: env (versions, devices); tests (kernel, attention-kind and GPU-path tests on the
-# real GPU, not interpret mode); static (the timed kernel shapes compiled for this GPU:
-# threads and shared memory, to set beside the deviceless H100 compile); kernels2 /
-# kernels4 / kernels20 (benchmarks/kernels.py at P = 2, 4, 20); train / train_nosegs
-# (benchmarks/train_step.py, the ~350M LLLLM against its M twin, with packed-style segment
-# ids / without). Each stage's log goes to $OUT/<stage>.log; a stage stops at its SECONDS
-# (default 300) without stopping the next. The machine reaches no registry: wheels for
-# what its image lacks travel in .whl/ (`make gpu-wheels` builds it from requirements-gpu-machine.txt).
+# Stages: env (versions, devices); kernels2 / kernels4 / kernels20 (benchmarks/kernels.py
+# at P = 2, 4, 20: window and global IHA and global MHA; fused kernels vs our MHA kernel
+# on materialised pseudo q/k/v vs cuDNN on materialised, forward and forward+backward,
+# after the same run's matmul rate); train / train_nosegs (benchmarks/train_step.py, the
+# ~350M LLLLM against its M twin, with packed-style segment ids / without); tests
+# (kernel, attention-kind and GPU-path tests on the real GPU, not interpret mode); static
+# (the timed kernel shapes compiled for this GPU). Each stage's log goes to
+# $OUT/<stage>.log; a stage stops at its SECONDS (default 300) without stopping the next.
+# With no stage named, DEFAULT_PLAN runs, in order of value, within one 10-minute call
+# (wheel installs included). Without a GPU it stops at once (exit 2), before installing
+# anything. The machine reaches no registry: wheels for what its image lacks travel in
+# .whl/ (`make gpu-wheels` builds it from requirements-gpu-machine.txt).
 set -u
+# (a) the kernel table at P = 4 and 2, (b) the step, packed and unpacked, (c) the tests.
+DEFAULT_PLAN="env:20 kernels4:140 kernels2:110 train:110 train_nosegs:80 tests:100"
+if [ "${1:-}" = "--plan" ]; then
+  total=0
+  for spec in $DEFAULT_PLAN; do echo "$spec"; total=$((total + ${spec#*:})); done
+  echo "total ${total}s"
+  exit 0
+fi
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_session: no GPU here (nvidia-smi finds none): nothing run"
+  exit 2
+fi
+[ $# -eq 0 ] && set -- $DEFAULT_PLAN
 OUT=${OUT:-/tmp/iha_gpu_out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
