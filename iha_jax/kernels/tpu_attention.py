@@ -111,7 +111,7 @@ def _pipeline_bwd(mixing, call, residuals, do):
     lse,
     delta,
   )
-  dq, dk, dv, dalphas = mix_vjp((dqv.astype(qv.dtype), dkv.astype(kv.dtype), dvv.astype(vv.dtype)))
+  dq, dk, dv, dalphas = mix_vjp((dqv, dkv, dvv))  # already in the pseudo rows' dtypes
   return dq, dk, dv, dalphas, None, None, None, None
 
 

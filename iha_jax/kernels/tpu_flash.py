@@ -299,7 +299,7 @@ def _dq_kernel(*refs, call: Call):
 
   @pl.when(step.last)
   def _():
-    dq_ref[...] = dq_sc[...]
+    dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
 
 
 # --- backward: dK, dV -----------------------------------------------------------------------
@@ -338,12 +338,13 @@ def _dkv_kernel(*refs, call: Call):
 
   @pl.when(step.last & (head == r - 1))
   def _():
-    dk_ref[...] = dk_sc[...]
-    dv_ref[...] = dv_sc[...]
+    dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
 def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: bool):
-  """-> (dq `[B, H, Tq, d]`, dk `[B, G, Tk, d]`, dv `[B, G, Tk, dv]`), float32.
+  """-> (dq `[B, H, Tq, d]`, dk `[B, G, Tk, d]`, dv `[B, G, Tk, dv]`) in q/k/v's dtypes
+  (accumulated in float32 VMEM; at P = 20 float32 outputs cost the 2.4B step ~5 GiB).
 
   `do` `[B, H, Tq, dv]` (q.dtype), `lse`, `delta` (`rowsum(o * do)`) `[B, H, Tq]` f32."""
   b, h, tq, d = q.shape
@@ -364,7 +365,7 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
     (b * h, rows, steps),
     inputs + [per_query(dv), per_query(1), per_query(1)] + (seg_specs if call.segments else []),
     [per_query(d)],
-    [jax.ShapeDtypeStruct(q.shape, jnp.float32)],
+    [jax.ShapeDtypeStruct(q.shape, q.dtype)],
     [pltpu.VMEM((bq, d), jnp.float32)],
     ("parallel", "parallel", "arbitrary"),
     "iha_flash_dq",
@@ -421,7 +422,7 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
     (b * g, rows, r * steps),
     in_specs,
     [per_key(d), per_key(dv)],
-    [jax.ShapeDtypeStruct(k.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)],
+    [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
     [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)],
     ("parallel", "parallel", "arbitrary"),
     "iha_flash_dkv",
