@@ -129,18 +129,26 @@ class Tiles:
     lo = xp.clip(lo, 0, self.num_q)
     return lo, xp.where(valid, xp.clip(hi, 0, self.num_q), lo)
 
+  def visible(self, t, s):
+    """Whether query rows `t` see key rows `s` (any array module; the kernels' mask)."""
+    ok = s < self.keys
+    if self.causal:
+      ok &= s <= t
+    if self.window is not None:
+      ok &= t - s < self.window
+      if not self.causal:
+        ok &= s - t < self.window
+    return ok
+
   def fully_visible(self, i, j, offset=0):
-    """Whether every row of query tile i sees every key of key tile j."""
+    """Whether every row of query tile i sees every key of key tile j: the visible set
+    is a band in t - s below a key bound, so the corner (first row, last key) decides,
+    and for a window also how far the last row reaches back."""
     first, last = self._rows(i, offset)
     key_first = j * self.block_k
-    key_last = key_first + self.block_k - 1
-    ok = key_last < self.keys
-    if self.causal:
-      ok &= key_last <= first
+    ok = self.visible(first, key_first + self.block_k - 1)
     if self.window is not None:
       ok &= last - key_first < self.window
-      if not self.causal:
-        ok &= key_last - first < self.window
     return ok
 
   # --- schedules -------------------------------------------------------------------------

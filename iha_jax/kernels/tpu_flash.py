@@ -89,13 +89,7 @@ def _visible(call: Call, q_tile, k_tile, offset, shape, transposed: bool, seg_q=
   row_axis, col_axis = (1, 0) if transposed else (0, 1)
   t = q_tile * tiles.block_q + offset + lax.broadcasted_iota(jnp.int32, shape, row_axis)
   s = k_tile * tiles.block_k + lax.broadcasted_iota(jnp.int32, shape, col_axis)
-  ok = s < tiles.keys
-  if tiles.causal:
-    ok &= s <= t
-  if tiles.window is not None:
-    ok &= t - s < tiles.window
-    if not tiles.causal:
-      ok &= s - t < tiles.window
+  ok = tiles.visible(t, s)
   if call.segments:
     ok &= seg_q == seg_k
   return ok
