@@ -143,14 +143,17 @@ class WorkdirLock:
             "wait for it to end, stop it, or pass another --workdir (its lock "
             f"{self._path(top)} lapses when that process is gone)"
           )
+      # Held before the file exists: another thread of this process that reads the new
+      # file must never judge it stale (pid == ours and run not yet held).
+      _HELD.add(self.run)
       if storage.create_new(self._path(top + 1), self._text()):
         self.number = top + 1
-        _HELD.add(self.run)
         for old in numbers:  # stale locks: the highest number is the one that counts
           storage.remove(self._path(old))
         self._thread = threading.Thread(target=self._beat, name="iha_jax lock", daemon=True)
         self._thread.start()
         return
+      _HELD.discard(self.run)
     raise WorkdirBusyError(
       f"--workdir {self.workdir!r}: could not take its lock in {attempts} attempts (other "
       f"runs keep taking it over); look at {self.directory}"

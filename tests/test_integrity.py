@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import tiny
-from iha_jax import parallel, workdir_lock
+from iha_jax import parallel, storage, workdir_lock
 from iha_jax.errors import UserError
 from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import integrity, lowering, train
@@ -79,8 +79,21 @@ def test_one_lock_holder_named_to_others_and_stale_once_gone(tmp_path, monkeypat
     WorkdirLock(workdir).acquire()
 
 
-def test_racing_locks_have_one_winner(tmp_path):
-  """Eight runs take one workdir's lock at the same moment: exactly one holds it."""
+@pytest.mark.parametrize("pause_after_create_s", [0.0, 0.05])
+def test_racing_locks_have_one_winner(tmp_path, monkeypatch, pause_after_create_s):
+  """Eight runs take one workdir's lock at the same moment: exactly one holds it.
+
+  The pause widens the moment between a winner's file appearing and `acquire` returning,
+  where a racing thread of the same process once judged the new file stale and won too.
+  """
+  create_new = storage.create_new
+
+  def slow_create_new(path, text):
+    created = create_new(path, text)
+    time.sleep(pause_after_create_s if created else 0.0)
+    return created
+
+  monkeypatch.setattr(storage, "create_new", slow_create_new)
   workdir, start = str(tmp_path), threading.Barrier(8)
   won, refused = [], []
 
