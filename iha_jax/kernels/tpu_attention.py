@@ -69,17 +69,27 @@ def _run(fn: Callable, *args):
 class _Mixing:
   """Source heads -> the kernels' padded virtual rows (static: a custom_vjp argument)."""
 
-  theta: float | None
+  theta: float | None  # RoPE's base (None: no RoPE)
   scale: float  # the softmax scale, carried by the queries
   rows_q: int
   rows_k: int
+  rotate_in_kernel: bool  # RoPE by the kernels, per tile in VMEM (else here, in HBM)
 
   def __call__(self, q, k, v, alphas, positions, key_positions):
     a_q, a_k, a_v = alphas if alphas is not None else (None, None, None)
-    qv = _mix(q, a_q, positions, self.theta, scale=self.scale)
-    kv = _mix(k, a_k, key_positions, self.theta)
+    theta = None if self.rotate_in_kernel else self.theta
+    qv = _mix(q, a_q, positions, theta, scale=self.scale)
+    kv = _mix(k, a_k, key_positions, theta)
     vv = _mix(v, a_v, key_positions, None)
     return _pad_rows(qv, self.rows_q), _pad_rows(kv, self.rows_k), _pad_rows(vv, self.rows_k)
+
+  def tables(self, positions, key_positions, num_pseudo: int, d: int):
+    """The kernels' RoPE tables `(cos_q, sin_q, cos_k, sin_k)` (`tpu_flash._rotate`) at
+    the virtual positions `pos * P + p`, or None (no RoPE, or RoPE in HBM)."""
+    if self.theta is None or not self.rotate_in_kernel:
+      return None
+    rows = ((positions, self.rows_q), (key_positions, self.rows_k))
+    return sum((_rope_table(x, num_pseudo, d, self.theta, r) for x, r in rows), ())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -90,7 +100,8 @@ def _pipeline(mixing, call, q, k, v, alphas, positions, key_positions, seg, offs
 
 def _pipeline_fwd(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
   qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
-  o, lse = _run(functools.partial(tpu_flash.forward, call), qv, kv, vv, seg, offset)
+  rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
+  o, lse = _run(functools.partial(tpu_flash.forward, call), qv, kv, vv, rope, seg, offset)
   # Saved: the source heads, not the P-times larger pseudo q/k/v (remade below).
   return o, (q, k, v, alphas, positions, key_positions, seg, offset, o, lse[..., 0])
 
@@ -99,12 +110,14 @@ def _pipeline_bwd(mixing, call, residuals, do):
   q, k, v, alphas, positions, key_positions, seg, offset, o, lse = residuals
   mix = lambda q, k, v, alphas: mixing(q, k, v, alphas, positions, key_positions)
   (qv, kv, vv), mix_vjp = jax.vjp(mix, q, k, v, alphas)
+  rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
   dqv, dkv, dvv = _run(
     functools.partial(tpu_flash.backward, call),
     qv,
     kv,
     vv,
+    rope,
     seg,
     offset,
     do.astype(qv.dtype),
@@ -116,6 +129,23 @@ def _pipeline_bwd(mixing, call, residuals, do):
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
+
+
+def _pseudo(alphas) -> int:
+  """P: the pseudo-heads per head (1 for MHA, `alphas` None)."""
+  return 1 if alphas is None else alphas[0].shape[2]
+
+
+def _rope_table(positions: jax.Array, num_pseudo: int, d: int, theta: float, rows: int):
+  """`(cos, sin)` `[B, rows, d]` float32 of the virtual rows of tokens at `positions`
+  `[B, N]` (virtual position `pos * P + p`; padding rows 0): `cos = [c, c]` and
+  `sin = [-s, s]` per frequency, so `x cos + swap(x) sin` is the rotate-half RoPE."""
+  b = positions.shape[0]
+  virtual = positions[:, :, None] * num_pseudo + jnp.arange(num_pseudo, dtype=jnp.int32)
+  angles = virtual.reshape(b, -1, 1).astype(jnp.float32) * rope_frequencies(d, theta)
+  angles = jnp.pad(angles, ((0, 0), (0, rows - angles.shape[1]), (0, 0)))
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
 
 
 def _rotate_virtual(x: jax.Array, positions: jax.Array, num_pseudo: int, theta: float | None):
@@ -216,9 +246,13 @@ def attend_virtual(
     )
   heads = h if alphas is None else alphas[0].shape[1]
   kv_heads = k.shape[2] if alphas is None else alphas[1].shape[1]
-  call = tpu_flash.Call(tiles, heads=heads, kv_heads=kv_heads, segments=segments)
+  # RoPE per tile in the kernels where they are bound by HBM (windows, MHA: no float32
+  # P-sized rotation through HBM); global IHA is bound by the MXU, and rotating its key
+  # tiles at every step costs more than one pass in HBM (docs/performance.md §14).
+  in_kernel = options.rope_theta is not None and (options.window is not None or alphas is None)
+  call = tpu_flash.Call(tiles, heads=heads, kv_heads=kv_heads, segments=segments, rotary=in_kernel)
   offset_operand = None if static else (jnp.asarray(offset, jnp.int32) * p).reshape(1)
-  mixing = _Mixing(options.rope_theta, 1 / math.sqrt(d), rows_q, rows_k)
+  mixing = _Mixing(options.rope_theta, 1 / math.sqrt(d), rows_q, rows_k, in_kernel)
   o = _pipeline(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset_operand)
   return o[:, :, : n * p].reshape(b, heads, n, p, v.shape[-1])
 

@@ -49,6 +49,7 @@ class Call:
   heads: int  # H query heads
   kv_heads: int  # G key/value heads
   segments: bool  # segment ids given
+  rotary: bool = False  # RoPE tables given: q and k rotated per tile, in VMEM
 
   @property
   def group(self) -> int:
@@ -83,6 +84,24 @@ def _broadcast_lanes(x: jax.Array, width: int) -> jax.Array:
   return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = False) -> jax.Array:
+  """RoPE of the rows of `x: [rows, d]` (float32): `x cos + swap(x) sin` with the tables'
+  `cos = [c, c]`, `sin = [-s, s]` and `swap([x1, x2]) = [x2, x1]` (a lane rotation by
+  d/2); `inverse`: the transpose, `x cos - swap(x) sin` (gradients back to unrotated)."""
+  swapped = pltpu.roll(x, x.shape[1] // 2, 1) * sin
+  return x * cos - swapped if inverse else x * cos + swapped
+
+
+def _rotated(ref, tables, *, when: bool = True) -> jax.Array:
+  """A q or k tile rotated by its rows' `tables` (refs `(cos, sin)`), in the tile's dtype
+  (the MXU's input); the tile itself without tables."""
+  x = ref[...]
+  if not tables or not when:
+    return x
+  cos, sin = (t[...].astype(jnp.float32) for t in tables)
+  return _rotate(x.astype(jnp.float32), cos, sin).astype(x.dtype)
+
+
 def _visible(call: Call, q_tile, k_tile, offset, shape, transposed: bool, seg_q=None, seg_k=None):
   """The mask of one tile pair, `shape` `[bq, bk]` (or `[bk, bq]` if `transposed`)."""
   tiles = call.tiles
@@ -102,15 +121,24 @@ def _offset(refs, call: Call):
   return call.tiles.offset, refs
 
 
+def _tables(refs, call: Call):
+  """Splits the RoPE tables' refs `((cos_q, sin_q), (cos_k, sin_k), rest)` off the refs
+  (empty tuples without RoPE)."""
+  if not call.rotary:
+    return (), (), refs
+  return tuple(refs[:2]), tuple(refs[2:4]), refs[4:]
+
+
 # --- forward ------------------------------------------------------------------------------
 
 
 def _forward_kernel(*refs, call: Call):
   offset, refs = _offset(refs, call)
   q_ref, k_ref, v_ref, *refs = refs
+  q_rope, k_rope, refs = _tables(refs, call)
   if call.segments:
     seg_q_ref, seg_k_ref, *refs = refs
-  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
+  o_ref, lse_ref, m_sc, l_sc, acc_sc, *q_sc = refs
   step = call.tiles.query_step(pl.program_id(1), pl.program_id(2), offset)
 
   @pl.when(step.first)
@@ -118,9 +146,11 @@ def _forward_kernel(*refs, call: Call):
     m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    if q_sc:  # the query tile rotated once, for all its steps
+      q_sc[0][...] = _rotated(q_ref, q_rope)
 
   def attend(masked: bool):
-    q, k = q_ref[...], k_ref[...]
+    q, k = (q_sc[0] if q_sc else q_ref)[...], _rotated(k_ref, k_rope)
     s = _dot(q, k, _NT, q_ref)
     if masked:
       segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
@@ -184,12 +214,17 @@ def _specs(call: Call, d: int, dv: int):
   def seg_k_index(bh, row, s, *offset):  # key ids as rows, one per key tile
     return _div(bh, h), step(row, s, offset).tile, 0, 0
 
+  def k_table_index(bh, row, s, *offset):  # RoPE tables [B, T, d]
+    return _div(bh, h), step(row, s, offset).tile, 0
+
   per_query = lambda width: _spec((None, None, bq, width), q_index)
   inputs = [
     per_query(d),
     _spec((None, None, bk, d), kv_index),
     _spec((None, None, bk, dv), kv_index),
   ]
+  if call.rotary:  # the query tables follow the query ids' blocks
+    inputs += [_spec((None, bq, d), seg_q_index)] * 2 + [_spec((None, bk, d), k_table_index)] * 2
   segments = [_spec((None, bq, 1), seg_q_index), _spec((None, None, 1, bk), seg_k_index)]
   return per_query, inputs, segments
 
@@ -227,10 +262,11 @@ def _call(
   return fn(*prefetch, *args)
 
 
-def forward(call: Call, q, k, v, seg, offset, *, interpret: bool):
-  """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq, 1]` float32). `seg`: (ids as
-  columns `[B, Tq, 1]`, keys' ids as rows `[B, 1, Tk]`) or None; `offset`: `[1]` int32
-  (sliced calls) or None."""
+def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
+  """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq, 1]` float32). `rope`: RoPE tables
+  `(cos_q, sin_q, cos_k, sin_k)`, `[B, Tq, d]` / `[B, Tk, d]` float32 (`_rotate`; q and k
+  unrotated) or None (`call.rotary`); `seg`: (ids as columns `[B, Tq, 1]`, keys' ids as
+  rows `[B, 1, Tk]`) or None; `offset`: `[1]` int32 (sliced calls) or None."""
   b, h, tq, d = q.shape
   dv = v.shape[-1]
   rows, steps = call.tiles.query_major()
@@ -250,6 +286,7 @@ def forward(call: Call, q, k, v, seg, offset, *, interpret: bool):
       pltpu.VMEM((bq, LANES), jnp.float32),
       pltpu.VMEM((bq, LANES), jnp.float32),
       pltpu.VMEM((bq, dv), jnp.float32),
+      *([pltpu.VMEM((bq, d), q.dtype)] if call.rotary else []),
     ],
     ("parallel", "parallel", "arbitrary"),
     "iha_flash_forward",
@@ -258,6 +295,7 @@ def forward(call: Call, q, k, v, seg, offset, *, interpret: bool):
     q,
     k,
     v,
+    *(rope or ()),
     *(seg or ()),
   )
 
@@ -267,18 +305,22 @@ def forward(call: Call, q, k, v, seg, offset, *, interpret: bool):
 
 def _dq_kernel(*refs, call: Call):
   offset, refs = _offset(refs, call)
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+  q_ref, k_ref, v_ref, *refs = refs
+  q_rope, k_rope, refs = _tables(refs, call)
+  do_ref, lse_ref, delta_ref, *refs = refs
   if call.segments:
     seg_q_ref, seg_k_ref, *refs = refs
-  dq_ref, dq_sc = refs
+  dq_ref, dq_sc, *q_sc = refs
   step = call.tiles.query_step(pl.program_id(1), pl.program_id(2), offset)
 
   @pl.when(step.first)
   def _():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+    if q_sc:
+      q_sc[0][...] = _rotated(q_ref, q_rope)
 
   def attend(masked: bool):
-    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    q, k, v = (q_sc[0] if q_sc else q_ref)[...], _rotated(k_ref, k_rope), v_ref[...]
     s = _dot(q, k, _NT, q_ref)
     p = jnp.exp(s - lse_ref[...])
     if masked:
@@ -293,7 +335,10 @@ def _dq_kernel(*refs, call: Call):
 
   @pl.when(step.last)
   def _():
-    dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+    dq = dq_sc[...]  # the rotated queries' gradient: rotated back
+    if q_rope:
+      dq = _rotate(dq, *(t[...].astype(jnp.float32) for t in q_rope), inverse=True)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 # --- backward: dK, dV -----------------------------------------------------------------------
@@ -301,10 +346,12 @@ def _dq_kernel(*refs, call: Call):
 
 def _dkv_kernel(*refs, call: Call):
   offset, refs = _offset(refs, call)
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+  q_ref, k_ref, v_ref, *refs = refs
+  q_rope, k_rope, refs = _tables(refs, call)
+  do_ref, lse_ref, delta_ref, *refs = refs
   if call.segments:
     seg_q_ref, seg_k_ref, *refs = refs
-  dk_ref, dv_ref, dk_sc, dv_sc = refs
+  dk_ref, dv_ref, dk_sc, dv_sc, *k_sc = refs
   r = call.group
   flat = pl.program_id(2)
   step = call.tiles.key_step(pl.program_id(1), _div(flat, r), offset)
@@ -314,9 +361,12 @@ def _dkv_kernel(*refs, call: Call):
   def _():
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+    if k_sc:  # the key tile rotated once, for all its steps
+      k_sc[0][...] = _rotated(k_ref, k_rope)
 
   def attend(masked: bool):
-    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    q, k = _rotated(q_ref, q_rope), (k_sc[0] if k_sc else k_ref)[...]
+    v, do = v_ref[...], do_ref[...]
     s_t = _dot(k, q, _NT, q_ref)  # [bk, bq]
     p_t = jnp.exp(s_t - lse_ref[...])
     if masked:
@@ -332,13 +382,17 @@ def _dkv_kernel(*refs, call: Call):
 
   @pl.when(step.last & (head == r - 1))
   def _():
-    dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+    dk = dk_sc[...]  # the rotated keys' gradient: rotated back
+    if k_rope:
+      dk = _rotate(dk, *(t[...].astype(jnp.float32) for t in k_rope), inverse=True)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: bool):
+def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpret: bool):
   """-> (dq `[B, H, Tq, d]`, dk `[B, G, Tk, d]`, dv `[B, G, Tk, dv]`) in q/k/v's dtypes
-  (accumulated in float32 VMEM; written once, not cast afterwards).
+  (accumulated in float32 VMEM; written once, not cast afterwards); with `rope` (as in
+  `forward`), the gradients of the unrotated q and k.
 
   `do` `[B, H, Tq, dv]` (q.dtype), `lse`, `delta` (`rowsum(o * do)`) `[B, H, Tq]` f32."""
   b, h, tq, d = q.shape
@@ -351,6 +405,7 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
   # pair of dimensions, legal for Mosaic at any tile size.
   rows_of = lambda x: x.reshape(*x.shape[:-1], x.shape[-1] // bq, 1, bq)
 
+  rope = rope or ()
   rows, steps = tiles.query_major()
   per_query, inputs, seg_specs = _specs(call, d, dv)
   (dq,) = _call(
@@ -360,7 +415,7 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
     inputs + [per_query(dv), per_query(1), per_query(1)] + (seg_specs if call.segments else []),
     [per_query(d)],
     [jax.ShapeDtypeStruct(q.shape, q.dtype)],
-    [pltpu.VMEM((bq, d), jnp.float32)],
+    [pltpu.VMEM((bq, d), jnp.float32), *([pltpu.VMEM((bq, d), q.dtype)] if call.rotary else [])],
     ("parallel", "parallel", "arbitrary"),
     "iha_flash_dq",
     interpret,
@@ -368,6 +423,7 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
     q,
     k,
     v,
+    *rope,
     do,
     columns(lse),
     columns(delta),
@@ -394,11 +450,14 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
   def seg_k_index(bg, row, flat, *offset):  # key ids as columns [B, Tk, 1]
     return _div(bg, g), step(row, flat, offset).home, 0
 
+  def q_table_index(bg, row, flat, *offset):  # RoPE tables [B, T, d]
+    return _div(bg, g), step(row, flat, offset).tile, 0
+
   per_key = lambda width: _spec((None, None, bk, width), kv_index)
-  in_specs = [
-    _spec((None, None, bq, d), q_index),
-    per_key(d),
-    per_key(dv),
+  in_specs = [_spec((None, None, bq, d), q_index), per_key(d), per_key(dv)]
+  if call.rotary:  # the key tables follow the key ids' blocks
+    in_specs += [_spec((None, bq, d), q_table_index)] * 2 + [_spec((None, bk, d), seg_k_index)] * 2
+  in_specs += [
     _spec((None, None, bq, dv), q_index),
     _spec((None, None, None, 1, bq), row_index),
     _spec((None, None, None, 1, bq), row_index),
@@ -417,7 +476,11 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
     in_specs,
     [per_key(d), per_key(dv)],
     [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-    [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)],
+    [
+      pltpu.VMEM((bk, d), jnp.float32),
+      pltpu.VMEM((bk, dv), jnp.float32),
+      *([pltpu.VMEM((bk, d), k.dtype)] if call.rotary else []),
+    ],
     ("parallel", "parallel", "arbitrary"),
     "iha_flash_dkv",
     interpret,
@@ -425,6 +488,7 @@ def backward(call: Call, q, k, v, seg, offset, do, lse, delta, *, interpret: boo
     q,
     k,
     v,
+    *rope,
     do,
     rows_of(lse),
     rows_of(delta),
