@@ -2,12 +2,17 @@
 
 IHA's P pseudo-queries, keys and values per head are linear in the source heads, so
 they are made once per call by einsums (`bnmd,mhp->bhnpd`: the MXU, HBM-bound at these
-sizes), rotated at their virtual positions `pos * P + p` and laid out head-major as the
-`T = N * P` virtual rows each target head attends over; `iha_jax.kernels.tpu_flash` then
-runs plain flash attention on them (no per-tile rebuild of pseudo tiles from all H
-source heads, which bound the earlier fused kernels by the vector units), and the P
-outputs collapse by one more einsum. The softmax scale `1/sqrt(d)` rides on `alpha_q`
-(on q for MHA), so the kernels do no scaling.
+sizes) and laid out head-major as the `T = N * P` virtual rows each target head attends
+over; `iha_jax.kernels.tpu_flash` then runs plain flash attention on them (no per-tile
+rebuild of pseudo tiles from all H source heads, which bound the earlier fused kernels
+by the vector units), and the P outputs collapse by one more einsum. The softmax scale
+`1/sqrt(d)` rides on `alpha_q` (on q for MHA), so the kernels do no scaling.
+
+RoPE at the virtual positions `pos * P + p`: window layers and MHA, bound by HBM, pass
+float32 cos/sin tables `[B, T, d]` (no head axis) and the kernels rotate each q tile
+once and each k tile per step in VMEM, and rotate dq, dk back; global IHA layers, bound
+by the MXU, rotate q and k here in HBM (one pass, cheaper than a key-tile rotation at
+every step). Estimates of both: docs/performance.md §14.
 
 What the custom VJP keeps for the backward: the source q, k, v (the caller's), the
 mixing tensors, the pseudo output o (P times the MHA output, bfloat16 at bf16 inputs)

@@ -1,14 +1,18 @@
 """Flash attention over a (virtual) sequence on TPU: Pallas Mosaic kernels.
 
 The TPU hot path of IHA and MHA (`iha_jax.kernels.tpu_attention` builds their inputs):
-plain flash attention, every matmul on the MXU, over sequences already mixed, rotated
-and scaled outside (IHA: the N*P virtual tokens of each target head).
+plain flash attention, every matmul on the MXU, over sequences already mixed and scaled
+outside (IHA: the N*P virtual tokens of each target head), with RoPE either applied
+outside or, given per-row tables (`Call.rotary`), here: each q tile rotated once into
+VMEM scratch, each k tile per step, and the float32 dq / dk accumulators rotated back
+(the transpose) before they are written.
 
 Layouts (rows: the attended sequence, padded to whole tiles):
   q `[B, H, Tq, d]`, k `[B, G, Tk, d]`, v `[B, G, Tk, dv]` (G divides H: query head h
   reads key/value head `h // (H // G)`), o `[B, H, Tq, dv]`, lse `[B, H, Tq, 1]` f32;
   segment ids (optional) as columns `[B, T, 1]` and rows `[B, 1, T]` int32, padding keys
-  marked -1 (never equal to a query's id), padding queries 0 (zeroed outputs).
+  marked -1 (never equal to a query's id), padding queries 0 (zeroed outputs); RoPE
+  tables (optional) `[B, T, d]` float32 per query / key row, blocked like the ids.
 The query offset of a sequence shard (rows; `Tiles.offset is None`) is a `[1]` int32
 scalar-prefetch operand.
 
