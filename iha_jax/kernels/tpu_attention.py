@@ -89,12 +89,12 @@ class _Mixing:
     return _pad_rows(qv, self.rows_q), _pad_rows(kv, self.rows_k), _pad_rows(vv, self.rows_k)
 
   def tables(self, positions, key_positions, num_pseudo: int, d: int):
-    """The kernels' RoPE tables `(cos_q, sin_q, cos_k, sin_k)` (`tpu_flash._rotate`) at
-    the virtual positions `pos * P + p`, or None (no RoPE, or RoPE in HBM)."""
+    """The kernels' RoPE tables of the query and key rows (`_rope_table`) at the virtual
+    positions `pos * P + p`, or None (no RoPE, or RoPE in HBM)."""
     if self.theta is None or not self.rotate_in_kernel:
       return None
     rows = ((positions, self.rows_q), (key_positions, self.rows_k))
-    return sum((_rope_table(x, num_pseudo, d, self.theta, r) for x, r in rows), ())
+    return tuple(_rope_table(x, num_pseudo, d, self.theta, r) for x, r in rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -142,15 +142,16 @@ def _pseudo(alphas) -> int:
 
 
 def _rope_table(positions: jax.Array, num_pseudo: int, d: int, theta: float, rows: int):
-  """`(cos, sin)` `[B, rows, d]` float32 of the virtual rows of tokens at `positions`
+  """`cos | sin` `[B, rows, 2d]` float32 of the virtual rows of tokens at `positions`
   `[B, N]` (virtual position `pos * P + p`; padding rows 0): `cos = [c, c]` and
-  `sin = [-s, s]` per frequency, so `x cos + swap(x) sin` is the rotate-half RoPE."""
+  `sin = [-s, s]` per frequency, so `x cos + swap(x) sin` is the rotate-half RoPE (one
+  table, one DMA per tile)."""
   b = positions.shape[0]
   virtual = positions[:, :, None] * num_pseudo + jnp.arange(num_pseudo, dtype=jnp.int32)
   angles = virtual.reshape(b, -1, 1).astype(jnp.float32) * rope_frequencies(d, theta)
   angles = jnp.pad(angles, ((0, 0), (0, rows - angles.shape[1]), (0, 0)))
   cos, sin = jnp.cos(angles), jnp.sin(angles)
-  return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+  return jnp.concatenate([cos, cos, -sin, sin], axis=-1)
 
 
 def _rotate_virtual(x: jax.Array, positions: jax.Array, num_pseudo: int, theta: float | None):

@@ -12,7 +12,8 @@ Layouts (rows: the attended sequence, padded to whole tiles):
   reads key/value head `h // (H // G)`), o `[B, H, Tq, dv]`, lse `[B, H, Tq, 1]` f32;
   segment ids (optional) as columns `[B, T, 1]` and rows `[B, 1, T]` int32, padding keys
   marked -1 (never equal to a query's id), padding queries 0 (zeroed outputs); RoPE
-  tables (optional) `[B, T, d]` float32 per query / key row, blocked like the ids.
+  tables (optional) `[B, T, 2d]` float32 (`cos | sin`) per query / key row, blocked
+  like the ids.
 The query offset of a sequence shard (rows; `Tiles.offset is None`) is a `[1]` int32
 scalar-prefetch operand.
 
@@ -96,14 +97,20 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = False)
   return x * cos - swapped if inverse else x * cos + swapped
 
 
-def _rotated(ref, tables, *, when: bool = True) -> jax.Array:
-  """A q or k tile rotated by its rows' `tables` (refs `(cos, sin)`), in the tile's dtype
-  (the MXU's input); the tile itself without tables."""
+def _cos_sin(table) -> tuple[jax.Array, jax.Array]:
+  """A RoPE table block `[rows, 2d]` (`cos | sin`) -> (cos, sin) `[rows, d]` float32."""
+  t = table[...].astype(jnp.float32)
+  d = t.shape[1] // 2
+  return t[:, :d], t[:, d:]
+
+
+def _rotated(ref, table) -> jax.Array:
+  """A q or k tile rotated by its rows' RoPE `table` (a ref, `[rows, 2d]`), in the tile's
+  dtype (the MXU's input); the tile itself without a table (None)."""
   x = ref[...]
-  if not tables or not when:
+  if table is None:
     return x
-  cos, sin = (t[...].astype(jnp.float32) for t in tables)
-  return _rotate(x.astype(jnp.float32), cos, sin).astype(x.dtype)
+  return _rotate(x.astype(jnp.float32), *_cos_sin(table)).astype(x.dtype)
 
 
 def _visible(call: Call, q_tile, k_tile, offset, shape, transposed: bool, seg_q=None, seg_k=None):
@@ -126,11 +133,11 @@ def _offset(refs, call: Call):
 
 
 def _tables(refs, call: Call):
-  """Splits the RoPE tables' refs `((cos_q, sin_q), (cos_k, sin_k), rest)` off the refs
-  (empty tuples without RoPE)."""
+  """Splits the RoPE tables' refs `(queries', keys', rest)` off the refs (None, None
+  without RoPE)."""
   if not call.rotary:
-    return (), (), refs
-  return tuple(refs[:2]), tuple(refs[2:4]), refs[4:]
+    return None, None, refs
+  return refs[0], refs[1], refs[2:]
 
 
 # --- forward ------------------------------------------------------------------------------
@@ -150,7 +157,7 @@ def _forward_kernel(*refs, call: Call):
     m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-    if q_sc:  # the query tile rotated once, for all its steps
+    if q_rope is not None:  # the query tile rotated once, for all its steps
       q_sc[0][...] = _rotated(q_ref, q_rope)
 
   def attend(masked: bool):
@@ -218,7 +225,7 @@ def _specs(call: Call, d: int, dv: int):
   def seg_k_index(bh, row, s, *offset):  # key ids as rows, one per key tile
     return _div(bh, h), step(row, s, offset).tile, 0, 0
 
-  def k_table_index(bh, row, s, *offset):  # RoPE tables [B, T, d]
+  def k_table_index(bh, row, s, *offset):  # RoPE tables [B, T, 2d]
     return _div(bh, h), step(row, s, offset).tile, 0
 
   per_query = lambda width: _spec((None, None, bq, width), q_index)
@@ -228,7 +235,7 @@ def _specs(call: Call, d: int, dv: int):
     _spec((None, None, bk, dv), kv_index),
   ]
   if call.rotary:  # the query tables follow the query ids' blocks
-    inputs += [_spec((None, bq, d), seg_q_index)] * 2 + [_spec((None, bk, d), k_table_index)] * 2
+    inputs += [_spec((None, bq, 2 * d), seg_q_index), _spec((None, bk, 2 * d), k_table_index)]
   segments = [_spec((None, bq, 1), seg_q_index), _spec((None, None, 1, bk), seg_k_index)]
   return per_query, inputs, segments
 
@@ -268,9 +275,10 @@ def _call(
 
 def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
   """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq, 1]` float32). `rope`: RoPE tables
-  `(cos_q, sin_q, cos_k, sin_k)`, `[B, Tq, d]` / `[B, Tk, d]` float32 (`_rotate`; q and k
-  unrotated) or None (`call.rotary`); `seg`: (ids as columns `[B, Tq, 1]`, keys' ids as
-  rows `[B, 1, Tk]`) or None; `offset`: `[1]` int32 (sliced calls) or None."""
+  of the query and key rows, `[B, Tq, 2d]` / `[B, Tk, 2d]` float32 (`cos | sin` per row,
+  `_rotate`; q and k unrotated) or None (`call.rotary`); `seg`: (ids as columns
+  `[B, Tq, 1]`, keys' ids as rows `[B, 1, Tk]`) or None; `offset`: `[1]` int32 (sliced
+  calls) or None."""
   b, h, tq, d = q.shape
   dv = v.shape[-1]
   rows, steps = call.tiles.query_major()
@@ -320,7 +328,7 @@ def _dq_kernel(*refs, call: Call):
   @pl.when(step.first)
   def _():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
-    if q_sc:
+    if q_rope is not None:
       q_sc[0][...] = _rotated(q_ref, q_rope)
 
   def attend(masked: bool):
@@ -340,8 +348,8 @@ def _dq_kernel(*refs, call: Call):
   @pl.when(step.last)
   def _():
     dq = dq_sc[...]  # the rotated queries' gradient: rotated back
-    if q_rope:
-      dq = _rotate(dq, *(t[...].astype(jnp.float32) for t in q_rope), inverse=True)
+    if q_rope is not None:
+      dq = _rotate(dq, *_cos_sin(q_rope), inverse=True)
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -365,7 +373,7 @@ def _dkv_kernel(*refs, call: Call):
   def _():
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
-    if k_sc:  # the key tile rotated once, for all its steps
+    if k_rope is not None:  # the key tile rotated once, for all its steps
       k_sc[0][...] = _rotated(k_ref, k_rope)
 
   def attend(masked: bool):
@@ -387,8 +395,8 @@ def _dkv_kernel(*refs, call: Call):
   @pl.when(step.last & (head == r - 1))
   def _():
     dk = dk_sc[...]  # the rotated keys' gradient: rotated back
-    if k_rope:
-      dk = _rotate(dk, *(t[...].astype(jnp.float32) for t in k_rope), inverse=True)
+    if k_rope is not None:
+      dk = _rotate(dk, *_cos_sin(k_rope), inverse=True)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
@@ -454,13 +462,13 @@ def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpre
   def seg_k_index(bg, row, flat, *offset):  # key ids as columns [B, Tk, 1]
     return _div(bg, g), step(row, flat, offset).home, 0
 
-  def q_table_index(bg, row, flat, *offset):  # RoPE tables [B, T, d]
+  def q_table_index(bg, row, flat, *offset):  # RoPE tables [B, T, 2d]
     return _div(bg, g), step(row, flat, offset).tile, 0
 
   per_key = lambda width: _spec((None, None, bk, width), kv_index)
   in_specs = [_spec((None, None, bq, d), q_index), per_key(d), per_key(dv)]
   if call.rotary:  # the key tables follow the key ids' blocks
-    in_specs += [_spec((None, bq, d), q_table_index)] * 2 + [_spec((None, bk, d), seg_k_index)] * 2
+    in_specs += [_spec((None, bq, 2 * d), q_table_index), _spec((None, bk, 2 * d), seg_k_index)]
   in_specs += [
     _spec((None, None, bq, dv), q_index),
     _spec((None, None, None, 1, bq), row_index),
