@@ -8,12 +8,12 @@ tokens. Rows: (kind, P, windowed, implementation, estimated fwd ms, estimated fw
 RANKING = (
   ("iha", 4, False, "pallas_tpu", 16.145, 59.255),
   ("iha", 4, False, "splash", 24.659, 142.523),
-  ("iha", 4, True, "pallas_tpu", 2.596, 9.101),
+  ("iha", 4, True, "pallas_tpu", 2.591, 9.034),
   ("iha", 4, True, "splash", 4.665, 16.170),
   ("iha", 20, False, "pallas_tpu", 360.302, 1359.472),
   ("iha", 20, False, "splash", 560.054, 3549.161),
-  ("iha", 20, True, "pallas_tpu", 11.407, 37.369),
+  ("iha", 20, True, "pallas_tpu", 11.351, 37.226),
   ("iha", 20, True, "splash", 22.351, 68.558),
-  ("mha", 1, False, "pallas_tpu", 1.182, 4.270),
+  ("mha", 1, False, "pallas_tpu", 1.181, 4.300),
   ("mha", 1, False, "splash", 1.868, 9.598),
 )
