@@ -9,10 +9,10 @@ by the vector units), and the P outputs collapse by one more einsum. The softmax
 `1/sqrt(d)` rides on `alpha_q` (on q for MHA), so the kernels do no scaling.
 
 RoPE at the virtual positions `pos * P + p`: window layers and MHA, bound by HBM, pass
-float32 cos/sin tables `[B, T, d]` (no head axis) and the kernels rotate each q tile
-once and each k tile per step in VMEM, and rotate dq, dk back; global IHA layers, bound
-by the MXU, rotate q and k here in HBM (one pass, cheaper than a key-tile rotation at
-every step). Estimates of both: docs/performance.md §14.
+one float32 `cos | sin` table per side, `[B, T, 2d]` (no head axis), and the kernels
+rotate each q tile once and each k tile per step in VMEM, and rotate dq, dk back;
+global IHA layers, bound by the MXU, rotate q and k here in HBM (one pass, cheaper than a
+key-tile rotation at every step). Estimates of both: docs/performance.md §14.
 
 What the custom VJP keeps for the backward: the source q, k, v (the caller's), the
 mixing tensors, the pseudo output o (P times the MHA output, bfloat16 at bf16 inputs)
