@@ -91,7 +91,7 @@ class _Mixing:
   def tables(self, positions, key_positions, num_pseudo: int, d: int):
     """The kernels' RoPE tables of the query and key rows (`_rope_table`) at the virtual
     positions `pos * P + p`, or None (no RoPE, or RoPE in HBM)."""
-    if self.theta is None or not self.rotate_in_kernel:
+    if not self.rotate_in_kernel:  # (which implies RoPE)
       return None
     rows = ((positions, self.rows_q), (key_positions, self.rows_k))
     return tuple(_rope_table(x, num_pseudo, d, self.theta, r) for x, r in rows)
@@ -147,20 +147,23 @@ def _rope_table(positions: jax.Array, num_pseudo: int, d: int, theta: float, row
   `sin = [-s, s]` per frequency, so `x cos + swap(x) sin` is the rotate-half RoPE (one
   table, one DMA per tile)."""
   b = positions.shape[0]
-  virtual = positions[:, :, None] * num_pseudo + jnp.arange(num_pseudo, dtype=jnp.int32)
-  angles = virtual.reshape(b, -1, 1).astype(jnp.float32) * rope_frequencies(d, theta)
+  angles = _virtual_angles(positions, num_pseudo, d, theta).reshape(b, -1, d // 2)
   angles = jnp.pad(angles, ((0, 0), (0, rows - angles.shape[1]), (0, 0)))
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   return jnp.concatenate([cos, cos, -sin, sin], axis=-1)
+
+
+def _virtual_angles(positions: jax.Array, num_pseudo: int, d: int, theta: float) -> jax.Array:
+  """RoPE angles `[B, N, P, d/2]` float32 of the virtual positions `pos * P + p`."""
+  virtual = positions[:, :, None] * num_pseudo + jnp.arange(num_pseudo, dtype=jnp.int32)
+  return virtual.astype(jnp.float32)[..., None] * rope_frequencies(d, theta)
 
 
 def _rotate_virtual(x: jax.Array, positions: jax.Array, num_pseudo: int, theta: float | None):
   """RoPE of `x: [B, Hx, N, P, d]` (float32) at virtual positions `pos * P + p`."""
   if theta is None:
     return x
-  d = x.shape[-1]
-  virtual = positions[:, :, None] * num_pseudo + jnp.arange(num_pseudo, dtype=jnp.int32)
-  angles = virtual.astype(jnp.float32)[..., None] * rope_frequencies(d, theta)  # [B,N,P,d/2]
+  angles = _virtual_angles(positions, num_pseudo, x.shape[-1], theta)
   cos, sin = (f(angles)[:, None] for f in (jnp.cos, jnp.sin))
   x1, x2 = jnp.split(x, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
