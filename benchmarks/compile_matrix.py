@@ -35,7 +35,7 @@ from benchmarks.kernel_compiles import Case  # noqa: E402
 
 TPU_TARGETS = ("v5e-4", "v5p-8", "v6e-4")
 GPU_TARGETS = ("h100",)
-KERNELS = ("iha_forward", "iha_backward_dq", "iha_backward_dkv")
+KERNELS = ("iha_flash_forward", "iha_flash_dq", "iha_flash_dkv")
 
 # (name, case). 2.4B: H = 20, d = 128, N = 8192 (configs/iha_2p4b.py and its baselines).
 CASES = [

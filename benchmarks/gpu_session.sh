@@ -6,11 +6,13 @@
 #   bash benchmarks/gpu_session.sh STAGE[:SECONDS] ...   (chosen stages)
 #   bash benchmarks/gpu_session.sh --plan                (print the default plan, run nothing)
 #
-# Stages: env (versions, devices); kernels2 / kernels4 / kernels20 (benchmarks/kernels.py
+# Stages: env (versions, devices); kernel_tests (the Pallas kernel tests, compiled);
+# kernels2 / kernels4 / kernels20 (benchmarks/kernels.py
 # at P = 2, 4, 20: window and global IHA and global MHA; fused kernels vs our MHA kernel
 # on materialised pseudo q/k/v vs cuDNN on materialised, forward and forward+backward,
 # after the same run's matmul rate); train / train_nosegs (benchmarks/train_step.py, the
-# ~350M LLLLM against its M twin, with packed-style segment ids / without); tests
+# ~350M LLLLM against its M twin, with packed-style segment ids / without); train_pallas
+# (that IHA step with every layer on `pallas_gpu`); tests
 # (kernel, attention-kind and GPU-path tests on the real GPU, not interpret mode); static
 # (the timed kernel shapes compiled for this GPU). Each stage's log goes to
 # $OUT/<stage>.log; a stage stops at its SECONDS (default 300) without stopping the next.
@@ -54,6 +56,9 @@ print(sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version
 'flax', flax.__version__, 'optax', optax.__version__, 'chex', chex.__version__); \
 print(jax.devices()); import iha_jax.train, iha_jax.data; print('iha_jax imports ok')"
       which ptxas && ptxas --version | tail -1 ;;
+    kernel_tests)  # the Pallas kernels alone, compiled (a quick check before timing them)
+      timeout "$seconds" python3 -m pytest -q -n 4 -p no:cacheprovider \
+        tests/test_kernels.py tests/test_gqa.py -k "gpu and not sharded" ;;
     tests)
       timeout "$seconds" python3 -m pytest -q -n 4 -p no:cacheprovider \
         tests/test_kernels.py tests/test_attention_kinds.py tests/test_gpu_paths.py \
@@ -66,6 +71,9 @@ print(jax.devices()); import iha_jax.train, iha_jax.data; print('iha_jax imports
       timeout "$seconds" python3 benchmarks/train_step.py --steps 10 \
         --configs configs/iha_350m.py,configs/mha_350m.py \
         $([ "$stage" = train_nosegs ] && echo --no_segments) ;;
+    train_pallas)  # the IHA step with every layer on the Pallas flash kernels (packed data)
+      timeout "$seconds" python3 benchmarks/train_step.py --steps 10 \
+        --configs configs/iha_350m.py --implementation pallas_gpu ;;
     *) echo "unknown stage $stage"; return 2 ;;
   esac
 }

@@ -1,6 +1,6 @@
 """Compiles the fused attention kernels for a target (TPU or H100) without its hardware.
 
-The shared harness of `compile_matrix.py`, `tune_gpu_tiles.py` and the compile tests:
+The shared harness of `compile_matrix.py`, `ptx_inner_loop.py` and the compile tests:
 a `Case` is one kernel configuration a layer can produce (kind, heads, P, d, tokens,
 mask, dtype, forward or forward+backward); `compile_case` lowers it through the public
 kernel entry points (`iha_jax.kernels`) on one compile-only device of the target and

@@ -7,7 +7,9 @@ x 4d FLOPs forward, x3 for training) and the compiled peak memory
 (arguments + outputs + temporaries - aliases, from `memory_analysis()`).
 
 Implementations:
-- pallas_gpu / pallas_tpu: the fused kernels (pseudo tiles built on chip).
+- pallas_gpu / pallas_tpu: the Pallas kernels (pseudo q/k/v by einsums in HBM, flash
+  attention over the virtual rows, the backward remaking pseudo q/k/v rather than saving
+  them).
 - xla: the pure-JAX blockwise path (materialises pseudo q/k/v).
 - pallas_gpu_mha: materialised pseudo q/k/v + the Pallas MHA kernel over the virtual
   sequence, given segment ids (the packed-data case, which cuDNN's path does not take).

@@ -39,11 +39,16 @@ def load_config(path: str):
   return module.get_config()
 
 
-def benchmark(path: str, steps: int, peak: float, segments: bool = True) -> dict[str, float]:
+def benchmark(
+  path: str, steps: int, peak: float, segments: bool = True, implementation: str | None = None
+) -> dict[str, float]:
   """Median step time of `steps` timed steps after 3 warm-up steps; `segments`: the batch
   carries segment ids and positions as packed data does (else one document per row, the
-  case GPU attention can hand to cuDNN)."""
+  case GPU attention can hand to cuDNN); `implementation`: every attention layer's, in
+  place of the config's `model.implementation`."""
   config = load_config(path)
+  if implementation:
+    config.model.implementation = implementation
   model_cfg = config_lib.validate(config, jax.device_count())
   model = FunctionalTransformerLM(
     model_cfg, remat=config.model.remat_policy, scan_layers=config.model.scan_layers
@@ -81,7 +86,7 @@ def benchmark(path: str, steps: int, peak: float, segments: bool = True) -> dict
   step_time = float(np.median(times))
   tflops = flops.train_flops_per_step(model_cfg, b, n) / step_time / mesh.size / 1e12
   return {
-    "config": path,
+    "config": path + (f" ({implementation})" if implementation else ""),
     "schedule": model_cfg.attention_schedule,
     "step_time_ms": 1e3 * step_time,
     "tokens_per_sec": b * n / step_time,
@@ -100,6 +105,11 @@ def main() -> None:
     "--no_segments",
     action="store_true",
     help="batches without segment ids (one document per row): GPU attention may use cuDNN",
+  )
+  parser.add_argument(
+    "--implementation",
+    default=None,
+    help="attention implementation of every layer (default: each config's, e.g. auto)",
   )
   args = parser.parse_args()
   peak, source = flops.peak_tflops_per_device()
@@ -123,7 +133,9 @@ def main() -> None:
   rows = []
   for path in args.configs.split(","):
     # Each row as soon as it is measured: a run cut short keeps what it finished.
-    row = benchmark(path, args.steps, peak, segments=not args.no_segments)
+    row = benchmark(
+      path, args.steps, peak, segments=not args.no_segments, implementation=args.implementation
+    )
     rows.append(row)
     cells = (
       f"{row[k]:>28.4g}" if isinstance(row[k], float) else f"{str(row[k]):>28s}" for k in keys

@@ -79,15 +79,15 @@ def test_h100_kernels_compile_without_spills_at_default_tiles():
   for case in ("P = 2", "P = 4, d = 64", shard):
     row = rows[case]
     assert row["ok"], row["error"]
-    assert set(row["kernels"]) >= {"iha_forward", "iha_backward_dq", "iha_backward_dkv"}
+    assert set(row["kernels"]) >= {"iha_flash_forward", "iha_flash_dq", "iha_flash_dkv"}
     for name, kernel in row["kernels"].items():
       assert kernel["spill_bytes"] == 0, (case, name, kernel)
       assert kernel["shared_bytes"] <= 232448, (case, name, kernel)  # H100 opt-in maximum
       assert "wgmma" in kernel["tensor_cores"], (case, name, kernel)
-  # Control: 128 x 128 tiles at P = 2, d = 128 do not fit the register file.
+  # Control: 128 x 128 tiles at P = 2, d = 128 exceed the shared memory of three stages.
   control = rows["control: 128 x 128 tiles at P = 2"]
-  assert control["ok"], control["error"]
-  assert max(k["spill_bytes"] for k in control["kernels"].values()) > 0, control
+  assert not control["ok"]
+  assert "shared memory" in control["error"].lower(), control["error"]
 
 
 @_needs("cuda")
@@ -134,8 +134,7 @@ def test_train_step_compiles_for_target(target, platform, mesh):
     assert "no schedule" not in out and "MFU above 100%" not in out, out
   calls = int(out.split("Pallas kernel calls: ")[1].split()[0])
   assert calls >= 3, out  # forward, dQ, dK/dV of the IHA layer at least
-  dkv_kernel = "iha_flash_dkv" if platform == "tpu" else "iha_backward_dkv"
-  assert "per-device memory" in out and dkv_kernel in out
+  assert "per-device memory" in out and "iha_flash_dkv" in out
 
 
 @_needs("cuda")

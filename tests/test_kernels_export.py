@@ -56,11 +56,8 @@ def test_iha_exports(shape, platform, grad):
     )
   exported = _export(f, platform, x, x, x, a, a, a, a)
   assert target in _custom_calls(exported)
-  # GPU: no P-sized array with a virtual-sequence axis (materialised pseudo q/k/v)
-  # anywhere. TPU mixes pseudo q/k/v in HBM by design (iha_jax.kernels.tpu_attention;
-  # tests/test_kernels.py checks it saves none of them for the backward).
-  if platform != "tpu":
-    assert not re.search(rf"tensor<(?:\d+x)*{n * p}x", exported.mlir_module())
+  # Both platforms mix pseudo q/k/v in HBM by design (iha_jax.kernels.virtual_attention;
+  # tests/test_kernels.py checks the backward saves none of them).
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))

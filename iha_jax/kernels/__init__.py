@@ -1,8 +1,8 @@
 """Pallas IHA attention kernels (TPU: Mosaic, GPU: Triton), forward and backward.
 
-`fused_iha_attention` / `fused_mha_attention` take the source heads (GPU: pseudo-heads
-built on chip, `iha_jax.kernels.fused`; TPU: mixed in HBM, then flash attention,
-`iha_jax.kernels.tpu_attention`);
+`fused_iha_attention` / `fused_mha_attention` take the source heads (pseudo-heads mixed
+by einsums in HBM, then flash attention over the virtual rows:
+`iha_jax.kernels.virtual_attention`);
 `sharded_iha_attention` / `sharded_mha_attention` run them inside `jax.shard_map`
 (`iha_jax.kernels.sharded`). Most callers want `iha_jax.ops.iha_attention(...,
 implementation="pallas_tpu")`, which checks its arguments and picks between the two.

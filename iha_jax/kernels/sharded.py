@@ -194,12 +194,12 @@ def sharded_iha_attention(
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *token_arrays):
     local_options = tokens.options(options, token_arrays)
-    y, restore = fused.collapsed_outputs(
+    y = fused.collapsed_outputs(
       q, k, v, (alpha_q, alpha_k, alpha_v), collapse, local_options, platform=platform
     )
     if full and head_axis:  # every output head mixes every target head: sum the shares
       y = jax.lax.psum(y, head_axis)
-    return restore(y).astype(q.dtype)
+    return y.astype(q.dtype)
 
   source = P(batch, None, None, None)
   alpha = P(None, head_axis, None)

@@ -249,3 +249,19 @@ class Tiles:
       last=exists & xp.where(hi <= lo, local == 0, compute & (tile == hi - 1)),
       masked=~self.fully_visible(i, j, offset),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """Static shape of one flash-attention call (hashable: a custom_vjp nondiff argument);
+  the TPU and GPU flash kernels take it alike."""
+
+  tiles: Tiles
+  heads: int  # H query heads
+  kv_heads: int  # G key/value heads
+  segments: bool  # segment ids given
+  rotary: bool = False  # RoPE tables given: q and k rotated per tile, in VMEM
+
+  @property
+  def group(self) -> int:
+    return self.heads // self.kv_heads

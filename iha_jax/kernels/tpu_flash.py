@@ -29,7 +29,6 @@ that run them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -39,26 +38,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax.core.masking import MASK_VALUE
-from iha_jax.kernels.tile_schedule import Tiles
+from iha_jax.kernels.tile_schedule import Call
 
 LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-  """Static shape of one call (hashable: a custom_vjp nondiff argument)."""
-
-  tiles: Tiles
-  heads: int  # H query heads
-  kv_heads: int  # G key/value heads
-  segments: bool  # segment ids given
-  rotary: bool = False  # RoPE tables given: q and k rotated per tile, in VMEM
-
-  @property
-  def group(self) -> int:
-    return self.heads // self.kv_heads
 
 
 def _div(a, b: int):

@@ -25,7 +25,7 @@ from iha_jax.parallel import targets
 
 # Custom-call targets of Pallas kernels: Mosaic (TPU) and Triton (GPU).
 KERNEL_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
-KERNEL_PREFIX = "iha_"  # the project's kernels are named iha_forward, iha_backward_dq, ...
+KERNEL_PREFIX = "iha_"  # the project's kernels are named iha_flash_forward, iha_flash_dq, ...
 # jax 0.11+'s XLA:GPU writes the PTX into the dump only when this pattern matches the
 # dump's tag "ptx" (it is matched against tags such as "ptx", "llvm", "triton-fusion",
 # never kernel names); unset, jax 0.10.2's wrote PTX and LLVM IR always, jax 0.12's
@@ -50,7 +50,7 @@ class Kernel:
 
   @property
   def kind(self) -> str:
-    """`iha_forward__1` -> `iha_forward` (XLA numbers repeated kernels)."""
+    """`iha_flash_forward__1` -> `iha_flash_forward` (XLA numbers repeated kernels)."""
     return re.sub(r"(__\d+|\.\d+)$", "", self.name)
 
 

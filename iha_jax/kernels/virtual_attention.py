@@ -1,18 +1,21 @@
-"""IHA and MHA on TPU: pseudo-heads mixed on the MXU in HBM, then flash attention.
+"""IHA and MHA on TPU and GPU: pseudo-heads mixed by einsums in HBM, then flash attention.
 
 IHA's P pseudo-queries, keys and values per head are linear in the source heads, so
-they are made once per call by einsums (`bnmd,mhp->bhnpd`: the MXU, HBM-bound at these
-sizes) and laid out head-major as the `T = N * P` virtual rows each target head attends
-over; `iha_jax.kernels.tpu_flash` then runs plain flash attention on them (no per-tile
-rebuild of pseudo tiles from all H source heads, which bound the earlier fused kernels
-by the vector units), and the P outputs collapse by one more einsum. The softmax scale
-`1/sqrt(d)` rides on `alpha_q` (on q for MHA), so the kernels do no scaling.
+they are made once per call by einsums (`bnmd,mhp->bhnpd`: the MXU or tensor cores,
+HBM-bound at these sizes) and laid out head-major as the `T = N * P` virtual rows each
+target head attends over; a flash kernel then runs plain flash attention on them
+(`iha_jax.kernels.tpu_flash`: Mosaic; `iha_jax.kernels.gpu_flash`: Triton), with no
+per-tile rebuild of pseudo tiles from all H source heads (which bound the earlier fused
+kernels by the vector units / CUDA cores), and the P outputs collapse by one more einsum.
+The softmax scale `1/sqrt(d)` rides on `alpha_q` (on q for MHA), so the kernels do no
+scaling.
 
-RoPE at the virtual positions `pos * P + p`: window layers and MHA, bound by HBM, pass
-one float32 `cos | sin` table per side, `[B, T, 2d]` (no head axis), and the kernels
+RoPE at the virtual positions `pos * P + p`: on TPU, window layers and MHA, bound by HBM,
+pass one float32 `cos | sin` table per side, `[B, T, 2d]` (no head axis), and the kernels
 rotate each q tile once and each k tile per step in VMEM, and rotate dq, dk back;
 global IHA layers, bound by the MXU, rotate q and k here in HBM (one pass, cheaper than a
-key-tile rotation at every step). Estimates of both: docs/performance.md §14.
+key-tile rotation at every step). Estimates of both: docs/performance.md §14. On GPU,
+q and k are always rotated here, in the einsums' float32 output.
 
 What the custom VJP keeps for the backward: the source q, k, v (the caller's), the
 mixing tensors, the pseudo output o (P times the MHA output, bfloat16 at bf16 inputs)
@@ -30,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,16 +41,21 @@ from jax import lax
 from iha_jax.core.options import AttentionOptions, round_up
 from iha_jax.core.rope import rope_frequencies
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import tpu_flash
-from iha_jax.kernels.tile_schedule import Tiles
+from iha_jax.kernels import gpu_flash, tpu_flash
+from iha_jax.kernels.tile_schedule import Call, Tiles
 
-# Default tiles (rows), the estimate's choice on v5p at the paper's shape
+# Default TPU tiles (rows), the estimate's choice on v5p at the paper's shape
 # (docs/performance.md): global layers amortise a step's fixed cost over 1024 x 1024
 # pairs; a window's band wastes less of a 512-row tile (and 1024 x 1024 window backward
 # kernels exceed the default scoped VMEM, as float32 ones would).
 GLOBAL_BLOCK = 1024
 WINDOW_BLOCK = 512
 SUBLANES = 16  # bf16 packs 16 rows per vreg: tiles are multiples of it
+# Default GPU tiles (rows): 128 query rows against 64-row key tiles, the FlashAttention-2
+# shape for Hopper's wgmma at d <= 128 (`gpu_flash.launch` sizes warps and stages).
+GPU_BLOCK_Q = 128
+GPU_BLOCK_K = 64
+_FLASH = {"tpu": tpu_flash, "gpu": gpu_flash}
 
 
 def _tile(rows: int, requested: int | None, default: int, name: str) -> tuple[int, int]:
@@ -63,10 +70,25 @@ def _tile(rows: int, requested: int | None, default: int, name: str) -> tuple[in
   return block, round_up(rows, block)
 
 
-def _run(fn: Callable, *args):
-  """`fn(*args, interpret=...)`: Mosaic on TPU, Pallas' interpreter elsewhere."""
+def _gpu_tile(rows: int, requested: int | None, default: int, name: str) -> tuple[int, int]:
+  """`_tile` for Triton: tiles are powers of two >= 16 rows (Triton's block shapes)."""
+  if requested is not None and (requested < 16 or requested & (requested - 1)):
+    raise ValueError(
+      f"block_sizes.{name}={requested}: GPU tiles are powers of two >= 16 rows "
+      "(virtual tokens for IHA), e.g. 64"
+    )
+  block = min(requested or default, max(16, gpu_flash.next_pow2(rows)))
+  return block, round_up(rows, block)
+
+
+def _run(platform: str, name: str, call: Call, *args):
+  """`<platform>_flash.<name>(call, *args)`: compiled on its platform (Mosaic on TPU,
+  Triton on cuda/rocm), Pallas' interpreter elsewhere (e.g. CPU)."""
+  fn = getattr(_FLASH[platform], name)
+  compiled = functools.partial(fn, call, interpret=False)
+  targets = {"tpu": compiled} if platform == "tpu" else {"cuda": compiled, "rocm": compiled}
   return lax.platform_dependent(
-    *args, tpu=functools.partial(fn, interpret=False), default=functools.partial(fn, interpret=True)
+    *args, default=functools.partial(fn, call, interpret=True), **targets
   )
 
 
@@ -97,37 +119,29 @@ class _Mixing:
     return tuple(_rope_table(x, num_pseudo, d, self.theta, r) for x, r in rows)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _pipeline(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _pipeline(platform, mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
   """Padded pseudo outputs `[B, Ht, rows_q, dv]` of mixing + flash attention."""
-  return _pipeline_fwd(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset)[0]
+  args = (q, k, v, alphas, positions, key_positions, seg, offset)
+  return _pipeline_fwd(platform, mixing, call, *args)[0]
 
 
-def _pipeline_fwd(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
+def _pipeline_fwd(platform, mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
   qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
   rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
-  o, lse = _run(functools.partial(tpu_flash.forward, call), qv, kv, vv, rope, seg, offset)
+  o, lse = _run(platform, "forward", call, qv, kv, vv, rope, seg, offset)
   # Saved: the source heads, not the P-times larger pseudo q/k/v (remade below).
   return o, (q, k, v, alphas, positions, key_positions, seg, offset, o, lse[..., 0])
 
 
-def _pipeline_bwd(mixing, call, residuals, do):
+def _pipeline_bwd(platform, mixing, call, residuals, do):
   q, k, v, alphas, positions, key_positions, seg, offset, o, lse = residuals
   mix = lambda q, k, v, alphas: mixing(q, k, v, alphas, positions, key_positions)
   (qv, kv, vv), mix_vjp = jax.vjp(mix, q, k, v, alphas)
   rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
   dqv, dkv, dvv = _run(
-    functools.partial(tpu_flash.backward, call),
-    qv,
-    kv,
-    vv,
-    rope,
-    seg,
-    offset,
-    do.astype(qv.dtype),
-    lse,
-    delta,
+    platform, "backward", call, qv, kv, vv, rope, seg, offset, do.astype(qv.dtype), lse, delta
   )
   dq, dk, dv, dalphas = mix_vjp((dqv, dkv, dvv))  # already in the pseudo rows' dtypes
   return dq, dk, dv, dalphas, None, None, None, None
@@ -202,8 +216,10 @@ def attend_virtual(
   v: jax.Array,
   alphas: tuple[jax.Array, jax.Array, jax.Array] | None,
   options: AttentionOptions,
+  platform: str = "tpu",
 ) -> jax.Array:
-  """Pseudo outputs `[B, Ht, N, P, dv]` (q.dtype) of mixing + flash attention.
+  """Pseudo outputs `[B, Ht, N, P, dv]` (q.dtype) of mixing + flash attention on
+  `platform` ("tpu" or "gpu": whose kernels; interpreted off that platform).
 
   q `[B, N, H, d]`, k `[B, Nk, G, d]`, v `[B, Nk, G, dv]` source heads (Nk = N unless a
   sequence shard); `alphas = (alpha_q [H, Ht, P], alpha_k [G, Gt, P], alpha_v [G, Gt, P])`
@@ -222,11 +238,16 @@ def attend_virtual(
     if key_positions is None:
       key_positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
   blocks = options.block_sizes
-  # float32 tiles take twice the VMEM: global layers fall back to the window's tiles.
-  wide = options.window is None and jnp.dtype(q.dtype).itemsize <= 2
-  default = GLOBAL_BLOCK if wide else WINDOW_BLOCK
-  block_q, rows_q = _tile(n * p, blocks and blocks.block_q, default, "block_q")
-  block_k, rows_k = _tile(nk * p, blocks and blocks.block_k, default, "block_k")
+  requested = (blocks and blocks.block_q, blocks and blocks.block_k)
+  if platform == "gpu":
+    block_q, rows_q = _gpu_tile(n * p, requested[0], GPU_BLOCK_Q, "block_q")
+    block_k, rows_k = _gpu_tile(nk * p, requested[1], GPU_BLOCK_K, "block_k")
+  else:
+    # float32 tiles take twice the VMEM: global layers fall back to the window's tiles.
+    wide = options.window is None and jnp.dtype(q.dtype).itemsize <= 2
+    default = GLOBAL_BLOCK if wide else WINDOW_BLOCK
+    block_q, rows_q = _tile(n * p, requested[0], default, "block_q")
+    block_k, rows_k = _tile(nk * p, requested[1], default, "block_k")
   offset = options.query_offset if sliced else 0
   static = isinstance(offset, int)
   tiles = Tiles(
@@ -258,11 +279,17 @@ def attend_virtual(
   # RoPE per tile in the kernels where they are bound by HBM (windows, MHA: no float32
   # P-sized rotation through HBM); global IHA is bound by the MXU, and rotating its key
   # tiles at every step costs more than one pass in HBM (docs/performance.md §14).
-  in_kernel = options.rope_theta is not None and (options.window is not None or alphas is None)
-  call = tpu_flash.Call(tiles, heads=heads, kv_heads=kv_heads, segments=segments, rotary=in_kernel)
+  # (On GPU, always in HBM.)
+  in_kernel = (
+    platform == "tpu"
+    and options.rope_theta is not None
+    and (options.window is not None or alphas is None)
+  )
+  call = Call(tiles, heads=heads, kv_heads=kv_heads, segments=segments, rotary=in_kernel)
   offset_operand = None if static else (jnp.asarray(offset, jnp.int32) * p).reshape(1)
   mixing = _Mixing(options.rope_theta, 1 / math.sqrt(d), rows_q, rows_k, in_kernel)
-  o = _pipeline(mixing, call, q, k, v, alphas, positions, key_positions, seg, offset_operand)
+  args = (q, k, v, alphas, positions, key_positions, seg, offset_operand)
+  o = _pipeline(platform, mixing, call, *args)
   return o[:, :, : n * p].reshape(b, heads, n, p, v.shape[-1])
 
 
@@ -273,15 +300,18 @@ def collapsed(
   alphas: tuple[jax.Array, jax.Array, jax.Array],
   collapse: jax.Array,
   options: AttentionOptions,
+  platform: str = "tpu",
 ) -> jax.Array:
-  """IHA on TPU -> `[B, N, H', d]` float32: H' = H for a full collapse `[H, Ht, P]` (a
-  partial sum over the Ht local target heads), Ht for per_head `[Ht, P]`."""
-  o = attend_virtual(q, k, v, alphas, options)
+  """IHA -> `[B, N, H', d]` float32: H' = H for a full collapse `[H, Ht, P]` (a partial
+  sum over the Ht local target heads), Ht for per_head `[Ht, P]`."""
+  o = attend_virtual(q, k, v, alphas, options, platform)
   spec = "bgnpd,hgp->bnhd" if collapse.ndim == 3 else "bhnpd,hp->bnhd"
   return jnp.einsum(spec, o, collapse.astype(o.dtype), preferred_element_type=jnp.float32)
 
 
-def mha(q: jax.Array, k: jax.Array, v: jax.Array, options: AttentionOptions) -> jax.Array:
-  """MHA on TPU: q `[B, N, H, d]`, k `[B, Nk, G, d]`, v `[B, Nk, G, dv]` -> `[B, N, H, dv]`."""
-  o = attend_virtual(q, k, v, None, options)
+def mha(
+  q: jax.Array, k: jax.Array, v: jax.Array, options: AttentionOptions, platform: str = "tpu"
+) -> jax.Array:
+  """MHA: q `[B, N, H, d]`, k `[B, Nk, G, d]`, v `[B, Nk, G, dv]` -> `[B, N, H, dv]`."""
+  o = attend_virtual(q, k, v, None, options, platform)
   return jnp.swapaxes(o[:, :, :, 0], 1, 2)
