@@ -303,11 +303,10 @@ def test_exported_step_runs_every_kernel_inside_shard_map(monkeypatch):
     )
     return export.kernel_placement(exported.mlir_module())
 
-  # L: forward + 2 backward kernels (GPU: the backward runs the forward kernel once more);
-  # D (two maps as one MHA call): forward + 2 backward.
-  for platform, kernels in (("tpu", 6), ("gpu", 7)):
+  # L and D (two maps as one MHA call): forward + 2 backward kernels each.
+  for platform in ("tpu", "gpu"):
     routed = placement(platform)
-    assert (routed.inside, routed.outside) == (kernels, 0), (platform, routed)
+    assert (routed.inside, routed.outside) == (6, 0), (platform, routed)
     assert len(routed.regions) == 4, routed.regions  # L and D, forward and backward
     for region in routed.regions:
       operands = re.findall(r"<@mesh, \[(.*?)\]>", region)
@@ -317,7 +316,7 @@ def test_exported_step_runs_every_kernel_inside_shard_map(monkeypatch):
       assert not [o for o in operands if o.count("{") >= 4 and o.startswith("{}")], region
   monkeypatch.setattr(parallel.sharding, "kernel_axes", lambda mesh: None)
   unrouted = placement("gpu")
-  assert (unrouted.inside, unrouted.outside) == (0, 7), unrouted
+  assert (unrouted.inside, unrouted.outside) == (0, 6), unrouted
   with pytest.raises(NotImplementedError, match="shard_map"):
     placement("tpu")
 

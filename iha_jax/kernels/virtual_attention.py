@@ -52,9 +52,10 @@ GLOBAL_BLOCK = 1024
 WINDOW_BLOCK = 512
 SUBLANES = 16  # bf16 packs 16 rows per vreg: tiles are multiples of it
 # Default GPU tiles (rows): 128 query rows against 64-row key tiles, the FlashAttention-2
-# shape for Hopper's wgmma at d <= 128 (`gpu_flash.launch` sizes warps and stages).
-GPU_BLOCK_Q = 128
-GPU_BLOCK_K = 64
+# shape for Hopper's wgmma at d <= 128 (`gpu_flash.launch` sizes warps and stages);
+# float32 dots run on the CUDA cores (true float32 products), and 64 x 16 tiles are the
+# largest that compile spill-free at d = 128 (docs/compile_checks.md).
+GPU_BLOCKS = {2: (128, 64), 4: (64, 16)}  # (block_q, block_k) by bytes per element: <= 2, 4
 _FLASH = {"tpu": tpu_flash, "gpu": gpu_flash}
 
 
@@ -240,8 +241,9 @@ def attend_virtual(
   blocks = options.block_sizes
   requested = (blocks and blocks.block_q, blocks and blocks.block_k)
   if platform == "gpu":
-    block_q, rows_q = _gpu_tile(n * p, requested[0], GPU_BLOCK_Q, "block_q")
-    block_k, rows_k = _gpu_tile(nk * p, requested[1], GPU_BLOCK_K, "block_k")
+    default_q, default_k = GPU_BLOCKS[4 if jnp.dtype(q.dtype).itemsize >= 4 else 2]
+    block_q, rows_q = _gpu_tile(n * p, requested[0], default_q, "block_q")
+    block_k, rows_k = _gpu_tile(nk * p, requested[1], default_k, "block_k")
   else:
     # float32 tiles take twice the VMEM: global layers fall back to the window's tiles.
     wide = options.window is None and jnp.dtype(q.dtype).itemsize <= 2
