@@ -97,13 +97,11 @@ def baselines():
     (MODEL, dict(data=1, fsdp=1, context=8, tensor=1), "contiguous", True),
     (MODEL, dict(data=2, fsdp=1, context=2, tensor=2), "balanced", False),
     (WINDOWS, dict(data=1, fsdp=1, context=4, tensor=1), "balanced", True),
-    (WINDOWS, dict(data=1, fsdp=1, context=8, tensor=1), "contiguous", False),
   ],
   ids=[
     "every-kind-context8-causal",
     "every-kind-data2-context2-tensor2-balanced-bidirectional",
     "windows-context4-balanced-causal",
-    "windows-context8-bidirectional",
   ],
 )
 def test_sharded_sequence_equals_one_device(baselines, model, sizes, layout, causal):
