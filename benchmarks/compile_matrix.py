@@ -107,6 +107,7 @@ SMOKE = {
       "GQA: 2.4B L layer (P = H = 20, G = 5), one of 4 sequence shards",
       dataclasses.replace(GQA_CASES[0][1], tokens=2048, shards=4),
     ),
+    ("2.4B D layer (diff: MHA, dv = 2d)", CASES[5][1]),
     (
       "control: 2048-row tiles at P = 4, forward",
       Case(pseudo=4, tokens=2048, window=512, blocks=(2048, 2048), backward=False),

@@ -59,7 +59,8 @@ def test_tpu_kernels_compile_within_scoped_vmem():
   # The paper's layer, and its grouped-query variant (20 query heads over 5 key/value heads)
   # as one sequence shard's call (context parallelism: queries at a traced offset).
   shard = "GQA: 2.4B L layer (P = H = 20, G = 5), one of 4 sequence shards"
-  for case in ("2.4B L layer as shipped (P = H = 20)", shard):
+  # The D layer (MHA with dv = 2d) at N = 8192: 1024-row tiles overflowed VMEM there.
+  for case in ("2.4B L layer as shipped (P = H = 20)", shard, "2.4B D layer (diff: MHA, dv = 2d)"):
     paper = rows[case]
     assert paper["ok"], paper["error"]
     assert paper["target"] == "v5p-8"

@@ -245,8 +245,14 @@ def attend_virtual(
     block_q, rows_q = _gpu_tile(n * p, requested[0], default_q, "block_q")
     block_k, rows_k = _gpu_tile(nk * p, requested[1], default_k, "block_k")
   else:
-    # float32 tiles take twice the VMEM: global layers fall back to the window's tiles.
-    wide = options.window is None and jnp.dtype(q.dtype).itemsize <= 2
+    # float32 tiles, or rows over 128 lanes (differential attention's dv = 2d), take twice
+    # the VMEM: those global layers fall back to the window's tiles (1024-row dK/dV tiles
+    # at dv = 256 needed 20.4 of v5p's 16 MiB).
+    wide = (
+      options.window is None
+      and jnp.dtype(q.dtype).itemsize <= 2
+      and max(d, v.shape[-1]) <= tpu_flash.LANES
+    )
     default = GLOBAL_BLOCK if wide else WINDOW_BLOCK
     block_q, rows_q = _tile(n * p, requested[0], default, "block_q")
     block_k, rows_k = _tile(nk * p, requested[1], default, "block_k")
