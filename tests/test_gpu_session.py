@@ -17,7 +17,7 @@ def test_default_plan_fits_one_call_in_order_of_value():
   out = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True, check=True)
   lines = out.stdout.split()
   stages = [line.split(":")[0] for line in lines[:-2]]
-  assert stages == ["env", "kernels4", "kernels2", "train", "train_nosegs", "tests"]
+  assert stages == ["env", "kernels4", "kernels2", "train", "train_nosegs", "kernel_tests"]
   total = int(lines[-1].rstrip("s"))
   assert total == sum(int(line.split(":")[1]) for line in lines[:-2])
   assert total <= 570  # 600 s per call, wheel installs included
