@@ -38,7 +38,6 @@ MIN_LANES = 16  # Triton dots need every dimension >= 16
 DKV_BLOCK_Q = 64  # query rows per dK/dV step (`backward`)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 def next_pow2(x: int) -> int:
@@ -64,7 +63,8 @@ def launch(kernel: str, width: int, dtype) -> Launch:
 
 
 def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
-  """A float32-accumulated tensor-core matmul; float32 inputs get float32 products."""
+  """A float32-accumulated matmul: tensor cores for 16-bit inputs; float32 inputs get true
+  float32 products (on the CUDA cores)."""
   precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
 

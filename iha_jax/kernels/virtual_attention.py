@@ -10,8 +10,8 @@ kernels by the vector units / CUDA cores), and the P outputs collapse by one mor
 The softmax scale `1/sqrt(d)` rides on `alpha_q` (on q for MHA), so the kernels do no
 scaling.
 
-RoPE at the virtual positions `pos * P + p`: on TPU, window layers and MHA, bound by HBM,
-pass one float32 `cos | sin` table per side, `[B, T, 2d]` (no head axis), and the kernels
+RoPE at the virtual positions `pos * P + p`: on TPU, window layers and MHA at tiles under
+1024 rows, bound by HBM, pass one float32 `cos | sin` table per side, `[B, T, 2d]` (no head axis), and the kernels
 rotate each q tile once and each k tile per step in VMEM, and rotate dq, dk back;
 global IHA layers, bound by the MXU, rotate q and k here in HBM (one pass, cheaper than a
 key-tile rotation at every step). Estimates of both: docs/performance.md §14. On GPU,
@@ -51,11 +51,19 @@ from iha_jax.kernels.tile_schedule import Call, Tiles
 GLOBAL_BLOCK = 1024
 WINDOW_BLOCK = 512
 SUBLANES = 16  # bf16 packs 16 rows per vreg: tiles are multiples of it
-# Default GPU tiles (rows): 128 query rows against 64-row key tiles, the FlashAttention-2
-# shape for Hopper's wgmma at d <= 128 (`gpu_flash.launch` sizes warps and stages);
-# float32 dots run on the CUDA cores (true float32 products), and 64 x 16 tiles are the
-# largest that compile spill-free at d = 128 (docs/compile_checks.md).
-GPU_BLOCKS = {2: (128, 64), 4: (64, 16)}  # (block_q, block_k) by bytes per element: <= 2, 4
+
+
+def _gpu_blocks(dtype, head_dim: int) -> tuple[int, int]:
+  """Default GPU tiles (rows): 128 query rows against 64-row key tiles, the
+  FlashAttention-2 shape for Hopper's wgmma at d <= 128 (`gpu_flash.launch` sizes warps
+  and stages); 64 x 32 for wider q/k rows (128 x 64 overflowed shared memory at d = 256);
+  64 x 16 for float32, whose dots run on the CUDA cores (true float32 products): the
+  largest spill-free at d = 128 (docs/compile_checks.md)."""
+  if jnp.dtype(dtype).itemsize >= 4:
+    return 64, 16
+  return (64, 32) if head_dim > 128 else (128, 64)
+
+
 _FLASH = {"tpu": tpu_flash, "gpu": gpu_flash}
 
 
@@ -241,7 +249,7 @@ def attend_virtual(
   blocks = options.block_sizes
   requested = (blocks and blocks.block_q, blocks and blocks.block_k)
   if platform == "gpu":
-    default_q, default_k = GPU_BLOCKS[4 if jnp.dtype(q.dtype).itemsize >= 4 else 2]
+    default_q, default_k = _gpu_blocks(q.dtype, d)
     block_q, rows_q = _gpu_tile(n * p, requested[0], default_q, "block_q")
     block_k, rows_k = _gpu_tile(nk * p, requested[1], default_k, "block_k")
   else:
@@ -286,12 +294,13 @@ def attend_virtual(
   kv_heads = k.shape[2] if alphas is None else alphas[1].shape[1]
   # RoPE per tile in the kernels where they are bound by HBM (windows, MHA: no float32
   # P-sized rotation through HBM); global IHA is bound by the MXU, and rotating its key
-  # tiles at every step costs more than one pass in HBM (docs/performance.md §14).
-  # (On GPU, always in HBM.)
+  # tiles at every step costs more than one pass in HBM (docs/performance.md §14). Not
+  # with 1024-row tiles: their float32 tables left MHA's dK/dV no VMEM headroom (over
+  # v5p's 16 MiB at N = 65536). (On GPU, always in HBM.)
   in_kernel = (
     platform == "tpu"
     and options.rope_theta is not None
-    and (options.window is not None or alphas is None)
+    and (options.window is not None or (alphas is None and max(block_q, block_k) < GLOBAL_BLOCK))
   )
   call = Call(tiles, heads=heads, kv_heads=kv_heads, segments=segments, rotary=in_kernel)
   offset_operand = None if static else (jnp.asarray(offset, jnp.int32) * p).reshape(1)
