@@ -11,8 +11,9 @@ The softmax scale `1/sqrt(d)` rides on `alpha_q` (on q for MHA), so the kernels 
 scaling.
 
 RoPE at the virtual positions `pos * P + p`: on TPU, window layers and MHA at tiles under
-1024 rows, bound by HBM, pass one float32 `cos | sin` table per side, `[B, T, 2d]` (no head axis), and the kernels
-rotate each q tile once and each k tile per step in VMEM, and rotate dq, dk back;
+1024 rows, bound by HBM, pass one float32 `cos | sin` table per side, `[B, T, 2d]` (no
+head axis), and the kernels rotate each q tile once and each k tile per step in VMEM,
+and rotate dq, dk back;
 global IHA layers, bound by the MXU, rotate q and k here in HBM (one pass, cheaper than a
 key-tile rotation at every step). Estimates of both: docs/performance.md §14. On GPU,
 q and k are always rotated here, in the einsums' float32 output.
