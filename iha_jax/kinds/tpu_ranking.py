@@ -14,6 +14,6 @@ RANKING = (
   ("iha", 20, False, "splash", 560.054, 3549.161),
   ("iha", 20, True, "pallas_tpu", 11.351, 37.226),
   ("iha", 20, True, "splash", 22.351, 68.558),
-  ("mha", 1, False, "pallas_tpu", 1.181, 4.300),
+  ("mha", 1, False, "pallas_tpu", 1.325, 4.477),
   ("mha", 1, False, "splash", 1.868, 9.598),
 )
