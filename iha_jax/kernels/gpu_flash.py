@@ -89,6 +89,12 @@ def _mask(call: Call, q_tile, k_tile, offset, seg_q, seg_k, transposed: bool) ->
   return ok & (seg_q[:, None] == seg_k[None, :]) if call.segments else ok
 
 
+def _query_tile(call: Call, grid_index):
+  """The query tile of grid index `grid_index` (forward and dQ): the last first, so the
+  widest causal bands start first."""
+  return call.tiles.num_q - 1 - grid_index
+
+
 def _rows(ref, tile, block: int, head=None):
   """Rows `[tile * block, (tile + 1) * block)` of a ref (of head `head` of a group's)."""
   rows = pl.ds(tile * block, block)
@@ -103,7 +109,7 @@ def _forward_kernel(*refs, call: Call):
   q_ref, k_ref, v_ref, *refs = refs
   seg_q_ref, seg_k_ref, o_ref, lse_ref = refs if call.segments else (None, None, *refs)
   tiles = call.tiles
-  i = tiles.num_q - 1 - pl.program_id(0)  # the widest causal bands start first
+  i = _query_tile(call, pl.program_id(0))
   seg_q = seg_q_ref[...] if call.segments else None
   q = q_ref[...]
 
@@ -144,7 +150,7 @@ def _dq_kernel(*refs, call: Call):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
   seg_q_ref, seg_k_ref, dq_ref = refs if call.segments else (None, None, *refs)
   tiles = call.tiles
-  i = tiles.num_q - 1 - pl.program_id(0)
+  i = _query_tile(call, pl.program_id(0))
   seg_q = seg_q_ref[...] if call.segments else None
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
@@ -234,10 +240,10 @@ def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
   tiles, r = call.tiles, call.group
   bq, width = tiles.block_q, max(q.shape[-1], v.shape[-1])
   operands, in_specs = _offset_operand(call, offset)
-  home = lambda i, bb, hh: tiles.num_q - 1 - i
+  home = functools.partial(_query_tile, call)
   operands += [q, k, v]
   in_specs += [
-    pl.BlockSpec((None, None, bq, q.shape[-1]), lambda i, bb, hh: (bb, hh, home(i, bb, hh), 0)),
+    pl.BlockSpec((None, None, bq, q.shape[-1]), lambda i, bb, hh: (bb, hh, home(i), 0)),
     pl.BlockSpec((None, None, *k.shape[2:]), lambda i, bb, hh: (bb, hh // r, 0, 0)),
     pl.BlockSpec((None, None, *v.shape[2:]), lambda i, bb, hh: (bb, hh // r, 0, 0)),
   ]
@@ -245,7 +251,7 @@ def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
     seg_q, seg_k = _segment_ids(seg)
     operands += [seg_q, seg_k]
     in_specs += [
-      pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, home(i, bb, hh))),
+      pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, home(i))),
       pl.BlockSpec((None, seg_k.shape[1]), lambda i, bb, hh: (bb, 0)),
     ]
   o, lse = _pallas(
@@ -257,8 +263,8 @@ def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
     interpret,
     in_specs=in_specs,
     out_specs=[
-      pl.BlockSpec((None, None, bq, v.shape[-1]), lambda i, bb, hh: (bb, hh, home(i, bb, hh), 0)),
-      pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, home(i, bb, hh))),
+      pl.BlockSpec((None, None, bq, v.shape[-1]), lambda i, bb, hh: (bb, hh, home(i), 0)),
+      pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, home(i))),
     ],
     out_shape=[
       jax.ShapeDtypeStruct((b, h, tq, v.shape[-1]), q.dtype),
@@ -284,7 +290,7 @@ def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpre
   operands = [*lead, q, k, v, do, lse, delta, *segs]
 
   # dQ: the forward's grid.
-  home = lambda i: tiles.num_q - 1 - i
+  home = functools.partial(_query_tile, call)
   per_q = lambda *block: pl.BlockSpec(
     (None, None, bq, *block), lambda i, bb, hh: (bb, hh, home(i), *(0,) * len(block))
   )
