@@ -8,7 +8,7 @@ loop is one plain flash step over a key (or query) tile: two tensor-core matmuls
 
 Layouts (rows: the attended sequence, padded to whole tiles; the same as tpu_flash):
   q `[B, H, Tq, d]`, k `[B, G, Tk, d]`, v `[B, G, Tk, dv]` (G divides H: query head h
-  reads key/value head `h // (H // G)`), o `[B, H, Tq, dv]`, lse `[B, H, Tq, 1]` f32;
+  reads key/value head `h // (H // G)`), o `[B, H, Tq, dv]`, lse `[B, H, Tq]` f32;
   segment ids (optional) as tpu_flash takes them (query ids `[B, Tq, 1]`, key ids
   `[B, tiles, 1, bk]`; padding keys -1, padding queries 0: zero outputs); d and dv are
   padded here to a power of two >= 16 lanes (Triton's block shapes).
@@ -231,7 +231,7 @@ def _offset_operand(call: Call, offset) -> tuple[list, list]:
 
 
 def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
-  """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq, 1]` float32); arguments as
+  """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq]` float32); arguments as
   `tpu_flash.forward`'s (`rope` must be None: RoPE is applied before, in HBM)."""
   if rope is not None:
     raise ValueError("gpu_flash takes q and k already rotated (rope=None)")
@@ -271,7 +271,7 @@ def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
       jax.ShapeDtypeStruct((b, h, tq), jnp.float32),
     ],
   )(*operands)
-  return o[..., :dv], lse[..., None]
+  return o[..., :dv], lse
 
 
 def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpret: bool):

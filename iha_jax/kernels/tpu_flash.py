@@ -9,7 +9,10 @@ VMEM scratch, each k tile per step, and the float32 dq / dk accumulators rotated
 
 Layouts (rows: the attended sequence, padded to whole tiles):
   q `[B, H, Tq, d]`, k `[B, G, Tk, d]`, v `[B, G, Tk, dv]` (G divides H: query head h
-  reads key/value head `h // (H // G)`), o `[B, H, Tq, dv]`, lse `[B, H, Tq, 1]` f32;
+  reads key/value head `h // (H // G)`), o `[B, H, Tq, dv]`; the per-row float32 lse and
+  delta cross HBM as rows of one tile each, `[B, H, tiles, 1, bq]` (compact: a column
+  `[B, H, Tq, 1]` is padded to 128 lanes there, 128 times its size: 3.1 GiB per array
+  at P = 20 in the 2.4B step), and the kernels that need columns transpose them in VMEM;
   segment ids (optional) as columns `[B, T, 1]` and rows `[B, 1, T]` int32, padding keys
   marked -1 (never equal to a query's id), padding queries 0 (zeroed outputs); RoPE
   tables (optional) `[B, T, 2d]` float32 (`cos | sin`) per query / key row, blocked
@@ -109,6 +112,20 @@ def _visible(call: Call, q_tile, k_tile, offset, shape, transposed: bool, seg_q=
   return ok
 
 
+def _row(column: jax.Array) -> jax.Array:
+  """A lane-replicated column `[rows, 128]` -> the row `[1, rows]` (an XLU transpose)."""
+  return jnp.transpose(column)[:1]
+
+
+def _columns(*rows: jax.Array) -> tuple[jax.Array, ...]:
+  """Rows `[1, n]` -> columns `[n, 1]`, by one transpose of whole 128-row blocks (the
+  XLU's unit; two transposes of 8 sublanes each cost ~280 bundles per tile on v5p)."""
+  share = LANES // len(rows)
+  stacked = jnp.concatenate([jnp.broadcast_to(r, (share, r.shape[1])) for r in rows], axis=0)
+  t = jnp.transpose(stacked)
+  return tuple(t[:, i * share : i * share + 1] for i in range(len(rows)))
+
+
 def _offset(refs, call: Call):
   """Splits the scalar-prefetch offset (rows; sliced calls) off the refs."""
   if call.tiles.offset is None:
@@ -172,7 +189,7 @@ def _forward_kernel(*refs, call: Call):
       keep = seg_q_ref[...] != 0
       out = jnp.where(keep, out, 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
-    lse_ref[...] = lse[:, :1]
+    lse_ref[...] = _row(lse)
 
 
 def _attend_pairs(step, call: Call, attend) -> None:
@@ -212,6 +229,9 @@ def _specs(call: Call, d: int, dv: int):
   def k_table_index(bh, row, s, *offset):  # RoPE tables [B, T, 2d]
     return _div(bh, h), step(row, s, offset).tile, 0
 
+  def row_index(bh, row, s, *offset):  # lse, delta as rows [B, H, tiles, 1, bq]
+    return _div(bh, h), _rem(bh, h), step(row, s, offset).home, 0, 0
+
   per_query = lambda width: _spec((None, None, bq, width), q_index)
   inputs = [
     per_query(d),
@@ -221,7 +241,8 @@ def _specs(call: Call, d: int, dv: int):
   if call.rotary:  # the query tables follow the query ids' blocks
     inputs += [_spec((None, bq, 2 * d), seg_q_index), _spec((None, bk, 2 * d), k_table_index)]
   segments = [_spec((None, bq, 1), seg_q_index), _spec((None, None, 1, bk), seg_k_index)]
-  return per_query, inputs, segments
+  rows = _spec((None, None, None, 1, bq), row_index)
+  return per_query, rows, inputs, segments
 
 
 def _call(
@@ -258,7 +279,7 @@ def _call(
 
 
 def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
-  """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq, 1]` float32). `rope`: RoPE tables
+  """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq]` float32). `rope`: RoPE tables
   of the query and key rows, `[B, Tq, 2d]` / `[B, Tk, 2d]` float32 (`cos | sin` per row,
   `_rotate`; q and k unrotated) or None (`call.rotary`); `seg`: (ids as columns
   `[B, Tq, 1]`, keys' ids as rows `[B, 1, Tk]`) or None; `offset`: `[1]` int32 (sliced
@@ -266,17 +287,17 @@ def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
   b, h, tq, d = q.shape
   dv = v.shape[-1]
   rows, steps = call.tiles.query_major()
-  per_query, inputs, segments = _specs(call, d, dv)
+  per_query, per_query_rows, inputs, segments = _specs(call, d, dv)
   bq = call.tiles.block_q
-  return _call(
+  o, lse = _call(
     _forward_kernel,
     call,
     (b * h, rows, steps),
     inputs + (segments if call.segments else []),
-    [per_query(dv), per_query(1)],
+    [per_query(dv), per_query_rows],
     [
       jax.ShapeDtypeStruct((b, h, tq, dv), q.dtype),
-      jax.ShapeDtypeStruct((b, h, tq, 1), jnp.float32),
+      jax.ShapeDtypeStruct((b, h, tq // bq, 1, bq), jnp.float32),
     ],
     [
       pltpu.VMEM((bq, LANES), jnp.float32),
@@ -294,6 +315,7 @@ def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
     *(rope or ()),
     *(seg or ()),
   )
+  return o, lse.reshape(b, h, tq)
 
 
 # --- backward: dQ ---------------------------------------------------------------------------
@@ -306,25 +328,27 @@ def _dq_kernel(*refs, call: Call):
   do_ref, lse_ref, delta_ref, *refs = refs
   if call.segments:
     seg_q_ref, seg_k_ref, *refs = refs
-  dq_ref, dq_sc, *q_sc = refs
+  dq_ref, dq_sc, lse_sc, delta_sc, *q_sc = refs
   step = call.tiles.query_step(pl.program_id(1), pl.program_id(2), offset)
 
   @pl.when(step.first)
   def _():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+    # the tile's rows as columns, once
+    lse_sc[...], delta_sc[...] = _columns(lse_ref[...], delta_ref[...])
     if q_rope is not None:
       q_sc[0][...] = _rotated(q_ref, q_rope)
 
   def attend(masked: bool):
     q, k, v = (q_sc[0] if q_sc else q_ref)[...], _rotated(k_ref, k_rope), v_ref[...]
     s = _dot(q, k, _NT, q_ref)
-    p = jnp.exp(s - lse_ref[...])
+    p = jnp.exp(s - lse_sc[...])
     if masked:
       segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
       p = jnp.where(_visible(call, step.home, step.tile, offset, s.shape, False, *segs), p, 0.0)
     do = do_ref[...]
     dp = _dot(do, v, _NT, q_ref)
-    ds = p * (dp - delta_ref[...])
+    ds = p * (dp - delta_sc[...])
     dq_sc[...] += _dot(ds.astype(k.dtype), k, _NN, q_ref)
 
   _attend_pairs(step, call, attend)
@@ -396,22 +420,27 @@ def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpre
   tiles, r = call.tiles, call.group
   bq, bk = tiles.block_q, tiles.block_k
   segments = seg if call.segments else ()
-  columns = lambda x: x[..., None]  # [B, H, Tq] -> [B, H, Tq, 1]
   # Rows of one tile each, [B, H, tiles, 1, bq]: a (1, bq) block is then a whole trailing
-  # pair of dimensions, legal for Mosaic at any tile size.
+  # pair of dimensions, legal for Mosaic at any tile size, and compact in HBM.
   rows_of = lambda x: x.reshape(*x.shape[:-1], x.shape[-1] // bq, 1, bq)
+  lse, delta = rows_of(lse), rows_of(delta)
 
   rope = rope or ()
   rows, steps = tiles.query_major()
-  per_query, inputs, seg_specs = _specs(call, d, dv)
+  per_query, per_query_rows, inputs, seg_specs = _specs(call, d, dv)
   (dq,) = _call(
     _dq_kernel,
     call,
     (b * h, rows, steps),
-    inputs + [per_query(dv), per_query(1), per_query(1)] + (seg_specs if call.segments else []),
+    inputs + [per_query(dv), per_query_rows, per_query_rows] + (seg_specs if call.segments else []),
     [per_query(d)],
     [jax.ShapeDtypeStruct(q.shape, q.dtype)],
-    [pltpu.VMEM((bq, d), jnp.float32), *([pltpu.VMEM((bq, d), q.dtype)] if call.rotary else [])],
+    [
+      pltpu.VMEM((bq, d), jnp.float32),
+      pltpu.VMEM((bq, 1), jnp.float32),  # lse, delta as columns
+      pltpu.VMEM((bq, 1), jnp.float32),
+      *([pltpu.VMEM((bq, d), q.dtype)] if call.rotary else []),
+    ],
     ("parallel", "parallel", "arbitrary"),
     "iha_flash_dq",
     interpret,
@@ -421,8 +450,8 @@ def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpre
     v,
     *rope,
     do,
-    columns(lse),
-    columns(delta),
+    lse,
+    delta,
     *segments,
   )
 
@@ -486,8 +515,8 @@ def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpre
     v,
     *rope,
     do,
-    rows_of(lse),
-    rows_of(delta),
+    lse,
+    delta,
     *transposed_segments,
   )
   return dq, dk, dv_

@@ -141,7 +141,7 @@ def _pipeline_fwd(platform, mixing, call, q, k, v, alphas, positions, key_positi
   rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
   o, lse = _run(platform, "forward", call, qv, kv, vv, rope, seg, offset)
   # Saved: the source heads, not the P-times larger pseudo q/k/v (remade below).
-  return o, (q, k, v, alphas, positions, key_positions, seg, offset, o, lse[..., 0])
+  return o, (q, k, v, alphas, positions, key_positions, seg, offset, o, lse)
 
 
 def _pipeline_bwd(platform, mixing, call, residuals, do):

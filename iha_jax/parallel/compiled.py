@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import os
 import re
 import subprocess
 import tempfile
@@ -82,9 +83,17 @@ class Report:
 
 
 def compile_with_report(lowered: Any) -> tuple[Any, Report]:
-  """`lowered.compile()` for its (compile-only) target, and what the compiler reported."""
-  with tempfile.TemporaryDirectory(prefix="iha_xla_dump_") as dump:
-    compiled = lowered.compile(compiler_options={"xla_dump_to": dump, **DUMP_OPTIONS})
+  """`lowered.compile()` for its (compile-only) target, and what the compiler reported.
+
+  `IHA_XLA_DUMP_DIR=dir` keeps XLA's dump there (the optimised HLO, and on TPU its
+  buffer assignment and memory-usage report: what holds the peak)."""
+  keep = os.environ.get("IHA_XLA_DUMP_DIR")
+  with tempfile.TemporaryDirectory(prefix="iha_xla_dump_") as scratch:
+    dump = keep or scratch
+    options = {"xla_dump_to": dump, **DUMP_OPTIONS}
+    if keep:
+      options["xla_dump_hlo_as_text"] = True
+    compiled = lowered.compile(compiler_options=options)
     text = compiled.as_text()
     kernels = tuple(_tpu_kernels(Path(dump)) + _gpu_kernels(Path(dump)))
   memory = compiled.memory_analysis()
