@@ -121,6 +121,17 @@ KERNEL_CASES = [
     for name, mask, g in [("causal-g1", CAUSAL, 1), ("bidirectional", BIDIRECTIONAL, None)]
   ],
   _case("tpu-p4-w9-g1", cf.iha(2, 16, 4, kv_heads=1), TPU, 20, {**CAUSAL, "window": 9}),
+  # A causal window on equal tiles: dQ rides in the dK/dV kernel (a ring of query-tile
+  # accumulators, `tpu_flash._dq_ring`): nine 32-row tiles, five in flight per key tile,
+  # both query heads of the one key/value head sharing the kernel.
+  _case(
+    "tpu-dq-ring-g1",
+    cf.iha(2, 16, 2, kv_heads=1),
+    TPU,
+    136,
+    {**CAUSAL, "window": 100},
+    blocks=BlockSizes(32, 32),
+  ),
   _case("tpu-bf16-p2", cf.iha(2, 16, 2), TPU, 20, {**CAUSAL, "window": None}, dtype=jnp.bfloat16),
   # MHA (P = 1 through the same kernels), v twice as wide as q/k (differential
   # attention's MHA call): dq, dk `[.., d]`, dv `[.., 2d]`; grouped-query: G = 1 key/value
@@ -203,6 +214,22 @@ def test_kernels_match_reference_on_sequence_shards(
 ):
   shard = dict(queries=queries, keys=keys, mask=mask, traced=traced, blocks=blocks)
   cf.check_sliced(kind_name, kind, implementation, b=2, n=40, **shard)
+
+
+def test_causal_window_backward_is_one_kernel():
+  """The dQ ring is taken where it applies (the case above): no separate dQ kernel."""
+  args = random_iha_inputs(jax.random.key(0), 2, 136, 2, 16, 2, kv_heads=1)
+  blocks = BlockSizes(32, 32)
+
+  def names(window, causal=True):
+    loss = lambda *a: iha_attention(
+      *a, window=window, causal=causal, block_sizes=blocks, implementation=TPU
+    ).sum()
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
+    return set(re.findall(r"iha_flash_[a-z]+", text))
+
+  assert names(100) == {"iha_flash_forward", "iha_flash_dkv"}
+  assert names(100, causal=False) == {"iha_flash_forward", "iha_flash_dq", "iha_flash_dkv"}
 
 
 def test_block_sizes_are_checked():

@@ -46,6 +46,9 @@ from iha_jax.kernels.tile_schedule import Call
 LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+# dQ inside the dK/dV kernel (`_dq_ring`) when its accumulators fit this much VMEM.
+RING_BYTES = 4 * 2**20
 
 
 def _div(a, b: int):
@@ -364,18 +367,31 @@ def _dq_kernel(*refs, call: Call):
 # --- backward: dK, dV -----------------------------------------------------------------------
 
 
-def _dkv_kernel(*refs, call: Call):
+def _dkv_kernel(*refs, call: Call, ring: int = 0):
+  """dK, dV; with `ring` > 0 (`_dq_ring`) also dQ, from the same score tiles: query tile
+  i's float32 accumulator sits in slot `i % ring` of a VMEM ring (per query head of the
+  group) from its first key tile to key tile i, its last (causal, equal tiles), whose
+  first step writes it out and clears the slot."""
   offset, refs = _offset(refs, call)
   q_ref, k_ref, v_ref, *refs = refs
   q_rope, k_rope, refs = _tables(refs, call)
   do_ref, lse_ref, delta_ref, *refs = refs
   if call.segments:
     seg_q_ref, seg_k_ref, *refs = refs
-  dk_ref, dv_ref, dk_sc, dv_sc, *k_sc = refs
+  if ring:
+    dk_ref, dv_ref, dq_ref, dk_sc, dv_sc, dq_sc, *k_sc = refs
+  else:
+    dk_ref, dv_ref, dk_sc, dv_sc, *k_sc = refs
   r = call.group
   flat = pl.program_id(2)
   step = call.tiles.key_step(pl.program_id(1), _div(flat, r), offset)
   head = _rem(flat, r)  # the query head of the group, innermost
+
+  if ring:  # key tiles run in order per (batch, group): clear the ring at the first
+
+    @pl.when((pl.program_id(1) == 0) & step.first & (head == 0))
+    def _():
+      dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
   @pl.when(step.first & (head == 0))
   def _():
@@ -397,8 +413,22 @@ def _dkv_kernel(*refs, call: Call):
     dp_t = _dot(v, do, _NT, q_ref)
     ds_t = p_t * (dp_t - delta_ref[...])
     dk_sc[...] += _dot(ds_t.astype(q.dtype), q, _NN, q_ref)
+    if ring:
+      slot = _rem(step.tile, ring) * r + head
+      dq_sc[slot] += _dot(ds_t.astype(k.dtype), k, _TN, q_ref)
 
   _attend_pairs(step, call, attend)
+
+  if ring:  # query tile `home` got its last contribution: out, and its slot cleared
+
+    @pl.when(step.first)
+    def _():
+      slot = _rem(step.home, ring) * r + head
+      dq = dq_sc[slot]
+      if q_rope is not None:  # (the table of tile `home`: the first step's query tile)
+        dq = _rotate(dq, *_cos_sin(q_rope), inverse=True)
+      dq_ref[head] = dq.astype(dq_ref.dtype)
+      dq_sc[slot] = jnp.zeros(dq.shape, jnp.float32)
 
   @pl.when(step.last & (head == r - 1))
   def _():
@@ -409,24 +439,55 @@ def _dkv_kernel(*refs, call: Call):
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
+def _dq_ring(call: Call, batch_groups: int, tq: int, tk: int, d: int) -> int:
+  """Slots of the dQ ring when dQ can ride in the dK/dV kernel, else 0.
+
+  Needs the key tiles of one (batch, group) in order on one core, and query tile i's last
+  contribution at key tile i's first step: a causal window (a band: a few query tiles in
+  flight), equal tiles over equal query and key rows, unsliced. Saves the separate dQ
+  kernel's second pass over every score tile (its S, P and dP), for one more matmul per
+  step. Not for a single (batch, group): rows in order would leave a v5p core idle."""
+  tiles = call.tiles
+  if not (
+    tiles.causal
+    and tiles.window is not None
+    and tiles.offset == 0
+    and tiles.block_q == tiles.block_k
+    and tq == tk
+    and batch_groups > 1
+  ):
+    return 0
+  ring = tiles.key_major()[1]  # query tiles one key tile reaches
+  return ring if ring * call.group * tiles.block_q * d * 4 <= RING_BYTES else 0
+
+
 def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpret: bool):
   """-> (dq `[B, H, Tq, d]`, dk `[B, G, Tk, d]`, dv `[B, G, Tk, dv]`) in q/k/v's dtypes
   (accumulated in float32 VMEM; written once, not cast afterwards); with `rope` (as in
-  `forward`), the gradients of the unrotated q and k.
+  `forward`), the gradients of the unrotated q and k. One kernel for a causal window's
+  band (`_dq_ring`), else a dQ kernel and a dK/dV kernel.
 
   `do` `[B, H, Tq, dv]` (q.dtype), `lse`, `delta` (`rowsum(o * do)`) `[B, H, Tq]` f32."""
-  b, h, tq, d = q.shape
-  g, tk, dv = k.shape[1], k.shape[2], v.shape[-1]
-  tiles, r = call.tiles, call.group
-  bq, bk = tiles.block_q, tiles.block_k
-  segments = seg if call.segments else ()
+  b, _, tq, d = q.shape
+  g, tk = k.shape[1], k.shape[2]
+  bq = call.tiles.block_q
   # Rows of one tile each, [B, H, tiles, 1, bq]: a (1, bq) block is then a whole trailing
   # pair of dimensions, legal for Mosaic at any tile size, and compact in HBM.
   rows_of = lambda x: x.reshape(*x.shape[:-1], x.shape[-1] // bq, 1, bq)
-  lse, delta = rows_of(lse), rows_of(delta)
+  segments = seg if call.segments else ()
+  args = (q, k, v, rope or (), segments, offset, do, rows_of(lse), rows_of(delta))
+  ring = _dq_ring(call, b * g, tq, tk, d)
+  if ring:
+    return _dkv(call, *args, ring=ring, interpret=interpret)
+  dq = _dq(call, *args, interpret=interpret)
+  return (dq, *_dkv(call, *args, ring=0, interpret=interpret))
 
-  rope = rope or ()
-  rows, steps = tiles.query_major()
+
+def _dq(call: Call, q, k, v, rope, segments, offset, do, lse, delta, *, interpret: bool):
+  """dQ over the query-major grid (lse, delta as rows)."""
+  b, h, _, d = q.shape
+  dv, bq = v.shape[-1], call.tiles.block_q
+  rows, steps = call.tiles.query_major()
   per_query, per_query_rows, inputs, seg_specs = _specs(call, d, dv)
   (dq,) = _call(
     _dq_kernel,
@@ -454,7 +515,15 @@ def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpre
     delta,
     *segments,
   )
+  return dq
 
+
+def _dkv(call: Call, q, k, v, rope, segments, offset, do, lse, delta, *, ring: int, interpret):
+  """(dk, dv) over the key-major grid, or (dq, dk, dv) with a dQ `ring` (`_dq_ring`)."""
+  b, _, tq, d = q.shape
+  g, tk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  tiles, r = call.tiles, call.group
+  bq, bk = tiles.block_q, tiles.block_k
   rows, steps = tiles.key_major()
 
   def step(row, flat, offset):
@@ -478,6 +547,9 @@ def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpre
   def q_table_index(bg, row, flat, *offset):  # RoPE tables [B, T, 2d]
     return _div(bg, g), step(row, flat, offset).tile, 0
 
+  def dq_index(bg, row, flat, *offset):  # the group's r heads, query tile `row`
+    return _div(bg, g), _rem(bg, g), row, 0
+
   per_key = lambda width: _spec((None, None, bk, width), kv_index)
   in_specs = [_spec((None, None, bq, d), q_index), per_key(d), per_key(dv)]
   if call.rotary:  # the key tables follow the key ids' blocks
@@ -489,24 +561,28 @@ def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpre
   ]
   transposed_segments = ()
   if call.segments:
-    seg_q_cols, seg_k_rows = seg
+    seg_q_cols, seg_k_rows = segments
     query_rows = seg_q_cols.reshape(b, tq // bq, 1, bq)
     key_columns = seg_k_rows.reshape(b, tk, 1)
     transposed_segments = (query_rows, key_columns)
     in_specs += [_spec((None, None, 1, bq), seg_q_index), _spec((None, bk, 1), seg_k_index)]
-  dk, dv_ = _call(
-    _dkv_kernel,
+  out_specs = [per_key(d), per_key(dv)]
+  out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  scratch = [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)]
+  if ring:
+    out_specs.append(_spec((None, r, bq, d), dq_index))
+    out_shapes.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
+    scratch.append(pltpu.VMEM((ring * r, bq, d), jnp.float32))
+  grads = _call(
+    functools.partial(_dkv_kernel, ring=ring),
     call,
     (b * g, rows, r * steps),
     in_specs,
-    [per_key(d), per_key(dv)],
-    [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-    [
-      pltpu.VMEM((bk, d), jnp.float32),
-      pltpu.VMEM((bk, dv), jnp.float32),
-      *([pltpu.VMEM((bk, d), k.dtype)] if call.rotary else []),
-    ],
-    ("parallel", "parallel", "arbitrary"),
+    out_specs,
+    out_shapes,
+    scratch + ([pltpu.VMEM((bk, d), k.dtype)] if call.rotary else []),
+    # With a ring the key tiles of a (batch, group) run in order on one core.
+    ("parallel", "arbitrary" if ring else "parallel", "arbitrary"),
     "iha_flash_dkv",
     interpret,
     () if offset is None else (offset,),
@@ -519,4 +595,7 @@ def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpre
     delta,
     *transposed_segments,
   )
-  return dq, dk, dv_
+  if ring:
+    dk, dv_, dq = grads
+    return dq, dk, dv_
+  return tuple(grads)
