@@ -23,7 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from iha_jax.kernels import virtual_attention
 from iha_jax.kernels.sharded import sharded_iha_attention
+from iha_jax.models.config import TransformerConfig
+from iha_jax.models.functional_lm import FunctionalTransformerLM
 from iha_jax.ops import BlockSizes, iha_attention, resolve_implementation
 from tests import conformance as cf
 from tests.utils import assert_close, random_iha_inputs
@@ -230,6 +233,26 @@ def test_causal_window_backward_is_one_kernel():
 
   assert names(100) == {"iha_flash_forward", "iha_flash_dkv"}
   assert names(100, causal=False) == {"iha_flash_forward", "iha_flash_dq", "iha_flash_dkv"}
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["small-saved", "large-rerun"])
+def test_remat_saves_small_kernel_residuals(saved, monkeypatch):
+  """Under `save_projections` remat the backward reuses the forward kernel's o and lse
+  while they are small (no second forward kernel per layer); above
+  `SAVED_RESIDUAL_BYTES` (P = 20 at scale) the forward reruns instead."""
+  if not saved:
+    monkeypatch.setattr(virtual_attention, "SAVED_RESIDUAL_BYTES", 0)
+  cfg = TransformerConfig(
+    vocab_size=32, num_layers=2, model_dim=32, num_heads=2, head_dim=16, mlp_dim=32,
+    num_pseudo=2, attention_schedule="LM", iha_window=8, implementation=TPU,
+  )  # fmt: skip
+  model = FunctionalTransformerLM(cfg, remat="save_projections")
+  params = model.init(0)
+  loss = lambda p: model.apply(p, jnp.ones((1, 16), jnp.int32)).sum()
+  names = re.findall(r"iha_flash_[a-z]+", str(jax.make_jaxpr(jax.grad(loss))(params)))
+  # Each call is spelt the same number of times; one forward per dK/dV when saved.
+  forward, dkv = names.count("iha_flash_forward"), names.count("iha_flash_dkv")
+  assert (forward == dkv) if saved else (forward > dkv), (forward, dkv)
 
 
 def test_block_sizes_are_checked():

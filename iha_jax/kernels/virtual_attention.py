@@ -38,6 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.core.options import AttentionOptions, round_up
 from iha_jax.core.rope import rope_frequencies
@@ -52,6 +53,13 @@ from iha_jax.kernels.tile_schedule import Call, Tiles
 GLOBAL_BLOCK = 1024
 WINDOW_BLOCK = 512
 SUBLANES = 16  # bf16 packs 16 rows per vreg: tiles are multiples of it
+# Remat name of the kernels' residuals, the pseudo output o and its log-sum-exp, given
+# (so a policy naming it saves them, and the backward skips re-running the forward)
+# only while o has at most `SAVED_RESIDUAL_BYTES` per call (per device: the kernels run
+# inside shard_map): the 2.4B step at P = 4 keeps 0.3 GiB per window layer, while at
+# P = 20 (1.6 GiB per layer) the forward reruns instead (docs/performance.md §14).
+ATTENTION_RESIDUALS = "attention_residuals"
+SAVED_RESIDUAL_BYTES = 2**29
 
 
 def _gpu_blocks(dtype, head_dim: int) -> tuple[int, int]:
@@ -140,6 +148,8 @@ def _pipeline_fwd(platform, mixing, call, q, k, v, alphas, positions, key_positi
   qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
   rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
   o, lse = _run(platform, "forward", call, qv, kv, vv, rope, seg, offset)
+  if o.size * o.dtype.itemsize <= SAVED_RESIDUAL_BYTES:
+    o, lse = checkpoint_name(o, ATTENTION_RESIDUALS), checkpoint_name(lse, ATTENTION_RESIDUALS)
   # Saved: the source heads, not the P-times larger pseudo q/k/v (remade below).
   return o, (q, k, v, alphas, positions, key_positions, seg, offset, o, lse)
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from iha_jax.kernels.virtual_attention import ATTENTION_RESIDUALS
 from iha_jax.models.config import TransformerConfig
 from iha_jax.models.transformer import (
   TransformerLM,
@@ -45,12 +46,12 @@ def remat_policy(name: str) -> Callable | None:
   if name == "full":
     return jax.checkpoint_policies.nothing_saveable
   if name == "save_projections":
-    # Saves q/k/v and the attention output: the backward skips re-running projections;
-    # the MLP is recomputed, and so is the attention core's forward (its residuals, the
-    # kernels' P-sized pseudo output and log-sum-exp, are not saved across layers: 1.6 GB
-    # per IHA layer at P = 20 and 2 sequences of 8192).
+    # Saves q/k/v, the attention output and the kernels' residuals where they are
+    # small enough to be named (`virtual_attention.ATTENTION_RESIDUALS`: o and lse up to
+    # 0.5 GiB per call): the backward skips re-running projections and the forward
+    # attention kernel; the MLP is recomputed (and the attention forward at P = 20).
     return jax.checkpoint_policies.save_only_these_names(
-      QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTENTION_OUT
+      QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTENTION_OUT, ATTENTION_RESIDUALS
     )
   raise ValueError(f"unknown remat policy {name!r}")
 
