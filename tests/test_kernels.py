@@ -22,6 +22,7 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax.kernels import virtual_attention
 from iha_jax.kernels.sharded import sharded_iha_attention
@@ -217,6 +218,15 @@ def test_kernels_match_reference_on_sequence_shards(
 ):
   shard = dict(queries=queries, keys=keys, mask=mask, traced=traced, blocks=blocks)
   cf.check_sliced(kind_name, kind, implementation, b=2, n=40, **shard)
+
+
+def test_tpu_forward_alone_matches_reference():
+  """Not differentiated, the TPU forward kernel writes no log-sum-exp: the same output."""
+  args = random_iha_inputs(jax.random.key(1), 2, 20, 2, 16, 4, kv_heads=1)
+  call = lambda impl: iha_attention(*args, window=9, implementation=impl)
+  with pltpu.force_tpu_interpret_mode():
+    got = jax.jit(lambda: call(TPU))()
+  assert_close(got, call("reference"), jnp.float32, "pallas_tpu forward alone")
 
 
 def test_causal_window_backward_is_one_kernel():

@@ -147,13 +147,16 @@ def _tables(refs, call: Call):
 # --- forward ------------------------------------------------------------------------------
 
 
-def _forward_kernel(*refs, call: Call):
+def _forward_kernel(*refs, call: Call, with_lse: bool = True):
   offset, refs = _offset(refs, call)
   q_ref, k_ref, v_ref, *refs = refs
   q_rope, k_rope, refs = _tables(refs, call)
   if call.segments:
     seg_q_ref, seg_k_ref, *refs = refs
-  o_ref, lse_ref, m_sc, l_sc, acc_sc, *q_sc = refs
+  if with_lse:
+    o_ref, lse_ref, m_sc, l_sc, acc_sc, *q_sc = refs
+  else:
+    o_ref, m_sc, l_sc, acc_sc, *q_sc = refs
   step = call.tiles.query_step(pl.program_id(1), pl.program_id(2), offset)
 
   @pl.when(step.first)
@@ -187,12 +190,12 @@ def _forward_kernel(*refs, call: Call):
   def _():
     l = l_sc[...]
     out = acc_sc[...] / _broadcast_lanes(l, acc_sc.shape[1])
-    lse = m_sc[...] + jnp.log(l)
     if call.segments:  # padding queries (segment 0) output zeros
       keep = seg_q_ref[...] != 0
       out = jnp.where(keep, out, 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
-    lse_ref[...] = _row(lse)
+    if with_lse:
+      lse_ref[...] = _row(m_sc[...] + jnp.log(l))
 
 
 def _attend_pairs(step, call: Call, attend) -> None:
@@ -281,8 +284,9 @@ def _call(
   return fn(*prefetch, *args)
 
 
-def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
-  """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq]` float32). `rope`: RoPE tables
+def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool, with_lse: bool = True):
+  """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq]` float32, or None without
+  `with_lse`: a call nothing differentiates writes no lse). `rope`: RoPE tables
   of the query and key rows, `[B, Tq, 2d]` / `[B, Tk, 2d]` float32 (`cos | sin` per row,
   `_rotate`; q and k unrotated) or None (`call.rotary`); `seg`: (ids as columns
   `[B, Tq, 1]`, keys' ids as rows `[B, 1, Tk]`) or None; `offset`: `[1]` int32 (sliced
@@ -292,16 +296,16 @@ def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
   rows, steps = call.tiles.query_major()
   per_query, per_query_rows, inputs, segments = _specs(call, d, dv)
   bq = call.tiles.block_q
-  o, lse = _call(
-    _forward_kernel,
+  outputs = _call(
+    functools.partial(_forward_kernel, with_lse=with_lse),
     call,
     (b * h, rows, steps),
     inputs + (segments if call.segments else []),
-    [per_query(dv), per_query_rows],
+    [per_query(dv), per_query_rows][: 1 + with_lse],
     [
       jax.ShapeDtypeStruct((b, h, tq, dv), q.dtype),
       jax.ShapeDtypeStruct((b, h, tq // bq, 1, bq), jnp.float32),
-    ],
+    ][: 1 + with_lse],
     [
       pltpu.VMEM((bq, LANES), jnp.float32),
       pltpu.VMEM((bq, LANES), jnp.float32),
@@ -318,6 +322,9 @@ def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
     *(rope or ()),
     *(seg or ()),
   )
+  if not with_lse:
+    return outputs[0], None
+  o, lse = outputs
   return o, lse.reshape(b, h, tq)
 
 
