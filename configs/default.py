@@ -39,7 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
       tie_embeddings=True,
       dtype="float32",  # compute; "bfloat16" on accelerators
       param_dtype="float32",
-      remat_policy="none",  # none | full | save_projections
+      remat_policy="none",  # none | full | save_projections | save_attention
       scan_layers=False,  # scan over repeats of the schedule period
       implementation="auto",  # attention core: auto | xla | reference | pallas_*
       causal=True,  # False: encoder, every layer bidirectional

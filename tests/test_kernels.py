@@ -245,18 +245,24 @@ def test_causal_window_backward_is_one_kernel():
   assert names(100, causal=False) == {"iha_flash_forward", "iha_flash_dq", "iha_flash_dkv"}
 
 
-@pytest.mark.parametrize("saved", [True, False], ids=["small-saved", "large-rerun"])
-def test_remat_saves_small_kernel_residuals(saved, monkeypatch):
-  """Under `save_projections` remat the backward reuses the forward kernel's o and lse
+@pytest.mark.parametrize(
+  "policy, saved",
+  [("save_attention", True), ("save_attention", False), ("save_projections", False)],
+)
+def test_remat_saves_small_kernel_residuals(policy, saved, monkeypatch):
+  """Under `save_attention` remat the backward reuses the forward kernel's o and lse
   while they are small (no second forward kernel per layer); above
-  `SAVED_RESIDUAL_BYTES` (P = 20 at scale) the forward reruns instead."""
+  `SAVED_RESIDUAL_BYTES` (P = 20 at scale), or under `save_projections`, the forward
+  reruns instead."""
   if not saved:
     monkeypatch.setattr(virtual_attention, "SAVED_RESIDUAL_BYTES", 0)
   cfg = TransformerConfig(
     vocab_size=32, num_layers=2, model_dim=32, num_heads=2, head_dim=16, mlp_dim=32,
     num_pseudo=2, attention_schedule="LM", iha_window=8, implementation=TPU,
   )  # fmt: skip
-  model = FunctionalTransformerLM(cfg, remat="save_projections")
+  if policy == "save_projections":
+    monkeypatch.undo()  # small residuals, still not saved
+  model = FunctionalTransformerLM(cfg, remat=policy)
   params = model.init(0)
   loss = lambda p: model.apply(p, jnp.ones((1, 16), jnp.int32)).sum()
   names = re.findall(r"iha_flash_[a-z]+", str(jax.make_jaxpr(jax.grad(loss))(params)))

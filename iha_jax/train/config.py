@@ -36,7 +36,7 @@ from iha_jax.models import TransformerConfig
 from iha_jax.parallel import resolve_mesh_shape
 from iha_jax.train.losses import LOSSES, chunk_tokens_problem
 
-REMAT_POLICIES = ("none", "full", "save_projections")
+REMAT_POLICIES = ("none", "full", "save_projections", "save_attention")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # The `model.` section: TransformerConfig's fields, with `window` (resolved, "auto"
 # allowed) for `iha_window` and without `norm_eps` (fixed), plus how the trainer runs it.
