@@ -1,6 +1,6 @@
 """Flash attention over a (virtual) sequence on TPU: Pallas Mosaic kernels.
 
-The TPU hot path of IHA and MHA (`iha_jax.kernels.tpu_attention` builds their inputs):
+The TPU hot path of IHA and MHA (`iha_jax.kernels.virtual_attention` builds their inputs):
 plain flash attention, every matmul on the MXU, over sequences already mixed and scaled
 outside (IHA: the N*P virtual tokens of each target head), with RoPE either applied
 outside or, given per-row tables (`Call.rotary`), here: each q tile rotated once into
@@ -27,7 +27,8 @@ dimensions are "parallel" (v5p's two TensorCores split the first one of size > 1
 steps "arbitrary" (accumulators in VMEM scratch). Each kernel body is four `pl.when`s, in
 this order: initialise, attend an entirely visible pair (no mask work), attend a partly
 visible pair (masked), finalise; `iha_jax.parallel.tpu_estimate` weights them by the steps
-that run them.
+that run them. A causal window's dK/dV kernel also carries dQ (`_dq_ring`: its key rows
+run in order, "arbitrary"; two more `pl.when`s clear the ring and write a query tile).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def _row(column: jax.Array) -> jax.Array:
 
 def _columns(*rows: jax.Array) -> tuple[jax.Array, ...]:
   """Rows `[1, n]` -> columns `[n, 1]`, by one transpose of whole 128-row blocks (the
-  XLU's unit; two transposes of 8 sublanes each cost ~280 bundles per tile on v5p)."""
+  XLU's unit: ~270 bundles per 512-row tile on v5p; two transposes of 8 sublanes each
+  cost ~150 more)."""
   share = LANES // len(rows)
   stacked = jnp.concatenate([jnp.broadcast_to(r, (share, r.shape[1])) for r in rows], axis=0)
   t = jnp.transpose(stacked)

@@ -23,6 +23,8 @@ mixing tensors, the pseudo output o (P times the MHA output, bfloat16 at bf16 in
 and the float32 log-sum-exp. Pseudo q/k/v are remade by the einsums in the backward (as
 cheap as in the forward) rather than saved; o is saved rather than recomputed by a second
 forward pass (its one full attention pass cost more than its memory: docs/performance.md).
+o and lse carry the remat name `ATTENTION_RESIDUALS` while o is small, which the
+`save_attention` policy keeps across layers (no forward rerun in the backward).
 
 Sequence shards (a query offset into longer keys, `iha_jax.parallel.context`): the keys
 rotate at their own positions and carry their own segment ids; the offset reaches the
