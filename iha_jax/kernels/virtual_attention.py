@@ -143,16 +143,21 @@ class _Mixing:
 def _pipeline(platform, mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
   """Padded pseudo outputs `[B, Ht, rows_q, dv]` of mixing + flash attention."""
   # Not differentiated: no log-sum-exp to write (TPU; the GPU kernel writes it anyway).
+  options = {"with_lse": False} if platform == "tpu" else {}
+  args = (q, k, v, alphas, positions, key_positions, seg, offset)
+  return _forward(platform, mixing, call, *args, **options)[0]
+
+
+def _forward(platform, mixing, call, q, k, v, alphas, positions, key_positions, seg, offset, **kw):
+  """Mixing, then the forward kernel (`kw`: its options): (o, lse or None)."""
   qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
   rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
-  options = {"with_lse": False} if platform == "tpu" else {}
-  return _run(platform, "forward", call, qv, kv, vv, rope, seg, offset, **options)[0]
+  return _run(platform, "forward", call, qv, kv, vv, rope, seg, offset, **kw)
 
 
 def _pipeline_fwd(platform, mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
-  qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
-  rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
-  o, lse = _run(platform, "forward", call, qv, kv, vv, rope, seg, offset)
+  args = (q, k, v, alphas, positions, key_positions, seg, offset)
+  o, lse = _forward(platform, mixing, call, *args)
   if o.size * o.dtype.itemsize <= SAVED_RESIDUAL_BYTES:
     o, lse = checkpoint_name(o, ATTENTION_RESIDUALS), checkpoint_name(lse, ATTENTION_RESIDUALS)
   # Saved: the source heads, not the P-times larger pseudo q/k/v (remade below).
