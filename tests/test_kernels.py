@@ -136,6 +136,26 @@ KERNEL_CASES = [
     {**CAUSAL, "window": 100},
     blocks=BlockSizes(32, 32),
   ),
+  # 256-row tiles: partly visible pairs run in halves (`tpu_flash._masked_blocks`, dQ and
+  # dK/dV): a causal window's band with the dQ ring and packed documents; a global causal
+  # band (folded rows) without documents, its last key tile mostly padding (600 of 768).
+  _case(
+    "tpu-halves-ring-g1",
+    cf.iha(2, 16, 2, kv_heads=1),
+    TPU,
+    400,
+    {**CAUSAL, "window": 300},
+    blocks=BlockSizes(256, 256),
+  ),
+  _case(
+    "tpu-halves-global",
+    cf.iha(2, 16, 2),
+    TPU,
+    300,
+    {"causal": True, "window": None},
+    b=1,
+    blocks=BlockSizes(256, 256),
+  ),
   _case("tpu-bf16-p2", cf.iha(2, 16, 2), TPU, 20, {**CAUSAL, "window": None}, dtype=jnp.bfloat16),
   # MHA (P = 1 through the same kernels), v twice as wide as q/k (differential
   # attention's MHA call): dq, dk `[.., d]`, dv `[.., 2d]`; grouped-query: G = 1 key/value

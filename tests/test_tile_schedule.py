@@ -115,3 +115,21 @@ def test_folded_causal_rows_do_equal_work():
   assert (rows, steps) == (4, 9)
   row, step = np.meshgrid(np.arange(rows), np.arange(steps), indexing="ij")
   assert tiles.query_step(row.reshape(-1), step.reshape(-1)).compute.all()
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 24), (False, None), (False, 20)])
+def test_any_visible_matches_brute_force_on_blocks(causal, window):
+  """`Tiles.any_visible` (which halves of a partly visible pair the kernels attend)
+  against brute force over every 8 x 8 block at offsets -20..20: exact without padding
+  keys, and never False where a pair is visible with them."""
+  for keys in (96, 90):
+    tiles = _tiles(causal, window, 16, 16, 96, 96, keys=keys, offset=0)
+    for offset in (-20, 0, 5, 20):
+      t, s = offset + np.arange(96), np.arange(96)
+      seen = visible(t[:, None], s[None, :], None, None, window, causal) & (s[None, :] < keys)
+      want = seen.reshape(12, 8, 12, 8).any(axis=(1, 3))
+      i, j = np.meshgrid(np.arange(12), np.arange(12), indexing="ij")
+      got = np.broadcast_to(
+        tiles.any_visible(offset + 8 * i, offset + 8 * i + 7, 8 * j, 8 * j + 7), want.shape
+      )
+      assert (got == want).all() if keys == 96 else (got >= want).all(), (keys, offset)

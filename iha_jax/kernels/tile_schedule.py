@@ -140,6 +140,20 @@ class Tiles:
         ok &= s - t < self.window
     return ok
 
+  def any_visible(self, t_first, t_last, s_first, s_last):
+    """Whether some query row in `[t_first, t_last]` (on the key axis) sees some key row
+    in `[s_first, s_last]`: the rectangle's differences `t - s` span `[t_first - s_last,
+    t_last - s_first]`, every value of which a pair attains. Conservative at the padded
+    keys' edge (a key bound inside the rectangle is not narrowed)."""
+    ok = s_first < self.keys
+    if self.causal:
+      ok &= s_first <= t_last
+    if self.window is not None:
+      ok &= t_first - s_last < self.window
+      if not self.causal:
+        ok &= s_first - t_last < self.window
+    return ok
+
   def fully_visible(self, i, j, offset=0):
     """Whether every row of query tile i sees every key of key tile j: the visible set
     is a band in t - s below a key bound, so the corner (first row, last key) decides,

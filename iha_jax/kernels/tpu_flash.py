@@ -48,6 +48,7 @@ LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
+_ALL = slice(None)
 # dQ inside the dK/dV kernel (`_dq_ring`) when its accumulators fit this much VMEM.
 RING_BYTES = 4 * 2**20
 
@@ -88,28 +89,31 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = False)
   return x * cos - swapped if inverse else x * cos + swapped
 
 
-def _cos_sin(table) -> tuple[jax.Array, jax.Array]:
-  """A RoPE table block `[rows, 2d]` (`cos | sin`) -> (cos, sin) `[rows, d]` float32."""
-  t = table[...].astype(jnp.float32)
+def _cos_sin(table, rows: slice = _ALL) -> tuple[jax.Array, jax.Array]:
+  """A RoPE table block `[rows, 2d]` (`cos | sin`; a ref, read at `rows`) -> (cos, sin)
+  `[rows, d]` float32."""
+  t = table[rows, :].astype(jnp.float32)
   d = t.shape[1] // 2
   return t[:, :d], t[:, d:]
 
 
-def _rotated(ref, table) -> jax.Array:
-  """A q or k tile rotated by its rows' RoPE `table` (a ref, `[rows, 2d]`), in the tile's
-  dtype (the MXU's input); the tile itself without a table (None)."""
-  x = ref[...]
+def _rotated(ref, table, rows: slice = _ALL) -> jax.Array:
+  """Rows of a q or k tile (a ref) rotated by their RoPE `table` (a ref, `[rows, 2d]`),
+  in the tile's dtype (the MXU's input); the rows themselves without a table (None)."""
+  x = ref[rows, :]
   if table is None:
     return x
-  return _rotate(x.astype(jnp.float32), *_cos_sin(table)).astype(x.dtype)
+  return _rotate(x.astype(jnp.float32), *_cos_sin(table, rows)).astype(x.dtype)
 
 
-def _visible(call: Call, q_tile, k_tile, offset, shape, transposed: bool, seg_q=None, seg_k=None):
-  """The mask of one tile pair, `shape` `[bq, bk]` (or `[bk, bq]` if `transposed`)."""
+def _visible(call: Call, t_first, s_first, shape, transposed: bool, seg_q=None, seg_k=None):
+  """The mask of a block of one tile pair, `shape` `[queries, keys]` (`[keys, queries]`
+  if `transposed`), its first query at row `t_first` of the key axis and its first key at
+  `s_first`."""
   tiles = call.tiles
   row_axis, col_axis = (1, 0) if transposed else (0, 1)
-  t = q_tile * tiles.block_q + offset + lax.broadcasted_iota(jnp.int32, shape, row_axis)
-  s = k_tile * tiles.block_k + lax.broadcasted_iota(jnp.int32, shape, col_axis)
+  t = t_first + lax.broadcasted_iota(jnp.int32, shape, row_axis)
+  s = s_first + lax.broadcasted_iota(jnp.int32, shape, col_axis)
   ok = tiles.visible(t, s)
   if call.segments:
     ok &= seg_q == seg_k
@@ -169,24 +173,25 @@ def _forward_kernel(*refs, call: Call, with_lse: bool = True):
     if q_rope is not None:  # the query tile rotated once, for all its steps
       q_sc[0][...] = _rotated(q_ref, q_rope)
 
-  def attend(masked: bool):
-    q, k = (q_sc[0] if q_sc else q_ref)[...], _rotated(k_ref, k_rope)
-    s = _dot(q, k, _NT, q_ref)
-    if masked:
-      segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
-      mask = _visible(call, step.home, step.tile, offset, s.shape, False, *segs)
-      s = jnp.where(mask, s, MASK_VALUE)
-    m_prev = m_sc[...]
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.exp(s - _broadcast_lanes(m_next, s.shape[1]))
-    rescale = jnp.exp(m_prev - m_next)
-    l_sc[...] = rescale * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-    m_sc[...] = m_next
-    v = v_ref[...]
-    pv = _dot(p.astype(v.dtype), v, _NN, q_ref)
-    acc_sc[...] = _broadcast_lanes(rescale, pv.shape[1]) * acc_sc[...] + pv
+  def attend(blocks, masked: bool):  # (query rows, key rows) blocks of the pair
+    for rows, cols in blocks:
+      q, k = (q_sc[0] if q_sc else q_ref)[rows, :], _rotated(k_ref, k_rope, cols)
+      s = _dot(q, k, _NT, q_ref)
+      if masked:
+        segs = (seg_q_ref[rows, :], seg_k_ref[:, cols]) if call.segments else ()
+        t_first, s_first = _firsts(call, step.home, step.tile, offset, rows, cols)
+        s = jnp.where(_visible(call, t_first, s_first, s.shape, False, *segs), s, MASK_VALUE)
+      m_prev = m_sc[rows, :]
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      p = jnp.exp(s - _broadcast_lanes(m_next, s.shape[1]))
+      rescale = jnp.exp(m_prev - m_next)
+      l_sc[rows, :] = rescale * l_sc[rows, :] + jnp.sum(p, axis=1, keepdims=True)
+      m_sc[rows, :] = m_next
+      v = v_ref[cols, :]
+      pv = _dot(p.astype(v.dtype), v, _NN, q_ref)
+      acc_sc[rows, :] = _broadcast_lanes(rescale, pv.shape[1]) * acc_sc[rows, :] + pv
 
-  _attend_pairs(step, call, attend)
+  _attend_pairs(step, call, attend, offset, split=False)
 
   @pl.when(step.last)
   def _():
@@ -200,14 +205,77 @@ def _forward_kernel(*refs, call: Call, with_lse: bool = True):
       lse_ref[...] = _row(m_sc[...] + jnp.log(l))
 
 
-def _attend_pairs(step, call: Call, attend) -> None:
-  """Runs `attend(masked)` on the steps that attend a pair: without mask work where the
-  pair is entirely visible, else masked. Packed segments need the mask on every pair."""
+def _attend_pairs(
+  step, call: Call, attend, offset, transposed: bool = False, split: bool = True
+) -> None:
+  """Runs `attend(blocks, masked)` (`blocks`: (rows, columns) pairs of static slices of
+  the home tile's rows and of the other tile's) on the steps that attend a pair: whole
+  and without mask work where the pair is entirely visible, else masked, in halves
+  (`_masked_blocks`) if `split`. Packed segments need the mask on every pair. The
+  forward does not split: its masked steps cost the same either way (v5p estimate: 1272
+  bundles in halves, 1299 whole, at window P = 4), the backward's fell 12%."""
+  masked = functools.partial(_masked_blocks, step, call, attend, offset, transposed)
+  if not split:
+    masked = lambda: attend([(_ALL, _ALL)], True)
   if call.segments:
-    pl.when(step.compute)(lambda: attend(masked=True))
+    pl.when(step.compute)(masked)
     return
-  pl.when(step.compute & ~step.masked)(lambda: attend(masked=False))
-  pl.when(step.compute & step.masked)(lambda: attend(masked=True))
+  pl.when(step.compute & ~step.masked)(lambda: attend([(_ALL, _ALL)], False))
+  pl.when(step.compute & step.masked)(masked)
+
+
+# Block patterns of a partly visible pair with code of their own: per half of the home
+# tile's rows, the run of the other tile's halves it sees any of, `[first, stop)`. They
+# are the causal diagonal and the window's edge, in either orientation (query-major
+# forward and dQ, key-major dK/dV).
+_PATTERNS = (((0, 1), (0, 2)), ((0, 2), (1, 2)))
+
+
+def _masked_blocks(step, call: Call, attend, offset, transposed: bool) -> None:
+  """A partly visible pair, skipping the quarter a causal diagonal or a window's edge
+  hides (`_PATTERNS`): each half of the home tile's rows attends only the halves of the
+  other tile it sees, in one straight-line body per pattern (a branch per half left each
+  half's MXU latency exposed and cost more than it saved). Any other pattern, or halves
+  that would not be whole vregs (rows: 16 sublanes of bf16; columns: 128 lanes), is
+  attended whole."""
+  tiles = call.tiles
+  rows, cols = (tiles.block_k, tiles.block_q) if transposed else (tiles.block_q, tiles.block_k)
+  if rows % (2 * 16) or cols % (2 * LANES):
+    attend([(_ALL, _ALL)], True)
+    return
+  half_r, half_c = rows // 2, cols // 2
+  q_tile, k_tile = (step.tile, step.home) if transposed else (step.home, step.tile)
+  t_first, s_first = q_tile * tiles.block_q + offset, k_tile * tiles.block_k
+
+  def seen(r: int, c: int):  # whether half r of the rows sees any of half c of the columns
+    if transposed:  # rows: keys; columns: queries
+      t0, s0, t_rows, s_rows = t_first + c * half_c, s_first + r * half_r, half_c, half_r
+    else:
+      t0, s0, t_rows, s_rows = t_first + r * half_r, s_first + c * half_c, half_r, half_c
+    return tiles.any_visible(t0, t0 + t_rows - 1, s0, s0 + s_rows - 1)
+
+  halves = [[seen(r, c) for c in range(2)] for r in range(2)]
+
+  def blocks(pattern) -> None:
+    rows = [slice(r * half_r, (r + 1) * half_r) for r in range(2)]
+    attend([(rows[r], slice(a * half_c, b * half_c)) for r, (a, b) in enumerate(pattern)], True)
+
+  matched = False
+  for pattern in _PATTERNS:
+    fits = True
+    for r, (first, stop) in enumerate(pattern):
+      for c in range(2):
+        fits &= halves[r][c] if first <= c < stop else ~halves[r][c]
+    pl.when(fits)(functools.partial(blocks, pattern))
+    matched |= fits
+  pl.when(~matched)(lambda: attend([(_ALL, _ALL)], True))
+
+
+def _firsts(call: Call, q_tile, k_tile, offset, q_rows: slice, k_rows: slice):
+  """(first query row on the key axis, first key row) of a block of a tile pair."""
+  tiles = call.tiles
+  t_first = q_tile * tiles.block_q + offset + (q_rows.start or 0)
+  return t_first, k_tile * tiles.block_k + (k_rows.start or 0)
 
 
 def _spec(block, index):
@@ -351,19 +419,22 @@ def _dq_kernel(*refs, call: Call):
     if q_rope is not None:
       q_sc[0][...] = _rotated(q_ref, q_rope)
 
-  def attend(masked: bool):
-    q, k, v = (q_sc[0] if q_sc else q_ref)[...], _rotated(k_ref, k_rope), v_ref[...]
-    s = _dot(q, k, _NT, q_ref)
-    p = jnp.exp(s - lse_sc[...])
-    if masked:
-      segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
-      p = jnp.where(_visible(call, step.home, step.tile, offset, s.shape, False, *segs), p, 0.0)
-    do = do_ref[...]
-    dp = _dot(do, v, _NT, q_ref)
-    ds = p * (dp - delta_sc[...])
-    dq_sc[...] += _dot(ds.astype(k.dtype), k, _NN, q_ref)
+  def attend(blocks, masked: bool):  # (query rows, key rows) blocks of the pair
+    for rows, cols in blocks:
+      q = (q_sc[0] if q_sc else q_ref)[rows, :]
+      k, v = _rotated(k_ref, k_rope, cols), v_ref[cols, :]
+      s = _dot(q, k, _NT, q_ref)
+      p = jnp.exp(s - lse_sc[rows, :])
+      if masked:
+        segs = (seg_q_ref[rows, :], seg_k_ref[:, cols]) if call.segments else ()
+        t_first, s_first = _firsts(call, step.home, step.tile, offset, rows, cols)
+        p = jnp.where(_visible(call, t_first, s_first, s.shape, False, *segs), p, 0.0)
+      do = do_ref[rows, :]
+      dp = _dot(do, v, _NT, q_ref)
+      ds = p * (dp - delta_sc[rows, :])
+      dq_sc[rows, :] += _dot(ds.astype(k.dtype), k, _NN, q_ref)
 
-  _attend_pairs(step, call, attend)
+  _attend_pairs(step, call, attend, offset)
 
   @pl.when(step.last)
   def _():
@@ -409,24 +480,25 @@ def _dkv_kernel(*refs, call: Call, ring: int = 0):
     if k_rope is not None:  # the key tile rotated once, for all its steps
       k_sc[0][...] = _rotated(k_ref, k_rope)
 
-  def attend(masked: bool):
-    q, k = _rotated(q_ref, q_rope), (k_sc[0] if k_sc else k_ref)[...]
-    v, do = v_ref[...], do_ref[...]
-    s_t = _dot(k, q, _NT, q_ref)  # [bk, bq]
-    p_t = jnp.exp(s_t - lse_ref[...])
-    if masked:
-      segs = (seg_q_ref[...], seg_k_ref[...]) if call.segments else ()
-      mask = _visible(call, step.tile, step.home, offset, s_t.shape, True, *segs)
-      p_t = jnp.where(mask, p_t, 0.0)
-    dv_sc[...] += _dot(p_t.astype(do.dtype), do, _NN, q_ref)
-    dp_t = _dot(v, do, _NT, q_ref)
-    ds_t = p_t * (dp_t - delta_ref[...])
-    dk_sc[...] += _dot(ds_t.astype(q.dtype), q, _NN, q_ref)
-    if ring:
-      slot = _rem(step.tile, ring) * r + head
-      dq_sc[slot] += _dot(ds_t.astype(k.dtype), k, _TN, q_ref)
+  def attend(blocks, masked: bool):  # (key rows, query rows) blocks of the pair
+    for rows, cols in blocks:
+      q, k = _rotated(q_ref, q_rope, cols), (k_sc[0] if k_sc else k_ref)[rows, :]
+      v, do = v_ref[rows, :], do_ref[cols, :]
+      s_t = _dot(k, q, _NT, q_ref)  # [keys, queries]
+      p_t = jnp.exp(s_t - lse_ref[:, cols])
+      if masked:
+        segs = (seg_q_ref[:, cols], seg_k_ref[rows, :]) if call.segments else ()
+        t_first, s_first = _firsts(call, step.tile, step.home, offset, cols, rows)
+        p_t = jnp.where(_visible(call, t_first, s_first, s_t.shape, True, *segs), p_t, 0.0)
+      dv_sc[rows, :] += _dot(p_t.astype(do.dtype), do, _NN, q_ref)
+      dp_t = _dot(v, do, _NT, q_ref)
+      ds_t = p_t * (dp_t - delta_ref[:, cols])
+      dk_sc[rows, :] += _dot(ds_t.astype(q.dtype), q, _NN, q_ref)
+      if ring:
+        slot = _rem(step.tile, ring) * r + head
+        dq_sc[slot, cols, :] += _dot(ds_t.astype(k.dtype), k, _TN, q_ref)
 
-  _attend_pairs(step, call, attend)
+  _attend_pairs(step, call, attend, offset, transposed=True)
 
   if ring:  # query tile `home` got its last contribution: out, and its slot cleared
 
