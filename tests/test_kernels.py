@@ -240,6 +240,14 @@ def test_kernels_match_reference_on_sequence_shards(
   cf.check_sliced(kind_name, kind, implementation, b=2, n=40, **shard)
 
 
+def test_pipeline_in_batch_chunks_matches_reference(monkeypatch):
+  """Past `CHUNK_BYTES` of pseudo output a call runs one sequence at a time (what bounds
+  the P = 20 step's memory): the same output and gradients, the mixing tensors' summed
+  over the chunks."""
+  monkeypatch.setattr(virtual_attention, "CHUNK_BYTES", 1)
+  cf.check(cf.iha(2, 16, 2, kv_heads=1), TPU, b=2, n=20, mask={**CAUSAL, "window": 9})
+
+
 def test_tpu_forward_alone_matches_reference():
   """Not differentiated, the TPU forward kernel writes no log-sum-exp: the same output."""
   args = random_iha_inputs(jax.random.key(1), 2, 20, 2, 16, 4, kv_heads=1)

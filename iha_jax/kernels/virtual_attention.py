@@ -62,6 +62,13 @@ SUBLANES = 16  # bf16 packs 16 rows per vreg: tiles are multiples of it
 # P = 20 (1.6 GiB per layer) the forward reruns instead (docs/performance.md §14).
 ATTENTION_RESIDUALS = "attention_residuals"
 SAVED_RESIDUAL_BYTES = 2**29
+# A call whose pseudo output o exceeds this (per device) runs its pipeline over chunks of
+# the batch, one after another, inside the custom VJP (`_by_chunks`): pseudo q/k/v, o,
+# do and their gradients are P times the layer's own activations, and at the paper's
+# P = 20 (1.6 GiB each per v5p chip in the 2.4B step) they set the step's peak memory:
+# 39.8 -> 33.9 GiB in two chunks, for est. +8% on those window layers' forward+backward
+# (slices of do; docs/performance.md §14). P = 4 (0.3 GiB) runs whole.
+CHUNK_BYTES = 2**30
 
 
 def _gpu_blocks(dtype, head_dim: int) -> tuple[int, int]:
@@ -149,10 +156,16 @@ def _pipeline(platform, mixing, call, q, k, v, alphas, positions, key_positions,
 
 
 def _forward(platform, mixing, call, q, k, v, alphas, positions, key_positions, seg, offset, **kw):
-  """Mixing, then the forward kernel (`kw`: its options): (o, lse or None)."""
-  qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
-  rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
-  return _run(platform, "forward", call, qv, kv, vv, rope, seg, offset, **kw)
+  """Mixing, then the forward kernel (`kw`: its options), by chunks of the batch
+  (`CHUNK_BYTES`): (o, lse or None)."""
+
+  def forward(q, k, v, positions, key_positions, seg):
+    qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
+    rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
+    return _run(platform, "forward", call, qv, kv, vv, rope, seg, offset, **kw), ()
+
+  chunks = _chunks(mixing, q, v, alphas)
+  return _by_chunks(forward, chunks, q, k, v, positions, key_positions, seg)[0]
 
 
 def _pipeline_fwd(platform, mixing, call, q, k, v, alphas, positions, key_positions, seg, offset):
@@ -166,18 +179,54 @@ def _pipeline_fwd(platform, mixing, call, q, k, v, alphas, positions, key_positi
 
 def _pipeline_bwd(platform, mixing, call, residuals, do):
   q, k, v, alphas, positions, key_positions, seg, offset, o, lse = residuals
-  mix = lambda q, k, v, alphas: mixing(q, k, v, alphas, positions, key_positions)
-  (qv, kv, vv), mix_vjp = jax.vjp(mix, q, k, v, alphas)
-  rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
-  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-  dqv, dkv, dvv = _run(
-    platform, "backward", call, qv, kv, vv, rope, seg, offset, do.astype(qv.dtype), lse, delta
-  )
-  dq, dk, dv, dalphas = mix_vjp((dqv, dkv, dvv))  # already in the pseudo rows' dtypes
+
+  def backward(q, k, v, positions, key_positions, seg, o, lse, do):
+    mix = lambda q, k, v, alphas: mixing(q, k, v, alphas, positions, key_positions)
+    (qv, kv, vv), mix_vjp = jax.vjp(mix, q, k, v, alphas)
+    rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    dqv, dkv, dvv = _run(
+      platform, "backward", call, qv, kv, vv, rope, seg, offset, do.astype(qv.dtype), lse, delta
+    )
+    dq, dk, dv, dalphas = mix_vjp((dqv, dkv, dvv))  # already in the pseudo rows' dtypes
+    return (dq, dk, dv), dalphas
+
+  chunks = _chunks(mixing, q, v, alphas)
+  batched = (q, k, v, positions, key_positions, seg, o, lse, do)
+  (dq, dk, dv), dalphas = _by_chunks(backward, chunks, *batched)
   return dq, dk, dv, dalphas, None, None, None, None
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
+
+
+def _chunks(mixing: _Mixing, q: jax.Array, v: jax.Array, alphas) -> int:
+  """Chunks of the batch the pipeline runs in: the fewest that divide it with at most
+  `CHUNK_BYTES` of pseudo output o each (one sequence each if even one is larger)."""
+  b = q.shape[0]
+  heads = q.shape[2] if alphas is None else alphas[0].shape[1]
+  o_bytes = b * heads * mixing.rows_q * v.shape[-1] * q.dtype.itemsize
+  return next(c for c in range(1, b + 1) if b % c == 0 and (o_bytes <= c * CHUNK_BYTES or c == b))
+
+
+def _by_chunks(fn, chunks: int, *batched):
+  """`fn(*batched) -> (joined, summed)` over `chunks` equal slices of the leading (batch)
+  axis of every array of `batched` (pytrees; None passes), one after another: a chunk's
+  inputs wait on the previous chunk's outputs (an optimization barrier), so one chunk's
+  P-sized temporaries are live at a time; `joined` outputs are concatenated along the
+  batch, `summed` ones (the mixing tensors' gradients) added up. Unrolled: a `lax.map`
+  loop took the P = 20 step from 39.8 to 43.9 GiB (its body's buffers were not shared)."""
+  if chunks == 1:
+    return fn(*batched)
+  size = jax.tree.leaves(batched)[0].shape[0] // chunks
+  outputs = []
+  for c in range(chunks):
+    part = jax.tree.map(lambda x, c=c: x[c * size : (c + 1) * size], batched)
+    if outputs:
+      part = lax.optimization_barrier((outputs[-1], part))[1]
+    outputs.append(fn(*part))
+  joined = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *[out[0] for out in outputs])
+  return joined, jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *[out[1] for out in outputs])
 
 
 def _pseudo(alphas) -> int:
