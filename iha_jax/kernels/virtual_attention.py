@@ -66,8 +66,9 @@ SAVED_RESIDUAL_BYTES = 2**29
 # the batch, one after another, inside the custom VJP (`_by_chunks`): pseudo q/k/v, o,
 # do and their gradients are P times the layer's own activations, and at the paper's
 # P = 20 (1.6 GiB each per v5p chip in the 2.4B step) they set the step's peak memory:
-# 39.8 -> 33.9 GiB in two chunks, for est. +8% on those window layers' forward+backward
-# (slices of do; docs/performance.md §14). P = 4 (0.3 GiB) runs whole.
+# v5p-128 39.8 -> 33.9 GiB in two chunks, for est. +8% on those window layers'
+# forward+backward (slices of do; docs/performance.md §14); h100x8 63.6 -> 37.7 GiB.
+# P = 4 (0.3 GiB) runs whole.
 CHUNK_BYTES = 2**30
 
 
@@ -222,8 +223,8 @@ def _by_chunks(fn, chunks: int, *batched):
   outputs = []
   for c in range(chunks):
     part = jax.tree.map(lambda x, c=c: x[c * size : (c + 1) * size], batched)
-    if outputs:
-      part = lax.optimization_barrier((outputs[-1], part))[1]
+    if outputs:  # (both used after it: XLA on GPU pruned a barrier's unused operand)
+      outputs[-1], part = lax.optimization_barrier((outputs[-1], part))
     outputs.append(fn(*part))
   joined = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *[out[0] for out in outputs])
   return joined, jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *[out[1] for out in outputs])

@@ -6,14 +6,14 @@ tokens. Rows: (kind, P, windowed, implementation, estimated fwd ms, estimated fw
 """
 
 RANKING = (
-  ("iha", 4, False, "pallas_tpu", 16.153, 59.292),
+  ("iha", 4, False, "pallas_tpu", 16.076, 58.660),
   ("iha", 4, False, "splash", 24.659, 142.523),
-  ("iha", 4, True, "pallas_tpu", 2.623, 7.230),
+  ("iha", 4, True, "pallas_tpu", 2.567, 6.741),
   ("iha", 4, True, "splash", 4.665, 16.170),
-  ("iha", 20, False, "pallas_tpu", 360.428, 1360.999),
+  ("iha", 20, False, "pallas_tpu", 359.908, 1358.127),
   ("iha", 20, False, "splash", 560.054, 3549.161),
-  ("iha", 20, True, "pallas_tpu", 11.321, 30.514),
+  ("iha", 20, True, "pallas_tpu", 11.091, 29.270),
   ("iha", 20, True, "splash", 22.351, 68.558),
-  ("mha", 1, False, "pallas_tpu", 1.324, 4.456),
+  ("mha", 1, False, "pallas_tpu", 1.303, 4.293),
   ("mha", 1, False, "splash", 1.868, 9.598),
 )
