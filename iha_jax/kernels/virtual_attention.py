@@ -24,7 +24,9 @@ and the float32 log-sum-exp. Pseudo q/k/v are remade by the einsums in the backw
 cheap as in the forward) rather than saved; o is saved rather than recomputed by a second
 forward pass (its one full attention pass cost more than its memory: docs/performance.md).
 o and lse carry the remat name `ATTENTION_RESIDUALS` while o is small, which the
-`save_attention` policy keeps across layers (no forward rerun in the backward).
+`save_attention` policy keeps across layers (no forward rerun in the backward). Past
+`CHUNK_BYTES` of o per device, forward and backward run over chunks of the batch, one
+chunk's P-sized arrays at a time (the paper's P = 20 step).
 
 Sequence shards (a query offset into longer keys, `iha_jax.parallel.context`): the keys
 rotate at their own positions and carry their own segment ids; the offset reaches the
@@ -251,7 +253,7 @@ def _virtual_cos_sin(positions: jax.Array, num_pseudo: int, d: int, theta: float
   `pos * P + p`, by angle addition: `cos(a + b) = cos a cos b - sin a sin b` with
   `a = pos * P * f` per token and `b = p * f` per pseudo-head. The sines and cosines (a
   polynomial each on TPU's vector units, which bound the table's cost) are taken at N
-  tokens, not N * P rows: at P = 4 a window layer's table went from 0.070 to 0.016 ms
+  tokens, not N * P rows: at P = 4 a window layer's table went from 0.070 to 0.019 ms
   (v5p estimate). Both angles are rounded once, as `(pos * P + p) * f` is."""
   frequencies = rope_frequencies(d, theta)
   token = (positions * num_pseudo).astype(jnp.float32)[..., None] * frequencies  # [B, N, d/2]
