@@ -72,6 +72,9 @@ SAVED_RESIDUAL_BYTES = 2**29
 # forward+backward (slices of do; docs/performance.md §14); h100x8 63.6 -> 37.7 GiB.
 # P = 4 (0.3 GiB) runs whole.
 CHUNK_BYTES = 2**30
+# The chunks are unrolled (`_by_chunks`), so a step's compile grows with their count: a
+# batch of 2^22 rows on one H100 in one chunk per 1 GiB took 520 s to refuse.
+MAX_CHUNKS = 8
 
 
 def _gpu_blocks(dtype, head_dim: int) -> tuple[int, int]:
@@ -205,11 +208,13 @@ _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 def _chunks(mixing: _Mixing, q: jax.Array, v: jax.Array, alphas) -> int:
   """Chunks of the batch the pipeline runs in: the fewest that divide it with at most
-  `CHUNK_BYTES` of pseudo output o each (one sequence each if even one is larger)."""
+  `CHUNK_BYTES` of pseudo output o each, at most `MAX_CHUNKS` (the largest divisor up
+  to it when none is small enough)."""
   b = q.shape[0]
   heads = q.shape[2] if alphas is None else alphas[0].shape[1]
   o_bytes = b * heads * mixing.rows_q * v.shape[-1] * q.dtype.itemsize
-  return next(c for c in range(1, b + 1) if b % c == 0 and (o_bytes <= c * CHUNK_BYTES or c == b))
+  divisors = [c for c in range(1, min(b, MAX_CHUNKS) + 1) if b % c == 0]
+  return next((c for c in divisors if o_bytes <= c * CHUNK_BYTES), divisors[-1])
 
 
 def _by_chunks(fn, chunks: int, *batched):
