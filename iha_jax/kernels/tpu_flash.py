@@ -245,7 +245,7 @@ def _masked_blocks(step, call: Call, attend, offset, transposed: bool) -> None:
     return
   half_r, half_c = rows // 2, cols // 2
   q_tile, k_tile = (step.tile, step.home) if transposed else (step.home, step.tile)
-  t_first, s_first = q_tile * tiles.block_q + offset, k_tile * tiles.block_k
+  t_first, s_first = _firsts(call, q_tile, k_tile, offset, _ALL, _ALL)
 
   def seen(r: int, c: int):  # whether half r of the rows sees any of half c of the columns
     if transposed:  # rows: keys; columns: queries
