@@ -131,7 +131,7 @@ def check(
   want = value_and_grads(ref, exact, cotangent)
   # Mosaic kernels run under the TPU interpreter (SMEM/VMEM and grid order modelled);
   # Triton ones fall back to Pallas' interpreter off-GPU by themselves.
-  interpret = pltpu.force_tpu_interpret_mode() if implementation == "pallas_tpu" else None
+  interpret = pltpu.force_tpu_interpret_mode() if implementation.startswith("pallas_tpu") else None
   with interpret or contextlib.nullcontext():
     got = value_and_grads(fast, low, cotangent)
   assert got[0].dtype == dtype
@@ -196,7 +196,7 @@ def check_sliced(
     fast = jax.jit(functools.partial(run, implementation, offset))
   cotangent = jax.random.normal(ct_key, jax.eval_shape(ref, *exact).shape)
   want = value_and_grads(ref, exact, cotangent)
-  interpret = pltpu.force_tpu_interpret_mode() if implementation == "pallas_tpu" else None
+  interpret = pltpu.force_tpu_interpret_mode() if implementation.startswith("pallas_tpu") else None
   with interpret or contextlib.nullcontext():
     got = value_and_grads(fast, low, cotangent)
   assert_close(got[0], want[0], dtype, f"{implementation} sliced out")

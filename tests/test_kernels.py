@@ -41,7 +41,7 @@ def _case(name, kind, implementation, n, mask, *, b=2, dtype=jnp.float32, blocks
   return pytest.param(kind, implementation, b, n, mask, dtype, blocks, id=name)
 
 
-GPU, TPU = "pallas_gpu", "pallas_tpu"
+GPU, TPU, WINDOW = "pallas_gpu", "pallas_tpu", "pallas_tpu_window"
 KERNEL_CASES = [
   # Triton interpret: tiles of 16 or 32 virtual rows (powers of two) over N = 20 tokens,
   # i.e. 20 P virtual rows the tiles do not divide (40 rows at P = 2: three 16-row tiles).
@@ -157,6 +157,33 @@ KERNEL_CASES = [
     blocks=BlockSizes(256, 256),
   ),
   _case("tpu-bf16-p2", cf.iha(2, 16, 2), TPU, 20, {**CAUSAL, "window": None}, dtype=jnp.bfloat16),
+  # The on-chip window path (pseudo-heads made and collapsed in VMEM): grid tiles of 8
+  # tokens (16 rows at P = 2) and 16-row score tiles, so 40 tokens are five tiles, each
+  # with seven 8-token halo blocks before it (a score tile's 128 key rows); one key/value
+  # head at P = 4; bidirectional at P = 5 > H = 3 (halo blocks on both sides); per-head
+  # collapse without RoPE; bfloat16.
+  *[
+    _case(f"tpu-window-{name}", kind, WINDOW, 40, mask, dtype=dtype, blocks=BlockSizes(*blocks))
+    for name, kind, mask, blocks, dtype in [
+      ("p2-packed", cf.iha(2, 16, 2), {**CAUSAL, "window": 13}, (16, 16), jnp.float32),
+      ("p4-g1", cf.iha(2, 16, 4, kv_heads=1), {**CAUSAL, "window": 13}, (32, 16), jnp.float32),
+      (
+        "bidirectional-p5",
+        cf.iha(3, 16, 5),
+        {**BIDIRECTIONAL, "window": 40},
+        (40, 40),
+        jnp.float32,
+      ),
+      (
+        "per-head-no-rope",
+        cf.iha(4, 16, 3, per_head=True, rope_theta=None, kv_heads=2),
+        {**CAUSAL, "window": 11},
+        (48, 24),
+        jnp.float32,
+      ),
+      ("bf16", cf.iha(2, 16, 2), {**CAUSAL, "window": 13}, (16, 16), jnp.bfloat16),
+    ]
+  ],
   # MHA (P = 1 through the same kernels), v twice as wide as q/k (differential
   # attention's MHA call): dq, dk `[.., d]`, dv `[.., 2d]`; grouped-query: G = 1 key/value
   # head for H = 3 (GPU), G = 2 for H = 4 (TPU: dk/dv blocks resident over each group).
@@ -198,6 +225,17 @@ SLICED_CASES = [
     "iha",
     cf.iha(2, 16, 2, kv_heads=1),
     TPU,
+    queries=(16, 32),
+    keys=(10, 32),
+    mask={**CAUSAL, "window": 13},
+    blocks=BlockSizes(16, 16),
+  ),
+  # The same shard through the on-chip window path (keys padded to its tiles in front).
+  _shard(
+    "tpu-window-onchip-halo-g1",
+    "iha",
+    cf.iha(2, 16, 2, kv_heads=1),
+    WINDOW,
     queries=(16, 32),
     keys=(10, 32),
     mask={**CAUSAL, "window": 13},

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from iha_jax.core.options import AttentionOptions, with_overrides
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import fused, splash
+from iha_jax.kernels import fused, splash, tpu_window
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
@@ -169,9 +169,11 @@ def sharded_iha_attention(
   batch_axes: Sequence[str] = ("data",),
   head_axis: str | None = "tensor",
   platform: str = "gpu",
+  kernel: Callable[..., jax.Array] | None = None,
   **overrides: Any,
 ) -> jax.Array:
-  """`fused_iha_attention` via `jax.shard_map` over `mesh`.
+  """`fused_iha_attention` via `jax.shard_map` over `mesh` (`kernel`: another pipeline's
+  `collapsed_outputs`, e.g. the on-chip window path's).
 
   Args:
     q: `[B, N, H, d]`, k, v: `[B, N, G, d]` (`[B, Nk, G, d]` for a sliced call); B
@@ -194,7 +196,7 @@ def sharded_iha_attention(
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *token_arrays):
     local_options = tokens.options(options, token_arrays)
-    y = fused.collapsed_outputs(
+    y = (kernel or fused.collapsed_outputs)(
       q, k, v, (alpha_q, alpha_k, alpha_v), collapse, local_options, platform=platform
     )
     if full and head_axis:  # every output head mixes every target head: sum the shares
@@ -266,6 +268,24 @@ iha_on_current_mesh = functools.partial(
 )
 mha_on_current_mesh = functools.partial(
   _on_current_mesh, fused.fused_mha_attention, sharded_mha_attention
+)
+
+
+def _window_outputs(q, k, v, alphas, collapse, options, *, platform: str) -> jax.Array:
+  return tpu_window.window_iha(q, k, v, alphas, collapse, options)
+
+
+def _window_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options, *, platform: str):
+  y = _window_outputs(q, k, v, (alpha_q, alpha_k, alpha_v), collapse, options, platform=platform)
+  return y.astype(q.dtype)
+
+
+# IHA's on-chip window path (TPU): pseudo-heads made and collapsed in VMEM.
+iha_window_on_current_mesh = functools.partial(
+  _on_current_mesh,
+  _window_iha,
+  functools.partial(sharded_iha_attention, kernel=_window_outputs),
+  platform="tpu",
 )
 # jax's splash attention (TPU), under shard_map on a mesh like the kernels above.
 splash_on_current_mesh = functools.partial(

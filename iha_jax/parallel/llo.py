@@ -16,8 +16,10 @@ reads (format facts of libtpu 0.0.42, checked on XLA ops and Mosaic kernels):
   branch closes a *loop* whose body starts at region N.
 - A loop's trip count is the constant of its exit compare: the one marked
   `/* loop exit test */` (XLA fusions, Mosaic grids and `fori_loop`s; a software-pipelined
-  loop runs its steps plus its extra stages), else the last integer compare against a
-  constant in the body (XLA `while` loops).
+  loop runs its steps plus its extra stages), divided by the induction variable's step
+  when the loop adds a constant above 1 to it (an unrolled `fori_loop` counts by its
+  unroll factor), else the last integer compare against a constant in the body (XLA
+  `while` loops).
 - `inlined_call ... /* %name = op(...) */` runs another program (the top-level program
   calls each HLO op this way).
 - `inlined_call_operand.<memory> [shape: bf16[8192,8192], index: 0, kind: input ...]`
@@ -37,9 +39,14 @@ import numpy as np
 _BUNDLE = re.compile(
   r"^\s*(?P<address>0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:?\s*>*\s*\{(?P<body>.*)\}(?P<tail>.*)$"
 )
-_BRANCH = re.compile(r"sbr\.rel\s*(?:\([^)]*\))?\s*target = \$region(\d+)")
+_BRANCH = re.compile(r"sbr\.rel\s*(?:\(!?(%\w+)\))?\s*target = \$region(\d+)")
 _REGION_START = re.compile(r"Start(?:/End empty)? region (\d+)")
-_EXIT_TEST = re.compile(r"scmp\.\w+\.s32\.totalorder %\w+, (-?\d+) /\* loop exit test \*/")
+# (A predicated compare names its predicate first: `totalorder (%p4321_p0), %s1280_s24, 20`.)
+_EXIT_TEST = re.compile(
+  r"(%\w+) = scmp\.\w+\.s32\.totalorder (?:\(%\w+\),\s*)?(%\w+), (-?\d+) /\* loop exit test \*/"
+)
+# The induction step of an unrolled loop (`fori_loop(..., unroll=u)` steps by u).
+_STEP = r"{register} = sadd\.s32 (\d+), %\w+"
 _COMPARE = re.compile(r"scmp\.(lt|ge|le|gt)\.s32\.totalorder %\w+, (-?\d+)")
 _CALL = re.compile(r"inlined_call[^/]*/\* (?:%(\S+) = |<([\w-]+)>)")
 _OPERAND = re.compile(
@@ -167,14 +174,15 @@ def parse(text: str, name: str = "") -> Program:
   )
   nodes: list[Node] = []
   for position, body in enumerate(bodies):
-    for target in _BRANCH.findall(body):
+    for predicate, target in _BRANCH.findall(body):
       start = region_at.get(int(target))
       if start is None:
         continue
       if start > position + 1:
         nodes.append(Node("span", _first_busy(bodies, position + 1, start), start - 1))
       elif start <= position:
-        nodes.append(Node("loop", start, position, trips=_trips(bodies[start : position + 1])))
+        trips = _trips(bodies[start : position + 1], predicate)
+        nodes.append(Node("loop", start, position, trips=trips))
   root = Node("program", 0, len(bodies) - 1)
   _nest(root, nodes)
   _count_own(root, bodies)
@@ -195,11 +203,18 @@ def _first_busy(bodies: list[str], start: int, stop: int) -> int:
   return start
 
 
-def _trips(body: list[str]) -> int | None:
-  for line in reversed(body):
-    match = _EXIT_TEST.search(line)
-    if match:
-      return int(match.group(1))
+def _trips(body: list[str], predicate: str = "") -> int | None:
+  """A loop's trips from its body: the exit test that sets the predicate of the loop's
+  own backward branch (an inner loop's test may come later in the listing), else the
+  last exit test, else an XLA `while`'s compare."""
+  tests = [m for line in body for m in _EXIT_TEST.finditer(line)]
+  own = [m for m in tests if m.group(1) == predicate]
+  if own or tests:
+    match = (own or tests)[-1]
+    register, bound = match.group(2), int(match.group(3))
+    step = re.compile(_STEP.format(register=re.escape(register)))
+    steps = [int(m.group(1)) for text in body for m in [step.search(text)] if m]
+    return -(-bound // steps[0]) if steps and steps[0] > 1 else bound
   # An XLA `while`: `i < n` (or `i >= n` to exit) on the induction variable.
   for line in reversed(body):
     found = _COMPARE.findall(line)
