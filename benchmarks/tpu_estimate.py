@@ -10,25 +10,28 @@ H = 20, d = 128, bf16, causal (IHA: RoPE at virtual positions):
   mha                     global multi-head attention (P = 1, no mixing)
   matmul                  an 8192^3 bf16 matmul (the calibration: ideal 2.40 ms on v5p)
 
-each through every TPU implementation ("xla", "pallas_tpu", "splash", "auto"), forward
-and forward+backward (gradients of q, k, v and the mixing weights under a random
-cotangent).
+each through every TPU implementation ("xla", "pallas_tpu", "pallas_tpu_window" for
+windows, "splash", "auto"), forward and forward+backward (the output and the gradients of
+q, k, v and the mixing weights under a random cotangent: the forward's output is used, so
+it is never compiled away). "splash" runs at its best blocks per case and pass, searched
+among `SPLASH_BLOCKS` (the chosen blocks are printed and written with the row).
 
     python benchmarks/tpu_estimate.py                       # v5p, every default case
     python benchmarks/tpu_estimate.py --target v6e --cases global_p4,mha --json out.json
 
-`--calibrate` checks the estimator against three programs whose time is known: an
-8192^3 bf16 matmul (MXU-bound: 2 * 8192^3 / peak), a float32 elementwise op over 1 GiB
-(HBM-bound: bytes / bandwidth) and splash attention's MHA forward at the shape above
-(1.32 ms on v5p as first estimated here), each with its tolerance (10%, 15%, 15%).
+`--calibrate` checks the estimator against programs whose time is known independently of
+any estimate: an 8192^3 bf16 matmul through XLA and through a Pallas kernel (MXU-bound:
+2 * 8192^3 / peak), three identical matmuls (one compiled program, three runs), and a
+float32 elementwise op over 1 GiB (HBM-bound: bytes / bandwidth), each with its
+tolerance.
 
-`--write_ranking` estimates the default IHA and MHA cases through "pallas_tpu" and
-"splash" and rewrites `iha_jax/kinds/tpu_ranking.py`, the table TPU "auto" follows
-(`iha_jax.kinds.tpu_auto`).
+`--write_ranking` estimates the default IHA and MHA cases through "pallas_tpu",
+"pallas_tpu_window" and "splash" and rewrites `iha_jax/kinds/tpu_ranking.py`, the table
+TPU "auto" follows (`iha_jax.kinds.tpu_auto`).
 
 `--json FILE` writes rows {"target", "case", "implementation", "pass", "estimated_ms"}
-("pass": "fwd" or "fwd_bwd"; a case that does not compile has "estimated_ms": null and
-its "error"). Needs libtpu (`make targets`).
+("pass": "fwd" or "fwd_bwd"; "blocks" where chosen; a case that does not compile has
+"estimated_ms": null and its "error"). Needs libtpu (`make targets`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,12 @@ if str(_REPO) not in sys.path:
 from iha_jax.parallel import targets, tpu_estimate  # noqa: E402
 
 CASES = ("global_p4", "window_p4", "global_p20", "window_p20", "mha", "matmul")
-TPU_IMPLEMENTATIONS = ("xla", "pallas_tpu", "splash", "auto")
+TPU_IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_tpu_window", "splash", "auto")
+# Splash's (query, key) blocks searched per case (compute blocks <= 512: `splash.block_sizes`):
+# larger blocks skip more fully masked steps of a global causal band; a window's band
+# is narrow, where 512 fits it best (larger ones were slower in every window case tried).
+SPLASH_BLOCKS = ((512, 512), (1024, 512), (1024, 1024), (2048, 512), (2048, 1024))
+SPLASH_WINDOW_BLOCKS = ((512, 512), (1024, 512))
 PASSES = ("fwd", "fwd_bwd")
 
 
@@ -73,12 +81,14 @@ def case_setup(case: str, shape: Shape) -> tuple[str, int, int | None]:
   return "iha", pseudo, shape.tokens // (2 * pseudo) if name == "window" else None
 
 
-def implementations_of(kind: str) -> tuple[str, ...]:
+def implementations_of(kind: str, windowed: bool = True) -> tuple[str, ...]:
   from iha_jax.kinds import registry  # after the TPU packages are on sys.path
 
   if kind == "matmul":
     return ("xla",)
-  have = registry.implementations(kind)
+  have = set(registry.implementations(kind))
+  if not windowed:
+    have.discard("pallas_tpu_window")
   return tuple(i for i in TPU_IMPLEMENTATIONS if i in have or i == "auto")
 
 
@@ -117,7 +127,8 @@ def build(case: str, implementation: str, backward: bool, shape: Shape, device, 
     out = forward(*arrays)
     return jnp.sum(out.astype(jnp.float32) * cotangent)
 
-  grads = jax.grad(loss, argnums=tuple(range(len(qkv) + len(mixing))))
+  # The loss's value too: training uses the forward's output, so it must run.
+  grads = jax.value_and_grad(loss, argnums=tuple(range(len(qkv) + len(mixing))))
   return jax.jit(grads), (*qkv, *mixing, spec((b, n, h, d), jnp.float32))
 
 
@@ -171,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   if args.write_ranking and args.rows is not None:
     rows = [dict(r, pass_=r["pass"]) for r in json.loads(args.rows.read_text())]
-    write_ranking([r for r in rows if r["target"] == "v5p" and not r.get("blocks")], Shape())
+    chosen = [r for r in rows if not r.get("blocks") or r.get("searched")]
+    write_ranking([r for r in chosen if r["target"] == "v5p"], Shape())
     return 0
   if args.write_ranking:
     args.cases = ",".join(c for c in CASES if c != "matmul")
@@ -227,56 +239,83 @@ def main(argv: list[str] | None = None) -> int:
     f"{'case':<12} {'implementation':<26} {'pass':<8} {'est. ms':>10} {'ideal ms':>9} {'% MXU':>6}"
   )
   estimated: dict[tuple, tpu_estimate.Estimate] = {}
+
+  def one(case: str, implementation: str, pass_: str, blocks) -> tuple[dict, object]:
+    """(row, estimate or None) of one case, implementation, pass and tiling."""
+    row = dict(target=generation, case=case, implementation=implementation, pass_=pass_)
+    if blocks:
+      row["blocks"] = list(blocks)
+    try:
+      with registry.auto_backend("tpu"):
+        fn, fn_args = build(case, implementation, pass_ == "fwd_bwd", shape, devices[0], blocks)
+        traced = fn.trace(*fn_args)
+        # "auto" whose program is one already estimated (the same jaxpr): that estimate.
+        program = str(traced.jaxpr)
+        est = estimated.get((case, pass_, blocks, program))
+        if est is None:
+          keep = args.keep_schedule and args.keep_schedule / f"{case}-{implementation}-{pass_}"
+          _, est = tpu_estimate.estimate_traced(traced, target=generation, keep_schedule=keep)
+          estimated[(case, pass_, blocks, program)] = est
+      row["estimated_ms"] = est.seconds * 1e3
+      if est.lower_bound:
+        row["lower_bound"] = True
+    except Exception as error:  # a compile failure is this case's result
+      row["estimated_ms"] = None
+      row["error"] = (
+        str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+      )
+      est = None
+    return row, est
+
+  given = [tuple(int(x) for x in b.split("x")) for b in args.blocks.split(",") if b]
   for case in cases:
-    kind, _, _ = case_setup(case, shape)
-    wanted = [i for i in args.implementations.split(",") if i] or implementations_of(kind)
-    tilings = [tuple(int(x) for x in b.split("x")) for b in args.blocks.split(",") if b] or [None]
-    for implementation, blocks in ((i, b) for i in wanted for b in tilings):
+    kind, _, window = case_setup(case, shape)
+    wanted = [i for i in args.implementations.split(",") if i] or implementations_of(
+      kind, window is not None
+    )
+    for implementation in wanted:
+      if implementation == "pallas_tpu_window" and window is None:
+        continue  # the on-chip path takes windows only
+      # Splash at its best blocks (searched) unless --blocks names the tilings.
+      search = implementation == "splash" and not given
+      tilings = given or [None]
+      if search:
+        rows_of = shape.tokens * case_setup(case, shape)[1]
+        searched = SPLASH_BLOCKS if window is None else SPLASH_WINDOW_BLOCKS
+        tilings = [b for b in searched if max(b) <= max(rows_of, 512)]
       for pass_ in passes:
         backward = pass_ == "fwd_bwd"
         if kind == "matmul" and backward:
           continue
-        label = implementation + (f" {blocks[0]}x{blocks[1]}" if blocks else "")
-        if implementation == "auto" and kind != "matmul":
-          with registry.auto_backend("tpu"):
-            label = f"auto ({_resolved(kind, case, shape)})"
         start = time.perf_counter()
-        row = dict(target=generation, case=case, implementation=implementation, pass_=pass_)
-        if blocks:
-          row["blocks"] = list(blocks)
-        try:
-          with registry.auto_backend("tpu"):
-            fn, fn_args = build(case, implementation, backward, shape, devices[0], blocks)
-            traced = fn.trace(*fn_args)
-            # "auto" whose program is one already estimated (the same jaxpr): that estimate.
-            program = str(traced.jaxpr)
-            est = estimated.get((case, pass_, blocks, program))
-            if est is None:
-              keep = args.keep_schedule and args.keep_schedule / f"{case}-{implementation}-{pass_}"
-              _, est = tpu_estimate.estimate_traced(traced, target=generation, keep_schedule=keep)
-              estimated[(case, pass_, blocks, program)] = est
-          row["estimated_ms"] = est.seconds * 1e3
-          if est.lower_bound:
-            row["lower_bound"] = True
-        except Exception as error:  # a compile failure is this case's result
-          row["estimated_ms"] = None
-          row["error"] = (
-            str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-          )
-          est = None
-        rows.append(row)
-        ideal = ideal_ms(case, backward, shape, chip)
-        if est is None:
-          print(
-            f"{case:<12} {label:<26} {pass_:<8} {'failed':>10} {ideal:>9.3f}      -  {row['error']}"
-          )
-        else:
+        tried = [one(case, implementation, pass_, blocks) for blocks in tilings]
+        ok = [t for t in tried if t[1] is not None]
+        picks = [min(ok, key=lambda t: t[0]["estimated_ms"])] if search and ok else tried
+        if search and not ok:
+          picks = tried[:1]
+        for row, est in picks:
+          if search:
+            row["searched"] = [list(b) for b in tilings]
+          rows.append(row)
+          blocks = row.get("blocks")
+          label = implementation + (f" {blocks[0]}x{blocks[1]}" if blocks else "")
+          if implementation == "auto" and kind != "matmul":
+            with registry.auto_backend("tpu"):
+              label = f"auto ({_resolved(kind, case, shape)})"
+          ideal = ideal_ms(case, backward, shape, chip)
+          if est is None:
+            print(
+              f"{case:<12} {label:<26} {pass_:<8} {'failed':>10} {ideal:>9.3f}      -  "
+              f"{row['error']}"
+            )
+            continue
           at_least = ">=" if est.lower_bound else "  "
           print(
             f"{case:<12} {label:<26} {pass_:<8} {at_least}{row['estimated_ms']:>8.3f} "
             f"{ideal:>9.3f} {100 * ideal / row['estimated_ms']:>5.0f}%  "
             f"({time.perf_counter() - start:.0f} s)"
             + ("  lower bound: run-time loop trips counted once" if est.lower_bound else "")
+            + (f"  best of {len(tilings)} block pairs" if search else "")
           )
           if args.ops:
             print(est.table())
@@ -289,9 +328,6 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
-SPLASH_MHA_MS = {"v5p": 1.32}  # the first estimate of splash's MHA forward (IHA_SPEC §11)
-
-
 def _three_matmuls(x, w1, w2, w3):
   import jax.numpy as jnp
 
@@ -300,24 +336,68 @@ def _three_matmuls(x, w1, w2, w3):
   return x
 
 
-def calibrate(chip: tpu_estimate.Chip, device) -> list[dict]:
-  """Estimates three programs of known time and compares (one row each)."""
+def _pallas_matmul(edge: int, block: int = 512):
+  """`a @ b` for `[edge, edge]` bf16 operands as a Pallas TPU kernel: a grid of
+  `block`-square output tiles, each accumulating over the contraction in float32 (the
+  kernel's region is MXU-bound: its time is its FLOPs at peak)."""
+  import functools
+
   import jax
   import jax.numpy as jnp
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  steps = edge // block
+
+  def kernel(a_ref, b_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    acc_ref[...] += jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(pl.program_id(2) == steps - 1)
+    def _():
+      o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+  call = pl.pallas_call(
+    kernel,
+    grid=(steps, steps, steps),
+    in_specs=[
+      pl.BlockSpec((block, block), lambda i, j, k: (i, k)),
+      pl.BlockSpec((block, block), lambda i, j, k: (k, j)),
+    ],
+    out_specs=pl.BlockSpec((block, block), lambda i, j, k: (i, j)),
+    out_shape=jax.ShapeDtypeStruct((edge, edge), jnp.bfloat16),
+    scratch_shapes=[pltpu.VMEM((block, block), jnp.float32)],
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+    name="calibration_matmul",
+  )
+  return jax.jit(functools.partial(call))
+
+
+def calibrate(chip: tpu_estimate.Chip, device) -> list[dict]:
+  """Estimates programs whose time is known from arithmetic (their FLOPs at the chip's
+  peak, or their bytes at its HBM bandwidth) and compares (one row each)."""
+  import jax
+  import jax.numpy as jnp
 
   sharding = jax.sharding.SingleDeviceSharding(device)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  m, n, h, d = 8192, 8192, 20, 128
+  m = 8192
   big = spec((8192, 32768), jnp.float32)  # 1 GiB in, 1 GiB out
-  mask = splash.MultiHeadMask([splash.CausalMask((n, n)) for _ in range(h)])
-  blocks = splash.BlockSizes(**{f: 512 for f in ("block_q", "block_kv", "block_kv_compute")})
-  kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=blocks)
-  heads = spec((h, n, d), jnp.bfloat16)
   programs = [
     (
       "matmul 8192^3 bf16",
       jax.jit(lambda a, b: a @ b),
+      (spec((m, m), jnp.bfloat16),) * 2,
+      2 * m**3 / chip.peak_bf16_flops,
+      0.10,
+    ),
+    (
+      # The MXU floor: a Pallas kernel's bundles undercount the MXU cycles its passes take.
+      "Pallas matmul kernel 8192^3 bf16",
+      _pallas_matmul(m),
       (spec((m, m), jnp.bfloat16),) * 2,
       2 * m**3 / chip.peak_bf16_flops,
       0.10,
@@ -338,16 +418,6 @@ def calibrate(chip: tpu_estimate.Chip, device) -> list[dict]:
       0.15,
     ),
   ]
-  if chip.name in SPLASH_MHA_MS:
-    programs.append(
-      (
-        "splash MHA forward",
-        jax.jit(lambda q, k, v: kernel(q, k, v)),
-        (heads,) * 3,
-        SPLASH_MHA_MS[chip.name] / 1e3,
-        0.15,
-      )
-    )
   rows = []
   print(f"Calibration on one {chip.name} chip (estimates from libtpu's schedule vs known times)")
   for name, fn, args, known_s, tolerance in programs:
@@ -365,14 +435,14 @@ def calibrate(chip: tpu_estimate.Chip, device) -> list[dict]:
       )
     )
     print(
-      f"  {name:<27} estimate {est.seconds * 1e3:8.3f} ms  known {known_s * 1e3:8.3f} ms  "
+      f"  {name:<33} estimate {est.seconds * 1e3:8.3f} ms  known {known_s * 1e3:8.3f} ms  "
       f"{error:+6.1%} (tolerance {tolerance:.0%}) {'ok' if within else 'OUT OF TOLERANCE'}"
     )
   return rows
 
 
 RANKING_FILE = _REPO / "iha_jax" / "kinds" / "tpu_ranking.py"
-RANKED = ("pallas_tpu", "splash")
+RANKED = ("pallas_tpu", "pallas_tpu_window", "splash")
 
 
 def write_ranking(rows: list[dict], shape: Shape) -> None:

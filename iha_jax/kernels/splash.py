@@ -26,7 +26,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -35,12 +34,15 @@ from iha_jax.core.rope import apply_rope
 from iha_jax.core.validation import default_positions
 
 LANES = 128  # splash's blocks are multiples of the lane width
-DEFAULT_BLOCK = 512  # the estimate's choice at the paper's shape (docs/performance.md)
+DEFAULT_BLOCK = 512  # without `block_sizes` (benchmarks search per shape: performance.md)
+# Splash's compute block (the key block one inner step multiplies) at most this: larger
+# ones exceed v5p's scoped VMEM with 2048-row query blocks.
+COMPUTE_BLOCK = 512
 
 
 def block_size(seq_len: int, requested: int | None = None) -> int:
-  """Splash's square block for a `seq_len`-long sequence: `requested` (rounded up to the
-  lane width) or the default, never beyond the padded sequence."""
+  """A splash block for a `seq_len`-long sequence: `requested` (rounded up to the lane
+  width) or the default, never beyond the padded sequence."""
   block = round_up(requested or DEFAULT_BLOCK, LANES)
   return min(block, round_up(seq_len, LANES))
 
@@ -53,20 +55,29 @@ def _mask(seq_len: int, window: int | None, causal: bool):
   return splash.CausalMask(shape) if causal else splash.FullMask(shape)
 
 
-def _kernel(heads: int, seq_len: int, window, causal: bool, block: int, interpret: bool):
-  """A splash kernel for one example `[H, T, d]` (vmapped over the batch)."""
+def block_sizes(block_q: int, block_kv: int) -> splash.BlockSizes:
+  """Splash's blocks from a query and a key block: the forward's as given, its compute
+  block at most `COMPUTE_BLOCK`; the backward's query blocks at most the key block."""
+  compute = min(block_kv, COMPUTE_BLOCK)
+  backward_q = min(block_q, block_kv)
+  return splash.BlockSizes(
+    block_q=block_q,
+    block_kv=block_kv,
+    block_kv_compute=compute,
+    block_q_dkv=backward_q,
+    block_kv_dkv=block_kv,
+    block_kv_dkv_compute=compute,
+    block_q_dq=backward_q,
+    block_kv_dq=block_kv,
+  )
+
+
+def _kernel(heads: int, seq_len: int, window, causal: bool, blocks, interpret: bool):
+  """A splash kernel for one example `[H, T, d]` (vmapped over the batch); `blocks`:
+  (query block, key block)."""
   # One mask object for every head: splash processes identical masks once.
   mask = splash.MultiHeadMask([_mask(seq_len, window, causal)] * heads)
-  sizes = splash.BlockSizes(
-    block_q=block,
-    block_kv=block,
-    block_kv_compute=block,
-    block_q_dkv=block,
-    block_kv_dkv=block,
-    block_kv_dkv_compute=block,
-    block_q_dq=block,
-    block_kv_dq=block,
-  )
+  sizes = block_sizes(*blocks)
   return splash.make_splash_mha(
     mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
   )
@@ -78,7 +89,8 @@ def splash_mha_attention(
   """q `[B, N, H, d]`, k `[B, N, G, d]`, v `[B, N, G, dv]` -> `[B, N, H, dv]` in q.dtype.
 
   `options`: checked and defaulted (`window` in tokens of this sequence, `causal`,
-  `segment_ids`, `positions`, `rope_theta`, `block_sizes.block_q` as splash's block);
+  `segment_ids`, `positions`, `rope_theta`, `block_sizes`: splash's query and key blocks,
+  `block_sizes`' forward and backward blocks);
   `platform` is accepted for the kernel registry's uniform call and not read."""
   del platform
   if options.sliced:
@@ -93,9 +105,12 @@ def splash_mha_attention(
     q = apply_rope(q, positions, options.rope_theta).astype(dtype)
     k = apply_rope(k, positions, options.rope_theta).astype(dtype)
   q = (q.astype(jnp.float32) / math.sqrt(d)).astype(dtype)
-  requested = options.block_sizes.block_q if options.block_sizes else None
-  block = block_size(n, requested)
-  padded = round_up(n, block)
+  requested = options.block_sizes or None
+  blocks = (
+    block_size(n, requested and requested.block_q),
+    block_size(n, requested and (requested.block_k or requested.block_q)),
+  )
+  padded = round_up(n, math.lcm(*blocks))
   segment_ids = options.segment_ids
   if segment_ids is None and padded != n and not options.causal:
     segment_ids = jnp.ones((b, n), jnp.int32)  # padding keys get id 0 below
@@ -106,7 +121,7 @@ def splash_mha_attention(
     args.append(pad(segment_ids.astype(jnp.int32)))
 
   def run(interpret: bool):
-    kernel = _kernel(h, padded, options.window, options.causal, block, interpret)
+    kernel = _kernel(h, padded, options.window, options.causal, blocks, interpret)
 
     def one(q, k, v, ids=None):
       return kernel(q, k, v, segment_ids=None if ids is None else splash.SegmentIds(ids, ids))
@@ -118,8 +133,3 @@ def splash_mha_attention(
   if options.segment_ids is not None:  # padding queries output zeros
     out = jnp.where((options.segment_ids != 0)[:, :, None, None], out, jnp.zeros((), dtype))
   return out
-
-
-def mask_table(seq_len: int, window: int | None, causal: bool) -> np.ndarray:
-  """The `[T, T]` boolean mask splash applies (for tests against `ops.masking`)."""
-  return np.asarray(_mask(seq_len, window, causal)[:, :])

@@ -63,7 +63,7 @@ VMEM_BUDGET_BYTES = 44 * 2**20
 # Default tile: about this many virtual rows per target head and grid step.
 TILE_ROWS = 3200
 BLOCK_UNROLL = 4
-MIX_UNROLL = 4
+MIX_UNROLL = 8
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b

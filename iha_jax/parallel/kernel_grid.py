@@ -66,10 +66,27 @@ def _is_int(*values) -> bool:
 @dataclasses.dataclass
 class When:
   """One `pl.when` body: the grid steps each core runs it on (nested bodies count within
-  their parent's steps), and the `pl.when`s inside it."""
+  their parent's steps), the `pl.when`s inside it, and the MXU work one run of its own
+  body does (`mxu_work`, nested bodies not included)."""
 
   steps: tuple[int, ...]
   children: list[When] = dataclasses.field(default_factory=list)
+  mxu_work: MxuWork | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MxuWork:
+  """The matrix products a kernel body issues, as (batch * rows, contraction, columns)
+  per product (loops with a static trip count repeat theirs; products under a `pl.when`
+  belong to that body). `flops(edge)`: their FLOPs with the contraction and the columns
+  padded to the MXU's edge (128 on v5e/v5p, 256 on v6e) and rows to 8: an MXU pass takes
+  a whole edge however few of its lanes a product fills."""
+
+  products: tuple[tuple[int, int, int, float], ...] = ()  # (rows, contraction, cols, times)
+
+  def flops(self, edge: int) -> float:
+    pad = lambda x, m: -(-x // m) * m
+    return sum(2.0 * pad(r, 8) * pad(k, edge) * pad(c, edge) * t for r, k, c, t in self.products)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +105,7 @@ class KernelCall:
   whens: tuple[When, ...]
   dma_bytes: int
   weighted: bool
+  mxu_work: MxuWork = MxuWork()  # per grid step, outside every `pl.when`
 
 
 def kernel_calls(fn: Callable, *args: Any, cores: int = 1) -> list[KernelCall]:
@@ -215,16 +233,72 @@ def _analyse(eqn, operands: list, cores: int) -> KernelCall:
     per_core_whens.append(whens)
     dma_bytes += _block_copy_bytes(mapping, indices, prefetch, steps)
   name = eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", "")
+  whens = _merge(per_core_whens)
+  _attach_mxu_work(kernel, whens)
   return KernelCall(
     name=str(name),
     grid=grid,
     semantics=semantics,
     input_shapes=tuple(tuple(v.aval.shape) for v in eqn.invars),
     core_steps=tuple(core_steps),
-    whens=tuple(_merge(per_core_whens)),
+    whens=tuple(whens),
     dma_bytes=dma_bytes,
     weighted=weighted,
+    mxu_work=mxu_work(kernel),
   )
+
+
+def mxu_work(jaxpr, times: float = 1.0) -> MxuWork:
+  """The products `jaxpr` issues outside its `pl.when`s (conds), loops of static trips
+  repeated (`scan`'s length; a `while` counts once: a floor)."""
+  products: list[tuple[int, int, int, float]] = []
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general":
+      products.append((*_product_shape(eqn), times))
+    elif name == "cond":
+      continue
+    elif name == "scan":
+      products += mxu_work(eqn.params["jaxpr"].jaxpr, times * eqn.params["length"]).products
+    else:
+      for inner, _ in _sub_jaxprs(eqn.params):
+        products += mxu_work(inner, times).products
+  return MxuWork(tuple(products))
+
+
+def _product_shape(eqn) -> tuple[int, int, int]:
+  """(batch * rows, contraction, columns) of a dot_general."""
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+  lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+  batch = math.prod(lhs[i] for i in lhs_batch)
+  contraction = math.prod(lhs[i] for i in lhs_contract)
+  rows = math.prod(x for i, x in enumerate(lhs) if i not in (*lhs_contract, *lhs_batch))
+  cols = math.prod(x for i, x in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch))
+  return batch * rows, contraction, cols
+
+
+def _attach_mxu_work(jaxpr, whens: list[When]) -> None:
+  """Sets each `When`'s `mxu_work` from the `pl.when` bodies of `jaxpr`, found in the
+  order `_eval` found them (calls entered in place)."""
+  bodies = list(_when_bodies(jaxpr))
+  if len(bodies) != len(whens):
+    return
+  for body, when in zip(bodies, whens):
+    when.mxu_work = mxu_work(body)
+    _attach_mxu_work(body, when.children)
+
+
+def _when_bodies(jaxpr):
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "cond":
+      branches = eqn.params["branches"]
+      if len(branches) == 2 and not branches[0].jaxpr.eqns:
+        yield branches[-1].jaxpr
+    elif name in _CALLS:
+      inner = next((j for j, _ in _sub_jaxprs(eqn.params)), None)
+      if inner is not None:
+        yield from _when_bodies(inner)
 
 
 def _merge(per_core: list[list[When]]) -> list[When]:
