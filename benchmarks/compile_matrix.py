@@ -41,6 +41,22 @@ KERNELS = ("iha_flash_forward", "iha_flash_dq", "iha_flash_dkv")
 CASES = [
   ("2.4B L layer as shipped (P = H = 20)", Case(heads=20, pseudo=20, window=204, tokens=8192)),
   ("2.4B L layer at P = 4", Case(heads=20, pseudo=4, window=1024, tokens=8192)),
+  (
+    "2.4B L layer as shipped, on-chip (P = H = 20)",
+    Case(heads=20, pseudo=20, window=204, tokens=8192, onchip=True),
+  ),
+  (
+    "2.4B L layer at P = 4, on-chip",
+    Case(heads=20, pseudo=4, window=1024, tokens=8192, onchip=True),
+  ),
+  (
+    "350M L layer, on-chip (H = 16, d = 64, P = 4)",
+    Case(heads=16, head_dim=64, pseudo=4, window=512, tokens=4096, onchip=True),
+  ),
+  (
+    "64k stage L layer, on-chip: one of 4 sequence shards (P = H = 20)",
+    Case(heads=20, pseudo=20, window=1638, tokens=65536, shards=4, onchip=True),
+  ),
   ("2.4B global IHA, P = H = 20", Case(heads=20, pseudo=20, tokens=8192)),
   ("2.4B M layer (global MHA)", Case(kind="mha", heads=20, tokens=8192)),
   ("2.4B S layer (window 512 MHA)", Case(kind="mha", heads=20, tokens=8192, window=512)),
@@ -97,6 +113,11 @@ GQA_CASES = [
 ]
 CASES += GQA_CASES
 
+
+def _case(label: str) -> Case:
+  return dict(CASES)[label]
+
+
 # The suite's fast subset (tests/test_compile_targets.py): the paper's P = H = 20 backward
 # on v5p, default H100 shapes, one sequence shard per platform (context parallelism: a
 # traced query offset), and controls the compilers must flag (names "control: ...").
@@ -107,20 +128,28 @@ SMOKE = {
       "GQA: 2.4B L layer (P = H = 20, G = 5), one of 4 sequence shards",
       dataclasses.replace(GQA_CASES[0][1], tokens=2048, shards=4),
     ),
-    ("2.4B D layer (diff: MHA, dv = 2d)", CASES[5][1]),
+    ("2.4B D layer (diff: MHA, dv = 2d)", _case("2.4B D layer (diff: MHA, dv = 2d)")),
+    (
+      "on-chip: 2.4B L layer (P = H = 20)",
+      Case(heads=20, pseudo=20, window=204, tokens=2048, onchip=True),
+    ),
+    (
+      "on-chip GQA: 2.4B L layer (G = 5), one of 4 sequence shards",
+      Case(heads=20, kv_heads=5, pseudo=20, window=204, tokens=2048, shards=4, onchip=True),
+    ),
     (
       "control: 2048-row tiles at P = 4, forward",
       Case(pseudo=4, tokens=2048, window=512, blocks=(2048, 2048), backward=False),
     ),
   ],
   "cuda": [
-    ("P = 2", CASES[7][1]),
-    ("P = 4, d = 64", CASES[11][1]),
+    ("P = 2", _case("P = 2")),
+    ("P = 4, d = 64", _case("P = 4, d = 64")),
     (
       "GQA: Llama 3 8B shapes, IHA P = 4, one of 4 sequence shards",
       dataclasses.replace(GQA_CASES[2][1], shards=4),
     ),
-    ("control: 128 x 128 tiles at P = 2", dataclasses.replace(CASES[7][1], blocks=(128, 128))),
+    ("control: 128 x 128 tiles at P = 2", dataclasses.replace(_case("P = 2"), blocks=(128, 128))),
   ],
 }
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from iha_jax import kernels
 from iha_jax.core.options import AttentionOptions, BlockSizes
+from iha_jax.kernels import tpu_window
 from iha_jax.parallel import compiled, context, targets
 
 
@@ -47,6 +48,7 @@ class Case:
   collapse: str = "full"  # or "per_head"
   blocks: tuple[int, int] | None = None  # BlockSizes (virtual tokens); None: the defaults
   shards: int = 1  # context shards (> 1: a sliced call with a traced offset)
+  onchip: bool = False  # IHA's on-chip window path (TPU; a shard's offset is then static)
 
   @property
   def key_tokens(self) -> int:
@@ -69,6 +71,7 @@ class Case:
       else "MHA" + (f" dv={self.value_dim}" if self.value_dim else "")
     )
     blocks = f" blocks={self.blocks[0]}x{self.blocks[1]}" if self.blocks else ""
+    blocks += " on-chip" if self.onchip else ""
     groups = f" G={self.kv_heads}" if self.kv_heads not in (None, self.heads) else ""
     tokens = f"N={self.tokens}"
     if self.shards > 1:
@@ -97,8 +100,9 @@ def _inputs(case: Case, device: jax.Device) -> tuple[jax.ShapeDtypeStruct, ...]:
   g, nk = case.kv_heads or h, case.key_tokens
   q, k = spec((b, n, h, d), dtype), spec((b, nk, g, d), dtype)
   tokens = (spec((b, n), jnp.int32),) * 2
-  if case.shards > 1:  # key ids and positions, the query offset
-    tokens += (spec((b, nk), jnp.int32),) * 2 + (spec((), jnp.int32),)
+  if case.shards > 1:  # key ids and positions, the query offset (traced unless on-chip)
+    tokens += (spec((b, nk), jnp.int32),) * 2
+    tokens += () if case.onchip else (spec((), jnp.int32),)
   if case.kind == "mha":
     return q, k, spec((b, nk, g, case.value_dim or d), dtype), *tokens
   alpha_q, alpha_kv = (spec((x, x, case.pseudo), jnp.float32) for x in (h, g))
@@ -121,10 +125,16 @@ def _function(case: Case, platform: str):
   def attend(*args):
     sliced = {}
     if case.shards > 1:
-      *args, kv_segment_ids, kv_positions, offset = args
+      if case.onchip:  # a window layer's shard: its halo before it, a static offset
+        *args, kv_segment_ids, kv_positions = args
+        offset = case.key_tokens - case.tokens // case.shards
+      else:
+        *args, kv_segment_ids, kv_positions, offset = args
       sliced = dict(kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, query_offset=offset)
     *arrays, segment_ids, positions = args
     entry = kernels.fused_mha_attention if case.kind == "mha" else kernels.fused_iha_attention
+    if case.onchip:
+      entry = _onchip
     call_options = options.replace(
       segment_ids=segment_ids if case.segments else None, positions=positions, **sliced
     )
@@ -134,7 +144,14 @@ def _function(case: Case, platform: str):
   if not case.backward:
     return attend
   differentiable = 3 if case.kind == "mha" else 7
-  return jax.grad(attend, argnums=tuple(range(differentiable)))
+  # The value too: a backward that needs no forward residual (the on-chip path's) would
+  # otherwise leave the forward kernel out of the program.
+  return jax.value_and_grad(attend, argnums=tuple(range(differentiable)))
+
+
+def _onchip(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options, *, platform: str):
+  del platform  # TPU only
+  return tpu_window.window_iha(q, k, v, (alpha_q, alpha_k, alpha_v), collapse, options)
 
 
 def compile_case(case: Case, target: targets.Target, device: jax.Device) -> Result:

@@ -6,7 +6,8 @@ schedule, not a measurement (no TPU runs here). Default cases, at B = 1, N = 819
 H = 20, d = 128, bf16, causal (IHA: RoPE at virtual positions):
 
   global_p4, global_p20   global IHA, P = 4 / 20
-  window_p4, window_p20   IHA with a window of N / (2P) virtual tokens (the paper's L)
+  window_p4, window_p20   IHA with a window of N / (2P) virtual tokens (the paper's L);
+                          window_pP_wW: P and a window of W virtual tokens
   mha                     global multi-head attention (P = 1, no mixing)
   matmul                  an 8192^3 bf16 matmul (the calibration: ideal 2.40 ms on v5p)
 
@@ -75,10 +76,15 @@ def case_setup(case: str, shape: Shape) -> tuple[str, int, int | None]:
   if case == "matmul":
     return "matmul", 1, None
   name, _, p = case.partition("_p")
+  p, _, w = p.partition("_w")  # window_p20_w1638: an explicit window (virtual tokens)
   if name not in ("global", "window") or not p.isdigit() or int(p) < 1:
     raise ValueError(case)
+  if w and (name != "window" or not w.isdigit() or int(w) < 1):
+    raise ValueError(case)
   pseudo = int(p)
-  return "iha", pseudo, shape.tokens // (2 * pseudo) if name == "window" else None
+  if name == "global":
+    return "iha", pseudo, None
+  return "iha", pseudo, int(w) if w else shape.tokens // (2 * pseudo)
 
 
 def implementations_of(kind: str, windowed: bool = True) -> tuple[str, ...]:
@@ -301,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
           label = implementation + (f" {blocks[0]}x{blocks[1]}" if blocks else "")
           if implementation == "auto" and kind != "matmul":
             with registry.auto_backend("tpu"):
-              label = f"auto ({_resolved(kind, case, shape)})"
+              row["resolved"] = _resolved(kind, case, shape)
+            label = f"auto ({row['resolved']})"
           ideal = ideal_ms(case, backward, shape, chip)
           if est is None:
             print(

@@ -161,7 +161,7 @@ KERNEL_CASES = [
   # tokens (16 rows at P = 2) and 16-row score tiles, so 40 tokens are five tiles, each
   # with seven 8-token halo blocks before it (a score tile's 128 key rows); one key/value
   # head at P = 4; bidirectional at P = 5 > H = 3 (halo blocks on both sides); per-head
-  # collapse without RoPE; bfloat16.
+  # collapse without RoPE.
   *[
     _case(f"tpu-window-{name}", kind, WINDOW, 40, mask, dtype=dtype, blocks=BlockSizes(*blocks))
     for name, kind, mask, blocks, dtype in [
@@ -181,7 +181,9 @@ KERNEL_CASES = [
         (48, 24),
         jnp.float32,
       ),
-      ("bf16", cf.iha(2, 16, 2), {**CAUSAL, "window": 13}, (16, 16), jnp.bfloat16),
+      # bfloat16 with G = 1 of H = 4: the key/value side's token groups (16 tokens) differ
+      # from the query side's (8).
+      ("bf16-g1", cf.iha(4, 16, 2, kv_heads=1), {**CAUSAL, "window": 13}, (32, 16), jnp.bfloat16),
     ]
   ],
   # MHA (P = 1 through the same kernels), v twice as wide as q/k (differential

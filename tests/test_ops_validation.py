@@ -75,6 +75,28 @@ def test_mha_attention_rejects(kwargs, message):
     ops.mha_attention(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize(
+  "shape, options, limit",
+  [
+    ((B, N, H, 8), {}, "sliding windows only"),
+    ((B, N, H, 256), {"window": 4, "rope_theta": None}, "head_dim 256"),
+  ],
+)
+def test_onchip_window_path_refuses_what_it_cannot_take_in_one_line(shape, options, limit):
+  """Named explicitly, the on-chip window path refuses a call it cannot take (a global
+  layer, rows wider than 128 lanes) in one line naming the limit and the implementation
+  that takes the call, while tracing (no compile); "auto" takes another path there."""
+  b, n, h, d = shape
+  q = jnp.ones(shape, jnp.float32)
+  alphas = [jnp.ones((h, h, 2))] * 4
+  impl = "pallas_tpu_window"
+  call = jax.jit(lambda q: ops.iha_attention(q, q, q, *alphas, **options, implementation=impl))
+  with pytest.raises(ValueError) as error:
+    call.trace(q)
+  message = str(error.value)
+  assert "\n" not in message and limit in message and "'pallas_tpu'" in message, message
+
+
 def test_errors_raise_before_tracing():
   """Validation is plain Python on shapes: it fires under jit before any compile."""
   args = _args()

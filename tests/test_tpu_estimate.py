@@ -235,6 +235,28 @@ def test_registry_resolves_tpu_auto_through_the_ranking(monkeypatch):
     assert sliced == "pallas_tpu"
 
 
+def test_tpu_auto_takes_the_onchip_window_path_where_ranked_and_able(monkeypatch):
+  """A window at the paper's P = H takes the on-chip path where the ranking puts it first;
+  a call it cannot take (head_dim 256: wider than its 128-lane rows) falls back to the next
+  ranked implementation; a global call never takes it."""
+  from iha_jax.kinds import registry, tpu_ranking
+  from iha_jax.ops import AttentionOptions
+
+  rows = (
+    ("iha", 20, True, "pallas_tpu_window", 1.0, 2.0),
+    ("iha", 20, True, "pallas_tpu", 2.0, 3.0),
+    ("iha", 20, False, "pallas_tpu", 2.0, 3.0),
+  )
+  monkeypatch.setattr(tpu_ranking, "RANKING", rows)
+  window = AttentionOptions(window=204)
+  with registry.auto_backend("tpu"):
+    for d, expected in ((128, "pallas_tpu_window"), (256, "pallas_tpu")):
+      q = jax.ShapeDtypeStruct((1, 2048, 20, d), jnp.bfloat16)
+      assert registry.resolve("iha", "auto", q, q, window, 20) == expected, d
+    q = jax.ShapeDtypeStruct((1, 2048, 20, 128), jnp.bfloat16)
+    assert registry.resolve("iha", "auto", q, q, AttentionOptions(), 20) == "pallas_tpu"
+
+
 # --- compiled by libtpu (subprocess) -------------------------------------------------------
 
 needs_tpu = pytest.mark.skipif(
@@ -293,6 +315,23 @@ def test_tpu_kernels_beat_splash_by_estimate(tmp_path):
     ms = {r["implementation"]: r["estimated_ms"] for r in rows if r["case"] == case}
     assert ms["pallas_tpu"] < ms["splash"], (case, ms)
     assert ms["auto"] <= ms["splash"], (case, ms)
+
+
+@needs_tpu
+def test_onchip_window_path_beats_the_materialised_one_at_p_equals_h(tmp_path):
+  """At a small P = H shape (N = 2048, H = P = 20, the paper's window N / (2P)), training:
+  the on-chip window path (pseudo-heads never in HBM) is estimated faster than
+  materialised pseudo q/k/v + the flash kernels, and TPU "auto" picks it."""
+  out = tmp_path / "rows.json"
+  proc = _cli(
+    "--cases", "window_p20", "--tokens", "2048", "--heads", "20",
+    "--implementations", "pallas_tpu,pallas_tpu_window,auto", "--passes", "fwd_bwd",
+    "--json", str(out),
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  rows = {r["implementation"]: r for r in json.loads(out.read_text())}
+  assert rows["pallas_tpu_window"]["estimated_ms"] < rows["pallas_tpu"]["estimated_ms"], rows
+  assert rows["auto"]["resolved"] == "pallas_tpu_window", rows["auto"]
 
 
 @pytest.mark.parametrize(

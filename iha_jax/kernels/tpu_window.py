@@ -65,13 +65,22 @@ TILE_ROWS = 3200
 BLOCK_UNROLL = 4
 MIX_UNROLL = 8
 
+# Additive masks: two of them still sum to a finite score (a row of padding stays finite).
+HALF_MASK = MASK_VALUE / 2
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 class UnsupportedShape(ValueError):
-  """A call the on-chip window path cannot take (the materialised pipeline can)."""
+  """A call the on-chip window path cannot take (the materialised pipeline can): one line
+  naming the limit and the implementation that takes the call."""
+
+  def __init__(self, limit: str):
+    super().__init__(
+      f"implementation 'pallas_tpu_window' (IHA's on-chip window path): {limit}; use "
+      "'pallas_tpu' (the materialised pipeline) or 'auto'"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +98,8 @@ class Plan:
   window: int  # rows
   causal: bool
   per_head: bool  # collapse [Ht, P] (else [Ho, Ht, P])
-  group: int  # s: tokens per mixing product
+  group: int  # s: tokens per mixing product of the query side (q, the collapse)
+  kv_group: int  # tokens per mixing product of the key/value side
   tile: int  # bn: query tokens per grid step
   block_rows: int  # cq: query rows per score tile
   key_rows: int  # kb: key rows per score tile
@@ -132,11 +142,11 @@ class Plan:
     return self.group * self.num_pseudo
 
 
-def _aligned_group(plan_heads: tuple[int, ...], p: int, align: int) -> int:
+def _aligned_group(heads: tuple[int, ...], p: int, align: int) -> int:
   for s in range(1, 129):
-    if all((s * x) % align == 0 for x in (*plan_heads, p)):
+    if all((s * x) % align == 0 for x in (*heads, p)):
       return s
-  raise UnsupportedShape("no token group aligns the head counts to the sublane tiles")
+  raise UnsupportedShape(f"no group of up to 128 tokens aligns heads {heads} and P = {p}")
 
 
 def plan(
@@ -155,49 +165,54 @@ def plan(
   _, n, h, d = q_shape
   window = options.window
   if window is None:
-    raise UnsupportedShape("the on-chip path takes sliding windows only (global: pallas_tpu)")
+    raise UnsupportedShape("it takes sliding windows only (window=None is a global layer)")
   if not isinstance(offset, int):
-    raise UnsupportedShape("the on-chip path needs a static query offset (window layers' is)")
+    raise UnsupportedShape("it needs a static query offset (a window layer's shard has one)")
   (_, ht, p), (_, gt, _) = alphas_shape[0], alphas_shape[1]
   per_head = len(collapse_shape) == 2
   ho = ht if per_head else collapse_shape[0]
   if d % 2 or d > LANES:
-    raise UnsupportedShape(f"head_dim {d}: the on-chip path takes even d <= {LANES}")
+    raise UnsupportedShape(f"head_dim {d}: it takes an even head_dim <= {LANES}")
   align = 16 if low_precision else 8
-  s = _aligned_group((h, kv_heads, ho), p, align)
-  # Score tiles: cq query rows (whole token groups) against kb keys; pick cq by the
-  # products' MXU passes per query row (4 with keys on lanes, 2 with keys on rows).
+  # Token groups whose source and pseudo rows fill whole sublane tiles, per side (a
+  # product's contraction, s * heads, then stays one MXU pass wide: G = 5 takes 16 tokens
+  # where H = 20 takes 4).
+  s = _aligned_group((h, ho), p, align)
+  s_kv = _aligned_group((kv_heads,), p, align)
+  # Score tiles: cq query rows against kb keys (the whole band of the cq rows).
   reach = window - 1 if options.causal else 2 * round_up(window - 1, align)
   if block_rows is None:
     # MXU passes per query row of the two products (a weight tile is loaded per product,
     # which costs as much as streaming 128 rows through it); ties: the shortest tile unit.
     def cost(cq: int) -> tuple[float, int]:
       kb = round_up(cq + reach, LANES)
-      return 2 * kb / LANES * max(cq, LANES) / cq, math.lcm(s, cq // math.gcd(cq, p))
+      return 2 * kb / LANES * max(cq, LANES) / cq, math.lcm(s, s_kv, cq // math.gcd(cq, p))
 
     block_rows = min(range(align, 512 + 1, align), key=cost)
   elif block_rows % align:
     raise UnsupportedShape(
-      f"block_sizes.block_k={block_rows}: the on-chip path's score tiles are multiples of "
-      f"{align} query rows"
+      f"block_sizes.block_k={block_rows}: its score tiles are multiples of {align} query rows"
     )
   key_rows = round_up(block_rows + reach, LANES)
   # Key rows needed before a block's first query row and after its last.
   before = key_rows - block_rows if options.causal else round_up(window - 1, align)
   after = 0 if options.causal else key_rows - block_rows - before
-  token_unit = math.lcm(s, block_rows // math.gcd(block_rows, p))  # whole groups and blocks
+  # Tiles of whole token groups (both sides) and whole score tiles.
+  token_unit = math.lcm(s, s_kv, block_rows // math.gcd(block_rows, p))
   before_tokens, after_tokens = -(-before // p), -(-after // p)
   itemsize = 2 if low_precision else 4
 
   def layout(tile: int) -> tuple[int, int, int]:  # (halo, blocks before, blocks after)
-    halo = _halo(max(before_tokens, after_tokens), tile, s)
+    halo = _halo(max(before_tokens, after_tokens), tile, math.lcm(s, s_kv))
     return halo, -(-before_tokens // halo), -(-after_tokens // halo)
 
   def fits(tile: int) -> bool:
     halo, nb, na = layout(tile)
     band = tile + halo * (nb + na)
     sizes = dict(heads=h, kv_heads=kv_heads, out_heads=ho, targets=ht, kv_targets=gt, d=d, p=p)
-    return _vmem_bytes(tile, band, block_rows, s, itemsize, **sizes) <= VMEM_BUDGET_BYTES
+    return _vmem_bytes(tile, band, block_rows, key_rows, s, s_kv, itemsize, **sizes) <= (
+      VMEM_BUDGET_BYTES
+    )
 
   if tile_rows is None:
     tile_rows = TILE_ROWS
@@ -207,8 +222,8 @@ def plan(
     tile -= token_unit
   if not fits(tile):
     raise UnsupportedShape(
-      f"the on-chip path's smallest tile ({tile} tokens, H={h}, P={p}, d={d}) needs more "
-      f"than {VMEM_BUDGET_BYTES // 2**20} MiB of VMEM; use pallas_tpu"
+      f"its smallest tile ({tile} tokens at H={h}, P={p}, d={d}) needs more than "
+      f"{VMEM_BUDGET_BYTES // 2**20} MiB of VMEM"
     )
   halo, halo_before, halo_after = layout(tile)
   num_tiles = -(-n // tile)
@@ -229,6 +244,7 @@ def plan(
     causal=options.causal,
     per_head=per_head,
     group=s,
+    kv_group=s_kv,
     tile=tile,
     block_rows=block_rows,
     key_rows=key_rows,
@@ -248,22 +264,22 @@ def plan(
 
 
 def _vmem_bytes(
-  tile, band, cq, s, itemsize, *, heads, kv_heads, out_heads, targets, kv_targets, d, p
+  tile, band, cq, kb, s, s_kv, itemsize, *, heads, kv_heads, out_heads, targets, kv_targets, d, p
 ) -> int:
   """VMEM of the backward kernel (the larger of the two) at a tile of `tile` tokens and a
-  band of `band` key tokens: double-buffered blocks, scratch, and the score tiles."""
+  band of `band` key tokens: double-buffered blocks and matrices (with their transposes),
+  scratch, and the score tiles' float32 temporaries."""
   lanes = lambda x: round_up(x, LANES)
   inputs = (tile * heads + 2 * band * kv_heads + tile * out_heads) * d * itemsize
-  mixing = targets * s * p * lanes(s * heads) + 2 * kv_targets * s * p * lanes(s * kv_heads)
+  mixing = targets * s * p * lanes(s * heads) + 2 * kv_targets * s_kv * p * lanes(s_kv * kv_heads)
   mixing += targets * s * out_heads * lanes(s * p)
   outputs = (tile * heads + 2 * band * kv_heads) * d * 4
-  outputs += (targets * s * heads + 2 * kv_targets * s * kv_heads + targets * s * out_heads) * (
-    lanes(s * p) * 4
-  )
-  scratch = (2 * tile * p + 2 * band * p) * d * itemsize + (tile * p + 2 * band * p) * d * 4
-  scores = 8 * cq * lanes(cq + 2 * LANES) * 4
+  partials = targets * s * p * lanes(s * heads) + 2 * kv_targets * s_kv * p * lanes(s_kv * kv_heads)
+  partials += targets * s * out_heads * lanes(s * p)
+  scratch = (3 * tile * p + 2 * band * p) * d * itemsize + (tile * p + 2 * band * p) * d * 4
+  scores = 4 * cq * kb * 4
   segments = tile * p * LANES * 4
-  return 2 * (inputs + 2 * mixing * itemsize + outputs + segments) + scratch + scores
+  return 2 * (inputs + 2 * mixing * itemsize + outputs + 4 * partials + segments) + scratch + scores
 
 
 def _halo(tokens: int, tile: int, group: int) -> int:
@@ -309,7 +325,7 @@ def _group_table(plan: Plan, theta: float) -> jax.Array:
   angles = jnp.arange(p, dtype=jnp.float32)[:, None] * rope_frequencies(d, theta)
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   table = jnp.concatenate([cos, cos, -sin, sin], axis=-1)  # [P, 2d]
-  return jnp.tile(table, (plan.group, 1))
+  return jnp.tile(table, (max(plan.group, plan.kv_group), 1))
 
 
 def _band_bias(plan: Plan) -> jax.Array:
@@ -319,7 +335,7 @@ def _band_bias(plan: Plan) -> jax.Array:
   cols = np.arange(plan.key_rows)[None, :] + plan.base
   diff = rows - cols  # t - s
   ok = (diff < plan.window) & (diff >= 0 if plan.causal else diff > -plan.window)
-  return jnp.asarray(np.where(ok, 0.0, MASK_VALUE), jnp.float32)
+  return jnp.asarray(np.where(ok, 0.0, HALF_MASK), jnp.float32)
 
 
 # --- in-kernel helpers ------------------------------------------------------------------------
@@ -344,10 +360,13 @@ def _unroll(count: int, most: int) -> int:
   return next(u for u in range(min(most, count), 0, -1) if count % u == 0)
 
 
-def _mix(plan: Plan, src_ref, src_heads: int, tokens: int, matrix, dst_ref, dst_row: int, table):
+def _mix(
+  plan: Plan, src_ref, src_heads: int, tokens: int, matrix, dst_ref, dst_row: int, table, s: int
+):
   """Pseudo rows of `tokens` source tokens: `dst[dst_row + (n, p)] = R(p) sum_m
-  matrix[(n, p), (n, m)] src[(n, m)]`, one MXU product per token group."""
-  s, rows = plan.group, plan.rows_per_group
+  matrix[(n, p), (n, m)] src[(n, m)]`, one MXU product per group of `s` tokens."""
+  rows = s * plan.num_pseudo
+  table = None if table is None else table[:rows]
   width = s * src_heads
   groups = tokens // s
 
@@ -369,36 +388,37 @@ def _mix_band(plan: Plan, refs, matrix, dst_ref, table):
   sizes = [plan.halo] * plan.halo_before + [plan.tile] + [plan.halo] * plan.halo_after
   row = 0
   for ref, tokens in zip(refs, sizes):
-    _mix(plan, ref, plan.kv_heads, tokens, matrix, dst_ref, row, table)
+    _mix(plan, ref, plan.kv_heads, tokens, matrix, dst_ref, row, table, plan.kv_group)
     row += tokens * plan.num_pseudo
 
 
 def _scores(plan: Plan, q, k, bias_ref, kid_ref, qid_ref, block, t0):
-  """Masked scores `[cq, kb]` float32 of one block."""
+  """Masked scores `[cq, kb]` float32 of one block, in log2 units (the queries carry
+  log2(e): `_softmax` takes powers of two). Without segments the masks are additive (the
+  band's bias and the keys' validity row: no compare per score)."""
   s = _dot(q, k, _NT, plan) + bias_ref[...]
   key_ids = kid_ref[pl.ds(block, 1), :]  # [1, kb]
   if plan.segments:
     ok = qid_ref[pl.ds(t0, plan.block_rows), :] == key_ids
-  else:
-    ok = key_ids > 0
-  return jnp.where(ok, s, MASK_VALUE)
-
-
-def _pv(plan: Plan, probs, v_ref, k0):
-  """`probs [cq, kb] @ v[k0 : k0 + kb]` as one product per 128 keys, summed: Mosaic runs
-  one product on one MXU (a long contraction accumulates there in sequence), separate
-  ones spread over the MXUs."""
-  out = None
-  for c in range(0, plan.key_rows, LANES):
-    part = _dot(probs[:, c : c + LANES], v_ref[pl.ds(k0 + c, LANES), :], _NN, plan)
-    out = part if out is None else out + part
-  return out
+    return jnp.where(ok, s, MASK_VALUE)
+  return s + jnp.where(key_ids > 0, 0.0, HALF_MASK)
 
 
 def _softmax(s):
+  """(unnormalised probabilities, their row sums) of log2-unit scores."""
   m = jnp.max(s, axis=1, keepdims=True)
-  p = jnp.exp(s - m)
+  p = jnp.exp2(s - m)
   return p, jnp.sum(p, axis=1, keepdims=True)
+
+
+def _reciprocal(x):
+  """1 / x of row sums `[cq, 1]` (>= 1: each row's largest term is 1): the approximate
+  reciprocal and two Newton steps, float32-accurate from an estimate of 8 good bits (an
+  exact division expands to a dozen vector operations per vreg, for cases that never
+  arise here)."""
+  r = pl.reciprocal(x, approx=True)
+  r = r * (2.0 - x * r)
+  return r * (2.0 - x * r)
 
 
 # --- forward ----------------------------------------------------------------------------------
@@ -429,7 +449,7 @@ def _forward_kernel(*refs, plan: Plan):
 
     def query_head(j, carry):
       h = g * r + j
-      _mix(plan, q_ref, plan.heads, plan.tile, aq_ref[h], qx, 0, table)
+      _mix(plan, q_ref, plan.heads, plan.tile, aq_ref[h], qx, 0, table, plan.group)
 
       def block(qb, carry):
         t0 = pl.multiple_of(qb * cq, plan.align)
@@ -445,8 +465,8 @@ def _forward_kernel(*refs, plan: Plan):
           t0,
         )
         probs, total = _softmax(s)
-        o = _pv(plan, probs.astype(vx.dtype), vx, k0)
-        ox[pl.ds(t0, cq), :] = (o * (1.0 / total)).astype(ox.dtype)
+        o = _dot(probs.astype(vx.dtype), vx[pl.ds(k0, plan.key_rows), :], _NN, plan)
+        ox[pl.ds(t0, cq), :] = (o * _reciprocal(total)).astype(ox.dtype)
         return carry
 
       lax.fori_loop(0, plan.blocks, block, 0, unroll=_unroll(plan.blocks, BLOCK_UNROLL))
@@ -518,14 +538,20 @@ class Constants(NamedTuple):
     return out + [x for x in (self.table, self.query_ids) if x is not None]
 
 
-def _constant_specs(plan: Plan, d: int, *, backward: bool):
-  s, p = plan.group, plan.num_pseudo
-  matrices = [
+def _matrix_shapes(plan: Plan) -> list[tuple[int, int, int]]:
+  """Shapes of the mixing products' matrices: aq, ak, av, cm (`Constants`)."""
+  s, s_kv, p = plan.group, plan.kv_group, plan.num_pseudo
+  return [
     (plan.targets, s * p, s * plan.heads),
-    (plan.kv_targets, s * p, s * plan.kv_heads),
-    (plan.kv_targets, s * p, s * plan.kv_heads),
+    (plan.kv_targets, s_kv * p, s_kv * plan.kv_heads),
+    (plan.kv_targets, s_kv * p, s_kv * plan.kv_heads),
     (plan.targets, s * plan.out_heads, s * p),
   ]
+
+
+def _constant_specs(plan: Plan, d: int, *, backward: bool):
+  p = plan.num_pseudo
+  matrices = _matrix_shapes(plan)
   specs = [_whole(shape) for shape in matrices]
   specs += [
     _whole((plan.block_rows, plan.key_rows)),
@@ -534,7 +560,7 @@ def _constant_specs(plan: Plan, d: int, *, backward: bool):
   if backward:
     specs += [_whole((t, c, r)) for t, r, c in matrices]
   if plan.rotary:
-    specs.append(_whole((s * p, 2 * d)))
+    specs.append(_whole((max(plan.group, plan.kv_group) * p, 2 * d)))
   if plan.segments:
     specs.append(pl.BlockSpec((None, plan.tile * p, 1), lambda b, i: (b, i, 0)))
   return specs
@@ -618,8 +644,8 @@ def _backward_kernel(*refs, plan: Plan):
 
     def query_head(j, carry):
       h = g * r + j
-      _mix(plan, q_ref, plan.heads, plan.tile, aq_ref[h], qx, 0, table)
-      _mix(plan, dy_ref, plan.out_heads, plan.tile, cmt_ref[h], dox, 0, None)
+      _mix(plan, q_ref, plan.heads, plan.tile, aq_ref[h], qx, 0, table, plan.group)
+      _mix(plan, dy_ref, plan.out_heads, plan.tile, cmt_ref[h], dox, 0, None, plan.group)
 
       def block(qb, carry):
         t0 = pl.multiple_of(qb * cq, plan.align)
@@ -627,12 +653,13 @@ def _backward_kernel(*refs, plan: Plan):
         q, k, v = qx[pl.ds(t0, cq), :], kx[pl.ds(k0, kb), :], vx[pl.ds(k0, kb), :]
         do = dox[pl.ds(t0, cq), :]
         probs, total = _softmax(_scores(plan, q, k, bias_ref, kid_ref, qid_ref, qb, t0))
-        probs = probs * (1.0 / total)
-        o = _pv(plan, probs.astype(dtype), vx, k0).astype(dtype)
+        probs = probs * _reciprocal(total)
+        o = _dot(probs.astype(dtype), v, _NN, plan).astype(dtype)
         ox[pl.ds(t0, cq), :] = o
         dp = _dot(do, v, _NT, plan)
         delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1, keepdims=True)
-        ds = (probs * (dp - delta)).astype(dtype)
+        # The scores' gradient, times ln 2: the queries carry log2(e) (`prepare`).
+        ds = (probs * (dp - delta) * math.log(2)).astype(dtype)
         dvx[pl.ds(k0, kb), :] += _dot(probs.astype(dtype), do, _TN, plan)
         dkx[pl.ds(k0, kb), :] += _dot(ds, q, _TN, plan)
         dqx[pl.ds(t0, cq), :] = _dot(ds, k, _NN, plan)
@@ -640,7 +667,20 @@ def _backward_kernel(*refs, plan: Plan):
 
       lax.fori_loop(0, plan.blocks, block, 0, unroll=_unroll(plan.blocks, BLOCK_UNROLL))
       _collapse_grad(plan, dy_ref, ox, dcm_ref, h)
-      _unmix(plan, dqx, 0, plan.tile, aqt_ref[h], q_ref, dq_ref, plan.heads, daq_ref, h, table)
+      _unmix(
+        plan,
+        dqx,
+        0,
+        plan.tile,
+        aqt_ref[h],
+        q_ref,
+        dq_ref,
+        plan.heads,
+        daq_ref,
+        h,
+        table,
+        plan.group,
+      )
       return carry
 
     lax.fori_loop(0, r, query_head, 0)
@@ -677,12 +717,15 @@ def _unmix(
   dmat_ref,
   index,
   table,
+  s: int,
   dst_row0: int = 0,
 ):
-  """The gradient of `_mix`: pseudo-row gradients `grad[row0 + (n, p)]` (float32, of the
-  rotated rows) -> source rows `dst[(n, m)] += transposed[(n, m), (n, p)] g[(n, p)]`,
-  and the matrix's `dmat[index] += g[(n, p)] src[(n, m)]^T`, with `g = R(p)^T grad`."""
-  s, rows = plan.group, plan.rows_per_group
+  """The gradient of `_mix` (groups of `s` tokens): pseudo-row gradients
+  `grad[row0 + (n, p)]` (float32, of the rotated rows) -> source rows
+  `dst[(n, m)] += transposed[(n, m), (n, p)] g[(n, p)]`, and the matrix's
+  `dmat[index] += g[(n, p)] src[(n, m)]^T`, with `g = R(p)^T grad`."""
+  rows = s * plan.num_pseudo
+  table = None if table is None else table[:rows]
   width = s * heads
   groups = tokens // s
 
@@ -721,6 +764,7 @@ def _unmix_band(plan: Plan, grad_ref, transposed, src_refs, dst_refs, dmat_ref, 
       dmat_ref,
       index,
       table,
+      plan.kv_group,
       dst_row0=j * plan.halo * g,
     )
     row += tokens * p
@@ -728,7 +772,7 @@ def _unmix_band(plan: Plan, grad_ref, transposed, src_refs, dst_refs, dmat_ref, 
 
 def _backward_call(plan: Plan, q, k, v, dy, constants: Constants, *, interpret: bool):
   b, d, p = q.shape[0], plan.head_dim, plan.num_pseudo
-  g, s, tiles = plan.kv_heads, plan.group, plan.num_tiles
+  g, tiles = plan.kv_heads, plan.num_tiles
   band = _band_count(plan)
   in_specs = [
     _source_spec(plan, plan.heads),
@@ -747,12 +791,7 @@ def _backward_call(plan: Plan, q, k, v, dy, constants: Constants, *, interpret: 
     (_source_spec(plan, g), f32((b, tiles * plan.tile * g, d))),
     (per_tile(halo_rows(plan.halo_after)), f32((b, tiles, *halo_rows(plan.halo_after)))),
   ]
-  matrices = [
-    (plan.targets, s * p, s * plan.heads),
-    (plan.kv_targets, s * p, s * g),
-    (plan.kv_targets, s * p, s * g),
-    (plan.targets, s * plan.out_heads, s * p),
-  ]
+  matrices = _matrix_shapes(plan)
   outs = [(_source_spec(plan, plan.heads), f32((b, tiles * plan.tile * plan.heads, d)))]
   outs += key_side + key_side
   outs += [(per_tile(shape), f32((b, tiles, *shape))) for shape in matrices]
@@ -875,9 +914,10 @@ def prepare(q, k, v, alphas, collapse, options: AttentionOptions, plan: Plan):
   dtype = q.dtype
   key_ids, query_ids = _ids(plan, b, n, nk, options)
   constants = Constants(
-    aq=_block_diagonal(alpha_q / math.sqrt(d), plan.group).astype(dtype),
-    ak=_block_diagonal(alpha_k, plan.group).astype(dtype),
-    av=_block_diagonal(alpha_v, plan.group).astype(dtype),
+    # The softmax scale, and log2(e): the kernels take powers of two (`_softmax`).
+    aq=_block_diagonal(alpha_q * (math.log2(math.e) / math.sqrt(d)), plan.group).astype(dtype),
+    ak=_block_diagonal(alpha_k, plan.kv_group).astype(dtype),
+    av=_block_diagonal(alpha_v, plan.kv_group).astype(dtype),
     cm=_collapse_blocks(collapse.astype(jnp.float32), plan).astype(dtype),
     bias=_band_bias(plan),
     key_ids=key_ids,

@@ -6,14 +6,16 @@ tokens. Rows: (kind, P, windowed, implementation, estimated fwd ms, estimated fw
 """
 
 RANKING = (
-  ("iha", 4, False, "pallas_tpu", 16.076, 58.660),
-  ("iha", 4, False, "splash", 24.659, 142.523),
-  ("iha", 4, True, "pallas_tpu", 2.567, 6.741),
-  ("iha", 4, True, "splash", 4.665, 16.170),
-  ("iha", 20, False, "pallas_tpu", 359.908, 1358.127),
-  ("iha", 20, False, "splash", 560.054, 3549.161),
-  ("iha", 20, True, "pallas_tpu", 11.091, 29.270),
-  ("iha", 20, True, "splash", 22.351, 68.558),
-  ("mha", 1, False, "pallas_tpu", 1.303, 4.293),
-  ("mha", 1, False, "splash", 1.868, 9.598),
+  ("iha", 4, False, "pallas_tpu", 16.076, 62.652),
+  ("iha", 4, False, "splash", 18.395, 116.370),
+  ("iha", 4, True, "pallas_tpu", 2.567, 6.828),
+  ("iha", 4, True, "pallas_tpu_window", 3.409, 13.460),
+  ("iha", 4, True, "splash", 4.181, 16.221),
+  ("iha", 20, False, "pallas_tpu", 359.908, 1458.466),
+  ("iha", 20, False, "splash", 393.228, 2770.285),
+  ("iha", 20, True, "pallas_tpu", 11.091, 29.604),
+  ("iha", 20, True, "pallas_tpu_window", 5.319, 18.653),
+  ("iha", 20, True, "splash", 19.940, 67.950),
+  ("mha", 1, False, "pallas_tpu", 1.303, 4.559),
+  ("mha", 1, False, "splash", 1.452, 8.320),
 )
