@@ -392,6 +392,16 @@ def test_kernels_save_only_the_pseudo_output(implementation, capsys):
   assert np.prod(virtual[0]) <= B * H * 32 * P * D
 
 
+def test_onchip_window_path_saves_only_the_calls_own_arrays(capsys):
+  """The on-chip window path's backward recomputes every tile: its residuals are the
+  call's inputs (source q, k, v, the mixing tensors, the token arrays), nothing P-sized
+  and no padded or rotated copy of a source array."""
+  shapes = _residual_shapes(WINDOW, capsys)
+  assert not _virtual_axis_shapes(shapes), shapes
+  inputs = {(B, N, H, D), (H, H, P)}
+  assert set(shapes) <= inputs | {(B, N)}, shapes
+
+
 def test_residual_check_flags_materialised_path(capsys):
   assert len(_virtual_axis_shapes(_residual_shapes("xla", capsys))) > 1
 

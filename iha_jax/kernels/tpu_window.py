@@ -927,34 +927,46 @@ def prepare(q, k, v, alphas, collapse, options: AttentionOptions, plan: Plan):
   return q, k, v, constants
 
 
-def _forward(plan: Plan, q, k, v, aq, ak, av, cm, fixed):
+def _kernel_inputs(plan: Plan, options: AttentionOptions, q, k, v, alphas, collapse):
+  """(the differentiable kernel operands: padded rotated q, k, padded v, and the mixing
+  matrices; the other constants)."""
+  q, k, v, c = prepare(q, k, v, alphas, collapse, options, plan)
+  return (q, k, v, c.aq, c.ak, c.av, c.cm), (c.bias, c.key_ids, c.table, c.query_ids)
+
+
+def _forward(plan: Plan, operands, fixed):
   def call(q, k, v, aq, ak, av, cm, fixed, *, interpret):
     return _forward_call(plan, q, k, v, Constants(aq, ak, av, cm, *fixed), interpret=interpret)
 
-  return _on_tpu(call, q, k, v, aq, ak, av, cm, fixed)
+  return _on_tpu(call, *operands, fixed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(plan: Plan, q, k, v, aq, ak, av, cm, fixed):
-  """y rows `[B, tiles * tile * Ho, d]` float32 (`fixed`: the constants' other fields)."""
-  return _forward(plan, q, k, v, aq, ak, av, cm, fixed)
+def _attend(plan: Plan, options: AttentionOptions, q, k, v, alphas, collapse):
+  """y rows `[B, tiles * tile * Ho, d]` float32 of the source heads."""
+  return _forward(plan, *_kernel_inputs(plan, options, q, k, v, alphas, collapse))
 
 
-def _attend_fwd(plan, q, k, v, aq, ak, av, cm, fixed):
-  y = _forward(plan, q, k, v, aq, ak, av, cm, fixed)
-  return y, (q, k, v, aq, ak, av, cm, fixed)  # source-sized: no pseudo array is saved
+def _attend_fwd(plan, options, q, k, v, alphas, collapse):
+  y = _forward(plan, *_kernel_inputs(plan, options, q, k, v, alphas, collapse))
+  # The layer's own arrays: nothing P-sized, nor the padded and rotated copies (remade in
+  # the backward: source-sized XLA work).
+  return y, (options, q, k, v, alphas, collapse)
 
 
 def _attend_bwd(plan, residuals, dy):
-  q, k, v, aq, ak, av, cm, fixed = residuals
+  options, *primals = residuals
+  operands, prepare_vjp = jax.vjp(lambda *x: _kernel_inputs(plan, options, *x)[0], *primals)
+  fixed = _kernel_inputs(plan, options, *primals)[1]
 
   def call(q, k, v, dy, aq, ak, av, cm, fixed, *, interpret):
     constants = Constants(aq, ak, av, cm, *fixed)
     return _backward_call(plan, q, k, v, dy, constants, interpret=interpret)
 
+  q, k, v, aq, ak, av, cm = operands
   grads = _on_tpu(call, q, k, v, dy.astype(q.dtype), aq, ak, av, cm, fixed)
-  primals = (q, k, v, aq, ak, av, cm)
-  return (*(g.astype(x.dtype) for g, x in zip(grads, primals)), jax.tree.map(lambda _: None, fixed))
+  grads = tuple(g.astype(x.dtype) for g, x in zip(grads, operands))
+  return (jax.tree.map(lambda _: None, options), *prepare_vjp(grads))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -977,12 +989,11 @@ def window_iha(
   alpha_v [G, Gt, P])`; `options`: a window (virtual rows), causal or not, segment ids,
   positions, RoPE, and `block_sizes`: `block_q` the virtual rows per target head of a grid
   step (rounded to whole tokens), `block_k` the query rows of a score tile. Raises
-  `UnsupportedShape` (one line, naming the limit) for calls this path cannot take."""
+  `UnsupportedShape` (one line, naming the limit) for calls this path cannot take. The
+  backward saves the call's own arrays only (nothing P-sized, no padded or rotated copy)."""
   b, n, _, d = q.shape
   the_plan = plan_for(q, k, alphas, collapse, options)
-  q, k, v, c = prepare(q, k, v, alphas, collapse, options, the_plan)
-  fixed = (c.bias, c.key_ids, c.table, c.query_ids)
-  y = _attend(the_plan, q, k, v, c.aq, c.ak, c.av, c.cm, fixed)
+  y = _attend(the_plan, options, q, k, v, tuple(alphas), collapse)
   y = y.reshape(b, -1, the_plan.out_heads, d)[:, :n]
   if options.segment_ids is not None:  # padding queries output zeros
     y = jnp.where((options.segment_ids != 0)[:, :, None, None], y, 0.0)
