@@ -268,8 +268,10 @@ def _vmem_bytes(
 ) -> int:
   """VMEM of the backward kernel (the larger of the two) at a tile of `tile` tokens and a
   band of `band` key tokens: double-buffered blocks and matrices (with their transposes),
-  scratch, and the score tiles' float32 temporaries."""
+  scratch, and the score tiles' float32 temporaries. Rows take whole 128-lane vregs (a
+  d = 64 row as much as a d = 128 one)."""
   lanes = lambda x: round_up(x, LANES)
+  d = lanes(d)
   inputs = (tile * heads + 2 * band * kv_heads + tile * out_heads) * d * itemsize
   mixing = targets * s * p * lanes(s * heads) + 2 * kv_targets * s_kv * p * lanes(s_kv * kv_heads)
   mixing += targets * s * out_heads * lanes(s * p)
