@@ -207,3 +207,57 @@ def test_decoding_refuses_encoders_and_uncached_kinds(change, match):
     generate(model, _tokens(0, 4), max_new_tokens=2)
   with pytest.raises(ValueError, match=match):
     prefill(model, _tokens(0, 4), max_len=8)
+
+
+def _layer(window=None, num_pseudo=P, heads=H):
+  from iha_jax.nn import InterleavedHeadAttention
+
+  return InterleavedHeadAttention(
+    D, num_heads=heads, head_dim=HEAD_DIM, num_pseudo=num_pseudo, window=window,
+    implementation="reference", rngs=nnx.Rngs(0),
+  )  # fmt: skip
+
+
+def test_a_cache_refuses_another_layer_in_one_line():
+  """A cache carries what it was made for: handed to a layer of another shape or window
+  (same array shapes: a window layer's ring of the same size) it is refused, naming the
+  fields that differ, before anything runs."""
+  x = jax.random.normal(jax.random.key(0), (B, 1, D))
+  window_cache = _layer(window=2 * P).init_cache(B, 3)  # ring of 2 tokens
+  global_layer = _layer()
+  with pytest.raises(ValueError) as error:
+    global_layer(x, cache=window_cache)
+  message = str(error.value)
+  assert "\n" not in message and "window 4 (this layer: None)" in message, message
+  with pytest.raises(ValueError, match=r"num_pseudo 2 \(this layer: 1\)"):
+    _layer(num_pseudo=1)(x, cache=global_layer.init_cache(B, 3))
+
+
+def test_a_cache_never_wraps_silently():
+  """Tokens past `max_len` would wrap a global layer's ring: with a concrete length an
+  error before anything runs; under jit NaN from the first token past it on (earlier
+  tokens unchanged), which `checkify`'s float checks turn into an error."""
+  from jax.experimental import checkify
+
+  layer = _layer()
+  x = jax.random.normal(jax.random.key(1), (B, 5, D))
+  cache = layer.init_cache(B, 4)
+  with pytest.raises(
+    ValueError, match=r"5 more tokens after the 0 this cache holds exceed its max_len=4"
+  ):
+    layer(x, cache=cache)
+  y, cache = layer(x[:, :3], cache=cache)
+
+  @jax.jit
+  def step(x, cache):
+    return layer(x, cache=cache)
+
+  y, _ = step(x[:, 3:5], cache)  # tokens 3 (fits) and 4 (past max_len)
+  assert bool(jnp.all(jnp.isfinite(y[:, 0]))) and bool(jnp.all(jnp.isnan(y[:, 1])))
+  error, _ = checkify.checkify(step, errors=checkify.float_checks)(x[:, 3:5], cache)
+  assert "nan" in str(error.get()).lower()
+  # A window layer's ring holds its window's whole reach: it decodes past max_len.
+  window_layer = _layer(window=2 * P)
+  wcache = window_layer.init_cache(B, 4)
+  wy, wcache = window_layer(x, cache=wcache)
+  assert bool(jnp.all(jnp.isfinite(wy)))

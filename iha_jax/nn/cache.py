@@ -22,10 +22,19 @@ pseudo-head attention, `pseudo_heads` and `collapse`; IHA and MHA built in).
 
 Every row of a batch is at the same position (`length`): equal-length prompts, no
 padding; positions are `length + arange(n)`, as the full forward's default.
+
+A cache carries what it was made for (`CacheSpec`: the layer's kind, P, key/value heads,
+head width, window, mode and capacity) and a layer refuses any other cache in one line.
+Tokens past `max_len` would wrap a global layer's ring buffer: with a concrete length
+(eager calls) that is a ValueError before anything runs; with a traced length (under
+`jit`) the call's output is NaN from the first token past `max_len` on, never silently
+wrong, and `jax.experimental.checkify.checkify(step, errors=checkify.float_checks)` turns
+it into an error naming the operation that made it (docs/your_model.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from iha_jax.checks import is_int
+from iha_jax.checks import is_int, is_traced
 from iha_jax.core.grouped import grouped_attention_heads_major
 from iha_jax.core.interleave import virtual_positions
 from iha_jax.kinds.config import AttentionConfig
@@ -51,6 +60,48 @@ CACHE_MODES = ("source", "pseudo")
 _EMPTY_INDEX = 2**30
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+  """What a cache was made for (static): a cache serves only a layer whose own spec is
+  equal (`spec_for`)."""
+
+  kind: str
+  num_pseudo: int  # P (1 for MHA)
+  kv_heads: int  # G
+  head_dim: int
+  window: int | None  # in the kind's units (virtual tokens for IHA)
+  mode: str  # "source" or "pseudo"
+  capacity: int  # token slots C
+  max_len: int  # tokens a row may hold in all (the capacity of a global layer)
+
+  @property
+  def unbounded(self) -> bool:
+    """Whether the ring holds a window's whole reach: any number of tokens decodes."""
+    return self.window is not None and self.capacity < self.max_len
+
+  def differences(self, other: CacheSpec) -> list[str]:
+    fields = ("kind", "num_pseudo", "kv_heads", "head_dim", "window", "mode", "capacity")
+    return [
+      f"{f} {getattr(self, f)!r} (this layer: {getattr(other, f)!r})"
+      for f in fields
+      if getattr(self, f) != getattr(other, f)
+    ]
+
+
+def spec_for(cfg: AttentionConfig, max_len: int, mode: str) -> CacheSpec:
+  """The `CacheSpec` of a cache for a layer of `cfg` holding up to `max_len` tokens."""
+  return CacheSpec(
+    kind=cfg.kind,
+    num_pseudo=cfg.record.virtual_per_token(cfg),
+    kv_heads=cfg.kv_heads,
+    head_dim=cfg.head_dim,
+    window=cfg.window,
+    mode=mode,
+    capacity=window_tokens(cfg, max_len),
+    max_len=max_len,
+  )
+
+
 class LayerCache(struct.PyTreeNode):
   """One layer's KV cache.
 
@@ -58,13 +109,18 @@ class LayerCache(struct.PyTreeNode):
     k, v: the ring buffer, `[B, G, C, d]` ("source" IHA, or MHA) or `[B, G, C*P, d]`
       ("pseudo" IHA): C token slots, token n in slot `n % C`.
     length: int32 scalar, tokens written so far = the position of the next token.
-    mode: "source" or "pseudo" (static).
+    spec: what the cache was made for (static; `CacheSpec`).
   """
 
   k: jax.Array
   v: jax.Array
   length: jax.Array
-  mode: str = struct.field(pytree_node=False, default="source")
+  spec: CacheSpec = struct.field(pytree_node=False)
+
+  @property
+  def mode(self) -> str:
+    """ "source" or "pseudo" (the module docstring)."""
+    return self.spec.mode
 
   @property
   def nbytes(self) -> int:
@@ -143,10 +199,10 @@ def init_layer_cache(
     if not is_int(value, 1):
       raise ValueError(f"{name} must be a positive integer, got {value!r}")
   dtype = dtype or cfg.dtype or jnp.float32
-  slots = window_tokens(cfg, max_len) * _per_token(cfg, mode)
-  shape = (batch, cfg.kv_heads, slots, cfg.head_dim)
+  spec = spec_for(cfg, max_len, mode)
+  shape = (batch, cfg.kv_heads, spec.capacity * _per_token(cfg, mode), cfg.head_dim)
   zeros = jnp.zeros(shape, dtype)
-  return LayerCache(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32), mode=mode)
+  return LayerCache(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32), spec=spec)
 
 
 def _heads_major(x: jax.Array) -> jax.Array:
@@ -168,10 +224,26 @@ def _write(buf: jax.Array, new: jax.Array, start: jax.Array, per_token: int) -> 
   return ring.at[:, :, slots].set(new).reshape(buf.shape)
 
 
-def _check_cache(cfg: AttentionConfig, cache: LayerCache, batch: int) -> None:
+def _check_cache(cfg: AttentionConfig, cache: LayerCache, batch: int, tokens: int) -> None:
+  """One line naming what differs between the cache and this layer, or the overflow of a
+  concrete length (a traced one poisons the output instead: `cached_attention`)."""
   if not isinstance(cache, LayerCache):
     raise TypeError(f"cache must be a LayerCache (init_layer_cache), got {type(cache).__name__}")
   check_cache_mode(cache.mode)
+  differ = cache.spec.differences(spec_for(cfg, cache.spec.max_len, cache.mode))
+  if differ:
+    raise ValueError(
+      f"this cache was made for another layer: its {'; '.join(differ)}. Make one with "
+      "this layer's init_cache (every layer keeps its own cache)."
+    )
+  if not cache.spec.unbounded and not is_traced(cache.length):
+    length = int(cache.length)
+    if length + tokens > cache.spec.max_len:
+      raise ValueError(
+        f"{tokens} more tokens after the {length} this cache holds exceed its max_len="
+        f"{cache.spec.max_len}: make the cache with init_cache(batch, max_len) large enough "
+        "for the prompt and every token decoded after it"
+      )
   want = (batch, cfg.kv_heads, None, cfg.head_dim)
   got = tuple(cache.k.shape)
   per_token = _per_token(cfg, cache.mode)
@@ -196,12 +268,13 @@ def cached_attention(
 
   Returns:
     `([B, n, D], cache)`: the output, equal to the full forward's at those positions, and
-    the cache with the n tokens written and `length` advanced by n. The caller keeps
-    `length + n <= max_len` for global layers (the length is traced, so not checked).
+    the cache with the n tokens written and `length` advanced by n. Past the cache's
+    `max_len` (a global layer, or a window longer than it): a ValueError when the length
+    is concrete, else NaN outputs (never a wrapped ring's wrong ones).
   """
   check_input(x, cfg)
   check_decodes(cfg)
-  _check_cache(cfg, cache, x.shape[0])
+  _check_cache(cfg, cache, x.shape[0], x.shape[1])
   p, x = to_compute_dtype(params, x, cfg)
   b, n = x.shape[:2]
   per_virtual = cfg.record.virtual_per_token(cfg)
@@ -240,6 +313,11 @@ def cached_attention(
   )
   out = cfg.record.collapse(p, cfg, _heads_major(out))  # [B, n, H, d]
   y = jnp.einsum("bnhd,hdD->bnD", out, p["wo"])
+  if not cache.spec.unbounded:
+    # Tokens past max_len: NaN, not a wrapped ring's output; made by an operation (the
+    # square root of -1), so checkify's float checks report where it arose.
+    fits = (new_tokens < cache.spec.max_len).astype(y.dtype)
+    y = y * jnp.sqrt(2 * fits - 1)[None, :, None]
   written = (k, v) if _stores_source(cfg, cache.mode) else (new_k, new_v)
   cache = cache.replace(
     k=_write(cache.k, written[0], start, per_token),
