@@ -157,3 +157,20 @@ def test_clear_errors_for_traced_window_heads_first_layout_and_empty_sequence():
     ops.iha_attention(*empty, *mixing)
   with pytest.raises(ValueError, match="N = 0 tokens"):
     ops.mha_attention(*empty)
+
+
+def test_a_kernel_named_off_its_hardware_warns_once_that_it_is_interpreted(monkeypatch):
+  """On CPU an explicitly named kernel runs in Pallas' interpreter: the first call says so
+  (once per implementation), "auto" never does (it picks code this backend runs)."""
+  import warnings
+
+  from iha_jax.kinds import registry
+
+  monkeypatch.setattr(registry, "_WARNED", set())
+  q = jnp.ones((1, 8, 2, 8), jnp.float32)
+  with pytest.warns(UserWarning, match="'pallas_gpu' runs in Pallas' interpreter on cpu"):
+    ops.mha_attention(q, q, q, implementation="pallas_gpu")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    ops.mha_attention(q, q, q, implementation="pallas_gpu")  # once only
+    ops.mha_attention(q, q, q, implementation="auto")

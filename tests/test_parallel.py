@@ -139,3 +139,24 @@ def test_rules_for_a_mesh_of_your_own():
   with parallel.activate(only_data):  # the project's rules: fsdp, context, tensor size one
     active = dict(nn.get_logical_axis_rules())
   assert active["activation_batch"] == ("data",) and active["heads"] is None
+
+
+def test_meshes_of_your_own_names_are_refused_without_rules():
+  """`create_mesh` takes the project's axis names only (others would have been dropped,
+  leaving a one-device mesh); a mesh of your own names needs rules for `activate` and
+  `named_shardings`: each refusal is one line naming the axes and the fix."""
+  with pytest.raises(ValueError) as error:
+    parallel.create_mesh({"dp": 4, "tp": 2})
+  message = str(error.value)
+  assert "\n" not in message and "['dp', 'tp']" in message and "logical_rules" in message
+  mesh = jax.make_mesh((4, 2), ("dp", "tp"))
+  specs = {"w": jax.sharding.PartitionSpec("embed", "heads")}
+  for call in (
+    lambda: parallel.named_shardings(mesh, specs, None),
+    lambda: parallel.activate(mesh).__enter__(),
+  ):
+    with pytest.raises(ValueError, match=r"mesh axes \('dp', 'tp'\) are not the project's"):
+      call()
+  rules = parallel.logical_rules({"batch": "dp", "heads": "tp"}, mesh)
+  sharded = parallel.named_shardings(mesh, specs, rules)
+  assert sharded["w"].spec == jax.sharding.PartitionSpec(None, "tp")

@@ -46,7 +46,8 @@ class AttentionOptions:
     causal: keys at or before the query only; False: bidirectional (encoders).
     rope_theta: RoPE base; None disables RoPE (2-simplicial attention never rotates).
     segment_ids: `[B, N]` int32 packed-sequence ids, 0 = padding (zero output); None:
-      one unpadded sequence per row.
+      one unpadded sequence per row. Compared by equality: tokens with equal ids attend
+      to each other wherever they are in the row (ids need not be contiguous).
     positions: `[B, N]` int32 token positions; None: `arange(N)` per row.
     block_sizes: tile sizes of the blockwise implementations (None: their defaults).
     implementation: one of the kind's implementations ("reference", "xla",

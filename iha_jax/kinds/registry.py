@@ -36,6 +36,7 @@ import contextvars
 import functools
 import math
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -290,6 +291,30 @@ def resolve(
   return implementation
 
 
+# Kernels and the platform whose hardware runs them (elsewhere: Pallas' interpreter).
+_KERNEL_PLATFORMS = {"pallas_tpu": "tpu", "pallas_tpu_window": "tpu", "pallas_gpu": "gpu"}
+_WARNED: set[str] = set()
+
+
+def _warn_if_interpreted(implementation: str) -> None:
+  """Warns once per implementation that an explicitly named kernel runs interpreted
+  (its platform is not this process's backend, and no `auto_backend` compile target)."""
+  platform = _KERNEL_PLATFORMS.get(implementation)
+  if implementation == "pallas_gpu_mha":
+    platform = "gpu"
+  if platform is None or implementation in _WARNED or _AUTO_BACKEND.get() is not None:
+    return
+  if jax.default_backend() == platform:
+    return
+  _WARNED.add(implementation)
+  warnings.warn(
+    f"implementation {implementation!r} runs in Pallas' interpreter on "
+    f"{jax.default_backend()} (no {platform.upper()} here): correct but slow, for tests; "
+    "'auto' picks the fastest code this backend runs",
+    stacklevel=5,
+  )
+
+
 def lookup(
   kind: str | AttentionKind, implementation: str, q=None, v=None, options=None, expansion: int = 1
 ) -> Callable[..., jax.Array]:
@@ -305,6 +330,8 @@ def lookup(
   record = _record(kind)
   sharded = q is not None and context.applies(q.shape[1])
   name = resolve(record, implementation, q, v, options, expansion, sliced=sharded)
+  if implementation != AUTO:
+    _warn_if_interpreted(name)
   inner = record.implementations[name]
   if not sharded:
     return inner

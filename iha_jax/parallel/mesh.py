@@ -21,8 +21,17 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
   `num_devices` (the mesh then uses the first devices), never larger.
 
   Raises:
-    ValueError: naming the `mesh.*` key that is invalid.
+    ValueError: naming the `mesh.*` key that is invalid, or the axes that are not the
+      project's (a mesh of your own names: `jax.make_mesh`, then `logical_rules`).
   """
+  unknown = [axis for axis in sizes if axis not in MESH_AXES]
+  if unknown:
+    raise ValueError(
+      f"mesh axes {unknown} are not the project's {MESH_AXES}: name them so (e.g. "
+      f"{{'data': ..., 'tensor': ...}}), or make your own mesh with jax.make_mesh and map its "
+      "axes with iha_jax.parallel.logical_rules({'batch': 'dp', 'heads': 'tp'}, mesh) "
+      "(docs/your_model.md)"
+    )
   shape = []
   for axis in MESH_AXES:
     size = sizes.get(axis, 1)

@@ -150,6 +150,18 @@ def rules_for(mesh: Any, rules: Mapping[str, Any] | LogicalRules | None = None) 
   (those count as size one)."""
   if rules is None:
     names = set(mesh.axis_names)
+    foreign = [
+      axis
+      for axis, size in zip(mesh.axis_names, mesh.axis_sizes)
+      if axis not in MESH_AXES and size > 1
+    ]
+    if foreign:
+      example = ", ".join(f"'{role}': '{axis}'" for role, axis in zip(("batch", "heads"), foreign))
+      raise ValueError(
+        f"mesh axes {tuple(foreign)} are not the project's {MESH_AXES}, and no rules say what "
+        f"they shard: pass rules=iha_jax.parallel.logical_rules({{{example}}}, mesh) (roles "
+        f"{tuple(ROLES)}; docs/your_model.md)"
+      )
     if all(set(_axes(value)) <= names for _, value in LOGICAL_AXIS_RULES):
       return LOGICAL_AXIS_RULES
     kept = lambda value: tuple(a for a in _axes(value) if a in names) or None

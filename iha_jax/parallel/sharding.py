@@ -43,8 +43,9 @@ def named_shardings(
   mesh: Mesh, logical_specs: Any, rules: Mapping[str, Any] | LogicalRules | None = None
 ) -> Any:
   """Tree of logical `PartitionSpec`s -> tree of `NamedSharding`s on `mesh`, by `rules`
-  (as `activate` takes them; None: the project's)."""
-  table = None if rules is None else rules_for(mesh, rules)
+  (as `activate` takes them; None: the project's, for a mesh with the project's axis
+  names; a mesh of your own names needs rules, refused in one line otherwise)."""
+  table = rules_for(mesh, rules)
   return jax.tree.map(
     lambda spec: NamedSharding(mesh, logical_to_mesh_spec(spec, table)),
     logical_specs,
