@@ -5,6 +5,10 @@ Importing this package registers the TFDS builders `relation_composition`,
 `python_stdlib`.
 """
 
+from iha_jax.extras import require
+
+require("data", "iha_jax.data")
+
 from iha_jax.data.errors import DataError
 from iha_jax.data.pipeline import DataConfig, default_config, make_dataset, vocab_size
 from iha_jax.data.registry import builder_config, is_text, list_datasets, prepare

@@ -1,5 +1,9 @@
 """Evaluation of trained checkpoints: metrics, long-context sweep, attention pictures."""
 
+from iha_jax.extras import require
+
+require("train", "iha_jax.eval")
+
 from iha_jax.eval.runs import (
   EvalError,
   RunNotFoundError,

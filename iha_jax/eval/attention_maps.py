@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from iha_jax.checks import is_int
+from iha_jax.extras import require
 from iha_jax.models import TransformerLM
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ def plot_attention_maps(
   """
   # Imported here so the maps themselves do not need matplotlib; the object-oriented
   # Figure API renders with Agg without touching pyplot's global backend.
+  require("plots", "plot_attention_maps")
   from matplotlib.colors import PowerNorm  # pylint: disable=import-outside-toplevel
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 

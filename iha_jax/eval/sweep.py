@@ -20,6 +20,7 @@ import ml_collections
 from iha_jax import storage
 from iha_jax.checks import is_int
 from iha_jax.eval.runs import EvalError, chance_exact_match, restore_run
+from iha_jax.extras import require
 
 if TYPE_CHECKING:
   from matplotlib.figure import Figure
@@ -143,6 +144,7 @@ def plot_sweep(result: dict[str, Any], path: str) -> Figure:
   """Exact match against context length (log2 axis), one line per run, the training
   lengths dotted and chance dashed; written to `path` (local or remote) and returned."""
   # The Figure API renders with Agg without touching pyplot's global backend.
+  require("plots", "sweep_png")
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
   fig = Figure(figsize=(6.4, 4.2), layout="constrained")
