@@ -232,7 +232,8 @@ def test_kinds_without_a_grouped_form_refuse_it(kind):
 
 def test_sharded_kernel_splits_key_value_heads_over_the_tensor_axis():
   """MHA's kernel under shard_map on a data x fsdp x tensor mesh: q's H = 4 heads and the
-  G = 2 key/value heads split over 'tensor' (one group per shard); G = 1 is refused."""
+  G = 2 key/value heads split over 'tensor' (one group per shard); G = 1 is kept whole on
+  both shards; G = 3 of H = 6 (neither size divides the other) is refused in one line."""
   mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
   q, k, v = cf.mha(4, D, D, kv_heads=2).make(jax.random.key(6), 4, 8)
   cotangent = jax.random.normal(jax.random.key(7), q.shape)
@@ -247,8 +248,11 @@ def test_sharded_kernel_splits_key_value_heads_over_the_tensor_axis():
 
   grad = lambda sharded: jax.value_and_grad(lambda *a: loss(sharded, *a), argnums=(0, 1, 2))
   assert_close(jax.jit(grad(True))(q, k, v), grad(False)(q, k, v), jnp.float32)
-  with pytest.raises(ValueError, match=r"num_kv_heads G=1 is not divisible by mesh axis 'tensor'"):
-    sharded_mha_attention(q, k[:, :, :1], v[:, :, :1], mesh=mesh, platform="gpu")
+  k, v = k[:, :, :1], v[:, :, :1]  # multi-query: one key/value head on every shard
+  assert_close(jax.jit(grad(True))(q, k, v), grad(False)(q, k, v), jnp.float32)
+  q6, k3, _ = cf.mha(6, D, D, kv_heads=3).make(jax.random.key(8), 4, 8)
+  with pytest.raises(ValueError, match=r"num_kv_heads G=3 and mesh axis 'tensor' \(size 2\)"):
+    sharded_mha_attention(q6, k3, k3, mesh=mesh, platform="gpu")
 
 
 # --- G = H is multi-head attention, bit for bit; MQA and differential attention. ----------
@@ -395,3 +399,36 @@ def test_training_steps_with_grouped_heads_on_a_sharded_mesh():
   assert np.isfinite(single).all() and single[-1] < single[0]  # (step 0's rate is 0: warm-up)
   sharded = _train(dict(data=1, fsdp=2, context=2, tensor=2))
   np.testing.assert_allclose(sharded, single, rtol=2e-5)
+
+
+# --- key/value heads on any tensor split (8 fake CPU devices). -----------------------------
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+def test_grouped_heads_under_any_tensor_split(kv_heads, tp):
+  """H = 8 query heads split over a tensor axis of 1-8 devices, G key/value heads with
+  their own logical axis: split where the axis divides G, kept whole on every device
+  where G divides it (never an IndivisibleError). The sharded layer's output and
+  gradients equal the unsharded ones."""
+  from iha_jax import parallel
+  from iha_jax.nn import param_shardings
+
+  mesh = jax.make_mesh((8 // tp, tp), ("dp", "tp"))
+  rules = parallel.logical_rules({"batch": "dp", "heads": "tp"}, mesh)
+  layer = InterleavedHeadAttention(
+    16, 8, 4, num_kv_heads=kv_heads, num_pseudo=2, window=6, rngs=nnx.Rngs(0)
+  )
+  graphdef, state = nnx.split(layer)
+  x = jax.random.normal(jax.random.key(9), (8, 6, 16))
+
+  def loss(state, x):
+    return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+
+  want = jax.value_and_grad(loss)(state, x)
+  with parallel.activate(mesh, rules):
+    shardings = param_shardings(mesh, state, rules)
+    kv_spec = shardings["wk"].spec
+    assert kv_spec[1] == ("tp" if kv_heads % tp == 0 else None), kv_spec
+    sharded = jax.device_put(state, shardings)
+    batch = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp")))
+    got = jax.jit(jax.value_and_grad(loss))(sharded, batch)
+  assert_close(got, want, jnp.float32)

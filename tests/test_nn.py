@@ -76,17 +76,19 @@ def test_iha_param_tree(collapse_mode, num_pseudo):
     "collapse": collapse_shape,
   }
   in_proj, mixing = ("embed", "heads", "head_dim"), ("heads_src", "heads", "pseudo")
+  # Key/value heads have their own axis (split only where the tensor axis divides G).
+  kv_proj, kv_mixing = ("embed", "kv_heads", "head_dim"), ("heads_src", "kv_heads", "pseudo")
   collapse_axes = (
     ("heads_dst", "heads", "pseudo") if collapse_mode == "full" else ("heads", "pseudo")
   )
   assert _axes(m) == {
     "wq": in_proj,
-    "wk": in_proj,
-    "wv": in_proj,
+    "wk": kv_proj,
+    "wv": kv_proj,
     "wo": ("heads", "head_dim", "embed"),
     "alpha_q": mixing,
-    "alpha_k": mixing,
-    "alpha_v": mixing,
+    "alpha_k": kv_mixing,
+    "alpha_v": kv_mixing,
     "collapse": collapse_axes,
   }
   assert all(v.dtype == jnp.float32 for v in _params(m).values())
@@ -114,19 +116,20 @@ BASELINES = {  # kind -> (NNX class, Linen class, extra constructor arguments)
 def test_baseline_param_trees():
   """Names, shapes and logical axes of the baselines; every axis has a sharding rule."""
   in_proj, out_proj = ("embed", "heads", "head_dim"), ("heads", "head_dim", "embed")
+  kv_proj = ("embed", "kv_heads", "head_dim")
   expected = {
     "talking_heads": {
       "wq": ((D, H, HEAD_DIM), in_proj),
-      "wk": ((D, H, HEAD_DIM), in_proj),
-      "wv": ((D, H, HEAD_DIM), in_proj),
+      "wk": ((D, H, HEAD_DIM), kv_proj),
+      "wv": ((D, H, HEAD_DIM), kv_proj),
       "wo": ((H, HEAD_DIM, D), out_proj),
       "talk_logits": ((H, H), ("heads_src", "heads")),
       "talk_weights": ((H, H), ("heads_src", "heads")),
     },
     "diff": {
       "wq": ((D, H, 2, HEAD_DIM), ("embed", "heads", "qk_pair", "head_dim")),
-      "wk": ((D, H, 2, HEAD_DIM), ("embed", "heads", "qk_pair", "head_dim")),
-      "wv": ((D, H, 2 * HEAD_DIM), in_proj),
+      "wk": ((D, H, 2, HEAD_DIM), ("embed", "kv_heads", "qk_pair", "head_dim")),
+      "wv": ((D, H, 2 * HEAD_DIM), kv_proj),
       "wo": ((H, 2 * HEAD_DIM, D), out_proj),
       **{f"lambda_{n}": ((HEAD_DIM,), ("head_dim",)) for n in ("q1", "k1", "q2", "k2")},
       "norm_scale": ((2 * HEAD_DIM,), ("head_dim",)),

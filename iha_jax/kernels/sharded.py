@@ -81,12 +81,30 @@ def check_divisible(
       f"num_heads H={heads} is not divisible by mesh axis {head_axis!r} "
       f"(size {sizes[head_axis]}); use H a multiple of it"
     )
-  if head_axis and kv_heads is not None and kv_heads % sizes[head_axis]:
+  if head_axis and kv_heads is not None and _kv_split(kv_heads, sizes[head_axis]) is None:
     raise ValueError(
-      f"num_kv_heads G={kv_heads} is not divisible by mesh axis {head_axis!r} "
-      f"(size {sizes[head_axis]}): tensor parallelism splits the key/value heads; use G "
-      "a multiple of it, or a smaller tensor axis"
+      f"num_kv_heads G={kv_heads} and mesh axis {head_axis!r} (size {sizes[head_axis]}): "
+      "tensor parallelism splits the key/value heads when the axis divides G, or keeps "
+      "them whole when G divides the axis; use sizes where one divides the other"
     )
+
+
+def _kv_split(kv_heads: int, shards: int) -> bool | None:
+  """Whether a head axis of `shards` splits the G key/value heads (True), keeps them whole
+  on every shard (False: G divides the axis, each shard's query heads read one of them), or
+  cannot place them (None)."""
+  if kv_heads % shards == 0:
+    return True
+  if shards % kv_heads == 0:
+    return False
+  return None
+
+
+def _local_kv(x: jax.Array, axis: int, head_axis: str, kv_heads: int, shards: int) -> jax.Array:
+  """The one key/value head (along `axis` of `x`) this shard's query heads read, when the
+  G heads are kept whole on a head axis of `shards` > G (consecutive shards share one)."""
+  index = jax.lax.axis_index(head_axis) // (shards // kv_heads)
+  return jax.lax.dynamic_slice_in_dim(x, index, 1, axis=axis)
 
 
 def _shard_map(
@@ -193,9 +211,14 @@ def sharded_iha_attention(
   options = with_overrides(options, overrides)
   mesh, batch, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
   full = collapse.ndim == 3
+  g = k.shape[2]
+  shards = dict(zip(mesh.axis_names, mesh.axis_sizes))[head_axis] if head_axis else 1
+  split_kv = _kv_split(g, shards)
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *token_arrays):
     local_options = tokens.options(options, token_arrays)
+    if not split_kv:  # all G target heads here: keep the one this shard's queries read
+      alpha_k, alpha_v = (_local_kv(a, 1, head_axis, g, shards) for a in (alpha_k, alpha_v))
     y = (kernel or fused.collapsed_outputs)(
       q, k, v, (alpha_q, alpha_k, alpha_v), collapse, local_options, platform=platform
     )
@@ -205,13 +228,14 @@ def sharded_iha_attention(
 
   source = P(batch, None, None, None)
   alpha = P(None, head_axis, None)
+  kv_alpha = alpha if split_kv else P(None, None, None)
   in_specs = (
     source,
     source,
     source,
     alpha,
-    alpha,
-    alpha,
+    kv_alpha,
+    kv_alpha,
     alpha if full else P(head_axis, None),
     *tokens.specs,
   )
@@ -243,14 +267,18 @@ def sharded_mha_attention(
   """
   options = with_overrides(options, overrides)
   mesh, batch, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
+  g = k.shape[2]
+  shards = dict(zip(mesh.axis_names, mesh.axis_sizes))[head_axis] if head_axis else 1
+  split_kv = _kv_split(g, shards)
 
   def local(q, k, v, *token_arrays):
+    if not split_kv:  # all G heads here: keep the one this shard's queries read
+      k, v = (_local_kv(x, 2, head_axis, g, shards) for x in (k, v))
     return kernel(q, k, v, tokens.options(options, token_arrays), platform=platform)
 
   heads = P(batch, None, head_axis, None)
-  return _shard_map(
-    local, mesh, (heads, heads, heads, *tokens.specs), heads, (q, k, v, *tokens.arrays)
-  )
+  kv = heads if split_kv else P(batch, None, None, None)
+  return _shard_map(local, mesh, (heads, kv, kv, *tokens.specs), heads, (q, k, v, *tokens.arrays))
 
 
 def _on_current_mesh(direct: Callable, wrapped: Callable, *args: Any, platform: str) -> jax.Array:

@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from iha_jax.core.masking import visible_pairs
 from iha_jax.core.options import AttentionOptions
 from iha_jax.kinds.initializers import fold_fan_in
-from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS
+from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS
 
 if TYPE_CHECKING:
   from iha_jax.kinds.config import AttentionConfig
@@ -61,11 +61,16 @@ class Letter:
 
 
 def projection_spec(
-  cfg: AttentionConfig, kernel_init: Initializer, width: int | None = None, heads: int | None = None
+  cfg: AttentionConfig,
+  kernel_init: Initializer,
+  width: int | None = None,
+  heads: int | None = None,
+  axis: str = HEADS,
 ) -> ParamSpec:
-  """An input projection `[D, heads, width]` (default H heads of width d), fan-in D."""
+  """An input projection `[D, heads, width]` (default H heads of width d; `axis`: the
+  heads' logical axis, `KV_HEADS` for key/value projections), fan-in D."""
   shape = (cfg.model_dim, heads or cfg.num_heads, width or cfg.head_dim)
-  return ParamSpec(shape, (EMBED, HEADS, HEAD_DIM), fold_fan_in(kernel_init, 1))
+  return ParamSpec(shape, (EMBED, axis, HEAD_DIM), fold_fan_in(kernel_init, 1))
 
 
 def check_no_groups(cfg: AttentionConfig, why: str) -> None:
@@ -184,7 +189,7 @@ class AttentionKind:
   ) -> dict[str, ParamSpec]:
     """Every parameter of the layer, in creation order: `wq: [D, H, d]`, `wk, wv:
     [D, G, d]` (G = `cfg.kv_heads`), `wo: [H, d, D]`."""
-    kv_proj = projection_spec(cfg, kernel_init, heads=cfg.kv_heads)
+    kv_proj = projection_spec(cfg, kernel_init, heads=cfg.kv_heads, axis=KV_HEADS)
     return {
       "wq": projection_spec(cfg, kernel_init),
       "wk": kv_proj,

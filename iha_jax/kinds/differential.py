@@ -25,7 +25,7 @@ from iha_jax.kinds.base import (
 )
 from iha_jax.kinds.initializers import fold_fan_in
 from iha_jax.kinds.mha import MHA
-from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS, QK_PAIR
+from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, QK_PAIR
 
 NORM_EPS = 1e-5  # the per-head RMSNorm of differential attention (as Ye et al.)
 
@@ -107,15 +107,15 @@ class Differential(AttentionKind):
     `wo: [H, 2d, D]`, `lambda_q1, lambda_k1, lambda_q2, lambda_k2: [d]` (N(0, 0.1^2)), the
     output RMSNorm's `norm_scale: [2d]`."""
     d_model, d = cfg.model_dim, cfg.head_dim
-    pair = lambda heads: ParamSpec(
-      (d_model, heads, 2, d), (EMBED, HEADS, QK_PAIR, HEAD_DIM), fold_fan_in(kernel_init, 1)
+    pair = lambda heads, axis: ParamSpec(
+      (d_model, heads, 2, d), (EMBED, axis, QK_PAIR, HEAD_DIM), fold_fan_in(kernel_init, 1)
     )
     lam = ParamSpec((d,), (HEAD_DIM,), jax.nn.initializers.normal(0.1))
     specs = super().param_specs(cfg, kernel_init, mixing_noise_std)
     return {
-      "wq": pair(cfg.num_heads),
-      "wk": pair(cfg.kv_heads),
-      "wv": projection_spec(cfg, kernel_init, self.value_dim(cfg), cfg.kv_heads),
+      "wq": pair(cfg.num_heads, HEADS),
+      "wk": pair(cfg.kv_heads, KV_HEADS),
+      "wv": projection_spec(cfg, kernel_init, self.value_dim(cfg), cfg.kv_heads, KV_HEADS),
       "wo": specs["wo"],
       "lambda_q1": lam,
       "lambda_k1": lam,

@@ -21,7 +21,7 @@ from iha_jax.kinds import registry
 from iha_jax.kinds.base import AttentionKind, Letter, ParamSpec, project_qkv
 from iha_jax.kinds.initializers import identity_collapse_init, identity_mixing_init
 from iha_jax.kinds.mha import MHA
-from iha_jax.parallel.axes import HEADS, HEADS_DST, HEADS_SRC, PSEUDO, SOURCE_HEADS_AXES
+from iha_jax.parallel.axes import HEADS, HEADS_DST, HEADS_SRC, KV_HEADS, PSEUDO, SOURCE_HEADS_AXES
 
 COLLAPSE_MODES = ("full", "per_head")
 
@@ -79,10 +79,10 @@ class Interleaved(AttentionKind):
   def param_specs(self, cfg, kernel_init, mixing_noise_std):
     specs = super().param_specs(cfg, kernel_init, mixing_noise_std)
     h, g, p = cfg.num_heads, cfg.kv_heads, self.virtual_per_token(cfg)
-    mixing = lambda heads: ParamSpec(
-      (heads, heads, p), (HEADS_SRC, HEADS, PSEUDO), identity_mixing_init(mixing_noise_std)
+    mixing = lambda heads, axis: ParamSpec(
+      (heads, heads, p), (HEADS_SRC, axis, PSEUDO), identity_mixing_init(mixing_noise_std)
     )
-    specs.update(alpha_q=mixing(h), alpha_k=mixing(g), alpha_v=mixing(g))
+    specs.update(alpha_q=mixing(h, HEADS), alpha_k=mixing(g, KV_HEADS), alpha_v=mixing(g, KV_HEADS))
     collapse_init = identity_collapse_init(mixing_noise_std)
     if cfg.collapse_mode == "full":
       specs["collapse"] = ParamSpec((h, h, p), (HEADS_DST, HEADS, PSEUDO), collapse_init)

@@ -39,7 +39,7 @@ from iha_jax.nn.linen import (
   SimplicialAttentionLinen,
   TalkingHeadsAttentionLinen,
 )
-from iha_jax.nn.partitioning import logical_param, logical_specs, unbox
+from iha_jax.nn.partitioning import logical_param, logical_specs, param_shardings, unbox
 
 __all__ = [
   "CACHE_MODES",
@@ -71,6 +71,7 @@ __all__ = [
   "layer_config",
   "logical_param",
   "logical_specs",
+  "param_shardings",
   "mask_segments",
   "param_specs",
   "project_qkv",

@@ -10,6 +10,8 @@ import flax.linen
 import jax
 from flax import nnx
 
+from iha_jax.parallel import named_shardings
+
 
 def logical_param(
   init: jax.nn.initializers.Initializer,
@@ -36,6 +38,16 @@ def unbox(tree: Any) -> Any:
   removed: the same tree of plain arrays (`params["wq"].shape` works), which is what
   `apply` also accepts and what NNX's `nnx.Param`s hold. Plain arrays pass through."""
   return flax.linen.meta.unbox(tree)
+
+
+def param_shardings(mesh: Any, tree: Any, rules: Any = None) -> Any:
+  """`NamedSharding`s of every parameter of `tree` (an NNX module or state, or Linen
+  variables) on `mesh` by `rules` (`iha_jax.parallel.activate`'s), fitted to the
+  parameters' shapes: key/value heads fewer than their mesh axes stay whole
+  (`iha_jax.parallel.fit_to_shape`). For `jax.device_put(state, param_shardings(...))`."""
+  if isinstance(tree, nnx.Module):
+    tree = nnx.state(tree, nnx.Param)
+  return named_shardings(mesh, logical_specs(tree), rules, shapes=unbox(tree))
 
 
 def logical_specs(tree: Any) -> Any:

@@ -13,6 +13,7 @@ from iha_jax.parallel.rules import (
 from iha_jax.parallel.sharding import (
   activate,
   batch_sharding,
+  fit_to_shape,
   named_shardings,
   replicated,
   shard_batch,
@@ -26,6 +27,7 @@ __all__ = [
   "activate",
   "batch_sharding",
   "create_mesh",
+  "fit_to_shape",
   "initialize",
   "logical_rules",
   "logical_to_mesh_spec",

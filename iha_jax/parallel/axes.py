@@ -5,7 +5,10 @@ mesh axes. Parameters:
 
 - `EMBED` ("embed"): model width D.
 - `HEADS` ("heads"): the attention heads the core runs over (projection heads of
-  q/k/v/o, the target head owning a pseudo-head).
+  q/o, the target head owning a pseudo-query).
+- `KV_HEADS` ("kv_heads"): the key/value heads (`wk`, `wv`, the target axis of
+  `alpha_k`, `alpha_v`): G of them, fewer than H under grouped-query attention; split
+  like `heads` where the mesh axis divides G, else kept whole (`fit_to_shapes`).
 - `HEAD_DIM` ("head_dim"): per-head width d (and the value width).
 - `HEADS_SRC` ("heads_src"): the source head of a head mixing (`alpha_*`, `talk_*`
   axis 0): contracted, so kept whole.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 EMBED = "embed"
 HEADS = "heads"
+KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 HEADS_SRC = "heads_src"
 HEADS_DST = "heads_dst"

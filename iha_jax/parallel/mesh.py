@@ -12,6 +12,9 @@ from jax.sharding import AxisType, Mesh
 from iha_jax.checks import is_int
 from iha_jax.parallel.rules import MESH_AXES
 
+# Keys of a `mesh` config section that are options, not axes.
+MESH_OPTIONS = ("context_load_balance",)
+
 
 def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
   """`{"data": a, "fsdp": b, "context": c, "tensor": t}` with at most one -1 -> concrete
@@ -24,7 +27,7 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
     ValueError: naming the `mesh.*` key that is invalid, or the axes that are not the
       project's (a mesh of your own names: `jax.make_mesh`, then `logical_rules`).
   """
-  unknown = [axis for axis in sizes if axis not in MESH_AXES]
+  unknown = [axis for axis in sizes if axis not in MESH_AXES and axis not in MESH_OPTIONS]
   if unknown:
     raise ValueError(
       f"mesh axes {unknown} are not the project's {MESH_AXES}: name them so (e.g. "

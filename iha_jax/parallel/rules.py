@@ -38,6 +38,7 @@ from iha_jax.parallel.axes import (
   HEADS,
   HEADS_DST,
   HEADS_SRC,
+  KV_HEADS,
   MLP,
   OUTPUTS,
   PSEUDO,
@@ -56,6 +57,7 @@ LOGICAL_AXIS_RULES: LogicalRules = (
   # Parameters (names: iha_jax.parallel.axes).
   (EMBED, FSDP),  # model width D: FSDP shards every [D, ...] matrix.
   (HEADS, TENSOR),  # projection heads and IHA target heads.
+  (KV_HEADS, TENSOR),  # key/value heads: split where the axis divides G, else whole.
   (MLP, TENSOR),  # MLP hidden width F.
   (VOCAB, TENSOR),  # embedding rows / output head columns.
   (HEAD_DIM, None),
@@ -81,7 +83,7 @@ _RULES = dict(LOGICAL_AXIS_RULES)
 ROLES: dict[str, tuple[str, ...]] = {
   "batch": (ACTIVATION_BATCH,),  # data parallelism: the batch's rows (data, fsdp)
   "embed": (EMBED,),  # FSDP: every parameter's model-width axis D (fsdp)
-  "heads": (HEADS, MLP, VOCAB, ACTIVATION_HEADS, ACTIVATION_VOCAB),  # tensor parallelism
+  "heads": (HEADS, KV_HEADS, MLP, VOCAB, ACTIVATION_HEADS, ACTIVATION_VOCAB),  # tensor parallel
   "length": (ACTIVATION_LENGTH,),  # context parallelism: the tokens (context)
 }
 

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from iha_jax.parallel import context
-from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_HEADS
+from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_HEADS, KV_HEADS
 from iha_jax.parallel.rules import (
   BATCH_AXES,
   CONTEXT,
@@ -40,17 +40,62 @@ def activate(mesh: Mesh, rules: Mapping[str, Any] | LogicalRules | None = None) 
 
 
 def named_shardings(
-  mesh: Mesh, logical_specs: Any, rules: Mapping[str, Any] | LogicalRules | None = None
+  mesh: Mesh,
+  logical_specs: Any,
+  rules: Mapping[str, Any] | LogicalRules | None = None,
+  shapes: Any = None,
 ) -> Any:
   """Tree of logical `PartitionSpec`s -> tree of `NamedSharding`s on `mesh`, by `rules`
   (as `activate` takes them; None: the project's, for a mesh with the project's axis
-  names; a mesh of your own names needs rules, refused in one line otherwise)."""
+  names; a mesh of your own names needs rules, refused in one line otherwise).
+
+  `shapes`: the same tree's arrays (or anything with `.shape`): key/value heads
+  (`kv_heads`) fewer than their mesh axes then stay whole (grouped-query attention under
+  a wider tensor split), and any other dimension the axes do not divide is refused in one
+  line naming the parameter (`fit_to_shape`)."""
   table = rules_for(mesh, rules)
-  return jax.tree.map(
-    lambda spec: NamedSharding(mesh, logical_to_mesh_spec(spec, table)),
-    logical_specs,
-    is_leaf=lambda x: isinstance(x, PartitionSpec),
-  )
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+  def one(path, spec, value=None):
+    mesh_spec = logical_to_mesh_spec(spec, table)
+    if value is not None:
+      mesh_spec = fit_to_shape(jax.tree_util.keystr(path), spec, mesh_spec, value.shape, sizes)
+    return NamedSharding(mesh, mesh_spec)
+
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+  if shapes is None:
+    return jax.tree_util.tree_map_with_path(one, logical_specs, is_leaf=is_spec)
+  return jax.tree_util.tree_map_with_path(one, logical_specs, shapes, is_leaf=is_spec)
+
+
+def fit_to_shape(
+  name: str,
+  logical: PartitionSpec,
+  mesh_spec: PartitionSpec,
+  shape: tuple[int, ...],
+  sizes: Mapping[str, int],
+) -> PartitionSpec:
+  """`mesh_spec` for an array of `shape`: a `kv_heads` dimension that its mesh axes do not
+  divide stays whole (G key/value heads under a tensor split wider than G: each device
+  keeps all G, and the kernels take the ones its query heads read); any other such
+  dimension is a ValueError naming the parameter."""
+  out = []
+  for i, (axes, size) in enumerate(zip(tuple(mesh_spec) + (None,) * len(shape), shape)):
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    split = int(np.prod([sizes[a] for a in names])) if names else 1
+    if size % split == 0:
+      out.append(axes)
+      continue
+    logical_name = logical[i] if i < len(logical) else None
+    if logical_name == KV_HEADS:
+      out.append(None)
+      continue
+    raise ValueError(
+      f"{name}: dimension {i} ({logical_name}) has {size} entries, which mesh axes "
+      f"{names} ({split} devices) do not split evenly; use a size that divides, or rules "
+      "that map it elsewhere"
+    )
+  return PartitionSpec(*out[: len(shape)])
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

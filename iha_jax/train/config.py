@@ -181,10 +181,12 @@ def tensor_axis_problem(model: TransformerConfig, tensor: int) -> str | None:
   """
   if model.num_heads % tensor:
     return f"model.num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}"
-  if model.num_kv_heads is not None and model.num_kv_heads % tensor:
+  g = model.num_kv_heads
+  if g is not None and g % tensor and tensor % g:
     return (
-      f"model.num_kv_heads={model.num_kv_heads} is not divisible by mesh.tensor={tensor}: "
-      "tensor parallelism splits the key/value heads"
+      f"model.num_kv_heads={g} and mesh.tensor={tensor}: tensor parallelism splits the "
+      "key/value heads when mesh.tensor divides them, or keeps them whole when they divide "
+      "mesh.tensor; use sizes where one divides the other"
     )
   if model.vocab_size % tensor:
     padded = round_up(model.vocab_size, tensor)
