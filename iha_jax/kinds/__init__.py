@@ -23,6 +23,7 @@ from iha_jax.kinds.base import (
   Letter,
   ParamSpec,
   project,
+  project_out,
   project_qkv,
 )
 from iha_jax.kinds.config import AttentionConfig
@@ -74,6 +75,7 @@ __all__ = [
   "mixing_params",
   "names",
   "project",
+  "project_out",
   "project_qkv",
   "register",
   "registry",

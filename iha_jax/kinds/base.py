@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.core.masking import visible_pairs
+from iha_jax.core.norm import rms_norm
 from iha_jax.core.options import AttentionOptions
 from iha_jax.kinds.initializers import fold_fan_in
 from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS
@@ -41,6 +42,10 @@ QUERY_PROJ = "query_proj"
 KEY_PROJ = "key_proj"
 VALUE_PROJ = "value_proj"
 ATTENTION_OUT = "attention_out"
+# qk_norm's epsilon (Qwen 3's and Gemma 3's).
+QK_NORM_EPS = 1e-6
+# `AttentionConfig` fields read by the kinds whose projections are `project_qkv`'s.
+PROJECTION_OPTIONS = ("qk_norm", "use_bias")
 
 
 class ParamSpec(NamedTuple):
@@ -84,9 +89,26 @@ def check_no_groups(cfg: AttentionConfig, why: str) -> None:
 
 
 def output_spec(cfg: AttentionConfig, kernel_init: Initializer) -> ParamSpec:
-  """The output projection `wo: [H, dv, D]`, fan-in H*dv."""
-  shape = (cfg.num_heads, cfg.value_dim, cfg.model_dim)
+  """The output projection `wo: [H, dv, out]` (out: `cfg.output_dim`), fan-in H*dv."""
+  shape = (cfg.num_heads, cfg.value_dim, cfg.output_dim)
   return ParamSpec(shape, (HEADS, HEAD_DIM, EMBED), fold_fan_in(kernel_init, 2))
+
+
+def projection_option_specs(cfg: AttentionConfig) -> dict[str, ParamSpec]:
+  """The parameters of `qk_norm` (`q_norm, k_norm: [d]`, ones) and `use_bias` (`bq:
+  [H, d]`, `bk, bv: [G, d]`, `bo: [out]`, zeros) for the kinds whose projections are
+  `project_qkv`'s; none when both are off."""
+  specs = {}
+  d = cfg.head_dim
+  if cfg.qk_norm:
+    scale = ParamSpec((d,), (HEAD_DIM,), jax.nn.initializers.ones)
+    specs.update(q_norm=scale, k_norm=scale)
+  if cfg.use_bias:
+    zeros = jax.nn.initializers.zeros
+    kv_bias = ParamSpec((cfg.kv_heads, d), (KV_HEADS, HEAD_DIM), zeros)
+    specs.update(bq=ParamSpec((cfg.num_heads, d), (HEADS, HEAD_DIM), zeros), bk=kv_bias, bv=kv_bias)
+    specs["bo"] = ParamSpec((cfg.output_dim,), (EMBED,), zeros)
+  return specs
 
 
 def project(x: jax.Array, w: jax.Array, name: str | None = None) -> jax.Array:
@@ -95,14 +117,32 @@ def project(x: jax.Array, w: jax.Array, name: str | None = None) -> jax.Array:
   return y if name is None else checkpoint_name(y, name)
 
 
+def _source_heads(p: Params, x: jax.Array, which: str, name: str) -> jax.Array:
+  """Projection `w{which}` of `x`, plus its bias and RMSNorm where the layer has them."""
+  y = project(x, p[f"w{which}"])
+  if f"b{which}" in p:
+    y = y + p[f"b{which}"]
+  if f"{which}_norm" in p:
+    y = rms_norm(y, p[f"{which}_norm"], QK_NORM_EPS)
+  return checkpoint_name(y, name)
+
+
 def project_qkv(p: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Source-head projections `x: [B, N, D]` -> q `[B, N, H, d]`, k, v `[B, N, G, d]`,
-  tagged for remat."""
+  with the layer's biases and query/key RMSNorm where `p` has them (`qk_norm`,
+  `use_bias`), tagged for remat."""
   return (
-    project(x, p["wq"], QUERY_PROJ),
-    project(x, p["wk"], KEY_PROJ),
-    project(x, p["wv"], VALUE_PROJ),
+    _source_heads(p, x, "q", QUERY_PROJ),
+    _source_heads(p, x, "k", KEY_PROJ),
+    _source_heads(p, x, "v", VALUE_PROJ),
   )
+
+
+def project_out(p: Params, y: jax.Array) -> jax.Array:
+  """Per-head outputs `y: [B, N, H, dv]` through `wo` (and `bo` where the layer has it)
+  -> `[B, N, out]`."""
+  out = jnp.einsum("bnhd,hdD->bnD", y, p["wo"])
+  return out + p["bo"] if "bo" in p else out
 
 
 class AttentionKind:
@@ -188,13 +228,15 @@ class AttentionKind:
     self, cfg: AttentionConfig, kernel_init: Initializer, mixing_noise_std: float
   ) -> dict[str, ParamSpec]:
     """Every parameter of the layer, in creation order: `wq: [D, H, d]`, `wk, wv:
-    [D, G, d]` (G = `cfg.kv_heads`), `wo: [H, d, D]`."""
+    [D, G, d]` (G = `cfg.kv_heads`), `wo: [H, d, out]`, then those of `qk_norm` and
+    `use_bias` (`projection_option_specs`)."""
     kv_proj = projection_spec(cfg, kernel_init, heads=cfg.kv_heads, axis=KV_HEADS)
     return {
       "wq": projection_spec(cfg, kernel_init),
       "wk": kv_proj,
       "wv": kv_proj,
       "wo": output_spec(cfg, kernel_init),
+      **projection_option_specs(cfg),
     }
 
   def core(

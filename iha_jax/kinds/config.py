@@ -49,6 +49,14 @@ class AttentionConfig:
     dropout_rate: attention dropout, the probability of dropping each attention weight
       while training (the layers apply it only when not deterministic); 0: none. Only
       the implementations of the kind's `dropout_implementations` ("xla") do it.
+    qk_norm: RMSNorm of every source query and key head over its d features, with
+      learned scales `q_norm, k_norm: [d]` (float32 statistics, eps 1e-6), after the
+      projection and before IHA's mixing and RoPE (docs/design.md); IHA, MHA and
+      Talking-Heads.
+    use_bias: biases on the projections: `bq: [H, d]`, `bk, bv: [G, d]` (added before
+      mixing and RoPE) and `bo: [out_features]`, zeros at init; IHA, MHA and
+      Talking-Heads.
+    out_features: width of the output `[B, N, out_features]`; None: `model_dim`.
   """
 
   model_dim: int
@@ -65,6 +73,9 @@ class AttentionConfig:
   implementation: str = "auto"
   num_kv_heads: int | None = None
   dropout_rate: float = 0.0
+  qk_norm: bool = False
+  use_bias: bool = False
+  out_features: int | None = None
 
   def __post_init__(self):
     record = registry.get(self.kind)  # names the registered kinds otherwise
@@ -79,8 +90,10 @@ class AttentionConfig:
       )
     check_positive("window", self.window, optional=True)
     check_positive("layer", self.layer)
-    if not isinstance(self.causal, bool):
-      raise ValueError(f"causal must be a bool (False: bidirectional), got {self.causal!r}")
+    check_positive("out_features", self.out_features, optional=True)
+    for name in ("causal", "qk_norm", "use_bias"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.rope_theta is not None and record.uses_rope:
       if self.rope_theta <= 0:
         raise ValueError(f"rope_theta must be positive or None, got {self.rope_theta!r}")
@@ -135,6 +148,11 @@ class AttentionConfig:
   def kv_heads(self) -> int:
     """G: key/value heads (`num_kv_heads`, or H when None)."""
     return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+  @property
+  def output_dim(self) -> int:
+    """Width of the layer's output: `out_features`, or `model_dim` when None."""
+    return self.model_dim if self.out_features is None else self.out_features
 
   @property
   def value_dim(self) -> int:

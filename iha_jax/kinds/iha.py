@@ -18,7 +18,7 @@ from iha_jax.core.mixing import collapse_heads, pseudo_mix
 from iha_jax.core.options import AttentionOptions
 from iha_jax.kernels.sharded import iha_on_current_mesh, iha_window_on_current_mesh
 from iha_jax.kinds import registry
-from iha_jax.kinds.base import AttentionKind, Letter, ParamSpec, project_qkv
+from iha_jax.kinds.base import PROJECTION_OPTIONS, AttentionKind, Letter, ParamSpec, project_qkv
 from iha_jax.kinds.initializers import identity_collapse_init, identity_mixing_init
 from iha_jax.kinds.mha import MHA
 from iha_jax.parallel.axes import HEADS, HEADS_DST, HEADS_SRC, KV_HEADS, PSEUDO, SOURCE_HEADS_AXES
@@ -52,7 +52,7 @@ class Interleaved(AttentionKind):
     "cudnn": functools.partial(iha_via_mha, mha=mha_cudnn),
     "splash": functools.partial(iha_via_mha, mha=MHA.implementations["splash"]),
   }
-  config_fields = ("num_pseudo", "collapse_mode")
+  config_fields = ("num_pseudo", "collapse_mode", *PROJECTION_OPTIONS)
   virtual_tokens = True
   mixing_params = ("alpha_q", "alpha_k", "alpha_v", "collapse")
   dropout_implementations = frozenset({"xla"})

@@ -13,7 +13,7 @@ from iha_jax.core.cudnn_attention import mha_cudnn
 from iha_jax.core.options import AttentionOptions
 from iha_jax.kernels.sharded import mha_on_current_mesh, splash_on_current_mesh
 from iha_jax.kinds import registry
-from iha_jax.kinds.base import AttentionKind, Letter, project_qkv
+from iha_jax.kinds.base import PROJECTION_OPTIONS, AttentionKind, Letter, project_qkv
 
 # Under shard_map on a mesh; one object for both GPU names (see "pallas_gpu_mha" below).
 _GPU_KERNEL = functools.partial(mha_on_current_mesh, platform="gpu")
@@ -41,6 +41,7 @@ class MultiHead(AttentionKind):
     "cudnn": mha_cudnn,
     "splash": splash_on_current_mesh,  # jax's splash attention kernel (TPU)
   }
+  config_fields = PROJECTION_OPTIONS
   dropout_implementations = frozenset({"xla"})
   decodes = True
   sequence_roles = ("q", "kv", "kv")

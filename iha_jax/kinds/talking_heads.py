@@ -13,7 +13,14 @@ from iha_jax.core.masking import visible_pairs
 from iha_jax.core.options import AttentionOptions
 from iha_jax.core.talking_heads import talking_heads_reference, talking_heads_xla
 from iha_jax.kinds import registry
-from iha_jax.kinds.base import AttentionKind, Letter, ParamSpec, check_no_groups, project_qkv
+from iha_jax.kinds.base import (
+  PROJECTION_OPTIONS,
+  AttentionKind,
+  Letter,
+  ParamSpec,
+  check_no_groups,
+  project_qkv,
+)
 from iha_jax.kinds.initializers import identity_talking_init
 from iha_jax.parallel.axes import HEADS, HEADS_SRC, SOURCE_HEADS_AXES
 
@@ -26,6 +33,7 @@ class TalkingHeads(AttentionKind):
   name = "talking_heads"
   letters = (Letter("T", False, "global Talking-Heads attention"),)
   implementations = {"reference": talking_heads_reference, "xla": talking_heads_xla}
+  config_fields = PROJECTION_OPTIONS
   mixing_params = ("talk_logits", "talk_weights")
   sequence_roles = ("q", "kv", "kv", "-", "-")
 

@@ -12,6 +12,7 @@ from flax.linen import with_logical_constraint
 from iha_jax.models.config import TransformerConfig
 from iha_jax.nn import Attention, LayerCache, logical_param
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT
+from iha_jax.ops import rms_norm
 from iha_jax.parallel.axes import EMBED, MLP, RESIDUAL_AXES
 
 
@@ -35,10 +36,7 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """`x: [..., D]` -> same shape, in `dtype` (x.dtype when None); statistics in float32."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
-    dtype = x.dtype if self.dtype is None else self.dtype
-    return (y * self.scale[...].astype(jnp.float32)).astype(dtype)
+    return rms_norm(x, self.scale[...], self.eps, self.dtype)
 
 
 class FeedForward(nnx.Module):

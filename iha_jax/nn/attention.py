@@ -28,7 +28,8 @@ Initializer = jax.nn.initializers.Initializer
 
 
 class Attention(nnx.Module):
-  """An attention layer of any registered kind: `x: [B, N, D]` -> `[B, N, D]`.
+  """An attention layer of any registered kind: `x: [B, N, D]` -> `[B, N, out_features]`
+  (D unless set); with `context: [B, M, D]`, cross-attention (IHA, MHA).
 
   `Attention(model_dim, num_heads, head_dim, kind=..., <options>, rngs=...)`, or
   `Attention.from_config(AttentionConfig(...), rngs=...)`; the named subclasses
@@ -68,6 +69,13 @@ class Attention(nnx.Module):
       mixings (IHA's `alpha_*` and `collapse`, Talking-Heads' `talk_*`).
     keep_rngs: keep a fork of `rngs.dropout` for dropout (when `dropout_rate > 0`), so the
       call needs no `rngs`.
+    qk_norm: RMSNorm of every source query and key head over d (learned `q_norm, k_norm:
+      [d]`), before IHA's mixing and RoPE (IHA, MHA, Talking-Heads).
+    use_bias: biases `bq: [H, d]`, `bk, bv: [G, d]`, `bo: [out_features]` (IHA, MHA,
+      Talking-Heads; flax's layer has them on by default, this one off).
+    out_features: output width (`wo: [H, d, out_features]`); None: model_dim.
+    in_features: flax's name for model_dim (give one of them).
+    qkv_features: flax's name for `num_heads * head_dim` (give it or head_dim).
     rngs: `nnx.Rngs` with a `params` stream (and `dropout` when dropping out).
   """
 
@@ -81,9 +89,9 @@ class Attention(nnx.Module):
 
   def __init__(
     self,
-    model_dim: int,
-    num_heads: int,
-    head_dim: int,
+    model_dim: int | None = None,
+    num_heads: int | None = None,
+    head_dim: int | None = None,
     *,
     kind: str | None = None,
     num_kv_heads: int | None = None,
@@ -102,12 +110,22 @@ class Attention(nnx.Module):
     kernel_init: Initializer = DEFAULT_KERNEL_INIT,
     mixing_noise_std: float = 0.0,
     keep_rngs: bool = True,
+    qk_norm: bool = False,
+    use_bias: bool = False,
+    out_features: int | None = None,
+    in_features: int | None = None,
+    qkv_features: int | None = None,
     rngs: nnx.Rngs,
   ):
     if self.kind is not None and kind not in (None, self.kind):
       raise ValueError(f"{type(self).__name__} is kind {self.kind!r}, got kind={kind!r}")
     config = layer_config(
       window_tokens=window_tokens,
+      in_features=in_features,
+      qkv_features=qkv_features,
+      qk_norm=qk_norm,
+      use_bias=use_bias,
+      out_features=out_features,
       model_dim=model_dim,
       num_heads=num_heads,
       head_dim=head_dim,
@@ -176,6 +194,7 @@ class Attention(nnx.Module):
     deterministic: bool | None = None,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
     return_probabilities: bool = False,
+    context: jax.Array | None = None,
   ) -> Any:
     """One call of the layer (`iha_jax.nn.call.apply_layer`).
 
@@ -195,9 +214,12 @@ class Attention(nnx.Module):
       rngs: the dropout stream (`nnx.Rngs` or its `dropout` stream); None: the kept one.
       return_probabilities: also return the attention probabilities over the virtual
         sequence, float32 `[B, H, T, T]` (`T = N * P`; IHA and MHA): `(y, probs)`.
+      context: `[B, M, D]`: cross-attention, queries from x, keys and values from the
+        context (`iha_jax.nn.cross`; IHA and MHA built with causal=False, window=None,
+        rope_theta=None); `mask` then says which context tokens are valid, `[B, 1, 1, M]`.
 
     Returns:
-      `y: [B, N, D]`, or `(y, cache)` with a cache, or `(y, probs)`.
+      `y: [B, N, out_features]`, or `(y, cache)` with a cache, or `(y, probs)`.
     """
     return apply_layer(
       self.param_values(),
@@ -210,6 +232,7 @@ class Attention(nnx.Module):
       cache=cache,
       dropout_rng=lambda: self._dropout_rng(deterministic, rngs),
       return_probabilities=return_probabilities,
+      context=context,
     )
 
   def _dropout_rng(

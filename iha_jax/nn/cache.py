@@ -45,6 +45,7 @@ from flax import struct
 from iha_jax.checks import is_int, is_traced
 from iha_jax.core.grouped import grouped_attention_heads_major
 from iha_jax.core.interleave import virtual_positions
+from iha_jax.kinds import project_out
 from iha_jax.kinds.config import AttentionConfig
 from iha_jax.nn.functional import (
   check_input,
@@ -312,7 +313,7 @@ def cached_attention(
     window=cfg.window,
   )
   out = cfg.record.collapse(p, cfg, _heads_major(out))  # [B, n, H, d]
-  y = jnp.einsum("bnhd,hdD->bnD", out, p["wo"])
+  y = project_out(p, out)
   if not cache.spec.unbounded:
     # Tokens past max_len: NaN, not a wrapped ring's output; made by an operation (the
     # square root of -1), so checkify's float checks report where it arose.

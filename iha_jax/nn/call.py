@@ -18,6 +18,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 from iha_jax.kinds.config import AttentionConfig
 from iha_jax.nn.cache import LayerCache, cached_attention
+from iha_jax.nn.cross import cross_attention
 from iha_jax.nn.functional import attention_forward, layer_attention_probabilities
 
 
@@ -39,6 +40,14 @@ def _sharding(x: Any) -> Any:
   return jax.typeof(x).sharding
 
 
+def _refuse(message: str, **arguments: Any) -> None:
+  """Raises ValueError, `message` naming the given ones, if any of `arguments` is not
+  None."""
+  given = [name for name, value in arguments.items() if value is not None]
+  if given:
+    raise ValueError(message.format(", ".join(given)))
+
+
 def apply_layer(
   params: Mapping[str, jax.Array],
   x: jax.Array,
@@ -51,6 +60,7 @@ def apply_layer(
   cache: LayerCache | None = None,
   dropout_rng: Callable[[], jax.Array | None] | None = None,
   return_probabilities: bool = False,
+  context: jax.Array | None = None,
 ) -> Any:
   """One call of the layer of `cfg` with parameters `params` on `x: [B, N, D]`.
 
@@ -58,26 +68,43 @@ def apply_layer(
   for the dropout key (None: deterministic); cached and probability calls never drop out.
 
   Returns:
-    - `y: [B, N, D]` (no cache, no probabilities): the full forward
+    - `y: [B, N, out]` with a `context: [B, M, D]` (`iha_jax.nn.cross.cross_attention`):
+      queries from x, keys and values from the context, `mask` over the context;
+    - `y: [B, N, out]` (no cache, no probabilities): the full forward
       (`attention_forward`), with key-validity `mask` and attention dropout;
     - `(y, cache)` with a `cache` (`iha_jax.nn.cache.cached_attention`): the next N
       tokens of every row after the `cache.length` it holds;
     - `(y, probabilities [B, H, T, T])` with `return_probabilities`
       (`layer_attention_probabilities`).
   """
-  if cache is not None:
-    extra = {
-      "mask": mask,
-      "segment_ids": segment_ids,
-      "positions": positions,
-      "return_probabilities": return_probabilities or None,
-    }
-    given = [name for name, value in extra.items() if value is not None]
-    if given:
+  probabilities = return_probabilities or None
+  if context is not None:
+    _refuse(
+      "context= (cross-attention) takes x, the context and a mask over the context; {} "
+      "belong to self-attention (no context)",
+      segment_ids=segment_ids,
+      positions=positions,
+      layer=layer,
+      cache=cache,
+      return_probabilities=probabilities,
+    )
+    if cfg.dropout_rate > 0 and dropout_rng is not None and dropout_rng() is not None:
       raise ValueError(
-        f"cache= takes the next tokens of one unpadded sequence per row, at positions "
-        f"cache.length + arange(N); {', '.join(given)} belong to the full forward (no cache)"
+        f"context= (cross-attention) has no attention dropout (dropout_rate="
+        f"{cfg.dropout_rate}): call it with deterministic=True, or use a layer with "
+        "dropout_rate=0"
       )
+    fn = lambda p, x, c, m: cross_attention(p, x, c, cfg, mask=m)
+    return _on_auto_axes(fn, lambda: _sharding(x), params, x, context, mask)
+  if cache is not None:
+    _refuse(
+      "cache= takes the next tokens of one unpadded sequence per row, at positions "
+      "cache.length + arange(N); {} belong to the full forward (no cache)",
+      mask=mask,
+      segment_ids=segment_ids,
+      positions=positions,
+      return_probabilities=probabilities,
+    )
     out_sharding = lambda: (_sharding(x), jax.tree.map(_sharding, cache))
     fn = lambda p, x, c: cached_attention(p, x, cfg, c)
     return _on_auto_axes(fn, out_sharding, params, x, cache)

@@ -53,13 +53,24 @@ def param_specs(
   return cfg.record.param_specs(cfg, kernel_init, mixing_noise_std)
 
 
-def layer_config(*, window_tokens: int | None = None, **fields: Any) -> AttentionConfig:
-  """The `AttentionConfig` of a layer built with `fields` (its fields) and, instead of
-  `window`, optionally `window_tokens`: a window counted in TOKENS, which a kind over
-  virtual tokens (IHA) takes as `window_tokens * P` virtual tokens (the span of
-  `window_tokens` tokens; a pseudo-query then reaches `window_tokens` tokens back), and
-  any other kind as its window. Raises ValueError naming the field for a bad one, or for
-  both windows at once."""
+def layer_config(
+  *,
+  window_tokens: int | None = None,
+  in_features: int | None = None,
+  qkv_features: int | None = None,
+  **fields: Any,
+) -> AttentionConfig:
+  """The `AttentionConfig` of a layer built with `fields` (its fields), where flax's names
+  may stand for two of them and a token count for the window:
+  - `in_features` (flax's name): `model_dim`;
+  - `qkv_features` (flax's name, H*d): `head_dim = qkv_features // num_heads`;
+  - `window_tokens`, instead of `window`: a window counted in TOKENS, which a kind over
+    virtual tokens (IHA) takes as `window_tokens * P` virtual tokens (the span of
+    `window_tokens` tokens; a pseudo-query then reaches `window_tokens` tokens back), and
+    any other kind as its window.
+  Raises ValueError naming the field for a bad one, or for a field given under both
+  names."""
+  fields = _flax_names(fields, in_features, qkv_features)
   if window_tokens is None:
     return AttentionConfig(**fields)
   if fields.get("window") is not None:
@@ -70,6 +81,41 @@ def layer_config(*, window_tokens: int | None = None, **fields: Any) -> Attentio
   check_positive("window_tokens", window_tokens)
   cfg = AttentionConfig(**{**fields, "window": None})
   return dataclasses.replace(cfg, window=window_tokens * cfg.record.virtual_per_token(cfg))
+
+
+def _flax_names(
+  fields: dict[str, Any], in_features: int | None, qkv_features: int | None
+) -> dict[str, Any]:
+  """`fields` with `model_dim` and `head_dim` read from flax's `in_features` and
+  `qkv_features` where given (each name or its flax name, not both)."""
+  fields = dict(fields)
+  if in_features is not None:
+    if fields.get("model_dim") is not None:
+      raise ValueError(
+        f"give model_dim or in_features (flax's name for it), not both: got model_dim="
+        f"{fields['model_dim']!r}, in_features={in_features!r}"
+      )
+    fields["model_dim"] = in_features
+  if qkv_features is not None:
+    if fields.get("head_dim") is not None:
+      raise ValueError(
+        f"give head_dim or qkv_features (flax's name for num_heads * head_dim), not both: "
+        f"got head_dim={fields['head_dim']!r}, qkv_features={qkv_features!r}"
+      )
+    check_positive("qkv_features", qkv_features)
+    heads = fields.get("num_heads")
+    check_positive("num_heads", heads)
+    if qkv_features % heads:
+      raise ValueError(
+        f"qkv_features={qkv_features} must be a multiple of num_heads={heads} (head_dim = "
+        "qkv_features // num_heads)"
+      )
+    fields["head_dim"] = qkv_features // heads
+  for name in ("model_dim", "num_heads", "head_dim"):
+    if fields.get(name) is None:
+      flax_name = {"model_dim": " (or in_features)", "head_dim": " (or qkv_features)"}
+      raise ValueError(f"{name}{flax_name.get(name, '')} is required, got None")
+  return fields
 
 
 # Head-mixing parameters of the built-in kinds (identity-initialised coefficients, no

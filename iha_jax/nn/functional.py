@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.core.grouped import grouped_attention_probabilities
 from iha_jax.core.validation import default_positions
-from iha_jax.kinds import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ, project_qkv
+from iha_jax.kinds import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ, project_out, project_qkv
 from iha_jax.kinds.config import AttentionConfig
 from iha_jax.ops import apply_rope, virtual_positions, virtual_segment_ids
 from iha_jax.parallel.axes import HEADS_AXES
@@ -134,7 +134,7 @@ def attention_forward(
   options = cfg.options(segment_ids=segment_ids, positions=positions, dropout_rng=dropout_rng)
   y = cfg.record.core(p, x, cfg, options, cfg.layer if layer is None else layer)
   y = checkpoint_name(with_logical_constraint(y, HEADS_AXES), ATTENTION_OUT)
-  return jnp.einsum("bnhd,hdD->bnD", y, p["wo"])
+  return project_out(p, y)
 
 
 def pseudo_heads(

@@ -35,9 +35,9 @@ class _LinenLayer(nn.Module):
   property of the subclass), the one call and `init_cache`.
 
   `__call__(x: [B, N, D], *, mask=None, segment_ids=None, positions=None, layer=None,
-  cache=None, deterministic=None, return_probabilities=False)` as the NNX layer's:
-  `[B, N, D]`, or `(y, cache)`, or `(y, probabilities)`; dropout draws from the "dropout"
-  rng collection (`apply(..., rngs={"dropout": key})`).
+  cache=None, deterministic=None, return_probabilities=False, context=None)` as the NNX
+  layer's: `[B, N, out_features]`, or `(y, cache)`, or `(y, probabilities)`; dropout
+  draws from the "dropout" rng collection (`apply(..., rngs={"dropout": key})`).
   """
 
   @nn.compact
@@ -52,6 +52,7 @@ class _LinenLayer(nn.Module):
     cache: LayerCache | None = None,
     deterministic: bool | None = None,
     return_probabilities: bool = False,
+    context: jax.Array | None = None,
   ) -> Any:
     cfg = self.config
     specs = param_specs(
@@ -80,6 +81,7 @@ class _LinenLayer(nn.Module):
       cache=cache,
       dropout_rng=dropout_rng,
       return_probabilities=return_probabilities,
+      context=context,
     )
 
   def init_cache(
@@ -99,7 +101,7 @@ class _AttentionLinen(_LinenLayer):
   kind: ClassVar[str]
   model_dim: int
   num_heads: int
-  head_dim: int
+  head_dim: int | None = None  # or qkv_features (below), flax's name for num_heads * head_dim
   num_kv_heads: int | None = None
   window: int | None = None
   causal: bool = True
@@ -111,6 +113,10 @@ class _AttentionLinen(_LinenLayer):
   window_tokens: int | None = None
   dropout_rate: float = 0.0
   deterministic: bool | None = None
+  qk_norm: bool = False
+  use_bias: bool = False
+  out_features: int | None = None
+  qkv_features: int | None = None
 
   def __post_init__(self):
     self.config  # noqa: B018 - validates every field now, as the NNX layer's constructor
@@ -123,7 +129,9 @@ class _AttentionLinen(_LinenLayer):
     fields = {
       f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _CONFIG_FIELDS
     }
-    return layer_config(window_tokens=self.window_tokens, kind=self.kind, **fields)
+    return layer_config(
+      window_tokens=self.window_tokens, qkv_features=self.qkv_features, kind=self.kind, **fields
+    )
 
 
 class InterleavedHeadAttentionLinen(_AttentionLinen):

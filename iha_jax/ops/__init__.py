@@ -16,6 +16,7 @@ from iha_jax.core.differential import diff_lambda_init
 from iha_jax.core.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
 from iha_jax.core.masking import visible
 from iha_jax.core.mixing import collapse_heads, pseudo_mix
+from iha_jax.core.norm import rms_norm
 from iha_jax.core.options import AttentionOptions, BlockSizes
 from iha_jax.core.reference import dense_attention, dense_attention_probabilities
 from iha_jax.core.rope import apply_rope, rope_frequencies
@@ -46,6 +47,7 @@ __all__ = [
   "mha_attention",
   "pseudo_mix",
   "resolve_implementation",
+  "rms_norm",
   "rope_frequencies",
   "simplicial_attention",
   "talking_heads_attention",

@@ -1,0 +1,130 @@
+"""Cross-attention: queries from the layer's input, keys and values from a context.
+
+IHA's paper defines self-attention only; this is the extension (docs/design.md):
+BOTH sides interleave. The queries' tokens become P pseudo-queries each (`alpha_q`), the
+context's tokens P pseudo-keys and pseudo-values each (`alpha_k`, `alpha_v`); every
+pseudo-query attends over all `M * P` virtual tokens of the context, bidirectionally, and
+the collapse folds each token's P outputs back into its H heads. The layer's parameters
+are exactly its self-attention ones, so one IHA layer may serve both; MHA is the P = 1
+case. No RoPE and no window: queries and keys are on two different sequences, with no
+shared axis of positions (as the cross-attention of encoder-decoder models).
+
+The attention core is the XLA one the KV cache uses (`grouped_attention_heads_major`:
+tiles of keys under an online softmax, grouped-query aware), not the Pallas kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from iha_jax.core.grouped import grouped_attention_heads_major
+from iha_jax.core.interleave import virtual_segment_ids
+from iha_jax.kinds import project_out, project_qkv
+from iha_jax.kinds.config import AttentionConfig
+from iha_jax.nn.functional import check_input, pseudo_heads, to_compute_dtype
+
+
+def check_cross(cfg: AttentionConfig) -> None:
+  """Raises ValueError, naming the field and the fix, unless a layer of `cfg` can attend
+  over a context: a kind that reads as pseudo-head attention, bidirectional, global, no
+  RoPE."""
+  if not cfg.record.decodes:
+    raise ValueError(
+      f"context=: {cfg.kind} attention has no cross-attention (its kind does not read as "
+      "pseudo-head attention: AttentionKind.decodes); IHA and MHA layers take a context"
+    )
+  wrong = [
+    (name, value, fix)
+    for name, value, fix in (
+      ("causal", cfg.causal, "causal=False"),
+      ("window", cfg.window, "window=None"),
+      ("rope_theta", cfg.rope_theta, "rope_theta=None"),
+    )
+    if value not in (False, None)
+  ]
+  if wrong:
+    got = ", ".join(f"{name}={value!r}" for name, value, _ in wrong)
+    fix = ", ".join(fix for _, _, fix in wrong)
+    raise ValueError(
+      f"context= (cross-attention) attends bidirectionally over a second sequence, with "
+      f"no positions shared with the queries; this layer has {got}: build it with {fix}"
+    )
+
+
+def _check_context(context: jax.Array, x: jax.Array, cfg: AttentionConfig) -> None:
+  shape = tuple(jnp.shape(context))
+  if len(shape) != 3 or shape[0] != x.shape[0] or shape[2] != cfg.model_dim or shape[1] < 1:
+    raise ValueError(
+      f"context must have shape [B, M, model_dim] = [{x.shape[0]}, M >= 1, {cfg.model_dim}] "
+      f"(B of x), got {shape}"
+    )
+  if not jnp.issubdtype(jnp.result_type(context), jnp.floating):
+    raise ValueError(f"context must be a floating array, got dtype {jnp.result_type(context)}")
+
+
+def _context_segments(mask: jax.Array | None, b: int, m: int) -> jax.Array:
+  """Key validity over the context, `[B, M]` int32 (1: attend, 0: padding), from flax's
+  `mask: [B, 1, 1, M]` (True = attend)."""
+  if mask is None:
+    return jnp.ones((b, m), jnp.int32)
+  shape = tuple(jnp.shape(mask))
+  if len(shape) != 4 or shape[0] not in (1, b) or shape[1:] != (1, 1, m):
+    raise ValueError(
+      f"mask of shape {shape}: with context=, mask says which context tokens are valid, "
+      f"[B, 1, 1, M] = [{b}, 1, 1, {m}] (valid[:, None, None, :])"
+    )
+  dtype = jnp.result_type(mask)
+  if not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)):
+    raise ValueError(f"mask must be bool (True = attend) or integer, got dtype {dtype}")
+  return jnp.broadcast_to(jnp.asarray(mask)[:, 0, 0, :] != 0, (b, m)).astype(jnp.int32)
+
+
+def cross_attention(
+  params: Mapping[str, jax.Array],
+  x: jax.Array,
+  context: jax.Array,
+  cfg: AttentionConfig,
+  *,
+  mask: jax.Array | None = None,
+) -> jax.Array:
+  """The layer's queries from `x: [B, N, D]` over keys and values from `context:
+  [B, M, D]` (module docstring).
+
+  Args:
+    params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`.
+    x: the queries' input `[B, N, D]`.
+    context: the keys' and values' input `[B, M, D]` (e.g. an encoder's output).
+    cfg: the layer (IHA or MHA; causal=False, window=None, rope_theta=None).
+    mask: which context tokens are valid, flax's `[B, 1, 1, M]` (True = attend); a row
+      with no valid context token gets zero attention outputs (then `bo` alone).
+
+  Returns:
+    `[B, N, out_features]` in the computation dtype.
+  """
+  check_input(x, cfg)
+  check_cross(cfg)
+  _check_context(context, x, cfg)
+  b, n = x.shape[:2]
+  m = context.shape[1]
+  kv_valid = _context_segments(mask, b, m)
+  p, x = to_compute_dtype(params, x, cfg)
+  context = jnp.asarray(context, x.dtype)
+  q, _, _ = project_qkv(p, x)  # the unused k, v of x are dead code to XLA
+  _, k, v = project_qkv(p, context)
+  per_token = cfg.record.virtual_per_token(cfg)
+  heads_major = lambda t: jnp.swapaxes(t, 1, 2)
+  out = grouped_attention_heads_major(
+    heads_major(pseudo_heads(p, cfg, "q", q)),  # [B, H, N*P, d]
+    heads_major(pseudo_heads(p, cfg, "k", k)),  # [B, G, M*P, d]
+    heads_major(pseudo_heads(p, cfg, "v", v)),
+    # A row whose context is all padding: its queries are padding too (zero outputs).
+    segment_ids=jnp.broadcast_to(kv_valid.max(axis=1, keepdims=True), (b, n * per_token)),
+    kv_segment_ids=virtual_segment_ids(kv_valid, per_token),
+    window=None,
+    causal=False,
+  )
+  out = cfg.record.collapse(p, cfg, heads_major(out))  # [B, N, H, d]
+  return project_out(p, out)
