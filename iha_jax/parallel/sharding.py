@@ -44,6 +44,7 @@ def named_shardings(
   logical_specs: Any,
   rules: Mapping[str, Any] | LogicalRules | None = None,
   shapes: Any = None,
+  refuse_indivisible: bool = True,
 ) -> Any:
   """Tree of logical `PartitionSpec`s -> tree of `NamedSharding`s on `mesh`, by `rules`
   (as `activate` takes them; None: the project's, for a mesh with the project's axis
@@ -52,14 +53,18 @@ def named_shardings(
   `shapes`: the same tree's arrays (or anything with `.shape`): key/value heads
   (`kv_heads`) fewer than their mesh axes then stay whole (grouped-query attention under
   a wider tensor split), and any other dimension the axes do not divide is refused in one
-  line naming the parameter (`fit_to_shape`)."""
+  line naming the parameter (`fit_to_shape`); `refuse_indivisible=False` leaves such
+  dimensions split, for a caller that reports them in its own terms (the trainer names
+  the config keys)."""
   table = rules_for(mesh, rules)
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
 
   def one(path, spec, value=None):
     mesh_spec = logical_to_mesh_spec(spec, table)
     if value is not None:
-      mesh_spec = fit_to_shape(jax.tree_util.keystr(path), spec, mesh_spec, value.shape, sizes)
+      mesh_spec = fit_to_shape(
+        jax.tree_util.keystr(path), spec, mesh_spec, value.shape, sizes, refuse_indivisible
+      )
     return NamedSharding(mesh, mesh_spec)
 
   is_spec = lambda x: isinstance(x, PartitionSpec)
@@ -74,11 +79,13 @@ def fit_to_shape(
   mesh_spec: PartitionSpec,
   shape: tuple[int, ...],
   sizes: Mapping[str, int],
+  refuse_indivisible: bool = True,
 ) -> PartitionSpec:
   """`mesh_spec` for an array of `shape`: a `kv_heads` dimension that its mesh axes do not
   divide stays whole (G key/value heads under a tensor split wider than G: each device
   keeps all G, and the kernels take the ones its query heads read); any other such
-  dimension is a ValueError naming the parameter."""
+  dimension is a ValueError naming the parameter (kept split when not
+  `refuse_indivisible`)."""
   out = []
   for i, (axes, size) in enumerate(zip(tuple(mesh_spec) + (None,) * len(shape), shape)):
     names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
@@ -89,6 +96,9 @@ def fit_to_shape(
     logical_name = logical[i] if i < len(logical) else None
     if logical_name == KV_HEADS:
       out.append(None)
+      continue
+    if not refuse_indivisible:
+      out.append(axes)
       continue
     raise ValueError(
       f"{name}: dimension {i} ({logical_name}) has {size} entries, which mesh axes "

@@ -44,7 +44,10 @@ def state_shardings(
 ) -> TrainState:
   """`NamedSharding` of every state leaf: parameters by the logical-axis rules, optimizer
   moments like their parameter (ZeRO: FSDP shards them too), the rest replicated."""
-  param_shardings = named_shardings(mesh, model.logical_specs(), shapes=abstract_state.params)
+  # Indivisible dimensions stay split here: preflight.check_shardable names the config keys.
+  param_shardings = named_shardings(
+    mesh, model.logical_specs(), shapes=abstract_state.params, refuse_indivisible=False
+  )
   by_path = {
     _dict_path(path): s for path, s in jax.tree_util.tree_leaves_with_path(param_shardings)
   }
