@@ -21,7 +21,8 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
 
   # A loop over the d/2 frequencies materialises the tables once. Written as plain
   # broadcasting, XLA fuses cos/sin into every consumer and recomputes them per head
-  # and per half (5x slower on CPU; optimization_barrier does not stop it there).
+  # and per half (much slower on CPU, docs/performance.md §1; optimization_barrier does
+  # not stop it there).
   # Looping over frequencies, not batch rows, keeps a batch-sharded layout intact.
   cos, sin = jax.lax.map(one_frequency, rope_frequencies(head_dim, theta))
   return jnp.moveaxis(cos, 0, -1), jnp.moveaxis(sin, 0, -1)

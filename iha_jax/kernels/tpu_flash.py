@@ -212,8 +212,8 @@ def _attend_pairs(
   the home tile's rows and of the other tile's) on the steps that attend a pair: whole
   and without mask work where the pair is entirely visible, else masked, in halves
   (`_masked_blocks`) if `split`. Packed segments need the mask on every pair. The
-  forward does not split: its masked steps cost the same either way (v5p estimate: 1272
-  bundles in halves, 1299 whole, at window P = 4), the backward's fell 12%."""
+  forward does not split: its masked steps cost the same either way by v5p estimate,
+  the backward's fewer (docs/performance.md §14)."""
   masked = functools.partial(_masked_blocks, step, call, attend, offset, transposed)
   if not split:
     masked = lambda: attend([(_ALL, _ALL)], True)

@@ -22,7 +22,8 @@ What the custom VJP keeps for the backward: the source q, k, v (the caller's), t
 mixing tensors, the pseudo output o (P times the MHA output, bfloat16 at bf16 inputs)
 and the float32 log-sum-exp. Pseudo q/k/v are remade by the einsums in the backward (as
 cheap as in the forward) rather than saved; o is saved rather than recomputed by a second
-forward pass (its one full attention pass cost more than its memory: docs/performance.md).
+forward pass (its one full attention pass cost more than its memory: docs/performance.md
+§14).
 o and lse carry the remat name `ATTENTION_RESIDUALS` while o is small, which the
 `save_attention` policy keeps across layers (no forward rerun in the backward). Past
 `CHUNK_BYTES` of o per device, forward and backward run over chunks of the batch, one
@@ -67,13 +68,13 @@ SAVED_RESIDUAL_BYTES = 2**29
 # A call whose pseudo output o exceeds this (per device) runs its pipeline over chunks of
 # the batch, one after another, inside the custom VJP (`_by_chunks`): pseudo q/k/v, o,
 # do and their gradients are P times the layer's own activations, and at the paper's
-# P = 20 (1.6 GiB each per v5p chip in the 2.4B step) they set the step's peak memory:
-# v5p-128 39.8 -> 33.9 GiB in two chunks, for est. +8% on those window layers'
-# forward+backward (slices of do; docs/performance.md §14); h100x8 63.6 -> 37.7 GiB.
-# P = 4 (0.3 GiB) runs whole.
+# P = 20 (1.6 GiB each per v5p chip in the 2.4B step) they set the step's peak memory,
+# which chunks lower on v5p-128 and h100x8 for a small estimated cost in those window
+# layers' forward+backward (slices of do; docs/performance.md §14). P = 4 (0.3 GiB) runs
+# whole.
 CHUNK_BYTES = 2**30
 # The chunks are unrolled (`_by_chunks`), so a step's compile grows with their count: a
-# batch of 2^22 rows on one H100 in one chunk per 1 GiB took 520 s to refuse.
+# batch of 2^22 rows on one H100 in one chunk per 1 GiB took minutes to refuse.
 MAX_CHUNKS = 8
 
 
@@ -223,7 +224,8 @@ def _by_chunks(fn, chunks: int, *batched):
   inputs wait on the previous chunk's outputs (an optimization barrier), so one chunk's
   P-sized temporaries are live at a time; `joined` outputs are concatenated along the
   batch, `summed` ones (the mixing tensors' gradients) added up. Unrolled: a `lax.map`
-  loop took the P = 20 step from 39.8 to 43.9 GiB (its body's buffers were not shared)."""
+  loop raised the P = 20 step's peak memory (its body's buffers were not shared;
+  docs/performance.md §14)."""
   if chunks == 1:
     return fn(*batched)
   size = jax.tree.leaves(batched)[0].shape[0] // chunks
@@ -258,8 +260,8 @@ def _virtual_cos_sin(positions: jax.Array, num_pseudo: int, d: int, theta: float
   `pos * P + p`, by angle addition: `cos(a + b) = cos a cos b - sin a sin b` with
   `a = pos * P * f` per token and `b = p * f` per pseudo-head. The sines and cosines (a
   polynomial each on TPU's vector units, which bound the table's cost) are taken at N
-  tokens, not N * P rows: at P = 4 a window layer's table went from 0.070 to 0.019 ms
-  (v5p estimate). Both angles are rounded once, as `(pos * P + p) * f` is."""
+  tokens, not N * P rows, several times cheaper by v5p estimate (docs/performance.md
+  §14). Both angles are rounded once, as `(pos * P + p) * f` is."""
   frequencies = rope_frequencies(d, theta)
   token = (positions * num_pseudo).astype(jnp.float32)[..., None] * frequencies  # [B, N, d/2]
   pseudo = jnp.arange(num_pseudo, dtype=jnp.float32)[:, None] * frequencies  # [P, d/2]
@@ -340,7 +342,7 @@ def attend_virtual(
   else:
     # float32 tiles, or rows over 128 lanes (differential attention's dv = 2d), take twice
     # the VMEM: those global layers fall back to the window's tiles (1024-row dK/dV tiles
-    # at dv = 256 needed 20.4 of v5p's 16 MiB).
+    # at dv = 256 exceed v5p's 16 MiB of scoped VMEM).
     wide = (
       options.window is None
       and jnp.dtype(q.dtype).itemsize <= 2

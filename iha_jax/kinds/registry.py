@@ -192,9 +192,9 @@ def auto_backend(backend: str) -> Iterator[None]:
 
 
 # "auto" materialises IHA's pseudo q/k/v (P times q, k and v) only below this many bytes
-# per device for one call: a model saves them per layer for its backward pass, and the
-# paper's 2.4B step at P = 20 would need 508 GiB per H100 that way (the fused kernels
-# need 43). The ~350M benchmark model (configs/iha_350m.py) uses 0.75 GiB.
+# per device for one call: a model saves them per layer for its backward pass, so the
+# paper's 2.4B step at P = 20 would not fit an H100 that way, while the ~350M benchmark
+# model (configs/iha_350m.py) stays under the limit (docs/performance.md §12, §14).
 MATERIALISE_LIMIT_BYTES = 2**30
 
 
@@ -243,11 +243,10 @@ def resolve(
     on-chip window path: windows it can tile, `tpu_window.unsupported`), else the Pallas
     kernels;
   - elsewhere, or where a kind has none of these: "xla".
-  On an H200 (docs/performance.md §12) "pallas_gpu_mha" and "pallas_gpu" ran within 4%
-  of each other in the window layer and in the packed 350M step (562 vs 579 ms), and
-  "pallas_gpu" 16% faster in a global layer (20.3 vs 24.3 ms forward); over the limit
-  "pallas_gpu" serves: it saves one P-sized array for the backward (the pseudo output),
-  not four.
+  On an H200 "pallas_gpu_mha" and "pallas_gpu" ran within noise of each other in the
+  window layer and in the packed 350M step, and "pallas_gpu" faster in a global layer
+  (docs/performance.md §12); over the limit "pallas_gpu" serves: it saves one P-sized
+  array for the backward (the pseudo output), not four.
 
   Any other name is returned as is after checking that `kind` has it.
   """

@@ -53,8 +53,8 @@ def remat_policy(name: str) -> Callable | None:
   if name == "save_attention":
     # Also the kernels' o and lse where they are small enough to be named
     # (`virtual_attention.ATTENTION_RESIDUALS`: o up to 0.5 GiB per call): no forward
-    # kernel reruns. More memory: the 2.4B step at P = 4 on v5p-128 37.5 GiB per chip
-    # instead of 21.7, for an estimated 5% less time (docs/performance.md §14).
+    # kernel reruns: more memory for somewhat less estimated time (the 2.4B step at
+    # P = 4 on v5p-128: docs/performance.md §14).
     return jax.checkpoint_policies.save_only_these_names(*projections, ATTENTION_RESIDUALS)
   raise ValueError(f"unknown remat policy {name!r}")
 

@@ -31,8 +31,8 @@ KERNEL_PREFIX = "iha_"  # the project's kernels are named iha_flash_forward, iha
 # dump's tag "ptx" (it is matched against tags such as "ptx", "llvm", "triton-fusion",
 # never kernel names); unset, jax 0.10.2's wrote PTX and LLVM IR always, jax 0.12's
 # neither (no registers, spills or tensor cores). ".*" also writes LLVM IR and every
-# emitter's MLIR pass logs (a small compile: 130 s against 15 s on this loaded 2-core
-# machine). XLA:TPU ignores it.
+# emitter's MLIR pass logs (several times slower for a small compile;
+# docs/compile_checks.md). XLA:TPU ignores it.
 DUMP_OPTIONS = {"xla_dump_emitter_re": "ptx"}
 
 
