@@ -27,13 +27,13 @@ TEXT_WORKDIR ?= workdirs/text_iha
 TEXT_TWIN_WORKDIR ?= workdirs/text_global_local
 TEXT_DATA ?= workdirs/data
 TEXT_TOKENIZER := $(TEXT_DATA)/tokenizers/python_stdlib-chunks-bpe2048.json
-TEST_MINUTES ?= 20-30
+TEST_MINUTES ?= 10
 # The targets' compilers (libtpu; the CUDA plugin + ptxas), outside the CPU venv so that
 # CPU runs never load them: compile checks put one directory on sys.path when asked.
 TARGETS_DIR ?= .targets
 
-.PHONY: test test-newest test-boundaries lint format train train-text bench targets \
-  compile-matrix clean-venv gpu-wheels
+.PHONY: test test-rest test-all test-durations mutants test-newest test-boundaries lint format \
+  train train-text bench targets compile-matrix clean-venv gpu-wheels
 
 $(VENV)/.installed: $(REQUIREMENTS) pyproject.toml
 	@test -n "$(PYTHON)" || { echo "SET=$(SET) needs Python 3.12 (jax 0.11+ requires it):" \
@@ -54,19 +54,38 @@ $(TARGETS_DIR)/.installed: $(TARGET_REQUIREMENTS) $(VENV)/.installed
 # Compile-only TPU and H100 targets (`train.py --compile_only`, benchmarks/compile_matrix.py).
 targets: $(TARGETS_DIR)/.installed
 
-# The whole suite on CPU (Pallas kernels in interpret mode, plus a few compiles for TPU and
-# H100 by their own compilers), one worker per core; the 15 slowest tests are listed at the
-# end (what to trim when the suite grows).
+# The suite on CPU (Pallas kernels in interpret mode, plus a TPU and an H100 compile by
+# their own compilers), one worker per core, longest modules first (tests/conftest.py); the
+# 15 slowest tests are listed at the end. `make test` runs every implementation against the
+# reference per kind and mask class, the layers, training with checkpoints, decoding,
+# sharding and the docs' examples, and kills every mutant of `make mutants`; the tests marked
+# `full` (the rest of the matrices, the studies at tiny scale, every compile) run in
+# `make test-rest`, and both in `make test-all` (CI runs test, test-rest and test-newest).
+PYTEST := IHA_TARGETS_DIR=$(abspath $(TARGETS_DIR)) IHA_REQUIRE_TARGETS=1 $(PY) -m pytest \
+  -n auto -q --maxschedchunk 2
 test: $(VENV)/.installed $(TARGETS_DIR)/.installed
 	@echo "make test: about $(TEST_MINUTES) min on a 2-core CPU (measured); progress in % below"
-	IHA_TARGETS_DIR=$(abspath $(TARGETS_DIR)) IHA_REQUIRE_TARGETS=1 $(PY) -m pytest -n auto -q \
-	  --durations=15
+	$(PYTEST) -m "not full" --durations=15
+
+test-rest: $(VENV)/.installed $(TARGETS_DIR)/.installed
+	$(PYTEST) -m full --durations=15
+
+test-all: $(VENV)/.installed $(TARGETS_DIR)/.installed
+	$(PYTEST) --durations=15
+
+# Rewrites tests/durations.json (the order tests run in) from a whole run.
+test-durations: $(VENV)/.installed $(TARGETS_DIR)/.installed
+	IHA_RECORD_DURATIONS=1 $(PYTEST) -p no:cacheprovider
+
+# Applies each planted bug of tests/mutants.py to a scratch copy and runs `make test` on it
+# until its first failure; fails if a mutant survives (docs/testing.md has the table).
+mutants: $(VENV)/.installed $(TARGETS_DIR)/.installed
+	$(PY) tests/mutants.py
 
 # The newest set (SET=newest) through every package boundary, as CI runs it: kernels
 # interpreted and lowered, nn, models, train step, checkpoint restore, decoding, context
-# parallelism, and the TPU and H100 compile checks: 208 tests, about 18 min of CPU time (10
-# min on an idle 2-core machine, plus 2 min of installs from pip's cache). `make test
-# SET=newest` runs the whole suite on it.
+# parallelism, and the TPU and H100 compile checks (227 tests, about 10 min on a 2-core
+# machine, plus installs from pip's cache). `make test-all SET=newest` runs the whole suite.
 BOUNDARY_TESTS ?= tests/test_dependencies.py tests/test_kernels.py tests/test_kernels_export.py \
   tests/test_nn.py tests/test_models.py tests/test_train_step.py tests/test_decode.py \
   tests/test_context.py tests/test_compile_targets.py \
@@ -78,8 +97,7 @@ test-newest:
 test-boundaries: $(VENV)/.installed $(TARGETS_DIR)/.installed
 	$(PY) --version
 	$(PY) -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)'
-	IHA_TARGETS_DIR=$(abspath $(TARGETS_DIR)) IHA_REQUIRE_TARGETS=1 $(PY) -m pytest -n auto -q \
-	  $(BOUNDARY_TESTS)
+	$(PYTEST) $(BOUNDARY_TESTS)
 
 # Style (pyproject.toml): ruff's lint rules, and ruff format's 2-space, 100-column layout;
 # the import layers of docs/design.md §8 (import-linter's contract in pyproject.toml).

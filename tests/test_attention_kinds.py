@@ -55,29 +55,34 @@ def _make(name: str, seed: int) -> tuple[jax.Array, ...]:
   return KINDS[name][0].make(jax.random.key(seed), B, N)
 
 
+def _case(kind: str, mask: str, dtype=jnp.float32, *, full: bool = False):
+  marks = (pytest.mark.full,) if full else ()
+  return pytest.param(kind, mask, dtype, id=f"{kind}-{mask}-{jnp.dtype(dtype).name}", marks=marks)
+
+
 BASIC_MASKS = ("causal", "causal_window_packed", "bidirectional", "bidirectional_window_packed")
+# `make test`: every mask for IHA, a causal window for the other kinds (their bidirectional
+# class in bfloat16 below); every pair in test-all.
 CASES = [
-  (k, m, jnp.float32)
+  _case(k, m, full=k != "iha" and m != "causal_window_packed")
   for k in ("iha", "mha", "talking_heads", "diff", "simplicial")
   for m in BASIC_MASKS
 ]
 CASES += [
-  ("iha", "window_longer_than_sequence", jnp.float32),
-  ("iha_p3_h4_per_head", "random_positions", jnp.float32),
-  ("iha_p3_h4_per_head", "causal_window_packed", jnp.float32),
-  ("iha_p1_h1", "causal_window_packed", jnp.float32),
-  ("iha_p1_h1", "bidirectional", jnp.float32),
+  _case("iha", "window_longer_than_sequence"),
+  _case("iha_p3_h4_per_head", "random_positions"),
+  _case("iha_p3_h4_per_head", "causal_window_packed"),
+  _case("iha_p1_h1", "causal_window_packed"),
+  _case("iha_p1_h1", "bidirectional", full=True),
 ]
 CASES += [
-  (k, "bidirectional_window_packed", jnp.bfloat16)
+  _case(k, "bidirectional_window_packed", jnp.bfloat16)
   for k in ("iha", "iha_p3_h4_per_head", "mha", "talking_heads", "diff", "simplicial")
 ]
-CASES += [("iha", "causal_window_packed", jnp.bfloat16)]
+CASES += [_case("iha", "causal_window_packed", jnp.bfloat16)]
 
 
-@pytest.mark.parametrize(
-  "name, mask, dtype", CASES, ids=[f"{k}-{m}-{jnp.dtype(t).name}" for k, m, t in CASES]
-)
+@pytest.mark.parametrize("name, mask, dtype", CASES)
 def test_xla_matches_reference(name, mask, dtype):
   kind, blocks = KINDS[name]
   seed = list(KINDS).index(name) * 10 + list(MASKS).index(mask)
@@ -86,7 +91,11 @@ def test_xla_matches_reference(name, mask, dtype):
 
 @pytest.mark.parametrize(
   "blocks, window",
-  [(ops.BlockSizes(8, 4), None), (ops.BlockSizes(4, 16), 4), (None, 4)],
+  [
+    pytest.param(ops.BlockSizes(8, 4), None, marks=pytest.mark.full),
+    pytest.param(ops.BlockSizes(4, 16), 4, marks=pytest.mark.full),
+    (None, 4),
+  ],
   ids=["bq8_bk4", "bq4_bk16", "default"],
 )
 def test_xla_block_shapes_agree(blocks, window):
@@ -277,13 +286,53 @@ def test_xla_attention_dropout_is_dense_attention_with_the_tile_masks():
     out = jnp.einsum("bgqk,bgkd->bgqd", dropped, v, precision="highest")
     return jnp.swapaxes(out.reshape(b, g, t, r, d), 2, 3).reshape(b, h, t, d)
 
-  assert_close(core(q, k, v), dense(q, k, v), jnp.float32, "dropout forward")
+  assert_close(jax.jit(core)(q, k, v), jax.jit(dense)(q, k, v), jnp.float32, "dropout forward")
   loss = lambda f: lambda *a: jnp.sum(f(*a) * ct)
-  got = jax.grad(loss(core), argnums=(0, 1, 2))(q, k, v)
-  want = jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)
+  got = jax.jit(jax.grad(loss(core), argnums=(0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2)))(q, k, v)
   for name, a, e in zip("qkv", got, want):
     assert_close(a, e, jnp.float32, f"dropout d{name}")
   plain = grouped_attention_heads_major(q, k, v, **blocks)
   np.testing.assert_array_equal(
     plain, grouped_attention_heads_major(q, k, v, **blocks, dropout_rng=key)
   )
+
+
+# --- the XLA band's edge ------------------------------------------------------------------
+def _dense_window_attention(q, k, v, window: int, causal: bool) -> np.ndarray:
+  """Softmax attention of `[B, N, H, d]` arrays under the window rule, from scratch in
+  float64: key s is visible to query t when `0 <= t - s < window` (causal) or
+  `|t - s| < window`."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  delta = np.arange(q.shape[1])[:, None] - np.arange(k.shape[1])[None, :]
+  seen = (delta >= 0) & (delta < window) if causal else np.abs(delta) < window
+  scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+  scores = np.where(seen, scores, -np.inf)
+  weights = np.exp(scores - scores.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  return np.einsum("bhts,bshd->bthd", weights, v)
+
+
+@pytest.mark.parametrize(
+  "causal, windows", [(True, range(1, 8)), (False, range(2, 6))], ids=["causal", "bidirectional"]
+)
+def test_xla_band_reaches_the_window_edge_at_every_width(causal, windows):
+  """The XLA core's key band (`xla_attention._block_ranges`) includes the tile holding
+  the window's first key for every width: with 4-query and 3-key tiles the window's edge
+  falls on a key tile's last key for most widths (tests/mutants.py:
+  `xla_band_edge`)."""
+  n = 13
+  q, k, v = (jax.random.normal(key, (2, n, 2, 8)) for key in jax.random.split(jax.random.key(4), 3))
+  for window in windows:
+    got = ops.mha_attention(
+      q,
+      k,
+      v,
+      window=window,
+      causal=causal,
+      rope_theta=None,
+      implementation="xla",
+      block_sizes=ops.BlockSizes(4, 3),
+    )
+    want = _dense_window_attention(q, k, v, window, causal)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"window={window}")

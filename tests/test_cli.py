@@ -25,6 +25,7 @@ def run(*args: str, **env: str) -> subprocess.CompletedProcess:
   )
 
 
+@pytest.mark.full
 def test_train_help_lists_the_config_keys_and_exits_0():
   proc = run("train.py", "--help")
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -32,6 +33,7 @@ def test_train_help_lists_the_config_keys_and_exits_0():
   assert "--config.data.tokenizer" in proc.stdout and "--[no]debug" in proc.stdout
 
 
+@pytest.mark.full
 def test_eval_help_exits_0_and_points_to_the_keys():
   proc = run("eval.py", "--help")
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -69,6 +71,7 @@ def test_eval_without_checkpoints_is_one_line(tmp_path):
   assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.full
 def test_missing_config_file_is_one_line(tmp_path):
   proc = run("train.py", "--config=configs/nope.py", f"--workdir={tmp_path}")
   assert proc.returncode == 2

@@ -130,6 +130,7 @@ def test_bits_per_byte_counts_the_bytes_of_the_scored_tokens(tmp_path):
   assert short.tokens == short.bytes == sum(min(len(t.encode()) + 1, 16) for t in texts)
 
 
+@pytest.mark.full
 def test_code_lm_tiny_learns_beyond_byte_pair_frequencies(tmp_path):
   out, data_dir = str(tmp_path / "out"), str(tmp_path / "data")
   args = ["code_lm", "--scale", "tiny", "--seeds", "2", "--out", out, "--data_dir", data_dir]
@@ -217,6 +218,7 @@ def test_text_demo_configs_are_the_study_model():
   assert twin.model.model_dim == iha.model.model_dim and twin.data.name == iha.data.name
 
 
+@pytest.mark.full
 def test_eval_complete_reports_bits_per_byte_and_continues_the_prompt(tmp_path):
   from iha_jax.eval import complete  # pylint: disable=import-outside-toplevel
   from iha_jax.train import train  # pylint: disable=import-outside-toplevel

@@ -54,6 +54,7 @@ def _smoke(platform: str) -> dict[str, dict]:
   return {row["case"]: row for row in rows}
 
 
+@pytest.mark.full
 @_needs("tpu")
 def test_tpu_kernels_compile_within_scoped_vmem():
   rows = _smoke("tpu")
@@ -154,6 +155,7 @@ def test_train_step_compiles_for_target(target, platform, mesh):
   assert "per-device memory" in out and "iha_flash_dkv" in out
 
 
+@pytest.mark.full
 @_needs("cuda")
 def test_compile_only_refuses_a_step_that_does_not_fit():
   # 2^22 rows of 48 tokens on one H100: the float32 logits alone exceed its 79 GiB.

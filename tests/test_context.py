@@ -94,9 +94,13 @@ def baselines():
 @pytest.mark.parametrize(
   "model, sizes, layout, causal",
   [
-    (MODEL, dict(data=1, fsdp=1, context=8, tensor=1), "contiguous", True),
+    pytest.param(
+      MODEL, dict(data=1, fsdp=1, context=8, tensor=1), "contiguous", True, marks=pytest.mark.full
+    ),
     (MODEL, dict(data=2, fsdp=1, context=2, tensor=2), "balanced", False),
-    (WINDOWS, dict(data=1, fsdp=1, context=4, tensor=1), "balanced", True),
+    pytest.param(
+      WINDOWS, dict(data=1, fsdp=1, context=4, tensor=1), "balanced", True, marks=pytest.mark.full
+    ),
   ],
   ids=[
     "every-kind-context8-causal",
@@ -152,6 +156,7 @@ def test_halo_and_traffic_arithmetic():
   )
 
 
+@pytest.mark.full
 def test_decoding_on_a_context_mesh():
   """Generation under a context-parallel mesh (the prompt's forward split over 2 shards,
   the one-token steps not) gives the tokens of one device."""
@@ -202,6 +207,7 @@ def test_a_batch_the_data_axes_cannot_split():
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.full
 def test_grouped_query_iha_on_a_context_and_tensor_mesh():
   """IHA with G = 2 key/value heads for H = 4 query heads, a window crossing shards and
   packed segments: output and the q/k/v gradients at context 4 x tensor 2 equal one
@@ -242,8 +248,12 @@ KERNELS = MODEL.__class__(**{**MODEL.__dict__, "attention_schedule": "LIM", "num
 @pytest.mark.parametrize(
   "platform, sizes, layout",
   [
-    ("tpu", dict(data=1, fsdp=1, context=2, tensor=1), "contiguous"),
-    ("gpu", dict(data=2, fsdp=1, context=2, tensor=2), "balanced"),
+    pytest.param(
+      "tpu", dict(data=1, fsdp=1, context=2, tensor=1), "contiguous", marks=pytest.mark.full
+    ),
+    pytest.param(
+      "gpu", dict(data=2, fsdp=1, context=2, tensor=2), "balanced", marks=pytest.mark.full
+    ),
   ],
   ids=["pallas_tpu-context2", "pallas_gpu-data2-context2-tensor2-balanced"],
 )

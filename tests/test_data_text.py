@@ -265,6 +265,7 @@ def test_tiktoken_bpe_file_has_llama3_special_ids(tmp_path):
   assert tok.decode(np.concatenate([[tok.bos_id], ids, [tok.eos_id]])) == text
 
 
+@pytest.mark.full
 def test_training_on_a_local_bpe_tokenizer(corpus, tmp_path):
   """The model's vocabulary is read from the tokenizer file (model.vocab_size = -1)."""
   from configs import tiny  # pylint: disable=import-outside-toplevel

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from flax import nnx
 
 from iha_jax.models import TransformerConfig, TransformerLM
+from iha_jax.models import generate as generate_module
 from iha_jax.models.generate import decode_step, generate, prefill
 from iha_jax.models.kv_cache import window_tokens
 from iha_jax.nn import AttentionConfig
@@ -61,24 +63,27 @@ def _teacher_forced(
   return jnp.concatenate(steps, axis=1)
 
 
+# `make test`: L alone and the mixed schedules; the other single letters in test-all.
+FULL = pytest.mark.full
 CASES = [
-  ("I", {}),
-  ("L", {}),
-  ("M", {}),
-  ("S", {}),
-  ("LMSI", dict(implementation="xla")),
+  pytest.param("I", {}, id="I", marks=FULL),
+  pytest.param("L", {}, id="L"),
+  pytest.param("M", {}, id="M", marks=FULL),
+  pytest.param("S", {}, id="S", marks=FULL),
+  pytest.param("LMSI", dict(implementation="xla"), id="LMSI"),
   # P=3 with H=2, per-head collapse, no RoPE, untied head, a window of 4 virtual tokens.
-  (
+  pytest.param(
     "LI",
     dict(
       num_pseudo=3, collapse_mode="per_head", rope_theta=None, tie_embeddings=False, iha_window=4
     ),
+    id="LI",
   ),
 ]
 
 
 @pytest.mark.parametrize("cache_mode", ["source", "pseudo"])
-@pytest.mark.parametrize("schedule,kw", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("schedule,kw", CASES)
 def test_cached_logits_equal_full_forward(schedule, kw, cache_mode):
   model = _model(schedule, **kw)
   tokens = _tokens(1)
@@ -88,6 +93,7 @@ def test_cached_logits_equal_full_forward(schedule, kw, cache_mode):
   )
 
 
+@pytest.mark.full
 def test_prefill_longer_than_window_then_decode():
   # The prompt alone overflows every ring buffer (3 tokens), and the last steps wrap again.
   model = _model("LLSM")
@@ -133,7 +139,7 @@ def test_window_tokens(window, kind, num_pseudo, expected):
   assert window_tokens(cfg, 40) == expected
 
 
-@pytest.mark.parametrize("cache_mode", ["source", "pseudo"])
+@pytest.mark.parametrize("cache_mode", ["source", pytest.param("pseudo", marks=FULL)])
 def test_greedy_generation_is_argmax_of_full_forward(cache_mode):
   model = _model("LMSI")
   prompt = _tokens(4, 3)
@@ -144,6 +150,7 @@ def test_greedy_generation_is_argmax_of_full_forward(cache_mode):
   np.testing.assert_array_equal(np.asarray(out[:, 3:]), np.asarray(expected))
 
 
+@pytest.mark.full
 def test_sampling_is_deterministic_per_key_and_respects_top_k():
   model = _model("LM")
   prompt = _tokens(5, 3)
@@ -261,3 +268,17 @@ def test_a_cache_never_wraps_silently():
   wcache = window_layer.init_cache(B, 4)
   wy, wcache = window_layer(x, cache=wcache)
   assert bool(jnp.all(jnp.isfinite(wy)))
+
+
+def test_decode_steps_trace_once(monkeypatch):
+  """Every decode step after the first reuses the first one's program: the cache it returns
+  matches the one it took (lengths traced, not Python ints)."""
+  model = _model("LM")
+  counted = chex.assert_max_traces(generate_module._decode_step, n=1)
+  monkeypatch.setattr(generate_module, "_decode_step", counted)
+  generate_module._decode_step_jit.clear_cache()
+  tokens = _tokens(5)
+  _, cache = prefill(model, tokens[:, :3], max_len=N)
+  for n in range(3, 8):
+    _, cache = decode_step(model, tokens[:, n], cache)
+  assert int(cache.length) == 8

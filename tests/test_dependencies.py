@@ -121,6 +121,7 @@ LAYER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_the_wheel_without_extras_trains_and_decodes_a_layer(tmp_path):
   """Build the wheel, install it with no extras into a fresh venv (its dependencies from

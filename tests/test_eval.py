@@ -153,6 +153,7 @@ def test_module_holds_the_parameters(scan_layers, remat):
   )
 
 
+@pytest.mark.full
 def test_length_sweep_writes_json_and_plot(runs, tmp_path):
   """The retrieval sweep at longer contexts, run with every sequence split over 4 devices
   (the long-context mesh); at the training length it gives the plain evaluation's numbers."""
@@ -202,6 +203,7 @@ def test_attention_pictures(runs, tmp_path):
   decode_png(path)
 
 
+@pytest.mark.full
 def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
   """The real CLI, once: pictures of an IHA layer and of an MHA layer, asked for with the
   deprecated 0-based flag, which converts (layer 1 from 0 is layer number 2) and warns."""

@@ -91,6 +91,7 @@ def _check_outputs(
   return data
 
 
+@pytest.mark.full
 def test_relcomp_binary_tiny_learns_with_both_models(tmp_path, data_dir):
   """IHA as the one-layer encoder and MHA in the decoder-only rendering (the study's two
   renderings)."""
@@ -103,6 +104,7 @@ def test_relcomp_binary_tiny_learns_with_both_models(tmp_path, data_dir):
 MQAR_VARIANTS = ["iha"]  # (the other studies run two variants side by side)
 
 
+@pytest.mark.full
 def test_mqar_tiny_with_sweep_and_resume(tmp_path, data_dir, monkeypatch):
   out = str(tmp_path)
   args = _tiny_args("mqar", out, data_dir, MQAR_VARIANTS)
@@ -123,6 +125,7 @@ def test_mqar_tiny_with_sweep_and_resume(tmp_path, data_dir, monkeypatch):
   run.main(args)
 
 
+@pytest.mark.full
 def test_relcomp_ternary_tiny_subset(tmp_path, data_dir):
   out = str(tmp_path)
   run.main(_tiny_args("relcomp_ternary", out, data_dir, ["iha"]))
@@ -131,6 +134,7 @@ def test_relcomp_ternary_tiny_subset(tmp_path, data_dir):
     run.main(["relcomp_ternary", "--scale", "tiny", "--out", out, "--variants", "gpt"])
 
 
+@pytest.mark.full
 def test_cpm3_tiny_sweeps_the_heads(tmp_path, data_dir):
   out = str(tmp_path)
   # Attention-only blocks; the control is IHA's (MHA shares its code path, see the study).
@@ -164,6 +168,7 @@ def test_cpm3_tiny_sweeps_the_heads(tmp_path, data_dir):
   assert mlp.base("tiny").model.mlp_type == "swiglu" and plain.base("tiny").model.mlp_type == "none"
 
 
+@pytest.mark.full
 def test_multikey_tiny_tests_at_longer_contexts(tmp_path, data_dir):
   out = str(tmp_path)
   variants = ["mha", "diff"]  # the reference and one other (every kind shares the path)
@@ -197,6 +202,7 @@ def test_multikey_tiny_tests_at_longer_contexts(tmp_path, data_dir):
   assert f"| differential (D) | {expected[0]} | {expected[1]} |" in relative
 
 
+@pytest.mark.full
 def test_polynomial_filter_tiny_regresses_the_powers(tmp_path, data_dir):
   out = str(tmp_path)
   variants = ["iha_k2"]  # the control: [X, AX] on 6 nodes (MHA's twin shares the path)

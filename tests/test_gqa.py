@@ -230,6 +230,7 @@ def test_kinds_without_a_grouped_form_refuse_it(kind):
     ops.talking_heads_attention(q, k, k, jnp.eye(4), jnp.eye(4))
 
 
+@pytest.mark.full
 def test_sharded_kernel_splits_key_value_heads_over_the_tensor_axis():
   """MHA's kernel under shard_map on a data x fsdp x tensor mesh: q's H = 4 heads and the
   G = 2 key/value heads split over 'tensor' (one group per shard); G = 1 is kept whole on
@@ -270,6 +271,7 @@ def test_num_kv_heads_equal_to_num_heads_changes_nothing(cls):
   assert reference.repeat_kv_heads(k, 4) is k
 
 
+@pytest.mark.full
 def test_differential_attention_reads_each_groups_keys_in_both_maps():
   """Grouped differential attention = the ungrouped one with k, v repeated per group."""
   h, g, d = 4, 2, 8
@@ -331,6 +333,7 @@ def test_layer_parameters_and_nnx_equals_linen():
   )
 
 
+@pytest.mark.full
 def test_decoding_from_key_value_head_caches_equals_the_full_forward():
   model = TransformerLM(_model_config(num_kv_heads=2), rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(4), (B, 10), 0, MODEL["vocab_size"])
@@ -391,6 +394,7 @@ def _train(mesh_sizes: dict, steps: int = 3) -> list[float]:
   return losses
 
 
+@pytest.mark.full
 def test_training_steps_with_grouped_heads_on_a_sharded_mesh():
   """The trainer's step with num_kv_heads: the loss falls, and an fsdp x context x tensor
   mesh (the G = 2 key/value heads split over a tensor axis of 2, the sequence over a
@@ -402,8 +406,17 @@ def test_training_steps_with_grouped_heads_on_a_sharded_mesh():
 
 
 # --- key/value heads on any tensor split (8 fake CPU devices). -----------------------------
-@pytest.mark.parametrize("tp", [1, 2, 4, 8])
-@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+@pytest.mark.parametrize(
+  "kv_heads, tp",
+  [
+    # `make test`: G = 2 under tp = 4 (kept whole) and G = 1 under tp = 8.
+    pytest.param(
+      g, tp, id=f"{g}-{tp}", marks=() if (g, tp) in {(2, 4), (1, 8)} else pytest.mark.full
+    )
+    for g in (1, 2, 8)
+    for tp in (1, 2, 4, 8)
+  ],
+)
 def test_grouped_heads_under_any_tensor_split(kv_heads, tp):
   """H = 8 query heads split over a tensor axis of 1-8 devices, G key/value heads with
   their own logical axis: split where the axis divides G, kept whole on every device

@@ -37,8 +37,38 @@ from tests.utils import assert_close, random_iha_inputs
 CAUSAL, BIDIRECTIONAL = dict(causal=True, packed=True), dict(causal=False, packed=True)
 
 
+# `make test` runs one case per implementation and mask class (and those that kill a mutant
+# of tests/mutants.py); the cases in FULL_CASES run in `make test-all`.
+FULL_CASES = {
+  "gpu-p1-w13-g2",
+  "gpu-p2-wNone-g2",
+  "gpu-bidirectional-wNone",
+  "gpu-bf16-p2-w13-g2",
+  "gpu-bf16-p4-wNone-g1",
+  "gpu-p20-h20",
+  "tpu-p5-h3",
+  "tpu-multi-tile-causal-g1",
+  "tpu-dq-ring-g1",
+  "tpu-halves-ring-g1",
+  "tpu-bf16-p2",
+  "tpu-window-p4-g1",
+  "tpu-window-per-head-no-rope",
+  "tpu-window-bf16-g1",
+  "tpu-window-halo-g1",
+  "tpu-window-bidirectional-p5",
+  "mha-tpu-bidirectional-g2",
+  "tpu-mha-global-traced-g2",
+  "gpu-bidirectional-halo-g1",
+  "tpu-halves-global",
+}
+
+
+def _full(name: str) -> tuple:
+  return (pytest.mark.full,) if name in FULL_CASES else ()
+
+
 def _case(name, kind, implementation, n, mask, *, b=2, dtype=jnp.float32, blocks=None):
-  return pytest.param(kind, implementation, b, n, mask, dtype, blocks, id=name)
+  return pytest.param(kind, implementation, b, n, mask, dtype, blocks, id=name, marks=_full(name))
 
 
 GPU, TPU, WINDOW = "pallas_gpu", "pallas_tpu", "pallas_tpu_window"
@@ -217,7 +247,9 @@ def test_kernels_match_reference(kind, implementation, b, n, mask, dtype, blocks
 # ids and positions, query offset q0 - k0. Tiles of 8 tokens: the offset shifts the band
 # off the tile grid.
 def _shard(name, kind_name, kind, implementation, *, queries, keys, mask, blocks, traced=False):
-  return pytest.param(kind_name, kind, implementation, queries, keys, mask, blocks, traced, id=name)
+  return pytest.param(
+    kind_name, kind, implementation, queries, keys, mask, blocks, traced, id=name, marks=_full(name)
+  )
 
 
 SLICED_CASES = [
@@ -270,6 +302,9 @@ SLICED_CASES = [
 ]
 
 
+assert FULL_CASES <= {c.id for c in KERNEL_CASES + SLICED_CASES}, "FULL_CASES names a lost case"
+
+
 @pytest.mark.parametrize(
   "kind_name, kind, implementation, queries, keys, mask, blocks, traced", SLICED_CASES
 )
@@ -280,6 +315,7 @@ def test_kernels_match_reference_on_sequence_shards(
   cf.check_sliced(kind_name, kind, implementation, b=2, n=40, **shard)
 
 
+@pytest.mark.full
 def test_pipeline_in_batch_chunks_matches_reference(monkeypatch):
   """Past `CHUNK_BYTES` of pseudo output a call runs one sequence at a time (what bounds
   the P = 20 step's memory): the same output and gradients, the mixing tensors' summed
@@ -409,7 +445,7 @@ def test_residual_check_flags_materialised_path(capsys):
 # --- shard_map over 8 fake CPU devices. ------------------------------------------------------
 @pytest.mark.parametrize(
   "per_head, axis_type, causal, kv_heads",
-  [(False, "explicit", True, 2), (True, "auto", False, None)],
+  [pytest.param(False, "explicit", True, 2, marks=pytest.mark.full), (True, "auto", False, None)],
 )
 def test_sharded_kernels_match_reference(per_head, axis_type, causal, kv_heads):
   """Batch over 'data', heads over 'tensor' (grouped-query: G = 2 key/value heads for

@@ -105,6 +105,7 @@ def test_toy_kind_builds_in_nnx_and_linen_alike(toy):
   np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.full
 def test_toy_kind_trains_through_the_trainer(toy):
   config = TransformerConfig(**CONFIG)
   model_nnx = TransformerLM(config, rngs=nnx.Rngs(0))

@@ -106,6 +106,7 @@ def test_chunked_cross_entropy_equals_plain(tied, chunk):
   _assert_trees_close(got_grads, want_grads)
 
 
+@pytest.mark.full
 def test_chunked_loss_on_a_mesh_equals_plain():
   """The model's loss terms and every parameter's gradient under a 2 x 2 x 2 (fsdp,
   context, tensor) mesh with scan-over-layers and full remat, chunks of 5 of each
@@ -155,6 +156,7 @@ def _largest_f32(hlo: str) -> int:
   )
 
 
+@pytest.mark.full
 def test_compiled_train_step_holds_no_whole_logits():
   """The train step compiled with chunks of 16 of 64 positions holds no float32 array
   as large as the `[B, N, V]` logits, and needs at least one logits' bytes fewer
@@ -181,3 +183,23 @@ def test_compiled_train_step_holds_no_whole_logits():
   assert _largest_f32(compiled[16].as_text()) <= logits // 4
   temp = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
   assert temp[None] - temp[16] >= 4 * logits, temp
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 4], ids=["whole", "chunked"])
+def test_padding_positions_add_nothing_to_the_loss(chunk_tokens):
+  """`loss_terms` is the cross entropy of the model's logits weighted by `weights`: targets
+  at weight 0 (padding, unscored tokens) add nothing to the loss sum nor to `weight_sum`
+  (tests/mutants.py: `loss_ignores_padding`)."""
+  model = FunctionalTransformerLM(MODEL)
+  params = model.init(0)
+  batch = _batch(2, 8, MODEL.vocab_size)
+  weights = batch["weights"]
+  assert bool((weights == 0).any()) and bool((batch["segment_ids"] == 0).any())
+  logits = model.apply(
+    params, batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+  )
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
+  loss_sum, aux = loss_terms(model, params, batch, chunk_tokens=chunk_tokens)
+  np.testing.assert_allclose(loss_sum, jnp.sum(nll * weights), rtol=1e-5)
+  np.testing.assert_allclose(aux["weight_sum"], jnp.sum(weights), rtol=1e-6)

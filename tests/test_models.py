@@ -188,6 +188,7 @@ def test_causality(schedule):
     assert np.abs(np.asarray(changed[:, n:] - base[:, n:])).max() > 1e-4
 
 
+@pytest.mark.full
 def test_encoder_sees_later_tokens_and_has_a_per_token_head():
   """causal=False: changing the last token changes every position's outputs."""
   model = TransformerLM(
@@ -252,6 +253,7 @@ def test_jit_grad_step(collapse_mode):
     assert np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
 
 
+@pytest.mark.full
 def test_gelu_mlp_has_two_matrices_with_gradients():
   cfg = _config(attention_schedule="LM", mlp_type="gelu", implementation="xla")
   model = TransformerLM(cfg, rngs=nnx.Rngs(0))

@@ -449,6 +449,7 @@ def test_linen_validates_at_construction():
     InterleavedHeadAttention(D, H, HEAD_DIM, num_pseudos=2, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.full
 def test_attention_dropout_nnx_and_linen():
   x = _x()
   kw = dict(num_pseudo=2, window=5, implementation="xla")

@@ -317,3 +317,45 @@ def test_rope_relative_invariance():
     return jnp.vdot(r[0, 0, 0], r[0, 1, 0])
 
   assert_close(score(17), score(0), jnp.float32)
+
+
+class FunctionalOpsVariantsTest(chex.TestCase):
+  """The functional ops give the naive loop's values traced under jit and run eagerly alike
+  (a Python branch on a traced value, or a host-side step, breaks one variant)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_iha_attention_window_packed(self):
+    b, n, h, d, p = 2, 5, 2, 4, 2
+    args = random_iha_inputs(jax.random.PRNGKey(21), b, n, h, d, p)
+    segment_ids = packed_segments(b, n)
+    positions = packed_positions(segment_ids)
+    mask = dict(window=3, segment_ids=segment_ids, positions=positions, rope_theta=100.0)
+    for implementation in ("reference", "xla"):
+      attend = self.variant(
+        lambda *a, impl=implementation: ops.iha_attention(*a, **mask, implementation=impl)
+      )
+      got = attend(*args)
+      chex.assert_shape(got, (b, n, h, d))
+      np.testing.assert_allclose(np.asarray(got), naive_iha(*args, **mask), rtol=1e-5, atol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_mix_interleave_rope_collapse(self):
+    b, n, h, d, p = 2, 3, 2, 4, 3
+    x = jax.random.normal(jax.random.PRNGKey(22), (b, n, h, d))
+    alpha = jax.random.normal(jax.random.PRNGKey(23), (h, h, p))
+    collapse = jax.random.normal(jax.random.PRNGKey(24), (h, h, p))
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+
+    def pipeline(x, alpha, collapse):
+      pseudo = ops.pseudo_mix(x, alpha)  # [B, N, H, P, d]
+      virtual = ops.apply_rope(ops.interleave(pseudo), ops.virtual_positions(positions, p), 10.0)
+      return ops.collapse_heads(ops.deinterleave(virtual, p), collapse)
+
+    got = np.asarray(self.variant(pipeline)(x, alpha, collapse))
+    xs, a, c = (np.asarray(v, np.float64) for v in (x, alpha, collapse))
+    pseudo = np.einsum("bnmd,mhp->bnhpd", xs, a)
+    for bi, ni, hi, pi in np.ndindex(b, n, h, p):
+      pseudo[bi, ni, hi, pi] = _naive_rope(pseudo[bi, ni, hi, pi], ni * p + pi, 10.0)
+    want = np.einsum("bngpd,hgp->bnhd", pseudo, c)
+    chex.assert_shape(got, (b, n, h, d))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from configs import tiny
 from iha_jax import data as data_lib
@@ -64,6 +65,7 @@ def _reference_losses(config) -> list[float]:
   return losses
 
 
+@pytest.mark.full
 def test_two_processes_match_one_process(tmp_path):
   data_dir, workdir = str(tmp_path / "data"), str(tmp_path / "run")
   config = tiny.get_config()

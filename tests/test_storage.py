@@ -73,6 +73,7 @@ def test_urls_reach_orbax_tfds_and_writers_unchanged(bucket, monkeypatch):
   assert os.listdir(bucket["root"] / "b" / "run" / "tensorboard")  # event files
 
 
+@pytest.mark.full
 def test_a_run_on_a_mounted_bucket(bucket, tmp_path):
   """train, eval and pictures with `gs://` workdir and output dir (data dir local: the
   ArrayRecord reader talks to GCS itself)."""

@@ -278,6 +278,7 @@ def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
   )
 
 
+@pytest.mark.full
 @needs_tpu
 def test_calibration_on_known_programs(tmp_path):
   """Against times known from arithmetic alone: an 8192^3 bf16 matmul through XLA and
@@ -298,6 +299,7 @@ def test_calibration_on_known_programs(tmp_path):
   assert "estimate" in proc.stdout
 
 
+@pytest.mark.full
 @needs_tpu
 def test_tpu_kernels_beat_splash_by_estimate(tmp_path):
   """At a small paper-like shape (N = 2048, H = 4, P = 4; global and window), training
@@ -317,6 +319,7 @@ def test_tpu_kernels_beat_splash_by_estimate(tmp_path):
     assert ms["auto"] <= ms["splash"], (case, ms)
 
 
+@pytest.mark.full
 @needs_tpu
 def test_onchip_window_path_beats_the_materialised_one_at_p_equals_h(tmp_path):
   """At a small P = H shape (N = 2048, H = P = 20, the paper's window N / (2P)), training:

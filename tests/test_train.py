@@ -70,6 +70,7 @@ def reference_run(data_dir, tmp_path_factory):
   return config, workdir
 
 
+@pytest.mark.full
 def test_loss_falls(data_dir, tmp_path):
   config = make_config(
     data_dir, train__total_steps=40, train__learning_rate=1e-2, checkpoint__every=40
@@ -100,7 +101,13 @@ def test_loss_falls(data_dir, tmp_path):
   assert os.listdir(tmp_path / "tensorboard")
 
 
-@pytest.mark.parametrize("mesh", [dict(data=1, fsdp=8, tensor=1), dict(data=2, fsdp=2, tensor=2)])
+@pytest.mark.parametrize(
+  "mesh",
+  [
+    dict(data=1, fsdp=8, tensor=1),
+    pytest.param(dict(data=2, fsdp=2, tensor=2), marks=pytest.mark.full),
+  ],
+)
 def test_sharded_losses_match_one_device(reference_run, tmp_path, mesh):
   config, workdir = reference_run
   config = make_config(config.data.data_dir, train__total_steps=8, checkpoint__every=8)
@@ -125,6 +132,7 @@ def test_resume_reproduces_uninterrupted_run(reference_run, tmp_path):
   assert [resumed[s] for s in (5, 6, 7, 8)] == [expected[s] for s in (5, 6, 7, 8)]
 
 
+@pytest.mark.full
 def test_restore_onto_another_mesh(data_dir, tmp_path):
   """fsdp=8 -> data=2 x tensor=4: same values, new shardings, same continued losses."""
   # Vocabulary 88: the data's 86 padded, so that tensor=4 splits it.
@@ -398,6 +406,7 @@ def test_progress_bar_keeps_eval_results_on_screen(tmp_path, capsys):
   assert "step 1" not in out  # training steps only update the bar
 
 
+@pytest.mark.full
 def test_ctrl_c_saves_current_step_and_exits_cleanly(data_dir, tmp_path):
   """Ctrl-C (SIGINT) to a running train.py saves a checkpoint and exits with 0, as SIGTERM
   (preemption) does: both go through the same flag (test above). While it runs, a second
@@ -454,6 +463,7 @@ def test_ctrl_c_saves_current_step_and_exits_cleanly(data_dir, tmp_path):
   assert os.listdir(os.path.join(workdir, "lock")) == []
 
 
+@pytest.mark.full
 def test_init_from_starts_a_longer_run_on_a_context_mesh(reference_run, data_dir, tmp_path):
   """The long-context stage's path at small size: another run's newest parameters, across
   twice the sequence length, a new mesh (fsdp 4 x context 2, balanced layout) and a new

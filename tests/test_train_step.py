@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,8 +85,11 @@ def baseline() -> list[float]:
   "options",
   [
     # Three steps, each several options at once (one compile each, not five).
-    dict(accum=4, remat="full"),
-    dict(mesh_sizes=dict(data=1, fsdp=2, tensor=4), scan=True, remat="save_projections"),
+    pytest.param(dict(accum=4, remat="full"), marks=pytest.mark.full),
+    pytest.param(
+      dict(mesh_sizes=dict(data=1, fsdp=2, tensor=4), scan=True, remat="save_projections"),
+      marks=pytest.mark.full,
+    ),
     dict(mesh_sizes=dict(data=2, fsdp=2, tensor=2), accum=2),
   ],
 )
@@ -149,6 +153,7 @@ def _train(
   return losses, initial, jax.tree.map(np.asarray, state.params)
 
 
+@pytest.mark.full
 def test_every_schedule_letter_trains():
   """One model with a layer of every letter (I L M S T D X): every parameter of every layer
   moves in training (all get gradients) and the loss falls."""
@@ -158,6 +163,7 @@ def test_every_schedule_letter_trains():
     assert np.abs(a - b).max() > 0, jax.tree_util.keystr(path)
 
 
+@pytest.mark.full
 def test_scanned_differential_layers_keep_their_depth():
   """Scan over layers shares one graphdef per schedule position; differential attention's
   lambda_init still follows each layer's own depth (passed traced into the scan)."""
@@ -173,6 +179,7 @@ def test_scanned_differential_layers_keep_their_depth():
   np.testing.assert_allclose(logits[0], logits[1], atol=2e-5)
 
 
+@pytest.mark.full
 def test_encoder_with_per_token_head_trains():
   """causal=False and a 3-way per-token head: targets are the positions' own labels."""
   config = dataclasses.replace(
@@ -185,6 +192,7 @@ def test_encoder_with_per_token_head_trains():
   assert final["output_head"].shape == (32, 3)
 
 
+@pytest.mark.full
 def test_regression_on_continuous_features():
   """`input_features` and the mean_squared_error loss (e.g. polynomial filters): the
   features reach the model through `input_proj`, the loss falls the same on one device
@@ -265,7 +273,10 @@ def xla_one_device():
 # collapse.
 @pytest.mark.parametrize(
   "platform,mesh_sizes",
-  [("gpu", dict(data=2, fsdp=2, tensor=2)), ("tpu", dict(data=2, fsdp=2, tensor=2))],
+  [
+    pytest.param("gpu", dict(data=2, fsdp=2, tensor=2), marks=pytest.mark.full),
+    ("tpu", dict(data=2, fsdp=2, tensor=2)),
+  ],
   ids=["gpu-2x2x2", "tpu-2x2x2"],
 )
 def test_kernels_in_sharded_step_match_one_device_xla(xla_one_device, platform, mesh_sizes):
@@ -327,3 +338,20 @@ def test_language_model_is_a_deprecated_alias():
 
   with pytest.warns(DeprecationWarning, match="FunctionalTransformerLM"):
     assert models.LanguageModel is FunctionalTransformerLM
+
+
+def test_train_step_traces_once():
+  """The state a step returns has the structure, dtypes and weak types of the one it took:
+  feeding it back never retraces (a second trace is a recompilation per step)."""
+  model = FunctionalTransformerLM(MODEL)
+  tx = make_optimizer(TRAIN)
+  mesh = parallel.create_mesh(dict(data=1, fsdp=1, tensor=1))
+  state, _ = create_state(model, tx, mesh, seed=0)
+  step = jax.jit(
+    chex.assert_max_traces(make_train_step(model, tx, learning_rate_schedule(TRAIN), 1), n=1)
+  )
+  batch = _batch()
+  with parallel.activate(mesh):
+    for _ in range(3):
+      state, metrics = step(state, batch)
+  assert int(state.step) == 3 and bool(metrics["finite"])
