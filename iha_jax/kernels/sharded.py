@@ -100,6 +100,13 @@ def _kv_split(kv_heads: int, shards: int) -> bool | None:
   return None
 
 
+def _kv_placement(k: jax.Array, mesh: MeshLike, head_axis: str | None) -> tuple[int, int, bool]:
+  """`(G, shards of the head axis, whether they split the G key/value heads)` for
+  `k: [B, N, G, d]` (`_kv_split`; `check_divisible` has refused a G it cannot place)."""
+  shards = dict(zip(mesh.axis_names, mesh.axis_sizes))[head_axis] if head_axis else 1
+  return k.shape[2], shards, bool(_kv_split(k.shape[2], shards))
+
+
 def _local_kv(x: jax.Array, axis: int, head_axis: str, kv_heads: int, shards: int) -> jax.Array:
   """The one key/value head (along `axis` of `x`) this shard's query heads read, when the
   G heads are kept whole on a head axis of `shards` > G (consecutive shards share one)."""
@@ -211,9 +218,7 @@ def sharded_iha_attention(
   options = with_overrides(options, overrides)
   mesh, batch, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
   full = collapse.ndim == 3
-  g = k.shape[2]
-  shards = dict(zip(mesh.axis_names, mesh.axis_sizes))[head_axis] if head_axis else 1
-  split_kv = _kv_split(g, shards)
+  g, shards, split_kv = _kv_placement(k, mesh, head_axis)
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *token_arrays):
     local_options = tokens.options(options, token_arrays)
@@ -267,9 +272,7 @@ def sharded_mha_attention(
   """
   options = with_overrides(options, overrides)
   mesh, batch, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
-  g = k.shape[2]
-  shards = dict(zip(mesh.axis_names, mesh.axis_sizes))[head_axis] if head_axis else 1
-  split_kv = _kv_split(g, shards)
+  g, shards, split_kv = _kv_placement(k, mesh, head_axis)
 
   def local(q, k, v, *token_arrays):
     if not split_kv:  # all G heads here: keep the one this shard's queries read

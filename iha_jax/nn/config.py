@@ -111,10 +111,10 @@ def _flax_names(
         "qkv_features // num_heads)"
       )
     fields["head_dim"] = qkv_features // heads
-  for name in ("model_dim", "num_heads", "head_dim"):
+  flax_names = {"model_dim": " (or in_features)", "num_heads": "", "head_dim": " (or qkv_features)"}
+  for name, flax_name in flax_names.items():
     if fields.get(name) is None:
-      flax_name = {"model_dim": " (or in_features)", "head_dim": " (or qkv_features)"}
-      raise ValueError(f"{name}{flax_name.get(name, '')} is required, got None")
+      raise ValueError(f"{name}{flax_name} is required, got None")
   return fields
 
 
