@@ -320,6 +320,7 @@ def run_study(
       "learning_rate": learning_rate,
       "seed": seed,
       "sweep": None if point is None else {"axis": point[0], "value": point[1]},
+      "num_pseudo": target.num_pseudo,
       "params": target.params,
       "attention_flops_per_token": target.attention_flops_per_token,
       "train_flops_per_step": target.train_flops_per_step,

@@ -121,6 +121,16 @@ class CompiledVariant:
     return count_params(self.model_config)
 
   @property
+  def num_pseudo(self) -> int | None:
+    """P of the variant's IHA layers, resolved (a config's None is P = H); None when it
+    has no IHA layer."""
+    for letter in dict.fromkeys(self.model_config.schedule):
+      p = getattr(self.model_config.attention_config(letter), "num_pseudo", None)
+      if p is not None:
+        return p
+    return None
+
+  @property
   def attention_flops_per_token(self) -> float:
     """Forward attention FLOPs per token, all layers (docs/design.md §2)."""
     budgets = flops_lib.layer_budgets(self.model_config, self.config.data.seq_len)

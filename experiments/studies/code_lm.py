@@ -112,14 +112,28 @@ def _scale(name: str, **budget) -> Scale:
   return Scale(lambda: _config(name), **budget)
 
 
+def iha_with_pseudo(p: int):
+  """An edit: IHA `LLLLM` with P = `p` and the paper's window `seq_len / (2p)` virtual
+  tokens ("auto"); the other variants keep the scale's P = 2 (Global+Local's window)."""
+
+  def edit(config: ml_collections.ConfigDict) -> None:
+    schedule_edit("LLLLM")(config)
+    config.model.num_pseudo = p
+
+  return edit
+
+
 # IHA and Global+Local first: a study stopped part-way has compared `make train-text`'s
-# pair (the runner takes the variants in this order).
+# pair (the runner takes the variants in this order). The P sweep comes last: P = 1 (the
+# mixing without interleaving's extra rows: one pseudo-head per head) and P = 4 = H.
 VARIANTS = (
-  Variant("iha", "IHA (LLLLM)", schedule_edit("LLLLM")),
+  Variant("iha", "IHA P = 2 (LLLLM)", schedule_edit("LLLLM")),
   Variant("global_local", "Global+Local (SSSSM)", schedule_edit("SSSSM")),
   Variant("mha", "global MHA (M)", schedule_edit("M")),
   Variant("talking_heads", "Talking-Heads (T)", schedule_edit("T")),
   Variant("diff", "differential (D)", schedule_edit("D")),
+  Variant("iha_p1", "IHA P = 1 (LLLLM)", iha_with_pseudo(1)),
+  Variant("iha_p4", "IHA P = 4 = H (LLLLM)", iha_with_pseudo(4)),
 )
 
 CODE_LM = Study(
