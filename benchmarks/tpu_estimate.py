@@ -1,7 +1,7 @@
 """Estimated TPU time of every TPU attention implementation at the paper's shape.
 
 Compiles each case for a compile-only TPU chip and estimates its time from libtpu's
-final schedule (`iha_jax.parallel.tpu_estimate`): an ESTIMATE from the compiler's
+final schedule (`iha_jax.estimate.tpu`): an ESTIMATE from the compiler's
 schedule, not a measurement (no TPU runs here). Default cases, at B = 1, N = 8192,
 H = 20, d = 128, bf16, causal (IHA: RoPE at virtual positions):
 
@@ -48,7 +48,8 @@ _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
   sys.path.insert(0, str(_REPO))
 
-from iha_jax.parallel import targets, tpu_estimate  # noqa: E402
+from iha_jax.estimate import tpu as tpu_estimate  # noqa: E402
+from iha_jax.parallel import targets  # noqa: E402
 
 CASES = ("global_p4", "window_p4", "global_p20", "window_p20", "mha", "matmul")
 TPU_IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_tpu_window", "splash", "auto")

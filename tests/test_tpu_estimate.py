@@ -1,4 +1,4 @@
-"""The TPU time estimator (`iha_jax.parallel.tpu_estimate`): its pieces without libtpu,
+"""The TPU time estimator (`iha_jax.estimate.tpu`): its pieces without libtpu,
 then, compiled by libtpu for a compile-only v5p (a subprocess, as the compile checks), its
 calibration on programs of known time and the regression that keeps the TPU kernels
 ahead: by ESTIMATE, never wall time.
@@ -19,7 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from iha_jax.parallel import kernel_grid, llo, targets
+from iha_jax.estimate import kernel_grid, llo
+from iha_jax.parallel import targets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +87,7 @@ def test_mxu_work_per_region_and_the_floor(monkeypatch):
   """The products a kernel issues, per `pl.when` body and outside them (loops of static
   trips repeated), padded to the MXU's edge; an estimate adds to a region whose bundles
   take less than its MXU work at peak."""
-  from iha_jax.parallel import tpu_estimate
+  from iha_jax.estimate import tpu as tpu_estimate
 
   def kernel(a_ref, b_ref, o_ref):
     o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
@@ -129,7 +130,7 @@ def test_mxu_work_per_region_and_the_floor(monkeypatch):
 def test_in_place_slice_updates_are_charged_their_slice():
   """An op that updates a slice of a buffer in place (the input and the output of one
   shape) moves its slice, not the buffer: only its other operands count as HBM bytes."""
-  from iha_jax.parallel import tpu_estimate
+  from iha_jax.estimate import tpu as tpu_estimate
 
   listing = (
     "     0   :  { %s1 = inlined_call_operand.hbm [shape: f32[64,1,8192], index: 0, kind: "

@@ -26,7 +26,7 @@ heads of a group, innermost, add into one resident key/value block). The first t
 dimensions are "parallel" (v5p's two TensorCores split the first one of size > 1);
 steps "arbitrary" (accumulators in VMEM scratch). Each kernel body is four `pl.when`s, in
 this order: initialise, attend an entirely visible pair (no mask work), attend a partly
-visible pair (masked), finalise; `iha_jax.parallel.tpu_estimate` weights them by the steps
+visible pair (masked), finalise; `iha_jax.estimate.tpu` weights them by the steps
 that run them. A causal window's dK/dV kernel also carries dQ (`_dq_ring`: its key rows
 run in order, "arbitrary"; two more `pl.when`s clear the ring and write a query tile).
 """

@@ -10,7 +10,7 @@ static resources, and raises a one-line `CompileCheckError` when the step does n
 compile or does not fit. Compiled, not run: no speed is measured.
 
 `--estimate` (TPU targets) adds the step's *estimated* time per chip from libtpu's final
-schedule (`iha_jax.parallel.tpu_estimate`; collectives left out, as the output says) and
+schedule (`iha_jax.estimate.tpu`; collectives left out, as the output says) and
 the MFU it implies: an estimate, never a measurement.
 """
 
@@ -23,10 +23,11 @@ import ml_collections
 
 from iha_jax import parallel
 from iha_jax.errors import UserError
+from iha_jax.estimate import tpu as tpu_estimate
 from iha_jax.kinds import registry
 from iha_jax.models import FunctionalTransformerLM
 from iha_jax.parallel import compiled as compiled_lib
-from iha_jax.parallel import targets, tpu_estimate
+from iha_jax.parallel import targets
 from iha_jax.train import config as config_lib
 from iha_jax.train import flops as flops_lib
 from iha_jax.train import lowering

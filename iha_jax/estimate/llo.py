@@ -1,7 +1,7 @@
 """libtpu's final VLIW schedule of one compiled program, as a tree of loops and branches.
 
 XLA:TPU writes, per HLO op and per Mosaic kernel, a `*final_bundles.txt` when asked
-(`tpu_estimate` sets the flags): one line per VLIW bundle, in address order, e.g.
+(`iha_jax.estimate.tpu` sets the flags): one line per VLIW bundle, in address order, e.g.
 
     0x27 LB: > { %4165 = sst [smem:[...]] %s2877_s20  ;;  ... } /* Start region 131 */
     0x54   : > { %565 = sbr.rel (%p562_p1) target = $region40 }

@@ -5,9 +5,9 @@ issues, and a core issues one bundle per cycle unless it waits. So, compiled for
 compile-only TPU (`iha_jax.parallel.targets`), a program's schedule gives an *estimate*
 of its time (never a measurement; never print it beside one):
 - every HLO op and Mosaic kernel: its bundles, loops times their trip counts
-  (`iha_jax.parallel.llo`);
+  (`iha_jax.estimate.llo`);
 - a Mosaic kernel's `pl.when` bodies weighted by the grid steps that run them, and its
-  block copies, both counted from the kernel itself (`iha_jax.parallel.kernel_grid`);
+  block copies, both counted from the kernel itself (`iha_jax.estimate.kernel_grid`);
 - each op bounded from below by memory: the HBM bytes it must move (its HBM operands,
   or a kernel's block copies) over the chip's HBM bandwidth;
 - the top-level program's own bundles, and every op it calls, as many times as it calls
@@ -18,9 +18,10 @@ interconnect), which `Estimate.collectives` lists.
 
 Usage (a fresh process; libtpu must start with the schedule dump switched on):
 
-    tpu_estimate.prepare()            # before anything loads libtpu
+    from iha_jax.estimate import tpu
+    tpu.prepare()            # before anything loads libtpu
     devices = targets.devices(targets.parse("v5p-8"))
-    est = tpu_estimate.estimate(jax.jit(f), *shape_dtype_structs_on(devices[0]))
+    est = tpu.estimate(jax.jit(f), *shape_dtype_structs_on(devices[0]))
     print(est.table())
 """
 
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from iha_jax.errors import UserError
-from iha_jax.parallel import kernel_grid, llo
+from iha_jax.estimate import kernel_grid, llo
 
 # `hlo_deduplication_all_unique`: by default libtpu compiles identical ops (a scanned
 # block's repeated layers, q/k/v projections of one shape) once and writes one schedule
@@ -222,7 +223,7 @@ def estimate_traced(
   written = [p for p in new_files if p.name.endswith("final_bundles.txt")]
   if not written:
     raise EstimateError(
-      "libtpu wrote no schedule: call iha_jax.parallel.tpu_estimate.prepare() before "
+      "libtpu wrote no schedule: call iha_jax.estimate.tpu.prepare() before "
       "libtpu starts (before targets.devices), in a fresh process"
     )
   if keep_schedule is not None:
