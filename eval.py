@@ -22,7 +22,6 @@ keys). Errors a person can fix print one line (`--debug` or IHA_DEBUG=1: the tra
 """
 
 import json
-import logging
 
 from absl import flags
 
@@ -38,9 +37,6 @@ flags.DEFINE_list("sweep_lengths", None, "Context lengths of the retrieval sweep
 flags.DEFINE_integer("sweep_examples", 128, "Examples per length in the sweep.")
 flags.DEFINE_integer(
   "attention_layer_number", None, "Layer (counted from 1) whose attention maps to draw."
-)
-flags.DEFINE_integer(
-  "attention_layer", None, "Deprecated: the layer counted from 0; use --attention_layer_number."
 )
 flags.DEFINE_integer("attention_example", 0, "Index of the example to draw.")
 flags.DEFINE_string("out_dir", None, "Output directory of the sweep and the pictures.")
@@ -68,17 +64,6 @@ def main(argv):
 
   mesh = None if FLAGS.mesh is None else parse_mesh(FLAGS.mesh)
   layer_number = FLAGS.attention_layer_number
-  if FLAGS.attention_layer is not None:  # the old 0-based flag: converted, never shifted
-    if layer_number is not None:
-      cli.fail("give --attention_layer_number only (the deprecated --attention_layer too)")
-    layer_number = FLAGS.attention_layer + 1
-    logging.warning(
-      "--attention_layer=%d counts from 0 and is deprecated: drawing layer number %d "
-      "(--attention_layer_number=%d)",
-      FLAGS.attention_layer,
-      layer_number,
-      layer_number,
-    )
   needs_out_dir = FLAGS.sweep_lengths is not None or layer_number is not None
   if needs_out_dir and not FLAGS.out_dir:
     cli.fail("--out_dir is required with --sweep_lengths or --attention_layer_number")

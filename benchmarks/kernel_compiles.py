@@ -132,7 +132,7 @@ def _function(case: Case, platform: str):
         *args, kv_segment_ids, kv_positions, offset = args
       sliced = dict(kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, query_offset=offset)
     *arrays, segment_ids, positions = args
-    entry = kernels.fused_mha_attention if case.kind == "mha" else kernels.fused_iha_attention
+    entry = kernels.pallas_mha if case.kind == "mha" else _materialised
     if case.onchip:
       entry = _onchip
     call_options = options.replace(
@@ -147,6 +147,11 @@ def _function(case: Case, platform: str):
   # The value too: a backward that needs no forward residual (the on-chip path's) would
   # otherwise leave the forward kernel out of the program.
   return jax.value_and_grad(attend, argnums=tuple(range(differentiable)))
+
+
+def _materialised(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options, *, platform: str):
+  alphas = (alpha_q, alpha_k, alpha_v)
+  return kernels.pallas_iha(q, k, v, alphas, collapse, options, platform=platform).astype(q.dtype)
 
 
 def _onchip(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options, *, platform: str):

@@ -116,13 +116,6 @@ def test_bad_arguments(model, tmp_path):
     attention_maps(model, _tokens(), layer_number=0)
   with pytest.raises(ValueError, match="tokens must be one sequence"):
     attention_maps(model, jnp.zeros((2, N), jnp.int32), layer_number=1)
-  # The deprecated 0-based `layer` converts (and warns), never shifts silently.
-  with pytest.warns(DeprecationWarning, match="layer_number=i \\+ 1"):
-    np.testing.assert_array_equal(
-      attention_maps(model, _tokens(), layer=2), attention_maps(model, _tokens(), layer_number=3)
-    )
-  with pytest.raises(ValueError, match=r"in \[0, 3\)"), pytest.warns(DeprecationWarning):
-    attention_maps(model, _tokens(), layer=3)
   with pytest.raises(ValueError, match="num_pseudo"):
     plot_attention_maps(np.zeros((H, 5, 5)), 2, tmp_path / "x.png")
   with pytest.raises(ValueError, match="probs"):

@@ -205,8 +205,8 @@ def test_attention_pictures(runs, tmp_path):
 
 @pytest.mark.full
 def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
-  """The real CLI, once: pictures of an IHA layer and of an MHA layer, asked for with the
-  deprecated 0-based flag, which converts (layer 1 from 0 is layer number 2) and warns."""
+  """The real CLI, once: pictures of an IHA layer and of an MHA layer (layers counted
+  from 1)."""
   out = tmp_path / "pictures"
   proc = subprocess.run(
     [
@@ -214,7 +214,7 @@ def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
       os.path.join(REPO, "eval.py"),
       f"--workdir={runs['iha']}",
       f"--workdir={runs['mha']}",
-      "--attention_layer=1",
+      "--attention_layer_number=2",
       f"--out_dir={out}",
     ],
     cwd=REPO,
@@ -224,7 +224,6 @@ def test_cli_attention_pictures_of_both_runs(runs, tmp_path):
     check=False,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "--attention_layer=1 counts from 0 and is deprecated" in proc.stderr
   decode_png(str(out / "iha_layer2.png"))
   decode_png(str(out / "mha_layer2.png"))
 

@@ -26,9 +26,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax.kernels import virtual_attention
 from iha_jax.kernels.sharded import sharded_iha_attention
+from iha_jax.kinds import registry
 from iha_jax.models.config import TransformerConfig
 from iha_jax.models.functional_lm import FunctionalTransformerLM
-from iha_jax.ops import BlockSizes, iha_attention, resolve_implementation
+from iha_jax.ops import BlockSizes, iha_attention
 from tests import conformance as cf
 from tests.utils import assert_close, random_iha_inputs
 
@@ -392,7 +393,7 @@ def test_block_sizes_are_checked():
 def test_auto_is_xla_on_cpu():
   if jax.default_backend() != "cpu":
     pytest.skip(f"backend is {jax.default_backend()}, not cpu")
-  assert resolve_implementation("auto") == "xla"
+  assert registry.resolve("iha", "auto") == "xla"
 
 
 # --- What the custom VJP saves. --------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The fused kernels lower for real TPUs and NVIDIA GPUs from this CPU-only host.
+"""The Pallas kernels lower for real TPUs and NVIDIA GPUs from this CPU-only host.
 
 `jax.export` with `platforms=["tpu"]` emits Mosaic (`tpu_custom_call`) and with
 `platforms=["cuda"]` emits Triton (`__gpu$xla.gpu.triton`): `lax.platform_dependent`
-in `iha_jax.kernels.fused` picks the compiled kernels for those platforms. The
+in `iha_jax.kernels.virtual_attention` picks the compiled kernels for those platforms. The
 Triton custom call embeds Triton IR with no serialization-compatibility
 guarantee, so exporting it needs `DisabledSafetyCheck.custom_call` (checked below);
 the lowering itself is complete. Mosaic's final compile (layouts, VMEM limits)

@@ -125,25 +125,6 @@ def test_options_object_and_keywords_are_one_call():
     ops.mha_attention(*args[:3], ops.AttentionOptions(window=0))
 
 
-def test_old_kernel_names_are_deprecated_aliases():
-  from iha_jax import kernels  # pylint: disable=import-outside-toplevel
-
-  args = _args()
-  with pytest.warns(DeprecationWarning, match="fused_iha_attention"):
-    old = kernels.iha_attention
-  got = old(
-    *args,
-    window=None,
-    segment_ids=None,
-    positions=jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N)),
-    rope_theta=10000.0,
-    platform="gpu",
-    block_sizes=None,
-  )
-  want = ops.iha_attention(*args, implementation="reference")
-  assert jnp.allclose(got, want, atol=2e-5)
-
-
 def test_clear_errors_for_traced_window_heads_first_layout_and_empty_sequence():
   args = _args()
   with pytest.raises(ValueError, match=r"window must be a static Python int.*static_argnames"):

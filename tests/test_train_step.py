@@ -333,13 +333,6 @@ def test_exported_step_runs_every_kernel_inside_shard_map(monkeypatch):
     placement("tpu")
 
 
-def test_language_model_is_a_deprecated_alias():
-  import iha_jax.models as models
-
-  with pytest.warns(DeprecationWarning, match="FunctionalTransformerLM"):
-    assert models.LanguageModel is FunctionalTransformerLM
-
-
 def test_train_step_traces_once():
   """The state a step returns has the structure, dtypes and weak types of the one it took:
   feeding it back never retraces (a second trace is a recompilation per step)."""

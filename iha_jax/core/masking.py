@@ -45,6 +45,21 @@ def visible(
   return mask
 
 
+def ranges_meet(t_first, t_last, s_first, s_last, window: int | None, causal: bool = True):
+  """Whether some query index in `[t_first, t_last]` sees some key index in `[s_first,
+  s_last]` by `visible`'s rule without segments: the differences `t - s` of the rectangle
+  span `[t_first - s_last, t_last - s_first]` and each is attained, so the band meets it
+  iff that interval meets the rule's. Any array module, or Python ints (True: always).
+  The one statement of the band: the XLA path's key blocks (`xla_attention`) and the
+  kernels' tile schedule (`iha_jax.kernels.tile_schedule`) both ask it."""
+  meet = s_first <= t_last if causal else True
+  if window is not None:
+    meet = meet & (s_last > t_first - window)
+    if not causal:
+      meet = meet & (s_first < t_last + window)
+  return meet
+
+
 def visible_keys(length: int, window: int | None, causal: bool = True) -> np.ndarray:
   """`[length]` int64: the keys each query t of one head sees under `visible` (no
   segments): causal `min(t+1, w)`; bidirectional `min(t, w-1) + min(L-1-t, w-1) + 1`."""

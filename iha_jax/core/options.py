@@ -18,11 +18,11 @@ import jax
 class BlockSizes:
   """Tile edges for the blockwise implementations (None = the implementation's default).
 
-  In virtual tokens for IHA (tokens for the other kinds). The fused Pallas kernels tile
-  whole tokens: their blocks must be multiples of P (token tile = block / P, used by the
-  forward and both backward kernels), with GPU token tiles powers of two and TPU query
-  tiles multiples of 8 (16 for 2-byte dtypes) and key tiles multiples of 128 tokens.
-  The query-chunked XLA paths (talking-heads, 2-simplicial) read `block_q` only.
+  In virtual tokens for IHA (tokens for the other kinds). The Pallas flash kernels tile
+  the virtual rows: TPU tiles are multiples of 16 rows, GPU tiles powers of two >= 16.
+  IHA's on-chip window path reads `block_q` as the virtual rows per target head of a grid
+  step (rounded to whole tokens) and `block_k` as the query rows of a score tile. The
+  query-chunked XLA paths (talking-heads, 2-simplicial) read `block_q` only.
   """
 
   block_q: int | None = None

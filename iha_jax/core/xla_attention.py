@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from iha_jax.core.masking import MASK_VALUE, visible
+from iha_jax.core.masking import MASK_VALUE, ranges_meet, visible
 from iha_jax.core.options import round_up
 
 # Keys padded onto a tile boundary get this index: after every query, so the causal rule
@@ -39,11 +39,9 @@ def _block_ranges(q_index, k_index, block_q: int, block_k: int, window, causal: 
   k_blocks = k_index.reshape(-1, block_k)
   q_min, q_max = q_blocks.min(1)[:, None], q_blocks.max(1)[:, None]  # [nq, 1]
   k_min, k_max = k_blocks.min(1)[None, :], k_blocks.max(1)[None, :]  # [1, nk]
-  needed = k_min <= q_max if causal else jnp.ones((q_min.shape[0], k_min.shape[1]), bool)
-  if window is not None:
-    needed &= k_max > q_min - window
-    if not causal:
-      needed &= k_min < q_max + window
+  needed = jnp.broadcast_to(
+    ranges_meet(q_min, q_max, k_min, k_max, window, causal), (q_min.shape[0], k_min.shape[1])
+  )
 
   def first_last(rows):  # bool [n, m] -> [n] first true, [n] one past the last true
     any_true = rows.any(1)

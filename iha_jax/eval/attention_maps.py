@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from typing import TYPE_CHECKING
 
 import jax
@@ -49,7 +48,6 @@ def attention_maps(
   layer_number: int | None = None,
   segment_ids: jax.Array | None = None,
   positions: jax.Array | None = None,
-  layer: int | None = None,
 ) -> np.ndarray:
   """Every head's attention probabilities in one layer for one sequence.
 
@@ -58,23 +56,11 @@ def attention_maps(
     tokens: `[N]` (or `[1, N]`) int token ids.
     layer_number: the decoder block, counted from 1: `1 <= layer_number <= num_layers`.
     segment_ids, positions: optional `[N]` (or `[1, N]`) int32, as in the model's forward.
-    layer: deprecated, the block's 0-based index (`layer_number - 1`).
 
   Returns:
     float32 `[H, T, T]`, `T = N*P` for an IHA layer (N for MHA); padding rows are zero.
   """
   num_layers = model.config.num_layers
-  if layer is not None:
-    if layer_number is not None:
-      raise ValueError("give layer_number (counted from 1) only, not also the deprecated layer")
-    warnings.warn(
-      "attention_maps(layer=i) counts from 0 and is deprecated; use layer_number=i + 1",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    if not is_int(layer, 0) or layer >= num_layers:
-      raise ValueError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
-    layer_number = layer + 1
   if not is_int(layer_number, 1) or layer_number > num_layers:
     raise ValueError(
       f"layer_number must be an integer in 1..{num_layers} (counted from 1), got {layer_number!r}"

@@ -1,4 +1,4 @@
-"""The fused kernels under a mesh: batch over data axes, heads over a tensor axis.
+"""The Pallas kernels under a mesh: batch over data axes, heads over a tensor axis.
 
 A `pallas_call` has no partitioning rule: called on sharded operands, XLA would gather
 them whole onto every device. These wrappers run the kernels inside `jax.shard_map`,
@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from iha_jax.core.options import AttentionOptions, with_overrides
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import fused, splash, tpu_window
+from iha_jax.kernels import splash, tpu_window, virtual_attention
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
@@ -135,6 +135,25 @@ def _shard_map(
   )
 
 
+def _key_side(q: jax.Array, k: jax.Array, options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
+  """A sliced call's key segment ids and positions `[B, Nk]`: the options' own, else the
+  queries' (keys of the queries' length), else one unpadded sequence `arange(Nk)`."""
+  b, nk = k.shape[:2]
+  segment_ids, positions = options.key_segment_ids, options.key_positions
+  if nk != q.shape[1]:
+    if options.kv_segment_ids is None and options.segment_ids is not None:
+      raise ValueError(
+        f"keys of {nk} tokens for {q.shape[1]} queries need kv_segment_ids [B, {nk}] "
+        "when segment_ids are given"
+      )
+    segment_ids, positions = options.kv_segment_ids, options.kv_positions
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, nk), jnp.int32)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
+  return segment_ids, positions
+
+
 class _Tokens:
   """A sharded call's token arrays and their in_specs: `[B, N]` query ids and positions,
   and, for a sliced call, `[B, Nk]` key ids and positions and a traced query offset (the
@@ -150,7 +169,7 @@ class _Tokens:
     self.sliced = options.sliced or k.shape[1] != q.shape[1]
     self.offset = options.query_offset
     if self.sliced:
-      self.arrays += list(fused.key_side(q, k, options))
+      self.arrays += list(_key_side(q, k, options))
       self.specs += [P(batch, None)] * 2
       if not isinstance(self.offset, int):
         self.arrays.append(jnp.asarray(self.offset, jnp.int32))
@@ -197,8 +216,8 @@ def sharded_iha_attention(
   kernel: Callable[..., jax.Array] | None = None,
   **overrides: Any,
 ) -> jax.Array:
-  """`fused_iha_attention` via `jax.shard_map` over `mesh` (`kernel`: another pipeline's
-  `collapsed_outputs`, e.g. the on-chip window path's).
+  """IHA's kernels via `jax.shard_map` over `mesh`: `kernel` (default
+  `virtual_attention.iha`; e.g. the on-chip window path's) on each shard.
 
   Args:
     q: `[B, N, H, d]`, k, v: `[B, N, G, d]` (`[B, Nk, G, d]` for a sliced call); B
@@ -224,7 +243,7 @@ def sharded_iha_attention(
     local_options = tokens.options(options, token_arrays)
     if not split_kv:  # all G target heads here: keep the one this shard's queries read
       alpha_k, alpha_v = (_local_kv(a, 1, head_axis, g, shards) for a in (alpha_k, alpha_v))
-    y = (kernel or fused.collapsed_outputs)(
+    y = (kernel or virtual_attention.iha)(
       q, k, v, (alpha_q, alpha_k, alpha_v), collapse, local_options, platform=platform
     )
     if full and head_axis:  # every output head mixes every target head: sum the shares
@@ -260,10 +279,10 @@ def sharded_mha_attention(
   batch_axes: Sequence[str] = ("data",),
   head_axis: str | None = "tensor",
   platform: str = "gpu",
-  kernel: Callable[..., jax.Array] = fused.fused_mha_attention,
+  kernel: Callable[..., jax.Array] = virtual_attention.mha,
   **overrides: Any,
 ) -> jax.Array:
-  """`kernel` (`fused_mha_attention`, or `splash.splash_mha_attention`) via
+  """`kernel` (`virtual_attention.mha`, or `splash.splash_mha_attention`) via
   `jax.shard_map`: heads are independent, so q
   `[B, N, H, d]`, k, v `[B, N, G, dv]` and the output stay split over batch and heads (G
   divisible by the `head_axis` size: each shard holds whole grouped-query groups).
@@ -293,28 +312,33 @@ def _on_current_mesh(direct: Callable, wrapped: Callable, *args: Any, platform: 
   return wrapped(*args, platform=platform, **axes)
 
 
-# The registry's kernel entries: one call, whatever the mesh.
-iha_on_current_mesh = functools.partial(
-  _on_current_mesh, fused.fused_iha_attention, sharded_iha_attention
-)
-mha_on_current_mesh = functools.partial(
-  _on_current_mesh, fused.fused_mha_attention, sharded_mha_attention
-)
+def _unsharded(outputs: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """An IHA pipeline's `outputs(q, k, v, alphas, collapse, options, platform=)` (float32)
+  as a direct call with the alphas apart, in q's dtype: the no-mesh branch."""
+
+  def call(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options, *, platform: str):
+    alphas = (alpha_q, alpha_k, alpha_v)
+    return outputs(q, k, v, alphas, collapse, options, platform=platform).astype(q.dtype)
+
+  return call
 
 
 def _window_outputs(q, k, v, alphas, collapse, options, *, platform: str) -> jax.Array:
+  del platform  # TPU only
   return tpu_window.window_iha(q, k, v, alphas, collapse, options)
 
 
-def _window_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options, *, platform: str):
-  y = _window_outputs(q, k, v, (alpha_q, alpha_k, alpha_v), collapse, options, platform=platform)
-  return y.astype(q.dtype)
-
-
+# The registry's kernel entries: one call, whatever the mesh.
+iha_on_current_mesh = functools.partial(
+  _on_current_mesh, _unsharded(virtual_attention.iha), sharded_iha_attention
+)
+mha_on_current_mesh = functools.partial(
+  _on_current_mesh, virtual_attention.mha, sharded_mha_attention
+)
 # IHA's on-chip window path (TPU): pseudo-heads made and collapsed in VMEM.
 iha_window_on_current_mesh = functools.partial(
   _on_current_mesh,
-  _window_iha,
+  _unsharded(_window_outputs),
   functools.partial(sharded_iha_attention, kernel=_window_outputs),
   platform="tpu",
 )

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from iha_jax.core.masking import ranges_meet
+
 
 class Step(NamedTuple):
   """One grid step: the tile it attends (`tile`) and the tile its row accumulates into
@@ -131,28 +133,15 @@ class Tiles:
 
   def visible(self, t, s):
     """Whether query rows `t` see key rows `s` (any array module; the kernels' mask)."""
-    ok = s < self.keys
-    if self.causal:
-      ok &= s <= t
-    if self.window is not None:
-      ok &= t - s < self.window
-      if not self.causal:
-        ok &= s - t < self.window
-    return ok
+    return (s < self.keys) & ranges_meet(t, t, s, s, self.window, self.causal)
 
   def any_visible(self, t_first, t_last, s_first, s_last):
     """Whether some query row in `[t_first, t_last]` (on the key axis) sees some key row
-    in `[s_first, s_last]`: the rectangle's differences `t - s` span `[t_first - s_last,
-    t_last - s_first]`, every value of which a pair attains. Conservative at the padded
-    keys' edge (a key bound inside the rectangle is not narrowed)."""
-    ok = s_first < self.keys
-    if self.causal:
-      ok &= s_first <= t_last
-    if self.window is not None:
-      ok &= t_first - s_last < self.window
-      if not self.causal:
-        ok &= s_first - t_last < self.window
-    return ok
+    in `[s_first, s_last]` (`ranges_meet`). Conservative at the padded keys' edge (a key
+    bound inside the rectangle is not narrowed)."""
+    return (s_first < self.keys) & ranges_meet(
+      t_first, t_last, s_first, s_last, self.window, self.causal
+    )
 
   def fully_visible(self, i, j, offset=0):
     """Whether every row of query tile i sees every key of key tile j: the visible set

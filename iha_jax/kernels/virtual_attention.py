@@ -32,6 +32,14 @@ chunk's P-sized arrays at a time (the paper's P = 20 step).
 Sequence shards (a query offset into longer keys, `iha_jax.parallel.context`): the keys
 rotate at their own positions and carry their own segment ids; the offset reaches the
 kernels as a scalar operand, so one compiled kernel serves every shard.
+
+The entry points are `iha` and `mha`; `_kernel_call` is the policy of a call (tiles, where
+RoPE runs), `_attend` and `_pipeline` its mechanics. Where the kernels run:
+`lax.platform_dependent` picks the compiled kernel when lowering for its platform (TPU:
+Mosaic; cuda/rocm: Triton) and the same kernel in Pallas interpret mode for any other
+platform (e.g. CPU), so `implementation="pallas_gpu"` works everywhere, and `jax.export`
+or a compile-only device (`iha_jax.parallel.targets`) for "tpu" or "cuda" gets the real
+kernels.
 """
 
 from __future__ import annotations
@@ -90,6 +98,7 @@ def _gpu_blocks(dtype, head_dim: int) -> tuple[int, int]:
 
 
 _FLASH = {"tpu": tpu_flash, "gpu": gpu_flash}
+PLATFORMS = tuple(_FLASH)
 
 
 def _tile(rows: int, requested: int | None, default: int, name: str) -> tuple[int, int]:
@@ -306,33 +315,13 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
   return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, 0)))
 
 
-def attend_virtual(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  alphas: tuple[jax.Array, jax.Array, jax.Array] | None,
-  options: AttentionOptions,
-  platform: str = "tpu",
-) -> jax.Array:
-  """Pseudo outputs `[B, Ht, N, P, dv]` (q.dtype) of mixing + flash attention on
-  `platform` ("tpu" or "gpu": whose kernels; interpreted off that platform).
-
-  q `[B, N, H, d]`, k `[B, Nk, G, d]`, v `[B, Nk, G, dv]` source heads (Nk = N unless a
-  sequence shard); `alphas = (alpha_q [H, Ht, P], alpha_k [G, Gt, P], alpha_v [G, Gt, P])`
-  (Ht, Gt: the target heads computed here, all or a head shard) or None for MHA (P = 1).
-  `options`: checked (window in virtual rows, causal, segment ids, positions, RoPE,
-  block sizes in virtual rows, a shard's query offset and key-side ids / positions)."""
-  b, n, h, d = q.shape
+def _kernel_call(q, k, v, alphas, options: AttentionOptions, platform: str):
+  """The policy of a call: its tiles (the platform's defaults or `options.block_sizes`),
+  where RoPE runs (kernels or HBM), and with them the static `Call` and `_Mixing`."""
+  _, n, _, d = q.shape
   nk = k.shape[1]
   sliced = options.sliced or nk != n
-  p = 1 if alphas is None else alphas[0].shape[2]
-  positions = default_positions(q, options.positions)
-  key_positions = positions
-  key_ids = options.segment_ids
-  if sliced:
-    key_ids, key_positions = options.key_segment_ids, options.key_positions
-    if key_positions is None:
-      key_positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
+  p = _pseudo(alphas)
   blocks = options.block_sizes
   requested = (blocks and blocks.block_q, blocks and blocks.block_k)
   if platform == "gpu":
@@ -352,7 +341,6 @@ def attend_virtual(
     block_q, rows_q = _tile(n * p, requested[0], default, "block_q")
     block_k, rows_k = _tile(nk * p, requested[1], default, "block_k")
   offset = options.query_offset if sliced else 0
-  static = isinstance(offset, int)
   tiles = Tiles(
     block_q=block_q,
     block_k=block_k,
@@ -361,23 +349,12 @@ def attend_virtual(
     keys=nk * p,
     causal=options.causal,
     window=options.window,
-    offset=offset * p if static else None,
+    offset=offset * p if isinstance(offset, int) else None,
     max_offset=nk * p,
   )
+  key_ids = options.key_segment_ids if sliced else options.segment_ids
   segments = options.segment_ids is not None or (sliced and key_ids is not None)
-  seg = None
-  if segments:
-    query_ids = options.segment_ids
-    if query_ids is None:
-      query_ids = jnp.ones((b, n), jnp.int32)
-    if key_ids is None:
-      key_ids = jnp.ones((b, nk), jnp.int32)
-    key_ids = jnp.where(key_ids == 0, -1, key_ids)  # padding keys: seen by no query
-    seg = (  # query ids as columns [B, Tq, 1], key ids as rows of a tile [B, tiles, 1, bk]
-      _segments(query_ids, p, rows_q, 0)[..., None],
-      _segments(key_ids, p, rows_k, -1).reshape(b, rows_k // block_k, 1, block_k),
-    )
-  heads = h if alphas is None else alphas[0].shape[1]
+  heads = q.shape[2] if alphas is None else alphas[0].shape[1]
   kv_heads = k.shape[2] if alphas is None else alphas[1].shape[1]
   # RoPE per tile in the kernels where they are bound by HBM (windows, MHA: no float32
   # P-sized rotation through HBM); global IHA is bound by the MXU, and rotating its key
@@ -390,32 +367,94 @@ def attend_virtual(
     and (options.window is not None or (alphas is None and max(block_q, block_k) < GLOBAL_BLOCK))
   )
   call = Call(tiles, heads=heads, kv_heads=kv_heads, segments=segments, rotary=in_kernel)
+  return call, _Mixing(options.rope_theta, 1 / math.sqrt(d), rows_q, rows_k, in_kernel)
+
+
+def _attend(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  alphas: tuple[jax.Array, jax.Array, jax.Array] | None,
+  options: AttentionOptions,
+  platform: str,
+) -> jax.Array:
+  """Pseudo outputs `[B, Ht, N, P, dv]` (q.dtype) of mixing + flash attention on
+  `platform` ("tpu" or "gpu": whose kernels; interpreted off that platform).
+
+  q `[B, N, H, d]`, k `[B, Nk, G, d]`, v `[B, Nk, G, dv]` source heads (Nk = N unless a
+  sequence shard); `alphas = (alpha_q [H, Ht, P], alpha_k [G, Gt, P], alpha_v [G, Gt, P])`
+  (Ht, Gt: the target heads computed here, all or a head shard) or None for MHA (P = 1).
+  `options`: checked (window in virtual rows, causal, segment ids, positions, RoPE,
+  block sizes in virtual rows, a shard's query offset and key-side ids / positions)."""
+  b, n, _, _ = q.shape
+  nk = k.shape[1]
+  sliced = options.sliced or nk != n
+  p = _pseudo(alphas)
+  call, mixing = _kernel_call(q, k, v, alphas, options, platform)
+  positions = default_positions(q, options.positions)
+  key_positions = positions
+  key_ids = options.segment_ids
+  if sliced:
+    key_ids, key_positions = options.key_segment_ids, options.key_positions
+    if key_positions is None:
+      key_positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
+  seg = None
+  if call.segments:
+    query_ids = options.segment_ids
+    if query_ids is None:
+      query_ids = jnp.ones((b, n), jnp.int32)
+    if key_ids is None:
+      key_ids = jnp.ones((b, nk), jnp.int32)
+    key_ids = jnp.where(key_ids == 0, -1, key_ids)  # padding keys: seen by no query
+    block_k = call.tiles.block_k
+    seg = (  # query ids as columns [B, Tq, 1], key ids as rows of a tile [B, tiles, 1, bk]
+      _segments(query_ids, p, mixing.rows_q, 0)[..., None],
+      _segments(key_ids, p, mixing.rows_k, -1).reshape(b, mixing.rows_k // block_k, 1, block_k),
+    )
+  offset = options.query_offset if sliced else 0
+  static = isinstance(offset, int)
   offset_operand = None if static else (jnp.asarray(offset, jnp.int32) * p).reshape(1)
-  mixing = _Mixing(options.rope_theta, 1 / math.sqrt(d), rows_q, rows_k, in_kernel)
   args = (q, k, v, alphas, positions, key_positions, seg, offset_operand)
   o = _pipeline(platform, mixing, call, *args)
-  return o[:, :, : n * p].reshape(b, heads, n, p, v.shape[-1])
+  return o[:, :, : n * p].reshape(b, call.heads, n, p, v.shape[-1])
 
 
-def collapsed(
+def _checked(platform: str) -> str:
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform={platform!r}: the kernels' platforms are {PLATFORMS}")
+  return platform
+
+
+def iha(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
   alphas: tuple[jax.Array, jax.Array, jax.Array],
   collapse: jax.Array,
   options: AttentionOptions,
-  platform: str = "tpu",
+  *,
+  platform: str,
 ) -> jax.Array:
-  """IHA -> `[B, N, H', d]` float32: H' = H for a full collapse `[H, Ht, P]` (a partial
-  sum over the Ht local target heads), Ht for per_head `[Ht, P]`."""
-  o = attend_virtual(q, k, v, alphas, options, platform)
+  """IHA (docs/design.md §1.2-1.6) through the flash kernels of `platform` ("tpu",
+  "gpu") -> `[B, N, H', d]` float32: H' = H for a full collapse `[H, Ht, P]` (a partial
+  sum over the Ht local target heads computed here: all, or a head shard's), Ht for
+  per_head `[Ht, P]`.
+
+  q `[B, N, H, d]`, k and v `[B, Nk, G, d]` source heads (Nk = N unless a sequence shard;
+  G < H is grouped-query attention); `alphas = (alpha_q [H, Ht, P], alpha_k [G, Gt, P],
+  alpha_v [G, Gt, P])`; `options` as `iha_jax.ops.iha_attention` checks them (its
+  `implementation` is not read). The kernel behind `implementation="pallas_<platform>"`
+  without the checks or the mesh routing (`iha_jax.kernels.sharded`)."""
+  o = _attend(q, k, v, alphas, options, _checked(platform))
   spec = "bgnpd,hgp->bnhd" if collapse.ndim == 3 else "bhnpd,hp->bnhd"
   return jnp.einsum(spec, o, collapse.astype(o.dtype), preferred_element_type=jnp.float32)
 
 
 def mha(
-  q: jax.Array, k: jax.Array, v: jax.Array, options: AttentionOptions, platform: str = "tpu"
+  q: jax.Array, k: jax.Array, v: jax.Array, options: AttentionOptions, *, platform: str
 ) -> jax.Array:
-  """MHA: q `[B, N, H, d]`, k `[B, Nk, G, d]`, v `[B, Nk, G, dv]` -> `[B, N, H, dv]`."""
-  o = attend_virtual(q, k, v, None, options, platform)
-  return jnp.swapaxes(o[:, :, :, 0], 1, 2)
+  """MHA (causal or bidirectional) through the same flash kernels without mixing (P = 1):
+  q `[B, N, H, d]`, k `[B, Nk, G, d]` (RoPE applies to these), v `[B, Nk, G, dv]` (dv may
+  differ from d, e.g. 2d for differential attention) -> `[B, N, H, dv]` in q's dtype."""
+  o = _attend(q, k, v, None, options, _checked(platform))
+  return jnp.swapaxes(o[:, :, :, 0], 1, 2).astype(q.dtype)

@@ -43,7 +43,6 @@ from iha_jax.kinds.registry import (
   names,
   register,
   resolve,
-  resolve_implementation,
   unregister,
 )
 from iha_jax.kinds.simplicial import SIMPLICIAL, simplicial_attention
@@ -80,7 +79,6 @@ __all__ = [
   "register",
   "registry",
   "resolve",
-  "resolve_implementation",
   "simplicial_attention",
   "talking_heads_attention",
   "unregister",

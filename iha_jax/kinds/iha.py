@@ -42,7 +42,7 @@ class Interleaved(AttentionKind):
   implementations = {
     "reference": iha_reference,
     "xla": iha_xla,
-    # The fused kernels, under shard_map on a mesh.
+    # The Pallas kernels, under shard_map on a mesh.
     "pallas_tpu": functools.partial(iha_on_current_mesh, platform="tpu"),
     "pallas_gpu": functools.partial(iha_on_current_mesh, platform="gpu"),
     # Sliding windows with the pseudo-heads made, attended and collapsed in VMEM (TPU).

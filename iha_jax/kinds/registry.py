@@ -407,11 +407,3 @@ def _check_dropout(record: AttentionKind, options: AttentionOptions, q, v, expan
       + (f"use implementation={fix[0]!r}" if fix else "use dropout_rate=0")
       + " (or no dropout: deterministic=True)."
     )
-
-
-def resolve_implementation(implementation: str, kind: str = "iha") -> str:
-  """ "auto" -> the fused Pallas kernels on TPU / GPU where `kind` has them, else "xla".
-
-  This is the answer without a call's arrays: on GPU a call may pick "cudnn" or
-  "pallas_gpu_mha" instead (`resolve`)."""
-  return resolve(kind, implementation)

@@ -5,8 +5,6 @@
 scan-over-layers and remat: the trainer, the evaluator and the exporters use it.
 """
 
-import warnings as _warnings
-
 from iha_jax.models.config import SCHEDULE_LETTERS, TransformerConfig, expand_schedule
 from iha_jax.models.functional_lm import FunctionalTransformerLM, remat_policy
 from iha_jax.models.layers import DecoderBlock, FeedForward, RMSNorm, make_attention
@@ -25,18 +23,3 @@ __all__ = [
   "make_attention",
   "remat_policy",
 ]
-
-
-_DEPRECATED = {"LanguageModel": "FunctionalTransformerLM"}
-
-
-def __getattr__(name: str):
-  if name in _DEPRECATED:
-    new = _DEPRECATED[name]
-    _warnings.warn(
-      f"iha_jax.models.{name} is deprecated; use iha_jax.models.{new}",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return globals()[new]
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,6 @@ from iha_jax.kinds import (
   diff_attention,
   iha_attention,
   mha_attention,
-  resolve_implementation,
   simplicial_attention,
   talking_heads_attention,
 )
@@ -46,7 +45,6 @@ __all__ = [
   "interleave",
   "mha_attention",
   "pseudo_mix",
-  "resolve_implementation",
   "rms_norm",
   "rope_frequencies",
   "simplicial_attention",

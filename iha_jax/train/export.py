@@ -4,7 +4,7 @@
 shardings and logical-axis rules) with `jax.export` for a target platform, on a mesh of
 any size (on CPU, `--xla_force_host_platform_device_count` fakes the devices): a pod's
 program is checked without the pod. `kernel_placement` reads the exported StableHLO and
-says whether every fused-kernel custom call runs inside a manual-sharding region
+says whether every Pallas kernel's custom call runs inside a manual-sharding region
 (`sdy.manual_computation`, what `jax.shard_map` lowers to) and how that region takes its
 operands: a kernel outside one, or a region that takes the batch dimension whole, means
 XLA would gather the global batch onto every device.
