@@ -34,12 +34,12 @@ from iha_jax.parallel import context  # noqa: E402
 from iha_jax.train.losses import loss_terms  # noqa: E402
 
 
-def shard_pairs(n: int, shards: int, window: int | None, per_token: int, balanced: bool):
-  """Visible causal (query, key) pairs of one head per shard, over `n * per_token` virtual
+def shard_pairs(n: int, shards: int, window: int | None, num_pseudo: int, balanced: bool):
+  """Visible causal (query, key) pairs of one head per shard, over `n * num_pseudo` virtual
   positions; `window` in virtual tokens."""
   chunks = 2 if balanced else 1
   order = context.chunk_order(shards, chunks).reshape(shards, chunks)
-  length = n * per_token // (shards * chunks)  # virtual positions per chunk
+  length = n * num_pseudo // (shards * chunks)  # virtual positions per chunk
   out = []
   for s in range(shards):
     total = 0
@@ -51,12 +51,12 @@ def shard_pairs(n: int, shards: int, window: int | None, per_token: int, balance
   return np.asarray(out)
 
 
-def shard_tiles(n: int, shards: int, window: int | None, per_token: int, balanced: bool):
+def shard_tiles(n: int, shards: int, window: int | None, num_pseudo: int, balanced: bool):
   """Key tiles the XLA path visits per shard (sum over its query tiles): a causal layer
   against the whole sequence (global) or its halo (window)."""
   chunks = 2 if balanced else 1
   order = context.chunk_order(shards, chunks).reshape(shards, chunks)
-  c = n * per_token // (shards * chunks)
+  c = n * num_pseudo // (shards * chunks)
   reach = None if window is None else window - 1
   out = []
   for s in range(shards):
@@ -64,7 +64,7 @@ def shard_tiles(n: int, shards: int, window: int | None, per_token: int, balance
     for chunk in order[s]:
       start = chunk * c
       if reach is None:
-        k_index = np.arange(n * per_token)
+        k_index = np.arange(n * num_pseudo)
       else:
         k_index = np.arange(max(0, start - reach), start + c)
       q_index = np.arange(start, start + c)

@@ -32,7 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
       # D = differential (H/2 heads of value width 2d), X = 2-simplicial (no RoPE).
       attention_schedule="LM",
       # 'L' layers, in virtual tokens; "auto" = seq_len / (2P); None: no 'L' layers.
-      window=FieldReference("auto", field_type=str),
+      iha_window=FieldReference("auto", field_type=str),
       mha_window=placeholder(int),  # 'S' layers, tokens (None: no 'S' layers)
       rope_theta=10000.0,
       collapse_mode="full",

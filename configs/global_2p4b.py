@@ -12,5 +12,5 @@ from configs import iha_2p4b
 def get_config() -> ml_collections.ConfigDict:
   config = iha_2p4b.get_config()
   config.model.attention_schedule = "M"
-  config.model.window = None
+  config.model.iha_window = None
   return config

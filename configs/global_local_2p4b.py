@@ -11,6 +11,6 @@ from configs import iha_2p4b
 def get_config() -> ml_collections.ConfigDict:
   config = iha_2p4b.get_config()
   config.model.attention_schedule = "SSSSM"
-  config.model.window = None
+  config.model.iha_window = None
   config.model.mha_window = 512
   return config

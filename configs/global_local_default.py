@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   p = config.model.num_pseudo
   config.model.attention_schedule = "SM"
   config.model.mha_window = config.data.seq_len // (2 * p * p)  # IHA's window, in tokens
-  config.model.window = None
+  config.model.iha_window = None
   config.model.num_pseudo = None
   config.train.learning_rate = LEARNING_RATE
   config.train.final_learning_rate = LEARNING_RATE / 100  # default.py's ratio

@@ -35,7 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
     mlp_dim=10240,
     mlp_type="gelu",
     attention_schedule="LLLLM",
-    window="auto",
+    iha_window="auto",
     rope_theta=500000.0,
     collapse_mode="full",
     tie_embeddings=True,

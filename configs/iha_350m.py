@@ -26,7 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
     mlp_dim=2816,
     mlp_type="swiglu",
     attention_schedule="LLLLM",
-    window="auto",
+    iha_window="auto",
     rope_theta=10000.0,
     dtype="bfloat16",
     param_dtype="float32",

@@ -13,6 +13,6 @@ from configs import iha_350m
 def get_config() -> ml_collections.ConfigDict:
   config = iha_350m.get_config()
   config.model.attention_schedule = "M"
-  config.model.window = None
+  config.model.iha_window = None
   config.model.num_pseudo = None
   return config

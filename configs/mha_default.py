@@ -21,6 +21,6 @@ from configs import default
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.model.attention_schedule = "MM"
-  config.model.window = None
+  config.model.iha_window = None
   config.model.num_pseudo = None
   return config

@@ -34,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
     head_dim=16,
     mlp_dim=256,
     attention_schedule="LLLLM",
-    window="auto",
+    iha_window="auto",
   )
   config.model.num_pseudo = 2
   config.data.name = "python_stdlib/chunks"

@@ -87,11 +87,11 @@ def test_auto_on_gpu_picks_the_fastest_path_the_call_allows(dtype, dv, options, 
   with registry.auto_backend("gpu"):
     assert registry.resolve("mha", "auto", q, v, opts) == mha
     if iha:
-      assert registry.resolve("iha", "auto", q, v, opts, expansion=4) == iha
+      assert registry.resolve("iha", "auto", q, v, opts, num_pseudo=4) == iha
     # Without the call's arrays (e.g. a config check) "auto" names the fused kernels.
     assert registry.resolve("iha", "auto") == "pallas_gpu"
   with registry.auto_backend("tpu"):
-    assert registry.resolve("iha", "auto", q, v, opts, expansion=4) == "pallas_tpu"
+    assert registry.resolve("iha", "auto", q, v, opts, num_pseudo=4) == "pallas_tpu"
 
 
 def test_auto_keeps_large_iha_calls_on_the_fused_kernels(monkeypatch):
@@ -102,15 +102,15 @@ def test_auto_keeps_large_iha_calls_on_the_fused_kernels(monkeypatch):
   assert size == 4 * 3 * q.size * 2
   with registry.auto_backend("gpu"):
     monkeypatch.setattr(registry, "MATERIALISE_LIMIT_BYTES", size)
-    assert registry.resolve("iha", "auto", q, v, opts, expansion=4) == "cudnn"
+    assert registry.resolve("iha", "auto", q, v, opts, num_pseudo=4) == "cudnn"
     monkeypatch.setattr(registry, "MATERIALISE_LIMIT_BYTES", size - 1)
-    assert registry.resolve("iha", "auto", q, v, opts, expansion=4) == "pallas_gpu"
+    assert registry.resolve("iha", "auto", q, v, opts, num_pseudo=4) == "pallas_gpu"
     assert registry.resolve("mha", "auto", q, v, opts) == "cudnn"  # MHA copies nothing
     # Over a mesh the arrays are split: the bytes per device shrink with its size.
     mesh = jax.sharding.AbstractMesh((4,), ("data",))
     with jax.sharding.use_abstract_mesh(mesh):
       assert registry.materialised_bytes(q, v, 4) == size // 4
-      assert registry.resolve("iha", "auto", q, v, opts, expansion=4) == "cudnn"
+      assert registry.resolve("iha", "auto", q, v, opts, num_pseudo=4) == "cudnn"
 
 
 def test_explicit_cudnn_names_what_it_lacks():

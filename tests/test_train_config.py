@@ -27,9 +27,10 @@ from iha_jax.core.masking import visible
 from iha_jax.data import DataError
 from iha_jax.models import FunctionalTransformerLM, TransformerConfig, TransformerLM, count_params
 from iha_jax.models.layers import make_attention
-from iha_jax.nn import MIXING_PARAMS, param_specs
+from iha_jax.nn import MIXING_PARAMS
+from iha_jax.nn.config import param_specs
 from iha_jax.train import ConfigError, flops, model_config, validate
-from iha_jax.train.config import config_differences
+from iha_jax.train.config import config_differences, upgrade_saved_config
 from iha_jax.train.optimizer import decay_mask, make_optimizer
 
 
@@ -47,8 +48,8 @@ from iha_jax.train.optimizer import decay_mask, make_optimizer
     ({"train.grad_accum_steps": 3}, "train.grad_accum_steps=3 does not divide train.batch_size=8"),
     ({"model.remat_policy": "dots"}, "model.remat_policy must be one of"),
     ({"model.dtype": "float64"}, "model.dtype must be one of"),
-    ({"model.window": "0"}, "model.window must be a positive integer"),
-    ({"model.window": "wide"}, "model.window must be a positive integer"),
+    ({"model.iha_window": "0"}, "model.iha_window must be a positive integer"),
+    ({"model.iha_window": "wide"}, "model.iha_window must be a positive integer"),
     ({"model.attention_schedule": "IZ"}, "unknown letter 'Z'"),
     ({"model.attention_schedule": "S"}, "mha_window must be set"),
     ({"train.warmup_steps": 20}, "train.warmup_steps=20 must be below train.total_steps=20"),
@@ -75,7 +76,7 @@ def test_unknown_model_key():
 
 def test_window_override_from_the_command_line():
   config = tiny.get_config()
-  config.model.update(attention_schedule="LM", window="24")  # as config_flags passes it
+  config.model.update(attention_schedule="LM", iha_window="24")  # as config_flags passes it
   assert validate(config, 8).iha_window == 24
 
 
@@ -467,3 +468,16 @@ def test_optimizer_decays_by_the_mask(decay_mixing):
     "scanned/0/mlp_norm/scale": False,
     "layers/1/attn/talk_weights": decay_mixing,
   }
+
+
+def test_saved_configs_with_the_old_window_key_are_upgraded():
+  """Runs saved before `model.window` was renamed `model.iha_window` restore, resume and
+  evaluate with today's key (and nothing else changes)."""
+  old = {"model": {"window": "auto", "num_heads": 4}, "train": {"seed": 1}}
+  assert upgrade_saved_config(old) == {
+    "model": {"iha_window": "auto", "num_heads": 4},
+    "train": {"seed": 1},
+  }
+  assert old["model"] == {"window": "auto", "num_heads": 4}  # the input is not modified
+  today = {"model": {"iha_window": 64}}
+  assert upgrade_saved_config(today) is today

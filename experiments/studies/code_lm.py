@@ -102,7 +102,7 @@ def _config(scale: str) -> ml_collections.ConfigDict:
     head_dim=width // heads,
     mlp_dim=4 * width,
     attention_schedule="LLLLM",
-    window="auto",
+    iha_window="auto",
   )
   config.model.num_pseudo = size["pseudo"]
   return config

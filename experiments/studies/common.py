@@ -42,7 +42,7 @@ def schedule_edit(schedule: str) -> Callable[[ml_collections.ConfigDict], None]:
     if "S" in schedule:
       config.model.mha_window = max(1, config.data.seq_len // (2 * p * p))
     if "L" not in schedule:
-      config.model.window = None
+      config.model.iha_window = None
       config.model.num_pseudo = None
 
   return edit
@@ -69,7 +69,7 @@ def probe_model(
     head_dim=head_dim,
     mlp_dim=4 * width,
     attention_schedule="M",
-    window=None,
+    iha_window=None,
     causal=False,
     num_outputs=num_outputs,
     **extra,

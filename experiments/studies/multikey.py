@@ -111,7 +111,7 @@ def _config(scale: str) -> ml_collections.ConfigDict:
     head_dim=size["width"] // size["heads"],
     mlp_dim=4 * size["width"],
     attention_schedule="LLLLM",
-    window="auto",
+    iha_window="auto",
   )
   config.model.num_pseudo = size["pseudo"]
   return config

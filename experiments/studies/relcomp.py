@@ -60,7 +60,7 @@ def _config(hops: int, scale: str, decoder: bool = False) -> ml_collections.Conf
     head_dim=size["width"] // size["heads"],
     mlp_dim=4 * size["width"],
     attention_schedule="I",
-    window=None,
+    iha_window=None,
     causal=decoder,
     num_outputs=None if decoder else 1,
   )

@@ -177,7 +177,7 @@ def _forward(platform, mixing, call, q, k, v, alphas, positions, key_positions, 
 
   def forward(q, k, v, positions, key_positions, seg):
     qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
-    rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
+    rope = mixing.tables(positions, key_positions, _num_pseudo(alphas), q.shape[-1])
     return _run(platform, "forward", call, qv, kv, vv, rope, seg, offset, **kw), ()
 
   chunks = _chunks(mixing, q, v, alphas)
@@ -199,7 +199,7 @@ def _pipeline_bwd(platform, mixing, call, residuals, do):
   def backward(q, k, v, positions, key_positions, seg, o, lse, do):
     mix = lambda q, k, v, alphas: mixing(q, k, v, alphas, positions, key_positions)
     (qv, kv, vv), mix_vjp = jax.vjp(mix, q, k, v, alphas)
-    rope = mixing.tables(positions, key_positions, _pseudo(alphas), q.shape[-1])
+    rope = mixing.tables(positions, key_positions, _num_pseudo(alphas), q.shape[-1])
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     dqv, dkv, dvv = _run(
       platform, "backward", call, qv, kv, vv, rope, seg, offset, do.astype(qv.dtype), lse, delta
@@ -248,7 +248,7 @@ def _by_chunks(fn, chunks: int, *batched):
   return joined, jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *[out[1] for out in outputs])
 
 
-def _pseudo(alphas) -> int:
+def _num_pseudo(alphas) -> int:
   """P: the pseudo-heads per head (1 for MHA, `alphas` None)."""
   return 1 if alphas is None else alphas[0].shape[2]
 
@@ -321,7 +321,7 @@ def _kernel_call(q, k, v, alphas, options: AttentionOptions, platform: str):
   _, n, _, d = q.shape
   nk = k.shape[1]
   sliced = options.sliced or nk != n
-  p = _pseudo(alphas)
+  p = _num_pseudo(alphas)
   blocks = options.block_sizes
   requested = (blocks and blocks.block_q, blocks and blocks.block_k)
   if platform == "gpu":
@@ -389,7 +389,7 @@ def _attend(
   b, n, _, _ = q.shape
   nk = k.shape[1]
   sliced = options.sliced or nk != n
-  p = _pseudo(alphas)
+  p = _num_pseudo(alphas)
   call, mixing = _kernel_call(q, k, v, alphas, options, platform)
   positions = default_positions(q, options.positions)
   key_positions = positions

@@ -205,8 +205,8 @@ class AttentionKind:
     """Width of each head's value and output."""
     return cfg.head_dim
 
-  def virtual_per_token(self, cfg: AttentionConfig) -> int:
-    """Virtual tokens per token (IHA's P; 1 for the others)."""
+  def num_pseudo(self, cfg: AttentionConfig) -> int:
+    """P, the pseudo-heads per head: the virtual tokens per token (1 for kinds without)."""
     return 1
 
   # --- the entry point's call (`registry.attend`) ----------------------------------
@@ -256,8 +256,8 @@ class AttentionKind:
   def core_flops(self, cfg: AttentionConfig, seq_len: int) -> int:
     """Forward FLOPs of the attention core over one sequence of `seq_len` tokens, all
     heads: `4d` per visible (query, key) pair and head (QK and PV), counted over the
-    kind's `seq_len * virtual_per_token` positions with its window."""
-    length = seq_len * self.virtual_per_token(cfg)
+    kind's `seq_len * num_pseudo` positions with its window."""
+    length = seq_len * self.num_pseudo(cfg)
     pairs = visible_pairs(length, cfg.window, cfg.causal)
     return cfg.num_heads * pairs * (2 * cfg.head_dim + 2 * self.value_dim(cfg))
 

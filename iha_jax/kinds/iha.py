@@ -73,12 +73,12 @@ class Interleaved(AttentionKind):
   def auto_inputs(self, q, k, v, alpha_q, alpha_k, alpha_v, collapse):
     return q, v, alpha_q.shape[2]
 
-  def virtual_per_token(self, cfg):
+  def num_pseudo(self, cfg):
     return cfg.num_pseudo  # resolved by AttentionConfig (None -> H)
 
   def param_specs(self, cfg, kernel_init, mixing_noise_std):
     specs = super().param_specs(cfg, kernel_init, mixing_noise_std)
-    h, g, p = cfg.num_heads, cfg.kv_heads, self.virtual_per_token(cfg)
+    h, g, p = cfg.num_heads, cfg.kv_heads, self.num_pseudo(cfg)
     mixing = lambda heads, axis: ParamSpec(
       (heads, heads, p), (HEADS_SRC, axis, PSEUDO), identity_mixing_init(mixing_noise_std)
     )
@@ -98,7 +98,7 @@ class Interleaved(AttentionKind):
     return iha_attention(q, k, v, *mixing, options)
 
   def mixing_flops(self, cfg):
-    h, g, p, d = cfg.num_heads, cfg.kv_heads, self.virtual_per_token(cfg), cfg.head_dim
+    h, g, p, d = cfg.num_heads, cfg.kv_heads, self.num_pseudo(cfg), cfg.head_dim
     collapse = h * h * p if cfg.collapse_mode == "full" else h * p
     return 2 * (h * h + 2 * g * g) * p * d + 2 * collapse * d
 
@@ -106,7 +106,7 @@ class Interleaved(AttentionKind):
     return interleave(pseudo_mix(x, params[f"alpha_{which}"]))
 
   def collapse(self, params, cfg, out):
-    return collapse_heads(deinterleave(out, self.virtual_per_token(cfg)), params["collapse"])
+    return collapse_heads(deinterleave(out, self.num_pseudo(cfg)), params["collapse"])
 
 
 IHA = Interleaved()

@@ -212,11 +212,11 @@ def _devices_sharing() -> int:
   return math.prod(free)
 
 
-def materialised_bytes(q, v, expansion: int) -> int:
-  """Bytes per device of the q, k and v a call materialises `expansion` (P) times: q
+def materialised_bytes(q, v, num_pseudo: int) -> int:
+  """Bytes per device of the q, k and v a call materialises `num_pseudo` (P) times: q
   `[B, N, H, d]`, k `[B, N, G, d]` and v `[B, N, G, dv]` (G key/value heads, from v)."""
   k_size = v.size // v.shape[-1] * q.shape[-1]
-  return expansion * (q.size + k_size + v.size) * q.dtype.itemsize // _devices_sharing()
+  return num_pseudo * (q.size + k_size + v.size) * q.dtype.itemsize // _devices_sharing()
 
 
 def resolve(
@@ -225,12 +225,12 @@ def resolve(
   q=None,
   v=None,
   options=None,
-  expansion: int = 1,
+  num_pseudo: int = 1,
   *,
   sliced: bool = False,
 ) -> str:
   """ "auto" -> the fastest path measured on the current backend (or `auto_backend`'s):
-  - GPU, given the call's `q`, `v`, `options` (and IHA's P as `expansion`): cuDNN's
+  - GPU, given the call's `q`, `v`, `options` (and IHA's P as `num_pseudo`): cuDNN's
     attention where the call allows it (`cudnn_attention.unsupported` finds nothing; not
     for `sliced` calls: sequence shards, which only the `SLICED` implementations take);
     else, where a kind's "pallas_gpu_mha" is its own path (IHA: materialised pseudo
@@ -256,7 +256,7 @@ def resolve(
   if implementation == AUTO:
     backend = _AUTO_BACKEND.get() or jax.default_backend()
     if backend == "gpu" and q is not None:
-      small = expansion == 1 or materialised_bytes(q, v, expansion) <= MATERIALISE_LIMIT_BYTES
+      small = num_pseudo == 1 or materialised_bytes(q, v, num_pseudo) <= MATERIALISE_LIMIT_BYTES
       cudnn = "cudnn" in table and not sliced
       if small and cudnn and cudnn_attention.unsupported(q, v, options) is None:
         return "cudnn"
@@ -266,17 +266,17 @@ def resolve(
     if backend == "tpu":
       small = (
         q is None
-        or expansion == 1
-        or (materialised_bytes(q, v, expansion) <= MATERIALISE_LIMIT_BYTES)
+        or num_pseudo == 1
+        or (materialised_bytes(q, v, num_pseudo) <= MATERIALISE_LIMIT_BYTES)
       )
       windowed = options is not None and options.window is not None
       available = set(table)
       if "pallas_tpu_window" in available and (
-        q is None or not windowed or tpu_window.unsupported(q, v, expansion, options)
+        q is None or not windowed or tpu_window.unsupported(q, v, num_pseudo, options)
       ):
         available.discard("pallas_tpu_window")
       choice = tpu_auto.choose(
-        record.name, expansion, windowed, available, sliced=sliced, small=small
+        record.name, num_pseudo, windowed, available, sliced=sliced, small=small
       )
       if choice is not None:
         return choice
@@ -315,10 +315,10 @@ def _warn_if_interpreted(implementation: str) -> None:
 
 
 def lookup(
-  kind: str | AttentionKind, implementation: str, q=None, v=None, options=None, expansion: int = 1
+  kind: str | AttentionKind, implementation: str, q=None, v=None, options=None, num_pseudo: int = 1
 ) -> Callable[..., jax.Array]:
   """The callable of `kind`'s `implementation` ("auto" resolved first, from the call's
-  `q`, `v`, `options` and `expansion` where given).
+  `q`, `v`, `options` and `num_pseudo` where given).
 
   It takes the kind's arrays and its `AttentionOptions`. On a mesh with a `context` axis
   (given `q`, whose length it divides), the callable runs the implementation
@@ -328,7 +328,7 @@ def lookup(
   """
   record = _record(kind)
   sharded = q is not None and context.applies(q.shape[1])
-  name = resolve(record, implementation, q, v, options, expansion, sliced=sharded)
+  name = resolve(record, implementation, q, v, options, num_pseudo, sliced=sharded)
   if implementation != AUTO:
     _warn_if_interpreted(name)
   inner = record.implementations[name]
@@ -349,7 +349,7 @@ def lookup(
     *arrays, options = args
     return inner(*arrays, options.replace(implementation=name))
 
-  return functools.partial(context.attend, per_shard, record.sequence_roles, per_token=expansion)
+  return functools.partial(context.attend, per_shard, record.sequence_roles, num_pseudo=num_pseudo)
 
 
 # --- the one checked call ----------------------------------------------------------------
@@ -386,18 +386,18 @@ def attend(
   if not record.uses_rope:
     options = options.replace(rope_theta=None)  # documented as ignored
   options = validation.check_options(arrays[0], options)
-  q, v, expansion = record.auto_inputs(*arrays)
+  q, v, num_pseudo = record.auto_inputs(*arrays)
   if options.dropout_rate:
-    _check_dropout(record, options, q, v, expansion)
-  fn = lookup(record, options.implementation, q, v, options, expansion)
+    _check_dropout(record, options, q, v, num_pseudo)
+  fn = lookup(record, options.implementation, q, v, options, num_pseudo)
   return fn(*arrays, options)
 
 
-def _check_dropout(record: AttentionKind, options: AttentionOptions, q, v, expansion) -> None:
+def _check_dropout(record: AttentionKind, options: AttentionOptions, q, v, num_pseudo) -> None:
   """Raises ValueError unless the implementation this call runs applies attention dropout
   (the record's `dropout_implementations`)."""
   sliced = context.applies(q.shape[1])
-  name = resolve(record, options.implementation, q, v, options, expansion, sliced=sliced)
+  name = resolve(record, options.implementation, q, v, options, num_pseudo, sliced=sliced)
   if name not in record.dropout_implementations:
     chose = f" ('auto' chose {name!r} here)" if options.implementation == AUTO else ""
     fix = sorted(record.dropout_implementations)

@@ -10,8 +10,9 @@ from flax import nnx
 from flax.linen import with_logical_constraint
 
 from iha_jax.models.config import TransformerConfig
-from iha_jax.nn import Attention, LayerCache, logical_param
+from iha_jax.nn import Attention, LayerCache
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT
+from iha_jax.nn.partitioning import logical_param
 from iha_jax.ops import rms_norm
 from iha_jax.parallel.axes import EMBED, MLP, RESIDUAL_AXES
 

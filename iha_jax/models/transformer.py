@@ -14,8 +14,8 @@ from flax.linen import with_logical_constraint
 from iha_jax.models.config import TransformerConfig
 from iha_jax.models.kv_cache import KVCache
 from iha_jax.models.layers import DecoderBlock, RMSNorm
-from iha_jax.nn import logical_param
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT
+from iha_jax.nn.partitioning import logical_param
 from iha_jax.parallel.axes import EMBED, FEATURES, LOGITS_AXES, OUTPUTS, RESIDUAL_AXES, VOCAB
 
 

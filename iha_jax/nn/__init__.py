@@ -2,7 +2,8 @@
 
 One call per layer serves training, prefill and decoding with a KV cache (`cache=`,
 `iha_jax.nn.cache`) and attention probabilities (`return_probabilities=True`);
-docs/your_model.md puts them in a model of your own.
+docs/your_model.md puts them in a model of your own and lists this public API. The
+functions behind the layers (`iha_jax.nn.functional`, `.cache`, `.call`) are internal.
 """
 
 from iha_jax.nn.attention import (
@@ -13,20 +14,9 @@ from iha_jax.nn.attention import (
   SimplicialAttention,
   TalkingHeadsAttention,
 )
-from iha_jax.nn.cache import CACHE_MODES, LayerCache, cached_attention, init_layer_cache
-from iha_jax.nn.call import apply_layer
-from iha_jax.nn.config import MIXING_PARAMS, AttentionConfig, ParamSpec, layer_config, param_specs
-from iha_jax.nn.functional import (
-  attention_forward,
-  layer_attention_probabilities,
-  mask_segments,
-  project_qkv,
-  pseudo_heads,
-  rotated_pseudo_heads,
-  to_compute_dtype,
-)
+from iha_jax.nn.cache import CACHE_MODES, LayerCache
+from iha_jax.nn.config import MIXING_PARAMS, AttentionConfig
 from iha_jax.nn.initializers import (
-  fold_fan_in,
   identity_collapse_init,
   identity_mixing_init,
   identity_talking_init,
@@ -39,7 +29,7 @@ from iha_jax.nn.linen import (
   SimplicialAttentionLinen,
   TalkingHeadsAttentionLinen,
 )
-from iha_jax.nn.partitioning import logical_param, logical_specs, param_shardings, unbox
+from iha_jax.nn.partitioning import logical_specs, param_shardings, unbox
 
 __all__ = [
   "CACHE_MODES",
@@ -54,29 +44,14 @@ __all__ = [
   "LayerCache",
   "MultiHeadAttention",
   "MultiHeadAttentionLinen",
-  "ParamSpec",
   "SimplicialAttention",
   "SimplicialAttentionLinen",
   "TalkingHeadsAttention",
   "TalkingHeadsAttentionLinen",
-  "apply_layer",
-  "attention_forward",
-  "cached_attention",
-  "fold_fan_in",
   "identity_collapse_init",
   "identity_mixing_init",
   "identity_talking_init",
-  "init_layer_cache",
-  "layer_attention_probabilities",
-  "layer_config",
-  "logical_param",
   "logical_specs",
   "param_shardings",
-  "mask_segments",
-  "param_specs",
-  "project_qkv",
-  "pseudo_heads",
-  "rotated_pseudo_heads",
-  "to_compute_dtype",
   "unbox",
 ]

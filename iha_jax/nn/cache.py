@@ -93,7 +93,7 @@ def spec_for(cfg: AttentionConfig, max_len: int, mode: str) -> CacheSpec:
   """The `CacheSpec` of a cache for a layer of `cfg` holding up to `max_len` tokens."""
   return CacheSpec(
     kind=cfg.kind,
-    num_pseudo=cfg.record.virtual_per_token(cfg),
+    num_pseudo=cfg.record.num_pseudo(cfg),
     kv_heads=cfg.kv_heads,
     head_dim=cfg.head_dim,
     window=cfg.window,
@@ -155,9 +155,9 @@ def _stores_source(cfg: AttentionConfig, mode: str) -> bool:
   return mode == "source" and cfg.record.virtual_tokens
 
 
-def _per_token(cfg: AttentionConfig, mode: str) -> int:
+def _slots_per_token(cfg: AttentionConfig, mode: str) -> int:
   """Cache entries per token: 1 for source heads, P for pseudo-heads (1 for MHA)."""
-  return 1 if _stores_source(cfg, mode) else cfg.record.virtual_per_token(cfg)
+  return 1 if _stores_source(cfg, mode) else cfg.record.num_pseudo(cfg)
 
 
 def window_tokens(cfg: AttentionConfig, max_len: int) -> int:
@@ -169,7 +169,7 @@ def window_tokens(cfg: AttentionConfig, max_len: int) -> int:
   """
   if cfg.window is None:
     return max_len
-  span = -(-(cfg.window - 1) // cfg.record.virtual_per_token(cfg)) + 1
+  span = -(-(cfg.window - 1) // cfg.record.num_pseudo(cfg)) + 1
   return min(span, max_len)
 
 
@@ -201,7 +201,7 @@ def init_layer_cache(
       raise ValueError(f"{name} must be a positive integer, got {value!r}")
   dtype = dtype or cfg.dtype or jnp.float32
   spec = spec_for(cfg, max_len, mode)
-  shape = (batch, cfg.kv_heads, spec.capacity * _per_token(cfg, mode), cfg.head_dim)
+  shape = (batch, cfg.kv_heads, spec.capacity * _slots_per_token(cfg, mode), cfg.head_dim)
   zeros = jnp.zeros(shape, dtype)
   return LayerCache(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32), spec=spec)
 
@@ -210,18 +210,21 @@ def _heads_major(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 1, 2)
 
 
-def _write(buf: jax.Array, new: jax.Array, start: jax.Array, per_token: int) -> jax.Array:
+def _write(buf: jax.Array, new: jax.Array, start: jax.Array, slots_per_token: int) -> jax.Array:
   """Writes tokens `start .. start+n-1` into a ring buffer, keeping the last C of them.
 
-  `buf: [B, G, C*per_token, d]`, `new: [B, n*per_token, G, d]`; token t goes to slot t % C.
+  `buf: [B, G, C*S, d]`, `new: [B, n*S, G, d]` (S = `slots_per_token`); token t goes to slot
+  t % C.
   """
   b, h, size, d = buf.shape
-  capacity, n = size // per_token, new.shape[1] // per_token
+  capacity, n = size // slots_per_token, new.shape[1] // slots_per_token
   kept = min(n, capacity)  # Older tokens would be overwritten anyway; keeps slots unique.
-  new = new[:, (n - kept) * per_token :].reshape(b, kept, per_token, h, d).astype(buf.dtype)
-  new = jnp.transpose(new, (0, 3, 1, 2, 4))  # [B, G, kept, per_token, d]
+  new = (
+    new[:, (n - kept) * slots_per_token :].reshape(b, kept, slots_per_token, h, d).astype(buf.dtype)
+  )
+  new = jnp.transpose(new, (0, 3, 1, 2, 4))  # [B, G, kept, slots_per_token, d]
   slots = jnp.mod(start + n - kept + jnp.arange(kept, dtype=jnp.int32), capacity)
-  ring = buf.reshape(b, h, capacity, per_token, d)
+  ring = buf.reshape(b, h, capacity, slots_per_token, d)
   return ring.at[:, :, slots].set(new).reshape(buf.shape)
 
 
@@ -247,11 +250,11 @@ def _check_cache(cfg: AttentionConfig, cache: LayerCache, batch: int, tokens: in
       )
   want = (batch, cfg.kv_heads, None, cfg.head_dim)
   got = tuple(cache.k.shape)
-  per_token = _per_token(cfg, cache.mode)
-  if len(got) != 4 or got[:2] != want[:2] or got[3] != want[3] or got[2] % per_token:
+  slots_per_token = _slots_per_token(cfg, cache.mode)
+  if len(got) != 4 or got[:2] != want[:2] or got[3] != want[3] or got[2] % slots_per_token:
     raise ValueError(
       f"cache.k has shape {got}; this layer's {cache.mode!r} cache is [B, G, C * "
-      f"{per_token}, d] = [{batch}, {cfg.kv_heads}, C * {per_token}, {cfg.head_dim}] "
+      f"{slots_per_token}, d] = [{batch}, {cfg.kv_heads}, C * {slots_per_token}, {cfg.head_dim}] "
       "(init_layer_cache with this layer's config and batch)"
     )
 
@@ -278,8 +281,8 @@ def cached_attention(
   _check_cache(cfg, cache, x.shape[0], x.shape[1])
   p, x = to_compute_dtype(params, x, cfg)
   b, n = x.shape[:2]
-  per_virtual = cfg.record.virtual_per_token(cfg)
-  per_token = _per_token(cfg, cache.mode)
+  num_pseudo = cfg.record.num_pseudo(cfg)
+  slots_per_token = _slots_per_token(cfg, cache.mode)
   start = jnp.asarray(cache.length, jnp.int32)
   q, k, v = project_qkv(p, x)  # [B, n, H, d], [B, n, G, d]
   new_tokens = start + jnp.arange(n, dtype=jnp.int32)  # [n]
@@ -287,7 +290,7 @@ def cached_attention(
   new_k = rotated_pseudo_heads(p, cfg, "k", k, positions)  # [B, n*P, G, d]
   new_v = pseudo_heads(p, cfg, "v", v)
   # The tokens the cache holds before this call (negative: an empty slot).
-  slots = slot_tokens(start - 1, cache.k.shape[2] // per_token)  # [C]
+  slots = slot_tokens(start - 1, cache.k.shape[2] // slots_per_token)  # [C]
   old_k, old_v = cache.k.astype(x.dtype), cache.v.astype(x.dtype)
   if _stores_source(cfg, cache.mode):
     # Rebuild the cached tokens' pseudo-keys/values: less memory, more work per call.
@@ -296,9 +299,9 @@ def cached_attention(
     old_v = _heads_major(pseudo_heads(p, cfg, "v", _heads_major(old_v)))
   keys = jnp.concatenate([old_k, _heads_major(new_k)], axis=2)  # [B, G, (C + n)*P, d]
   values = jnp.concatenate([old_v, _heads_major(new_v)], axis=2)
-  filled = jnp.repeat(slots >= 0, per_virtual)
-  slot_index = jnp.where(filled, virtual_positions(slots[None], per_virtual)[0], _EMPTY_INDEX)
-  q_index = virtual_positions(new_tokens[None], per_virtual)[0]  # [n*P]
+  filled = jnp.repeat(slots >= 0, num_pseudo)
+  slot_index = jnp.where(filled, virtual_positions(slots[None], num_pseudo)[0], _EMPTY_INDEX)
+  q_index = virtual_positions(new_tokens[None], num_pseudo)[0]  # [n*P]
   kv_segments = jnp.concatenate([filled, jnp.ones(q_index.shape, bool)]).astype(jnp.int32)
   queries = _heads_major(rotated_pseudo_heads(p, cfg, "q", q, positions))  # [B, H, n*P, d]
   # queries [B, H, n*P, d] over keys [B, G, (C + n)*P, d]: head h reads key head h // (H/G).
@@ -321,8 +324,8 @@ def cached_attention(
     y = y * jnp.sqrt(2 * fits - 1)[None, :, None]
   written = (k, v) if _stores_source(cfg, cache.mode) else (new_k, new_v)
   cache = cache.replace(
-    k=_write(cache.k, written[0], start, per_token),
-    v=_write(cache.v, written[1], start, per_token),
+    k=_write(cache.k, written[0], start, slots_per_token),
+    v=_write(cache.v, written[1], start, slots_per_token),
     length=start + n,
   )
   return y, cache

@@ -80,7 +80,7 @@ def layer_config(
     )
   check_positive("window_tokens", window_tokens)
   cfg = AttentionConfig(**{**fields, "window": None})
-  return dataclasses.replace(cfg, window=window_tokens * cfg.record.virtual_per_token(cfg))
+  return dataclasses.replace(cfg, window=window_tokens * cfg.record.num_pseudo(cfg))
 
 
 def _flax_names(

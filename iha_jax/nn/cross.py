@@ -114,15 +114,15 @@ def cross_attention(
   context = jnp.asarray(context, x.dtype)
   q, _, _ = project_qkv(p, x)  # the unused k, v of x are dead code to XLA
   _, k, v = project_qkv(p, context)
-  per_token = cfg.record.virtual_per_token(cfg)
+  num_pseudo = cfg.record.num_pseudo(cfg)
   heads_major = lambda t: jnp.swapaxes(t, 1, 2)
   out = grouped_attention_heads_major(
     heads_major(pseudo_heads(p, cfg, "q", q)),  # [B, H, N*P, d]
     heads_major(pseudo_heads(p, cfg, "k", k)),  # [B, G, M*P, d]
     heads_major(pseudo_heads(p, cfg, "v", v)),
     # A row whose context is all padding: its queries are padding too (zero outputs).
-    segment_ids=jnp.broadcast_to(kv_valid.max(axis=1, keepdims=True), (b, n * per_token)),
-    kv_segment_ids=virtual_segment_ids(kv_valid, per_token),
+    segment_ids=jnp.broadcast_to(kv_valid.max(axis=1, keepdims=True), (b, n * num_pseudo)),
+    kv_segment_ids=virtual_segment_ids(kv_valid, num_pseudo),
     window=None,
     causal=False,
   )

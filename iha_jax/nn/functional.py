@@ -157,8 +157,8 @@ def rotated_pseudo_heads(
   xv = pseudo_heads(params, cfg, which, x)
   if cfg.rope_theta is None:
     return xv
-  per_token = cfg.record.virtual_per_token(cfg)
-  return apply_rope(xv, virtual_positions(positions, per_token), cfg.rope_theta)
+  num_pseudo = cfg.record.num_pseudo(cfg)
+  return apply_rope(xv, virtual_positions(positions, num_pseudo), cfg.rope_theta)
 
 
 def layer_attention_probabilities(
@@ -193,7 +193,7 @@ def layer_attention_probabilities(
   )
   segments = None
   if segment_ids is not None:
-    segments = virtual_segment_ids(segment_ids, cfg.record.virtual_per_token(cfg))
+    segments = virtual_segment_ids(segment_ids, cfg.record.num_pseudo(cfg))
   return grouped_attention_probabilities(  # keys may have G < H heads (grouped-query)
     queries,
     keys,

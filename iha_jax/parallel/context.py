@@ -121,10 +121,10 @@ def applies(num_tokens: int) -> bool:
   return shards > 1 and num_tokens % (shards * chunks_per_shard()) == 0
 
 
-def reach_tokens(window: int | None, per_token: int) -> int | None:
+def reach_tokens(window: int | None, num_pseudo: int) -> int | None:
   """Tokens before (and, bidirectional, after) a query that a window of `window` units
-  (virtual tokens when `per_token` = P > 1) can reach: `ceil((w - 1) / P)`; None: all."""
-  return None if window is None else -(-(window - 1) // per_token)
+  (virtual tokens when `num_pseudo` = P > 1) can reach: `ceil((w - 1) / P)`; None: all."""
+  return None if window is None else -(-(window - 1) // num_pseudo)
 
 
 def _shift(x: jax.Array, hops: int, shards: int, axis: str) -> jax.Array:
@@ -224,7 +224,7 @@ def _manual_axes(mesh: Any, batch_size: int, axis: str) -> tuple[tuple[str, ...]
 
 
 def attend(
-  fn: Callable[..., jax.Array], roles: Sequence[str], *args: Any, per_token: int = 1
+  fn: Callable[..., jax.Array], roles: Sequence[str], *args: Any, num_pseudo: int = 1
 ) -> jax.Array:
   """`fn(*arrays, options)` (an implementation of a kind, options checked) run
   context-parallel on the current mesh: the result equals `fn`'s on the whole sequence.
@@ -235,7 +235,7 @@ def attend(
       `[B, N, ...]`, gathered or exchanged), "-" (anything else, e.g. mixing weights:
       passed whole).
     *args: the arrays, then the `AttentionOptions` (positions defaulted).
-    per_token: virtual tokens per token (IHA's P): the window's unit.
+    num_pseudo: virtual tokens per token (IHA's P): the window's unit.
 
   Returns:
     `fn`'s output `[B, N, ...]`, split over `context` like the queries.
@@ -247,7 +247,7 @@ def attend(
   axis = context_axis(mesh)
   shards, chunks = context_shards(mesh), chunks_per_shard()
   query = arrays[roles.index(QUERY)]
-  reach = reach_tokens(options.window, per_token)
+  reach = reach_tokens(options.window, num_pseudo)
   if reach is not None and reach >= query.shape[1] // (shards * chunks):
     # A window reaching past the neighbouring chunk: gather everything (the window
     # still masks), which is what such a window costs anyway.
@@ -292,10 +292,10 @@ def attend(
   return mapped(segment_ids, options.positions, *arrays)
 
 
-def received_tokens(num_tokens: int, window: int | None, per_token: int, shards: int) -> int:
+def received_tokens(num_tokens: int, window: int | None, num_pseudo: int, shards: int) -> int:
   """Key-side tokens one device receives per layer (contiguous layout): `N - N/S` for a
   global layer, the halo `ceil((w - 1) / P)` (twice, bidirectional) for a window layer."""
-  reach = reach_tokens(window, per_token)
+  reach = reach_tokens(window, num_pseudo)
   local = num_tokens // shards
   if reach is None or reach >= num_tokens:
     return num_tokens - local

@@ -40,7 +40,7 @@ from jax.experimental import multihost_utils
 from iha_jax import storage
 from iha_jax.errors import UserError
 from iha_jax.train import integrity
-from iha_jax.train.config import ConfigError, config_differences
+from iha_jax.train.config import ConfigError, config_differences, upgrade_saved_config
 from iha_jax.train.state import TrainState
 
 STATE, DATA, CONFIG, CHECKSUMS = "state", "data", "config", "checksums"
@@ -177,13 +177,13 @@ def restore_config(
   """The config saved with `step` (default: the latest)."""
   step = manager.latest_step() if step is None else step
   saved = manager.restore(step, args=ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()}))
-  return ml_collections.ConfigDict(saved[CONFIG])
+  return ml_collections.ConfigDict(upgrade_saved_config(dict(saved[CONFIG])))
 
 
 # Model keys that shape no parameter: a run that starts from another run's parameters
 # (`train.init_from`, e.g. a long-context stage) may change them.
 NON_PARAMETER_KEYS = frozenset(
-  {"window", "mha_window", "rope_theta", "implementation", "remat_policy", "dtype"}
+  {"iha_window", "mha_window", "rope_theta", "implementation", "remat_policy", "dtype"}
 )
 
 

@@ -1,7 +1,7 @@
 """Training config: validation (fail fast, naming the key) and the model config it implies.
 
 Window keys *(project)*:
-- `model.window`: window of the 'L' (sliding-window IHA) layers in VIRTUAL tokens, or
+- `model.iha_window`: window of the 'L' (sliding-window IHA) layers in VIRTUAL tokens, or
   "auto" = the paper's FLOP-matched `data.seq_len / (2 P)` virtual tokens (docs/design.md §2),
   or None when the schedule has no 'L'.
 - `model.mha_window`: window of the 'S' (sliding-window MHA) layers in tokens.
@@ -38,13 +38,10 @@ from iha_jax.train.losses import LOSSES, chunk_tokens_problem
 
 REMAT_POLICIES = ("none", "full", "save_projections", "save_attention")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# The `model.` section: TransformerConfig's fields, with `window` (resolved, "auto"
-# allowed) for `iha_window` and without `norm_eps` (fixed), plus how the trainer runs it.
-_RENAMED = {"iha_window": "window"}
+# The `model.` section: TransformerConfig's fields by the same names (`iha_window` also
+# takes "auto", resolved here) but `norm_eps` (fixed), plus how the trainer runs it.
 MODEL_KEYS = tuple(
-  _RENAMED.get(f.name, f.name)
-  for f in dataclasses.fields(TransformerConfig)
-  if f.name != "norm_eps"
+  f.name for f in dataclasses.fields(TransformerConfig) if f.name != "norm_eps"
 ) + ("remat_policy", "scan_layers")
 # Model keys added after checkpoints were first saved: their value when a saved config
 # lacks them (the model they describe is the one built before the key existed).
@@ -77,15 +74,15 @@ def resolve_vocab_size(config: ml_collections.ConfigDict) -> int:
 
 
 def _window(config: ml_collections.ConfigDict) -> int | str | None:
-  """`model.window` as None, "auto" or an int (a `--config.model.window=256` override of
-  the string field "auto" arrives as the string "256")."""
-  window = config.model.window
+  """`model.iha_window` as None, "auto" or an int (a `--config.model.iha_window=256`
+  override of the string field "auto" arrives as the string "256")."""
+  window = config.model.iha_window
   if isinstance(window, str) and window != "auto":
     try:
       return int(window)
     except ValueError:
       raise ConfigError(
-        f"model.window must be a positive integer, 'auto' or None, got {window!r}"
+        f"model.iha_window must be a positive integer, 'auto' or None, got {window!r}"
       ) from None
   return window
 
@@ -225,7 +222,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
     )
   window = _window(config)
   if window not in (None, "auto") and not is_int(window, 1):
-    raise ConfigError(f"model.window must be a positive integer, 'auto' or None, got {window!r}")
+    raise ConfigError(
+      f"model.iha_window must be a positive integer, 'auto' or None, got {window!r}"
+    )
   model = model_config(config)
   for key in (
     "train.batch_size",
@@ -293,6 +292,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
         f"{period} (model.attention_schedule={config.model.attention_schedule!r})"
       )
   return model
+
+
+def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
+  """A config saved by an older version in today's keys: `model.window` became
+  `model.iha_window` (2026-11-28)."""
+  model = dict(saved.get("model", {}))
+  if "window" in model and "iha_window" not in model:
+    model["iha_window"] = model.pop("window")
+    return {**saved, "model": model}
+  return saved
 
 
 def config_differences(

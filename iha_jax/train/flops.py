@@ -39,7 +39,8 @@ import numpy as np
 # The visible-pair counts live beside the mask they count (re-exported here).
 from iha_jax.core.masking import visible_keys, visible_pairs, visible_triples  # noqa: F401
 from iha_jax.models import TransformerConfig, count_params
-from iha_jax.nn import AttentionConfig, param_specs
+from iha_jax.nn import AttentionConfig
+from iha_jax.nn.config import param_specs
 
 # Dense bf16 peak TFLOP/s per device (per chip for TPU), by device_kind substring.
 PEAK_TFLOPS = (
