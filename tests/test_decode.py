@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from iha_jax.kinds import registry
 from iha_jax.models import TransformerConfig, TransformerLM
 from iha_jax.models import generate as generate_module
 from iha_jax.models.generate import decode_step, generate, prefill
@@ -91,6 +92,33 @@ def test_cached_logits_equal_full_forward(schedule, kw, cache_mode):
   _assert_logits_close(
     _teacher_forced(model, tokens, 4, cache_mode), expected, f"{schedule} {cache_mode}, prefill 4"
   )
+
+
+@pytest.mark.parametrize(
+  "implementation,cache_mode",
+  [
+    ("pallas_tpu", "source"),
+    pytest.param("pallas_tpu", "pseudo", marks=FULL),
+    pytest.param("pallas_gpu", "source", marks=FULL),
+    pytest.param("pallas_gpu", "pseudo", marks=FULL),
+  ],
+)
+def test_cached_calls_run_the_named_kernels_and_equal_the_full_forward(
+  implementation, cache_mode, monkeypatch
+):
+  """A cached call is the layer's entry point with its queries at an offset into the
+  cache's keys: with a kernel implementation named, prefill and every decoding step run
+  that kernel (here in Pallas' interpreter, which warns), and the logits equal the
+  reference model's full forward."""
+  kw = dict(num_pseudo=3, collapse_mode="per_head", iha_window=4, tie_embeddings=False)
+  tokens = _tokens(3, 8)
+  expected = _model("LI", **kw)(tokens)  # the reference implementation, same parameters
+  monkeypatch.setattr(registry, "_WARNED", set())  # the warning comes once per process
+  with pytest.warns(UserWarning, match=f"{implementation!r} runs in Pallas' interpreter"):
+    got = _teacher_forced(
+      _model("LI", **{**kw, "implementation": implementation}), tokens, 5, cache_mode
+    )
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.full

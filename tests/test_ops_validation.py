@@ -155,3 +155,37 @@ def test_a_kernel_named_off_its_hardware_warns_once_that_it_is_interpreted(monke
     warnings.simplefilter("error")
     ops.mha_attention(q, q, q, implementation="pallas_gpu")  # once only
     ops.mha_attention(q, q, q, implementation="auto")
+
+
+def test_queries_at_an_offset_into_longer_keys():
+  """A cached call's form: the keys of a longer sequence, the queries at `query_offset`
+  into it, the keys' own ids and positions. It equals the same queries' rows of the call
+  over the whole sequence; bad key-side arrays and kinds that do not decode are refused
+  in one line."""
+  q, k, v, *mixing = _args()
+  whole = ops.iha_attention(q, k, v, *mixing, implementation="xla")
+  offset = 2
+  positions = jnp.broadcast_to(jnp.arange(offset, N, dtype=jnp.int32), (B, N - offset))
+  kv_positions = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+  tail = ops.iha_attention(
+    q[:, offset:],
+    k,
+    v,
+    *mixing,
+    implementation="xla",
+    positions=positions,
+    query_offset=offset,
+    kv_positions=kv_positions,
+  )
+  assert jnp.allclose(tail, whole[:, offset:], atol=1e-5)
+  with pytest.raises(ValueError, match=r"kv_positions must have shape \[B, Nk\] = \[2, 5\]"):
+    ops.iha_attention(q[:, offset:], k, v, *mixing, query_offset=offset, kv_positions=positions)
+  t_q, t_k, t_v, logits, weights = (
+    jnp.ones((B, N, H, D)),
+    jnp.ones((B, N, H, D)),
+    jnp.ones((B, N, H, D)),
+    jnp.eye(H),
+    jnp.eye(H),
+  )
+  with pytest.raises(ValueError, match="talking_heads attention takes the keys of its queries"):
+    ops.talking_heads_attention(t_q, t_k, t_v, logits, weights, query_offset=1)

@@ -83,8 +83,11 @@ def dense_attention(
   q_index = q_offset + jnp.arange(q.shape[1])
   k_index = jnp.arange(k.shape[1])
   k_segment = segment_ids if kv_segment_ids is None else kv_segment_ids
+  q_segment = segment_ids
+  if q_segment is None and k_segment is not None:  # keys with padding, queries without
+    q_segment = jnp.ones(q.shape[:2], jnp.int32)
   probs = dense_attention_probabilities(
-    q, k, q_index, k_index, window=window, q_segment=segment_ids, k_segment=k_segment, causal=causal
+    q, k, q_index, k_index, window=window, q_segment=q_segment, k_segment=k_segment, causal=causal
   )
   v = repeat_kv_heads(v, q.shape[2])
   out = jnp.einsum("bhts,bshd->bthd", probs, v.astype(jnp.float32), precision=_HIGHEST)

@@ -50,11 +50,15 @@ def check_arrays(
     raise ValueError(f"{listed} must share one dtype, got {', '.join(str(t) for t in dtypes)}.")
 
 
-def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, value_width: bool = False) -> int:
+def check_qkv(
+  q: jax.Array, k: jax.Array, v: jax.Array, *, value_width: bool = False, sliced: bool = False
+) -> int:
   """q: floating `[B, N, H, d]`; k: `[B, N, G, d]` and v `[B, N, G, d]` (with `value_width`
   `[B, N, G, dv]`) of q's dtype, G dividing H (grouped-query attention: query head h reads
-  key/value head `h // (H // G)`; G = H is multi-head, G = 1 multi-query). Returns G."""
-  check_arrays(("q", "k", "v"), (q, k, v), 4, "[B, N, H, d]", same_shape=False, prefix=2)
+  key/value head `h // (H // G)`; G = H is multi-head, G = 1 multi-query); `sliced`: k and v
+  may hold another number of tokens Nk (queries at an offset into longer keys). Returns G."""
+  prefix = 1 if sliced else 2
+  check_arrays(("q", "k", "v"), (q, k, v), 4, "[B, N, H, d]", same_shape=False, prefix=prefix)
   what = "[B, N, G, dv]" if value_width else "[B, N, G, d]"
   check_arrays(("k", "v"), (k, v), 4, what, same_shape=not value_width)
   if _shape(k)[3] != _shape(q)[3]:
@@ -171,6 +175,24 @@ def check_options(q: jax.Array, options: AttentionOptions) -> AttentionOptions:
         f"RoPE needs an even head_dim d, got d = {_shape(q)[-1]}; use an even d or rope_theta=None."
       )
   return dataclasses.replace(options, positions=default_positions(q, options.positions))
+
+
+def check_key_side(k: jax.Array, options: AttentionOptions) -> None:
+  """A call whose queries sit at an offset into longer keys k `[B, Nk, ...]`: the keys'
+  `kv_segment_ids` and `kv_positions` are `[B, Nk]` integers, `query_offset` an int >= 0
+  or an int32 scalar."""
+  batch_tokens = _shape(k)[:2]
+  for name in ("kv_segment_ids", "kv_positions"):
+    x = getattr(options, name)
+    if x is None:
+      continue
+    if _shape(x) != batch_tokens:
+      raise ValueError(f"{name} must have shape [B, Nk] = {list(batch_tokens)}, got {_shape(x)}.")
+    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+      raise ValueError(f"{name} must be an integer array (int32), got {jnp.result_type(x)}.")
+  offset = options.query_offset
+  if isinstance(offset, int) and not is_int(offset, 0) or jnp.ndim(offset) != 0:
+    raise ValueError(f"query_offset must be an int >= 0 or an int32 scalar, got {offset!r}.")
 
 
 def default_positions(q: jax.Array, positions: jax.Array | None) -> jax.Array:

@@ -211,10 +211,11 @@ class AttentionKind:
 
   # --- the entry point's call (`registry.attend`) ----------------------------------
 
-  def check_arrays(self, *arrays: jax.Array) -> None:
+  def check_arrays(self, *arrays: jax.Array, sliced: bool = False) -> None:
     """Raises ValueError naming the argument for arrays this kind cannot take (ranks,
     shapes, dtypes); `attend` then checks the options against the queries `arrays[0]`
-    `[B, N, ...]`. Default: nothing beyond that."""
+    `[B, N, ...]`. `sliced=True` (passed to kinds that decode only, for a cached call):
+    the keys may be longer than the queries. Default: nothing beyond that."""
 
   def auto_inputs(self, *arrays: jax.Array) -> tuple[jax.Array, jax.Array | None, int]:
     """What "auto" weighs for a call (`registry.resolve`): the queries `[B, N, H, d]`,
@@ -250,6 +251,21 @@ class AttentionKind:
     """`x: [B, N, D]` (computation dtype) -> per-head outputs `[B, N, H, dv]`, before
     the output projection `wo`. `layer` counts from 1 (may be traced)."""
     raise NotImplementedError
+
+  def attend(
+    self,
+    params: Params,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cfg: AttentionConfig,
+    options: AttentionOptions,
+  ) -> jax.Array:
+    """The kind's entry point on projected source heads, q `[B, N, H, d]` and k, v
+    `[B, Nk, G, d]` (a cached call: the keys the cache holds and the new ones, the
+    queries at `options.query_offset`) -> `[B, N, H, dv]`. Kinds that decode (`decodes`)
+    define it; their `core` is the projections and then this."""
+    raise NotImplementedError(f"{self.name} attention has no cached call")
 
   # --- budgets (forward FLOPs; docs/design.md §2) ----------------------------------
 

@@ -64,10 +64,10 @@ class Interleaved(AttentionKind):
     if cfg.collapse_mode not in COLLAPSE_MODES:
       raise ValueError(f"collapse_mode must be one of {COLLAPSE_MODES}, got {cfg.collapse_mode!r}")
 
-  def check_arrays(self, q, k, v, alpha_q, alpha_k, alpha_v, collapse):
+  def check_arrays(self, q, k, v, alpha_q, alpha_k, alpha_v, collapse, sliced=False):
     if jnp.ndim(alpha_q) == 3:
       validation.check_head_axis(q, jnp.shape(alpha_q)[0], "alpha_q [H, H, P]")
-    num_kv_heads = validation.check_qkv(q, k, v)
+    num_kv_heads = validation.check_qkv(q, k, v, sliced=sliced)
     validation.check_mixing(q.shape[2], alpha_q, alpha_k, alpha_v, collapse, num_kv_heads)
 
   def auto_inputs(self, q, k, v, alpha_q, alpha_k, alpha_v, collapse):
@@ -94,6 +94,9 @@ class Interleaved(AttentionKind):
     # Gather the small source-head q/k/v over the head axis rather than communicate
     # P-times larger pseudo-heads (a no-op unless a mesh and logical rules are active).
     q, k, v = (with_logical_constraint(t, SOURCE_HEADS_AXES) for t in project_qkv(params, x))
+    return self.attend(params, q, k, v, cfg, options)
+
+  def attend(self, params, q, k, v, cfg, options):
     mixing = (params["alpha_q"], params["alpha_k"], params["alpha_v"], params["collapse"])
     return iha_attention(q, k, v, *mixing, options)
 

@@ -22,7 +22,7 @@ _GPU_KERNEL = functools.partial(mha_on_current_mesh, platform="gpu")
 class MultiHead(AttentionKind):
   """`softmax(rope(q) rope(k)^T / sqrt(d)) v` per head; `wq: [D, H, d]`, `wk, wv:
   [D, G, d]` (G = H, or grouped-query: query head h reads key/value head `h // (H // G)`),
-  `wo: [H, d, D]`. Decodes with a cache of rotated keys and values (G heads)."""
+  `wo: [H, d, D]`. Decodes with a cache of keys and values (G heads)."""
 
   name = "mha"
   letters = (
@@ -46,14 +46,17 @@ class MultiHead(AttentionKind):
   decodes = True
   sequence_roles = ("q", "kv", "kv")
 
-  def check_arrays(self, q, k, v):
-    validation.check_qkv(q, k, v, value_width=True)
+  def check_arrays(self, q, k, v, sliced=False):
+    validation.check_qkv(q, k, v, value_width=True, sliced=sliced)
 
   def auto_inputs(self, q, k, v):
     return q, v, 1
 
   def core(self, params, x, cfg, options, layer):
     q, k, v = project_qkv(params, x)
+    return self.attend(params, q, k, v, cfg, options)
+
+  def attend(self, params, q, k, v, cfg, options):
     return mha_attention(q, k, v, options)
 
 

@@ -382,10 +382,20 @@ def attend(
   if any(isinstance(x, AttentionOptions) for x in arrays):
     raise TypeError(f"attend({record.name!r}, ...): pass the AttentionOptions as options=")
   options = with_overrides(options, overrides)
-  record.check_arrays(*arrays)
+  if options.sliced and not record.decodes:
+    raise ValueError(
+      f"query_offset, kv_segment_ids and kv_positions place queries into longer keys (a "
+      f"cached call); {record.name} attention takes the keys of its queries' own sequence"
+    )
+  if options.sliced:  # (only kinds that decode take keys longer than their queries)
+    record.check_arrays(*arrays, sliced=True)
+  else:
+    record.check_arrays(*arrays)
   if not record.uses_rope:
     options = options.replace(rope_theta=None)  # documented as ignored
   options = validation.check_options(arrays[0], options)
+  if options.sliced:
+    validation.check_key_side(arrays[1], options)
   q, v, num_pseudo = record.auto_inputs(*arrays)
   if options.dropout_rate:
     _check_dropout(record, options, q, v, num_pseudo)

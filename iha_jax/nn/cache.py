@@ -6,19 +6,20 @@ layers only the tokens their window can see (`window_tokens`). The layer's call 
 cache (`Attention.__call__(x, cache=...)`, or `cached_attention` on a parameter dict) takes
 the next `n >= 1` tokens of every row (a prompt, a chunk of one, or one token), attends
 with them over what the cache holds plus themselves, writes them, and returns the output
-and the new cache: prefill and one-token decoding are the same call. Its output equals the
-full forward's at those positions (the same XLA attention core and mask).
+and the new cache: prefill and one-token decoding are the same call, the layer's entry
+point with its queries at an offset into longer keys (`cached_attention`). Its output
+equals the full forward's at those positions.
 
-Layouts (head-major, the XLA core's), G the layer's key/value heads (`num_kv_heads`):
-- "source" (IHA): the SOURCE-head k and v before mixing and RoPE, `[B, G, C, d]`, the size
-  of a multi-head cache with G heads; each call rebuilds the cached tokens' pseudo-keys
-  and pseudo-values (mix with `alpha_k`, `alpha_v`; RoPE at virtual positions `pos*P + p`).
-- "pseudo" (IHA): the rotated pseudo-keys and the pseudo-values, `[B, G, C*P, d]` (P times
-  larger; slot c holds virtual tokens `c*P .. c*P+P-1`): a call mixes and rotates only its
-  new tokens.
-MHA layers store rotated keys and values `[B, G, C, d]` in either mode (P = 1, no
-mixing). A kind decodes when its record says so (`AttentionKind.decodes`: it reads as
-pseudo-head attention, `pseudo_heads` and `collapse`; IHA and MHA built in).
+Layouts (head-major), G the layer's key/value heads (`num_kv_heads`):
+- "source": the SOURCE-head k and v before mixing and RoPE, `[B, G, C, d]`, the size of
+  a multi-head cache with G heads; each call runs the kind's entry point over them and
+  the new tokens (IHA mixes and rotates the cached tokens again: less memory, more work
+  per call).
+- "pseudo" (IHA): the rotated pseudo-keys and the pseudo-values, `[B, G, C*P, d]` (P
+  times larger; slot c holds virtual tokens `c*P .. c*P+P-1`): a call mixes and rotates
+  only its new tokens. For MHA (P = 1) "pseudo" is a cache of rotated keys.
+A kind decodes when its record says so (`AttentionKind.decodes`: it reads as pseudo-head
+attention, `attend`, `pseudo_heads` and `collapse`; IHA and MHA built in).
 
 Every row of a batch is at the same position (`length`): equal-length prompts, no
 padding; positions are `length + arange(n)`, as the full forward's default.
@@ -43,10 +44,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from iha_jax.checks import is_int, is_traced
-from iha_jax.core.grouped import grouped_attention_heads_major
-from iha_jax.core.interleave import virtual_positions
+from iha_jax.core.options import AttentionOptions
 from iha_jax.kinds import project_out
 from iha_jax.kinds.config import AttentionConfig
+from iha_jax.kinds.mha import mha_attention
 from iha_jax.nn.functional import (
   check_input,
   project_qkv,
@@ -56,9 +57,6 @@ from iha_jax.nn.functional import (
 )
 
 CACHE_MODES = ("source", "pseudo")
-# Virtual index of an empty slot: after every query, so the causal rule hides it and the
-# core's tile ranges skip it (its segment id is 0 as well).
-_EMPTY_INDEX = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +204,6 @@ def init_layer_cache(
   return LayerCache(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32), spec=spec)
 
 
-def _heads_major(x: jax.Array) -> jax.Array:
-  return jnp.swapaxes(x, 1, 2)
-
-
 def _write(buf: jax.Array, new: jax.Array, start: jax.Array, slots_per_token: int) -> jax.Array:
   """Writes tokens `start .. start+n-1` into a ring buffer, keeping the last C of them.
 
@@ -264,6 +258,17 @@ def cached_attention(
 ) -> tuple[jax.Array, LayerCache]:
   """The layer on the next `n` tokens of every row, with a KV cache.
 
+  The call is the layer's own entry point with its queries at an offset into longer keys,
+  as a sequence shard runs under context parallelism: the keys are the C tokens the cache
+  held before this call, in position order (the ring rotated; slots before token 0 are
+  padding), then the n new ones, and the queries sit at offset C. A "source" cache runs
+  the kind's entry point on them (`AttentionKind.attend`: IHA mixes and rotates the
+  cached source heads as it does the new ones); a "pseudo" cache holds rotated
+  pseudo-keys and pseudo-values and runs MHA's entry point over the virtual rows, then
+  the kind's collapse. The registry picks the implementation (`cfg.implementation`), so
+  a prompt runs the Pallas kernels on TPU and GPU under "auto"; one token (n = 1) stays
+  on the XLA core, which needs no tiles for P query rows.
+
   Args:
     params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`.
     x: the layer's input for tokens `cache.length .. cache.length + n - 1`, `[B, n, D]`.
@@ -281,48 +286,54 @@ def cached_attention(
   _check_cache(cfg, cache, x.shape[0], x.shape[1])
   p, x = to_compute_dtype(params, x, cfg)
   b, n = x.shape[:2]
-  num_pseudo = cfg.record.num_pseudo(cfg)
+  capacity = cache.spec.capacity
   slots_per_token = _slots_per_token(cfg, cache.mode)
   start = jnp.asarray(cache.length, jnp.int32)
   q, k, v = project_qkv(p, x)  # [B, n, H, d], [B, n, G, d]
   new_tokens = start + jnp.arange(n, dtype=jnp.int32)  # [n]
   positions = jnp.broadcast_to(new_tokens, (b, n))
-  new_k = rotated_pseudo_heads(p, cfg, "k", k, positions)  # [B, n*P, G, d]
-  new_v = pseudo_heads(p, cfg, "v", v)
-  # The tokens the cache holds before this call (negative: an empty slot).
-  slots = slot_tokens(start - 1, cache.k.shape[2] // slots_per_token)  # [C]
-  old_k, old_v = cache.k.astype(x.dtype), cache.v.astype(x.dtype)
-  if _stores_source(cfg, cache.mode):
-    # Rebuild the cached tokens' pseudo-keys/values: less memory, more work per call.
-    slot_positions = jnp.broadcast_to(slots, (b, slots.shape[0]))
-    old_k = _heads_major(rotated_pseudo_heads(p, cfg, "k", _heads_major(old_k), slot_positions))
-    old_v = _heads_major(pseudo_heads(p, cfg, "v", _heads_major(old_v)))
-  keys = jnp.concatenate([old_k, _heads_major(new_k)], axis=2)  # [B, G, (C + n)*P, d]
-  values = jnp.concatenate([old_v, _heads_major(new_v)], axis=2)
-  filled = jnp.repeat(slots >= 0, num_pseudo)
-  slot_index = jnp.where(filled, virtual_positions(slots[None], num_pseudo)[0], _EMPTY_INDEX)
-  q_index = virtual_positions(new_tokens[None], num_pseudo)[0]  # [n*P]
-  kv_segments = jnp.concatenate([filled, jnp.ones(q_index.shape, bool)]).astype(jnp.int32)
-  queries = _heads_major(rotated_pseudo_heads(p, cfg, "q", q, positions))  # [B, H, n*P, d]
-  # queries [B, H, n*P, d] over keys [B, G, (C + n)*P, d]: head h reads key head h // (H/G).
-  out = grouped_attention_heads_major(
-    queries,
-    keys,
-    values,
-    segment_ids=jnp.ones((b, q_index.shape[0]), jnp.int32),
-    kv_segment_ids=jnp.broadcast_to(kv_segments, (b, kv_segments.shape[0])),
-    q_index=q_index,
-    k_index=jnp.concatenate([slot_index, q_index]),
-    window=cfg.window,
-  )
-  out = cfg.record.collapse(p, cfg, _heads_major(out))  # [B, n, H, d]
+  # The ring in position order: row r holds token start - C + r (padding before token 0).
+  key_tokens = start - capacity + jnp.arange(capacity + n, dtype=jnp.int32)  # [C + n]
+  shift = -jnp.mod(start, capacity) * slots_per_token
+  old_k, old_v = (
+    jnp.swapaxes(jnp.roll(c, shift, axis=2), 1, 2).astype(x.dtype) for c in (cache.k, cache.v)
+  )  # [B, C*S, G, d]
+  implementation = "xla" if n == 1 and cfg.implementation == "auto" else cfg.implementation
+  if cache.mode == "source":
+    options = cfg.options(positions=positions).replace(
+      implementation=implementation,
+      query_offset=capacity,
+      kv_positions=jnp.broadcast_to(key_tokens, (b, capacity + n)),
+      kv_segment_ids=jnp.broadcast_to((key_tokens >= 0).astype(jnp.int32), (b, capacity + n)),
+    )
+    keys, values = (jnp.concatenate([old, new], axis=1) for old, new in ((old_k, k), (old_v, v)))
+    out = cfg.record.attend(p, q, keys, values, cfg, options)  # [B, n, H, d]
+    written = (k, v)
+  else:
+    num_pseudo = cfg.record.num_pseudo(cfg)
+    new_k = rotated_pseudo_heads(p, cfg, "k", k, positions)  # [B, n*P, G, d]
+    new_v = pseudo_heads(p, cfg, "v", v)
+    queries = rotated_pseudo_heads(p, cfg, "q", q, positions)  # [B, n*P, H, d]
+    virtual = jnp.repeat(key_tokens >= 0, num_pseudo).astype(jnp.int32)  # [(C + n)*P]
+    options = AttentionOptions(
+      window=cfg.window,
+      causal=True,
+      rope_theta=None,  # rotated already, at the virtual positions
+      implementation=implementation,
+      query_offset=capacity * num_pseudo,
+      kv_segment_ids=jnp.broadcast_to(virtual, (b, virtual.shape[0])),
+    )
+    keys, values = (
+      jnp.concatenate([old, new], axis=1) for old, new in ((old_k, new_k), (old_v, new_v))
+    )
+    out = cfg.record.collapse(p, cfg, mha_attention(queries, keys, values, options))
+    written = (new_k, new_v)
   y = project_out(p, out)
   if not cache.spec.unbounded:
     # Tokens past max_len: NaN, not a wrapped ring's output; made by an operation (the
     # square root of -1), so checkify's float checks report where it arose.
     fits = (new_tokens < cache.spec.max_len).astype(y.dtype)
     y = y * jnp.sqrt(2 * fits - 1)[None, :, None]
-  written = (k, v) if _stores_source(cfg, cache.mode) else (new_k, new_v)
   cache = cache.replace(
     k=_write(cache.k, written[0], start, slots_per_token),
     v=_write(cache.v, written[1], start, slots_per_token),
