@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from iha_jax.core.options import AttentionOptions, with_overrides
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import fused, splash, tpu_window
+from iha_jax.kernels import fused, gpu_window, splash, tpu_window
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
@@ -302,8 +302,12 @@ mha_on_current_mesh = functools.partial(
 )
 
 
+# The on-chip window paths, by platform (same signature and semantics).
+_WINDOW_PATHS = {"tpu": tpu_window, "gpu": gpu_window}
+
+
 def _window_outputs(q, k, v, alphas, collapse, options, *, platform: str) -> jax.Array:
-  return tpu_window.window_iha(q, k, v, alphas, collapse, options)
+  return _WINDOW_PATHS[platform].window_iha(q, k, v, alphas, collapse, options)
 
 
 def _window_iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options, *, platform: str):
@@ -317,6 +321,13 @@ iha_window_on_current_mesh = functools.partial(
   _window_iha,
   functools.partial(sharded_iha_attention, kernel=_window_outputs),
   platform="tpu",
+)
+# Its GPU twin (Triton): pseudo-heads made and collapsed in registers and shared memory.
+iha_gpu_window_on_current_mesh = functools.partial(
+  _on_current_mesh,
+  _window_iha,
+  functools.partial(sharded_iha_attention, kernel=_window_outputs),
+  platform="gpu",
 )
 # jax's splash attention (TPU), under shard_map on a mesh like the kernels above.
 splash_on_current_mesh = functools.partial(
