@@ -83,12 +83,13 @@ def _plan(h: int, g: int, p: int, window: int, **options) -> gpu_window.WindowPl
 
 
 def test_gpu_window_tiles_fill_their_power_of_two_rows():
-  """The paper's layer (H = P = 20): 3 tokens fill 60 of a 64-row tile, both sides. At
-  P = 4, 32-row query tiles (a 64-row one's 320 source rows exceed the budget) and 16-row
-  key groups of 4 tokens (80 source rows, padded to 128)."""
+  """The paper's layer (H = P = 20): 3 tokens fill 60 of a 64-row query tile; key groups
+  of one token (20 of 32 rows: 64-row groups exceed the register budget). At P = 4,
+  32-row query tiles (a 64-row one's 320 source rows exceed the budget) and 16-row key
+  groups of 4 tokens (80 source rows, padded to 128)."""
   paper = _plan(20, 20, 20, 204)
   assert (paper.q_tokens, paper.q_rows, paper.q_src, paper.out_rows) == (3, 64, 64, 64)
-  assert (paper.k_tokens, paper.k_rows, paper.k_src) == (3, 64, 64)
+  assert (paper.k_tokens, paper.k_rows, paper.k_src) == (1, 32, 32)
   p4 = _plan(20, 20, 4, 1024)
   assert (p4.q_tokens, p4.q_rows, p4.q_src, p4.out_rows) == (8, 32, 256, 256)
   assert (p4.k_tokens, p4.k_rows, p4.k_src) == (4, 16, 128)

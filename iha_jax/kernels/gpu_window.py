@@ -65,6 +65,10 @@ KEY_ROWS = (64, 32, 16)
 # Source rows a tile's mixing product contracts over (register budget of its operands).
 MAX_QUERY_SOURCE_ROWS = 256
 MAX_KEY_SOURCE_ROWS = 128
+# A key group's mixing product `[k_rows, k_src]` at most this many elements: with the
+# online softmax's tiles it fits H100's registers at d = 128 (at P = H = 20, 64-row
+# groups of 3 tokens spilled; 32-row groups of one token, 20 rows used, do not).
+MAX_KEY_MIXING = 2048
 MAX_HEAD_DIM = 128
 IMPLEMENTATION = "pallas_gpu_window"
 
@@ -110,8 +114,13 @@ class WindowPlan:
   num_k: int  # key groups
 
   @property
-  def num_key_tokens(self) -> int:
-    return self.num_k * self.k_tokens
+  def mix_values_late(self) -> bool:
+    """Whether a step's values enter as `(probs @ av) @ v` rather than `probs @ (av @ v)`:
+    the fewer products (at P = H = 20 the first; at P = 4 with 16-row key groups of 128
+    source rows, the second)."""
+    late = self.q_rows * self.k_rows * self.k_src + self.q_rows * self.k_src * self.width
+    early = self.k_rows * self.k_src * self.width + self.q_rows * self.k_rows * self.width
+    return late <= early
 
 
 def _pow2(x: int) -> int:
@@ -165,6 +174,8 @@ def plan(
   # Key groups: the fullest (fewest padding rows), then the longest, within the budget.
   fits = [r for r in ([block_k] if block_k else KEY_ROWS) if r >= p]
   fits = [r for r in fits if src(r, kv_heads) <= MAX_KEY_SOURCE_ROWS]
+  if block_k is None:
+    fits = [r for r in fits if r * src(r, kv_heads) <= MAX_KEY_MIXING] or fits[-1:]
   if not fits:
     raise UnsupportedShape(
       f"no key group of {block_k or KEY_ROWS} rows at P = {p} holds at most "

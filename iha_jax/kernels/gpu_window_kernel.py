@@ -49,11 +49,15 @@ def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _pseudo(matrix, src1, src2, cos, sin, dtype):
+def _pseudo(matrix, src1, src2, rope, dtype):
   """Pseudo rows of a token group in two halves: `R(p) (matrix @ src)`, rotated in float32
-  on the halves (`(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)`), so no lane concatenation."""
+  on the halves (`(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)`), so no lane concatenation.
+  `rope`: the (cos, sin) table refs, or None."""
   x1, x2 = _dot(matrix, src1, _NN), _dot(matrix, src2, _NN)
-  if cos is not None:
+  if rope is not None:
+    # Loaded where used, not held across the loops: the tables would take a quarter of
+    # the registers.
+    cos, sin = rope[0][...], rope[1][...]
     x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
   return x1.astype(dtype), x2.astype(dtype)
 
@@ -79,9 +83,8 @@ def _forward_kernel(*refs, plan: WindowPlan, interpret: bool):
   dtype = q1_ref.dtype
   rq, rk, ks = plan.q_rows, plan.k_rows, plan.k_src
   r = plan.targets // plan.kv_targets
-  q1, q2, qid = q1_ref[...], q2_ref[...], qid_ref[...]
-  rope_q = (cos_q_ref[...], sin_q_ref[...]) if plan.rotary else (None, None)
-  rope_k = (cos_k_ref[...], sin_k_ref[...]) if plan.rotary else (None, None)
+  rope_q = (cos_q_ref, sin_q_ref) if plan.rotary else None
+  rope_k = (cos_k_ref, sin_k_ref) if plan.rotary else None
   # Virtual indices (on the keys' axis) of the tile's pseudo rows. Padding rows of a
   # group get indices past it; their ids keep them out of every mask.
   r_q = lax.broadcasted_iota(jnp.int32, (rq,), 0)
@@ -97,14 +100,15 @@ def _forward_kernel(*refs, plan: WindowPlan, interpret: bool):
 
   def head(h, carry):
     g = lax.div(h, r)
-    qx1, qx2 = _pseudo(aq_ref[h], q1, q2, *rope_q, dtype)
-    ak, av = ak_ref[g], av_ref[g]
+    qx1, qx2 = _pseudo(aq_ref[h], q1_ref[...], q2_ref[...], rope_q, dtype)
+    qid = qid_ref[...]
 
     def step(j, carry):
+      # Every operand loaded where it is used (the mixing constants and tables hit the
+      # caches): values held across the loop would spill.
       m, l, acc = carry
       rows = pl.ds(j * ks, ks)
-      kx1, kx2 = _pseudo(ak, k1_ref[rows], k2_ref[rows], *rope_k, dtype)
-      vx = _dot(av, v_ref[rows], _NN).astype(dtype)
+      kx1, kx2 = _pseudo(ak_ref[g], k1_ref[rows], k2_ref[rows], rope_k, dtype)
       s = _dot(qx1, kx1, _NT) + _dot(qx2, kx2, _NT)
       u = (j * plan.k_tokens + tok_k) * plan.num_pseudo + (r_k - tok_k * plan.num_pseudo)
       delta = t[:, None] - u[None, :]
@@ -116,7 +120,13 @@ def _forward_kernel(*refs, plan: WindowPlan, interpret: bool):
       probs = jnp.where(ok, jnp.exp(s - m_next[:, None]), 0.0)
       rescale = jnp.exp(m - m_next)
       l = rescale * l + jnp.sum(probs, axis=1)
-      acc = rescale[:, None] * acc + _dot(probs.astype(dtype), vx, _NN)
+      probs = probs.astype(dtype)
+      if plan.mix_values_late:  # (probs @ av) @ v: no [k_rows, width] float32 temporary
+        mixed = _dot(probs, av_ref[g], _NN).astype(dtype)
+        acc = rescale[:, None] * acc + _dot(mixed, v_ref[rows], _NN)
+      else:  # probs @ (av @ v), made after the scores (shorter-lived)
+        vx = _dot(av_ref[g], v_ref[rows], _NN).astype(dtype)
+        acc = rescale[:, None] * acc + _dot(probs, vx, _NN)
       return m_next, l, acc
 
     init = (
@@ -140,10 +150,11 @@ def _forward_kernel(*refs, plan: WindowPlan, interpret: bool):
 
 
 def launch(plan: WindowPlan) -> plgpu.CompilerParams:
-  """Warps and pipeline stages: 4 warps hold the `[q_rows, width]` float32 accumulator
-  and the score tile at 64 query rows (8 from 128); two stages (a key group's three
-  source tiles per step)."""
-  return plgpu.CompilerParams(num_warps=8 if plan.q_rows > 64 else 4, num_stages=2)
+  """Eight warps (two warpgroups share the 64-row tiles' products and hold the float32
+  accumulators); two pipeline stages only for 16-row key groups, whose prefetched source
+  rows are few: with 32- or 64-row groups a second stage spilled registers on H100
+  (tests/test_compile_targets.py)."""
+  return plgpu.CompilerParams(num_warps=8, num_stages=2 if plan.k_rows < 32 else 1)
 
 
 def forward_call(plan: WindowPlan, operands: dict[str, jax.Array], *, interpret: bool):
