@@ -14,8 +14,9 @@ How the work maps to the tensor cores (every product a matmul):
   times the group's source rows `(n, m)` `[s*S, d]` (as in tpu_window). Triton's block
   shapes are powers of two, so a group's `s*P` pseudo rows are padded with zero rows to
   `q_rows` / `k_rows` (masked by their ids) and its `s*S` source rows with zero rows to
-  `q_src` / `k_src`. `s` is as many tokens as fill the rows: at P = 20, 3 tokens fill 60
-  of 64 rows; at P = 4, 16 of 16.
+  `q_src` / `k_src`. `s` is as many tokens as fill the rows within register budgets
+  (`plan`): at P = H = 20, 3 tokens fill 60 of a 64-row query tile and one token 20 of
+  a 32-row key group; at P = 4, 8 tokens fill a 32-row query tile and 4 a 16-row group.
 - *RoPE* at virtual position `pos * P + p` is `R(p) R(pos * P)`: the source heads are
   rotated at `pos * P` in XLA (source-sized), the pseudo rows by `R(p)` on chip from a
   per-row cos/sin table (period P). The sources come in two d/2 halves, so rotation is
