@@ -1,4 +1,4 @@
-"""The fused kernels compiled by TPU's and H100's own compilers, at the shapes layers make.
+"""The Pallas kernels compiled by TPU's and H100's own compilers, at the shapes layers make.
 
     python benchmarks/compile_matrix.py                       # every case, TPU and H100
     python benchmarks/compile_matrix.py --out docs/compile_matrix.md
@@ -150,6 +150,16 @@ SMOKE = {
       dataclasses.replace(GQA_CASES[2][1], shards=4),
     ),
     ("control: 128 x 128 tiles at P = 2", dataclasses.replace(_case("P = 2"), blocks=(128, 128))),
+    # The on-chip window path (`gpu_window`): its forward kernel, and the materialised
+    # pipeline's kernels its interim backward runs.
+    (
+      "on-chip: 2.4B L layer (P = H = 20)",
+      Case(heads=20, pseudo=20, window=204, tokens=2048, onchip=True),
+    ),
+    (
+      "on-chip: 2.4B L layer at P = 4",
+      Case(heads=20, pseudo=4, window=1024, tokens=2048, onchip=True),
+    ),
   ],
 }
 

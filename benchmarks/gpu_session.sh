@@ -10,7 +10,9 @@
 # kernels2 / kernels4 / kernels20 (benchmarks/kernels.py
 # at P = 2, 4, 20: window and global IHA and global MHA; fused kernels vs our MHA kernel
 # on materialised pseudo q/k/v vs cuDNN on materialised, forward and forward+backward,
-# after the same run's matmul rate); train / train_nosegs (benchmarks/train_step.py, the
+# after the same run's matmul rate); window (the on-chip window path, pallas_gpu_window,
+# against pallas_gpu and cuDNN on materialised pseudo q/k/v: the window IHA layer at P = 4
+# and P = 20, forward and forward+backward); train / train_nosegs (benchmarks/train_step.py, the
 # ~350M LLLLM against its M twin, with packed-style segment ids / without); train_pallas
 # (that IHA step with every layer on `pallas_gpu`); tests
 # (kernel, attention-kind and GPU-path tests on the real GPU, not interpret mode); static
@@ -68,6 +70,11 @@ print(jax.devices()); import iha_jax.train, iha_jax.data; print('iha_jax imports
         -k "not tpu" ;;
     static)
       timeout "$seconds" python3 benchmarks/compile_matrix.py --on_device --cases timed ;;
+    window)  # not in DEFAULT_PLAN until a GPU has timed it: name it (e.g. window:120)
+      for p in 4 20; do
+        timeout "$((seconds / 2))" python3 benchmarks/kernels.py --pseudo "$p" --layers window_iha \
+          --impls pallas_gpu_window,pallas_gpu,cudnn
+      done ;;
     kernels*)
       timeout "$seconds" python3 benchmarks/kernels.py --pseudo "${stage#kernels}" ;;
     train|train_nosegs)

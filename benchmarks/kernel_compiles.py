@@ -1,4 +1,4 @@
-"""Compiles the fused attention kernels for a target (TPU or H100) without its hardware.
+"""Compiles the Pallas attention kernels for a target (TPU or H100) without its hardware.
 
 The shared harness of `compile_matrix.py`, `ptx_inner_loop.py` and the compile tests:
 a `Case` is one kernel configuration a layer can produce (kind, heads, P, d, tokens,
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from iha_jax import kernels
 from iha_jax.core.options import AttentionOptions, BlockSizes
-from iha_jax.kernels import tpu_window
+from iha_jax.kernels import gpu_window, tpu_window
 from iha_jax.parallel import compiled, context, targets
 
 
@@ -48,7 +48,7 @@ class Case:
   collapse: str = "full"  # or "per_head"
   blocks: tuple[int, int] | None = None  # BlockSizes (virtual tokens); None: the defaults
   shards: int = 1  # context shards (> 1: a sliced call with a traced offset)
-  onchip: bool = False  # IHA's on-chip window path (TPU; a shard's offset is then static)
+  onchip: bool = False  # IHA's on-chip window path (TPU or GPU; a shard's offset is static)
 
   @property
   def key_tokens(self) -> int:
@@ -155,8 +155,8 @@ def _materialised(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options, *, plat
 
 
 def _onchip(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options, *, platform: str):
-  del platform  # TPU only
-  return tpu_window.window_iha(q, k, v, (alpha_q, alpha_k, alpha_v), collapse, options)
+  path = gpu_window if platform == "gpu" else tpu_window
+  return path.window_iha(q, k, v, (alpha_q, alpha_k, alpha_v), collapse, options)
 
 
 def compile_case(case: Case, target: targets.Target, device: jax.Device) -> Result:

@@ -13,6 +13,9 @@ Implementations:
 - xla: the pure-JAX blockwise path (materialises pseudo q/k/v).
 - pallas_gpu_mha: materialised pseudo q/k/v + the Pallas MHA kernel over the virtual
   sequence, given segment ids (the packed-data case, which cuDNN's path does not take).
+- pallas_gpu_window (window layers; by `--impls` only): IHA's on-chip GPU window path
+  (`iha_jax.kernels.gpu_window`: pseudo-heads mixed, attended and collapsed on chip; its
+  backward, for now, through the materialised pipeline).
 - cudnn: materialised pseudo q/k/v + `jax.nn.dot_product_attention(
   implementation="cudnn", is_causal=True, local_window_size=...)` (the library's
   `implementation="cudnn"`, iha_jax/core/cudnn_attention.py).
@@ -23,6 +26,8 @@ tiny shape on any backend (Pallas rows in interpret mode off their platform).
   python benchmarks/kernels.py --small    # CPU smoke test
   python benchmarks/kernels.py --pseudo 20  # the paper's default P = H = 20
   python benchmarks/kernels.py --kv_heads 5  # grouped-query: 20 query heads over 5 key/value
+  python benchmarks/kernels.py --pseudo 20 --layers window_iha \
+    --impls pallas_gpu_window,pallas_gpu,cudnn  # the on-chip window path against both
 
 The first line is the device's measured dense matmul rate (a square matmul in the
 run's dtype); the "% mm" column is each row's TFLOP/s as a share of it.
@@ -66,11 +71,18 @@ def layer_fn(kind: str, implementation: str, window: int | None):
   return lambda *a: iha_attention(*a, window=window, implementation=implementation)
 
 
-def skip_reason(implementation: str, small: bool) -> str | None:
+def skip_reason(implementation: str, small: bool, window: int | None = None) -> str | None:
   backend = jax.default_backend()
   if implementation == "cudnn" and backend != "gpu":
     return "cuDNN attention needs a CUDA GPU"
-  native = {"pallas_gpu": "gpu", "pallas_gpu_mha": "gpu", "pallas_tpu": "tpu"}.get(implementation)
+  if implementation == "pallas_gpu_window" and window is None:
+    return "the on-chip window path takes window layers only"
+  native = {
+    "pallas_gpu": "gpu",
+    "pallas_gpu_mha": "gpu",
+    "pallas_gpu_window": "gpu",
+    "pallas_tpu": "tpu",
+  }.get(implementation)
   if native and backend != native and not small:
     return f"{implementation} off its platform runs interpreted (use --small)"
   return None
@@ -138,7 +150,7 @@ def main() -> None:
     kind = "mha" if layer.endswith("mha") else "iha"
     args = qkv + ([m[..., :pseudo] for m in mixing] if kind == "iha" else [])
     for implementation in cli.impls.split(","):
-      reason = skip_reason(implementation, cli.small)
+      reason = skip_reason(implementation, cli.small, window if kind == "iha" else None)
       for train in (False, True):
         name = "fwd+bwd" if train else "fwd"
         if reason:

@@ -102,6 +102,22 @@ def test_h100_kernels_compile_without_spills_at_default_tiles():
       assert kernel["spill_bytes"] == 0, (case, name, kernel)
       assert kernel["shared_bytes"] <= 232448, (case, name, kernel)  # H100 opt-in maximum
       assert "wgmma" in kernel["tensor_cores"], (case, name, kernel)
+  # The on-chip GPU window path ("pallas_gpu_window") at the paper's P = H = 20 and at
+  # P = 4: its forward kernel (pseudo-heads mixed, attended and collapsed on chip) and the
+  # materialised pipeline's kernels its interim backward runs, spill-free.
+  for case in ("on-chip: 2.4B L layer (P = H = 20)", "on-chip: 2.4B L layer at P = 4"):
+    row = rows[case]
+    assert row["ok"], row["error"]
+    assert set(row["kernels"]) == {
+      "iha_gpu_window_forward",
+      "iha_flash_forward",
+      "iha_flash_dq",
+      "iha_flash_dkv",
+    }, case
+    for name, kernel in row["kernels"].items():
+      assert kernel["spill_bytes"] == 0, (case, name, kernel)
+      assert kernel["shared_bytes"] <= 232448, (case, name, kernel)
+      assert "wgmma" in kernel["tensor_cores"], (case, name, kernel)
   # Control: 128 x 128 tiles at P = 2, d = 128 exceed the shared memory of three stages.
   control = rows["control: 128 x 128 tiles at P = 2"]
   assert not control["ok"]

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from iha_jax.core.options import AttentionOptions, with_overrides
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import splash, tpu_window, virtual_attention
+from iha_jax.kernels import gpu_window, splash, tpu_window, virtual_attention
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
@@ -135,25 +135,6 @@ def _shard_map(
   )
 
 
-def _key_side(q: jax.Array, k: jax.Array, options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
-  """A sliced call's key segment ids and positions `[B, Nk]`: the options' own, else the
-  queries' (keys of the queries' length), else one unpadded sequence `arange(Nk)`."""
-  b, nk = k.shape[:2]
-  segment_ids, positions = options.key_segment_ids, options.key_positions
-  if nk != q.shape[1]:
-    if options.kv_segment_ids is None and options.segment_ids is not None:
-      raise ValueError(
-        f"keys of {nk} tokens for {q.shape[1]} queries need kv_segment_ids [B, {nk}] "
-        "when segment_ids are given"
-      )
-    segment_ids, positions = options.kv_segment_ids, options.kv_positions
-  if segment_ids is None:
-    segment_ids = jnp.ones((b, nk), jnp.int32)
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
-  return segment_ids, positions
-
-
 class _Tokens:
   """A sharded call's token arrays and their in_specs: `[B, N]` query ids and positions,
   and, for a sliced call, `[B, Nk]` key ids and positions and a traced query offset (the
@@ -169,7 +150,7 @@ class _Tokens:
     self.sliced = options.sliced or k.shape[1] != q.shape[1]
     self.offset = options.query_offset
     if self.sliced:
-      self.arrays += list(_key_side(q, k, options))
+      self.arrays += list(virtual_attention.key_side(q, k, options))
       self.specs += [P(batch, None)] * 2
       if not isinstance(self.offset, int):
         self.arrays.append(jnp.asarray(self.offset, jnp.int32))
@@ -323,9 +304,12 @@ def _unsharded(outputs: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
   return call
 
 
+# The on-chip window paths, by platform (same signature and semantics).
+_WINDOW_PATHS = {"tpu": tpu_window, "gpu": gpu_window}
+
+
 def _window_outputs(q, k, v, alphas, collapse, options, *, platform: str) -> jax.Array:
-  del platform  # TPU only
-  return tpu_window.window_iha(q, k, v, alphas, collapse, options)
+  return _WINDOW_PATHS[platform].window_iha(q, k, v, alphas, collapse, options)
 
 
 # The registry's kernel entries: one call, whatever the mesh.
@@ -341,6 +325,13 @@ iha_window_on_current_mesh = functools.partial(
   _unsharded(_window_outputs),
   functools.partial(sharded_iha_attention, kernel=_window_outputs),
   platform="tpu",
+)
+# Its GPU twin (Triton): pseudo-heads made and collapsed in registers and shared memory.
+iha_gpu_window_on_current_mesh = functools.partial(
+  _on_current_mesh,
+  _unsharded(_window_outputs),
+  functools.partial(sharded_iha_attention, kernel=_window_outputs),
+  platform="gpu",
 )
 # jax's splash attention (TPU), under shard_map on a mesh like the kernels above.
 splash_on_current_mesh = functools.partial(

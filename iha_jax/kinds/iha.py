@@ -16,7 +16,11 @@ from iha_jax.core.cudnn_attention import mha_cudnn
 from iha_jax.core.interleave import deinterleave, interleave
 from iha_jax.core.mixing import collapse_heads, pseudo_mix
 from iha_jax.core.options import AttentionOptions
-from iha_jax.kernels.sharded import iha_on_current_mesh, iha_window_on_current_mesh
+from iha_jax.kernels.sharded import (
+  iha_gpu_window_on_current_mesh,
+  iha_on_current_mesh,
+  iha_window_on_current_mesh,
+)
 from iha_jax.kinds import registry
 from iha_jax.kinds.base import PROJECTION_OPTIONS, AttentionKind, Letter, ParamSpec, project_qkv
 from iha_jax.kinds.initializers import identity_collapse_init, identity_mixing_init
@@ -47,6 +51,8 @@ class Interleaved(AttentionKind):
     "pallas_gpu": functools.partial(iha_on_current_mesh, platform="gpu"),
     # Sliding windows with the pseudo-heads made, attended and collapsed in VMEM (TPU).
     "pallas_tpu_window": iha_window_on_current_mesh,
+    # Its GPU twin (Triton; the backward through the materialised pipeline for now).
+    "pallas_gpu_window": iha_gpu_window_on_current_mesh,
     # Materialised pseudo q/k/v + an MHA implementation over the virtual sequence.
     "pallas_gpu_mha": functools.partial(iha_via_mha, mha=MHA.implementations["pallas_gpu"]),
     "cudnn": functools.partial(iha_via_mha, mha=mha_cudnn),

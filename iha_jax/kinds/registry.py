@@ -18,7 +18,7 @@ between the kernels and their sharded wrappers.
 | kind | entry point | implementations |
 | --- | --- | --- |
 | iha | `iha_attention` | reference, xla, pallas_tpu, pallas_tpu_window (windows), pallas_gpu, |
-| | | pallas_gpu_mha, cudnn, splash |
+| | | pallas_gpu_window (windows), pallas_gpu_mha, cudnn, splash |
 | mha | `mha_attention` | reference, xla, pallas_tpu, pallas_gpu (= pallas_gpu_mha), cudnn, splash |
 | talking_heads | `talking_heads_attention` | reference, xla |
 | diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu(_mha), splash (via mha) |
@@ -64,7 +64,15 @@ AUTO = "auto"
 # visit only the key tiles a shard's queries see; cuDNN's attention does not (its packed
 # layout is private to jax), so "auto" skips it under a context axis.
 SLICED = frozenset(
-  {"reference", "xla", "pallas_tpu", "pallas_tpu_window", "pallas_gpu", "pallas_gpu_mha"}
+  {
+    "reference",
+    "xla",
+    "pallas_tpu",
+    "pallas_tpu_window",
+    "pallas_gpu",
+    "pallas_gpu_window",
+    "pallas_gpu_mha",
+  }
 )
 
 
@@ -291,7 +299,12 @@ def resolve(
 
 
 # Kernels and the platform whose hardware runs them (elsewhere: Pallas' interpreter).
-_KERNEL_PLATFORMS = {"pallas_tpu": "tpu", "pallas_tpu_window": "tpu", "pallas_gpu": "gpu"}
+_KERNEL_PLATFORMS = {
+  "pallas_tpu": "tpu",
+  "pallas_tpu_window": "tpu",
+  "pallas_gpu": "gpu",
+  "pallas_gpu_window": "gpu",
+}
 _WARNED: set[str] = set()
 
 
