@@ -144,6 +144,22 @@ class CompiledVariant:
       self.model_config, train.batch_size, self.config.data.seq_len
     )
 
+  def timed_steps(self, state: Any, batch: Any, steps: int) -> tuple[Any, float]:
+    """`steps` train steps on one sharded `batch` from `state` (None: a fresh seed-0
+    state); (the state, wall seconds per step). For cost tables, not training."""
+    if state is None:
+      state = self._init(jnp.uint32(0))
+    with parallel.activate(self.mesh):
+      tic = time.perf_counter()
+      for _ in range(steps):
+        state, metrics = self._step(state, batch)
+      jax.block_until_ready(metrics)
+    return state, (time.perf_counter() - tic) / steps
+
+  def one_batch(self) -> Any:
+    """The first training batch of seed 0, sharded for the step."""
+    return parallel.shard_batch(next(inputs.train_iterator(self.config)), self.mesh)
+
   def run(
     self,
     learning_rate: float,

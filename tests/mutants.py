@@ -74,8 +74,8 @@ MUTANTS: list[Mutant] = [
     "gqa_group_shift",
     "XLA grouped-query: query head h reads key/value group (h // (H/G) + 1) % G",
     "iha_jax/core/grouped.py",
-    "out = flash_attention_heads_major(\n    q,\n    k,\n    v,",
-    "out = flash_attention_heads_major(\n    q,\n    jnp.roll(k, -1, 1),\n    jnp.roll(v, -1, 1),",
+    "out = flash_attention_heads_major(q, k, v, mask,",
+    "out = flash_attention_heads_major(q, jnp.roll(k, -1, 1), jnp.roll(v, -1, 1), mask,",
     "tests/test_gqa.py::test_every_implementation_matches_the_loop_reference",
   ),
   Mutant(
@@ -87,11 +87,12 @@ MUTANTS: list[Mutant] = [
     "tests/test_kernels.py::test_kernels_match_reference[tpu-p4-w9-g1]",
   ),
   Mutant(
-    "xla_band_edge",
-    "XLA band loop: a key block whose last key is the window's first is skipped",
-    "iha_jax/core/xla_attention.py",
-    "needed &= k_max > q_min - window\n",
-    "needed &= k_max > q_min - window + 1\n",
+    "band_edge",
+    "the band rule (XLA key blocks, kernel tiles): a block whose last key is the window's "
+    "first is skipped",
+    "iha_jax/core/masking.py",
+    "meet = meet & (s_last > t_first - window)\n",
+    "meet = meet & (s_last > t_first - window + 1)\n",
     "tests/test_attention_kinds.py::test_xla_band_reaches_the_window_edge_at_every_width",
   ),
   Mutant(

@@ -20,6 +20,7 @@ import pytest
 
 from iha_jax import ops
 from iha_jax.core.grouped import grouped_attention_heads_major
+from iha_jax.core.masking import Mask
 from iha_jax.kinds import registry
 from tests import conformance as cf
 from tests.utils import assert_close, packed_segments, random_iha_inputs
@@ -266,10 +267,12 @@ def test_xla_attention_dropout_is_dense_attention_with_the_tile_masks():
   q, k, v, ct = (
     jax.random.normal(jax.random.key(i), (b, x, t, d)) for i, x in enumerate((h, g, g, h))
   )
-  blocks = dict(segment_ids=None, window=window, block_q=block, block_k=block)
+  mask, blocks = Mask(window=window), dict(block_q=block, block_k=block)
 
   def core(q, k, v):
-    return grouped_attention_heads_major(q, k, v, **blocks, dropout_rate=rate, dropout_rng=key)
+    return grouped_attention_heads_major(
+      q, k, v, mask, **blocks, dropout_rate=rate, dropout_rng=key
+    )
 
   def dense(q, k, v):
     # The grouped fold: row `t * r + m` of group g's query axis is query t of member m, so
@@ -292,9 +295,9 @@ def test_xla_attention_dropout_is_dense_attention_with_the_tile_masks():
   want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2)))(q, k, v)
   for name, a, e in zip("qkv", got, want):
     assert_close(a, e, jnp.float32, f"dropout d{name}")
-  plain = grouped_attention_heads_major(q, k, v, **blocks)
+  plain = grouped_attention_heads_major(q, k, v, mask, **blocks)
   np.testing.assert_array_equal(
-    plain, grouped_attention_heads_major(q, k, v, **blocks, dropout_rng=key)
+    plain, grouped_attention_heads_major(q, k, v, mask, **blocks, dropout_rng=key)
   )
 
 

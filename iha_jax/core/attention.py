@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from iha_jax.core.grouped import grouped_attention_heads_major
 from iha_jax.core.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
+from iha_jax.core.masking import Mask
 from iha_jax.core.mixing import collapse_from_virtual, collapse_heads, mix_to_virtual, pseudo_mix
 from iha_jax.core.options import AttentionOptions, BlockSizes
 from iha_jax.core.reference import dense_attention
@@ -77,35 +78,35 @@ def _rotate_pair(q, k, options: AttentionOptions, seq: _Sequences, head_axis: in
   return rotate(q, *expand(tables)), rotate(k, *expand(k_tables))
 
 
+def _mask(options: AttentionOptions, seq: _Sequences, num_queries: int) -> Mask:
+  """The call's `Mask` on its flat sequence: a sliced call's keys carry their own ids and
+  its queries sit at `seq.q_offset`."""
+  if not options.sliced:
+    return Mask(causal=options.causal, window=options.window, segment_ids=seq.q_segment)
+  return Mask(
+    causal=options.causal,
+    window=options.window,
+    segment_ids=seq.q_segment,
+    kv_segment_ids=seq.k_segment,
+    q_index=seq.q_offset + jnp.arange(num_queries, dtype=jnp.int32),
+  )
+
+
 def _reference_core(q, k, v, options: AttentionOptions, seq: _Sequences):
   """Rotate and attend `[B, T, H, d]` with the dense oracle."""
   q, k = _rotate_pair(q, k, options, seq, head_axis=2)
-  return dense_attention(
-    q,
-    k,
-    v,
-    segment_ids=seq.q_segment,
-    kv_segment_ids=seq.k_segment if options.sliced else None,
-    q_offset=seq.q_offset,
-    window=options.window,
-    causal=options.causal,
-  )
+  return dense_attention(q, k, v, _mask(options, seq, q.shape[1]))
 
 
 def _xla_core(q, k, v, options: AttentionOptions, seq: _Sequences):
   """Rotate and attend head-major sequences `[B, H, T, d]`."""
   q, k = _rotate_pair(q, k, options, seq, head_axis=1)
   blocks = options.block_sizes or BlockSizes()
-  sliced = options.sliced
   return grouped_attention_heads_major(
     q,
     k,
     v,
-    segment_ids=seq.q_segment,
-    kv_segment_ids=seq.k_segment if sliced else None,
-    q_index=seq.q_offset + jnp.arange(q.shape[2], dtype=jnp.int32) if sliced else None,
-    window=options.window,
-    causal=options.causal,
+    _mask(options, seq, q.shape[2]),
     block_q=blocks.block_q,
     block_k=blocks.block_k,
     dropout_rate=options.dropout_rate,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from iha_jax.core.masking import Mask
 from iha_jax.core.options import round_up
 from iha_jax.core.xla_attention import (
   attention_probabilities,
@@ -36,96 +37,71 @@ def grouped_attention_heads_major(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
+  mask: Mask,
   *,
-  segment_ids: jax.Array | None,
-  window: int | None,
-  causal: bool = True,
   block_q: int | None = None,
   block_k: int | None = None,
   precision: jax.lax.PrecisionLike = None,
-  kv_segment_ids: jax.Array | None = None,
-  q_index: jax.Array | None = None,
-  k_index: jax.Array | None = None,
   dropout_rate: float = 0.0,
   dropout_rng: jax.Array | None = None,
 ) -> jax.Array:
   """`flash_attention_heads_major` for `q: [B, H, Tq, d]` over `k: [B, G, Tk, d]`,
   `v: [B, G, Tk, dv]`, G dividing H: query head h attends with key/value head
-  `h // (H // G)`. Arguments as `flash_attention_heads_major` (`segment_ids: [B, Tq]`,
-  `kv_segment_ids: [B, Tk]`, `q_index: [Tq]`, `k_index: [Tk]`, attention dropout); G = H
-  is that call itself.
+  `h // (H // G)`. Arguments as `flash_attention_heads_major` (`mask`: `segment_ids
+  [B, Tq]`, `kv_segment_ids [B, Tk]`, `q_index [Tq]`, `k_index [Tk]`; attention dropout);
+  G = H is that call itself.
 
   Returns:
     `[B, H, Tq, dv]` in q.dtype.
   """
   b, h, t_q, d = q.shape
-  g, t_k = k.shape[1], k.shape[2]
+  g = k.shape[1]
+  options = dict(
+    block_q=block_q,
+    block_k=block_k,
+    precision=precision,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
+  )
   if g == h:
-    return flash_attention_heads_major(
-      q,
-      k,
-      v,
-      segment_ids=segment_ids,
-      window=window,
-      causal=causal,
-      block_q=block_q,
-      block_k=block_k,
-      precision=precision,
-      kv_segment_ids=kv_segment_ids,
-      q_index=q_index,
-      k_index=k_index,
-      dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng,
-    )
+    return flash_attention_heads_major(q, k, v, mask, **options)
   r = h // g
-  if kv_segment_ids is None and segment_ids is not None:
-    if t_q != t_k:
-      raise ValueError("kv_segment_ids must be given when queries and keys differ in length")
-    kv_segment_ids = segment_ids
-  if q_index is None and k_index is None and window is not None and window >= max(t_q, t_k):
-    window = None  # the band covers everything (the core's own shortcut, before indexing)
-  block = block_q or default_block_size(t_q, window)  # query positions per tile
+  mask = _grouped_mask(mask, t_q, k.shape[2])
+  block = block_q or default_block_size(t_q, mask.window)  # query positions per tile
   tq = round_up(t_q, block)
-  if q_index is None:
-    q_index = jnp.arange(t_q, dtype=jnp.int32)
+  q_index = jnp.arange(t_q, dtype=jnp.int32) if mask.q_index is None else mask.q_index
   # Padded positions repeat the last index (no extra tiles) and are sliced off below.
   q_index = _pad_axis(jnp.asarray(q_index, jnp.int32), tq, 0, mode="edge")
   # Head h = group * r + member: row t * r + member of the group's query axis.
   q = _pad_axis(q.reshape(b, g, r, t_q, d), tq, 3)
   q = jnp.swapaxes(q, 2, 3).reshape(b, g, tq * r, d)
+  segment_ids = mask.segment_ids
   if segment_ids is not None:
     segment_ids = jnp.repeat(_pad_axis(segment_ids, tq, 1), r, axis=1)
-  out = flash_attention_heads_major(
-    q,
-    k,
-    v,
-    segment_ids=segment_ids,
-    window=window,
-    causal=causal,
-    block_q=block * r,
-    block_k=block_k,
-    precision=precision,
-    kv_segment_ids=kv_segment_ids,
-    q_index=jnp.repeat(q_index, r),
-    k_index=k_index,
-    dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng,
-  )
+  mask = mask.replace(segment_ids=segment_ids, q_index=jnp.repeat(q_index, r))
+  out = flash_attention_heads_major(q, k, v, mask, **{**options, "block_q": block * r})
   out = jnp.swapaxes(out.reshape(b, g, tq, r, -1), 2, 3)
   return out[:, :, :, :t_q].reshape(b, h, t_q, -1)
 
 
+def _grouped_mask(mask: Mask, t_q: int, t_k: int) -> Mask:
+  """`mask` before its queries are interleaved r to a row: the keys' own segment ids
+  (the queries' when they share the sequence), and no window where the band covers
+  everything (the core's own shortcut, which the interleaved indices would hide)."""
+  kv_segment_ids = mask.kv_segment_ids
+  if kv_segment_ids is None and mask.segment_ids is not None:
+    if t_q != t_k:
+      raise ValueError("kv_segment_ids must be given when queries and keys differ in length")
+    kv_segment_ids = mask.segment_ids
+  window = mask.window
+  if mask.q_index is None and mask.k_index is None and window is not None:
+    if window >= max(t_q, t_k):
+      window = None
+  return mask.replace(kv_segment_ids=kv_segment_ids, window=window)
+
+
 def grouped_attention_probabilities(
-  q: jax.Array,
-  k: jax.Array,
-  *,
-  segment_ids: jax.Array | None,
-  window: int | None,
-  causal: bool = True,
-  kv_segment_ids: jax.Array | None = None,
-  q_index: jax.Array | None = None,
-  k_index: jax.Array | None = None,
-  precision: jax.lax.PrecisionLike = None,
+  q: jax.Array, k: jax.Array, mask: Mask, *, precision: jax.lax.PrecisionLike = None
 ) -> jax.Array:
   """`attention_probabilities` for `q: [B, H, Tq, d]` over `k: [B, G, Tk, d]` (G dividing
   H, interleaved as in `grouped_attention_heads_major`): float32 `[B, H, Tq, Tk]`."""
@@ -133,24 +109,13 @@ def grouped_attention_probabilities(
   g, t_k = k.shape[1], k.shape[2]
   r = h // g
   if r > 1:
-    if kv_segment_ids is None and segment_ids is not None:
-      if t_q != t_k:
-        raise ValueError("kv_segment_ids must be given when queries and keys differ in length")
-      kv_segment_ids = segment_ids
-    if q_index is None and k_index is None and window is not None and window >= max(t_q, t_k):
-      window = None
-    q_index = jnp.repeat(jnp.arange(t_q, dtype=jnp.int32) if q_index is None else q_index, r)
-    segment_ids = None if segment_ids is None else jnp.repeat(segment_ids, r, axis=1)
+    mask = _grouped_mask(mask, t_q, t_k)
+    q_index = jnp.arange(t_q, dtype=jnp.int32) if mask.q_index is None else mask.q_index
+    segment_ids = mask.segment_ids
+    mask = mask.replace(
+      q_index=jnp.repeat(q_index, r),
+      segment_ids=None if segment_ids is None else jnp.repeat(segment_ids, r, axis=1),
+    )
     q = jnp.swapaxes(q.reshape(b, g, r, t_q, d), 2, 3).reshape(b, g, t_q * r, d)
-  probs = attention_probabilities(
-    q,
-    k,
-    segment_ids=segment_ids,
-    window=window,
-    causal=causal,
-    kv_segment_ids=kv_segment_ids,
-    q_index=q_index,
-    k_index=k_index,
-    precision=precision,
-  )
+  probs = attention_probabilities(q, k, mask, precision=precision)
   return jnp.swapaxes(probs.reshape(b, g, t_q, r, t_k), 2, 3).reshape(b, h, t_q, t_k)

@@ -1,10 +1,14 @@
 """Which virtual key each virtual query may see (docs/design.md §1.5 and 6).
 
 One predicate, used by the dense references on the full grid and by the blockwise
-paths on one tile at a time, so every implementation masks identically.
+paths on one tile at a time, so every implementation masks identically; one record of
+its inputs (`Mask`), which every core that attends over a flat sequence takes.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +16,36 @@ import numpy as np
 
 # Finite, so fully masked rows (padding queries) give no NaNs in softmax or its VJP.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mask:
+  """Which keys each query sees, for attention over a flat (virtual) sequence: the rule
+  of `visible` and its inputs (a pytree: the arrays are its leaves).
+
+  Attributes:
+    causal: keys at or before the query only; False: bidirectional.
+    window: sliding window in the sequence's units (virtual tokens for IHA: a query sees
+      keys with `t - s < window`, or `|t - s| < window` when not causal), or None.
+    segment_ids: `[B, Tq]` int32 query ids, 0 = padding (outputs zeros, never seen); None:
+      one unpadded sequence per row.
+    kv_segment_ids: `[B, Tk]` the keys' ids (None: `segment_ids`, which needs Tq == Tk); a
+      key of id 0 is never seen (padding, an empty cache slot).
+    q_index, k_index: `[Tq]`, `[Tk]` int32 positions t and s of the queries and keys on
+      the flat sequence (None: `arange`): queries and keys that are a slice of a longer
+      sequence. Any order is correct; the blockwise core skips the most tiles when sorted.
+  """
+
+  causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  segment_ids: Any = None
+  kv_segment_ids: Any = None
+  q_index: Any = None
+  k_index: Any = None
+
+  def replace(self, **changes: Any) -> Mask:
+    return dataclasses.replace(self, **changes)
 
 
 def visible(

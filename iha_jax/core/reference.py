@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from iha_jax.core.masking import MASK_VALUE, visible
+from iha_jax.core.masking import MASK_VALUE, Mask, visible
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -24,27 +24,13 @@ def repeat_kv_heads(x: jax.Array, num_heads: int) -> jax.Array:
   return x if groups == 1 else jnp.repeat(x, groups, axis=2)
 
 
-def dense_attention_probabilities(
-  q: jax.Array,
-  k: jax.Array,
-  q_index: jax.Array,
-  k_index: jax.Array,
-  *,
-  window: int | None,
-  q_segment: jax.Array | None = None,
-  k_segment: jax.Array | None = None,
-  k_valid: jax.Array | None = None,
-  causal: bool = True,
-) -> jax.Array:
+def dense_attention_probabilities(q: jax.Array, k: jax.Array, mask: Mask) -> jax.Array:
   """Softmax attention probabilities over a flat virtual sequence, float32 `[B, H, Tq, Tk]`.
 
-  Args:
-    q: rotated queries `[B, Tq, H, d]`; k: rotated keys `[B, Tk, G, d]` (G divides H).
-    q_index, k_index: flat virtual indices `[Tq]`, `[Tk]` (masked by `visible`).
-    window: sliding window in virtual tokens, or None.
-    q_segment, k_segment: optional segment ids `[B, Tq]`, `[B, Tk]` (0 = padding).
-    k_valid: optional `[Tk]` bool, False for keys that do not exist (empty cache slots).
-    causal: the causal rule (`s <= t`) or, False, bidirectional (see `visible`).
+  q: rotated queries `[B, Tq, H, d]`; k: rotated keys `[B, Tk, G, d]` (G divides H);
+  `mask`: which keys each query sees (`Mask`; indices default to `arange`, the keys'
+  segment ids to the queries'; keys with segment ids and queries without: every query
+  one unpadded sequence's).
   """
   scale = q.shape[-1] ** -0.5
   k = repeat_kv_heads(k, q.shape[2])
@@ -52,45 +38,26 @@ def dense_attention_probabilities(
     jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32), precision=_HIGHEST)
     * scale
   )
-  q_seg = None if q_segment is None else q_segment[:, None, :, None]
-  k_seg = None if k_segment is None else k_segment[:, None, None, :]
-  mask = visible(q_index[:, None], k_index[None, :], q_seg, k_seg, window, causal)
-  if k_valid is not None:
-    mask &= k_valid
-  return jax.nn.softmax(jnp.where(mask, scores, MASK_VALUE), axis=-1)
-
-
-def dense_attention(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  *,
-  segment_ids: jax.Array | None,
-  window: int | None,
-  causal: bool = True,
-  kv_segment_ids: jax.Array | None = None,
-  q_offset: int | jax.Array = 0,
-) -> jax.Array:
-  """Attention over a flat sequence, `q: [B, Tq, H, d]`, `k: [B, Tk, G, d]` (already
-  rotated), `v: [B, Tk, G, dv]`; G divides H, query head h reads key/value head
-  `h // (H // G)`.
-
-  `segment_ids: [B, Tq]` (0 = padding) or None (one unpadded sequence per row);
-  `kv_segment_ids: [B, Tk]` the keys' (default `segment_ids`); `q_offset`: index of the
-  first query on the keys' sequence (queries that are a slice of it; default 0).
-  Returns `[B, Tq, H, dv]` in q.dtype; padding queries output zeros.
-  """
-  q_index = q_offset + jnp.arange(q.shape[1])
-  k_index = jnp.arange(k.shape[1])
-  k_segment = segment_ids if kv_segment_ids is None else kv_segment_ids
-  q_segment = segment_ids
+  q_index = jnp.arange(q.shape[1]) if mask.q_index is None else mask.q_index
+  k_index = jnp.arange(k.shape[1]) if mask.k_index is None else mask.k_index
+  q_segment = mask.segment_ids
+  k_segment = q_segment if mask.kv_segment_ids is None else mask.kv_segment_ids
   if q_segment is None and k_segment is not None:  # keys with padding, queries without
     q_segment = jnp.ones(q.shape[:2], jnp.int32)
-  probs = dense_attention_probabilities(
-    q, k, q_index, k_index, window=window, q_segment=q_segment, k_segment=k_segment, causal=causal
-  )
+  q_seg = None if q_segment is None else q_segment[:, None, :, None]
+  k_seg = None if k_segment is None else k_segment[:, None, None, :]
+  allowed = visible(q_index[:, None], k_index[None, :], q_seg, k_seg, mask.window, mask.causal)
+  return jax.nn.softmax(jnp.where(allowed, scores, MASK_VALUE), axis=-1)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask) -> jax.Array:
+  """Attention over a flat sequence, `q: [B, Tq, H, d]`, `k: [B, Tk, G, d]` (already
+  rotated), `v: [B, Tk, G, dv]`; G divides H, query head h reads key/value head
+  `h // (H // G)`; `mask` as `dense_attention_probabilities`. Returns `[B, Tq, H, dv]` in
+  q.dtype; padding queries output zeros."""
+  probs = dense_attention_probabilities(q, k, mask)
   v = repeat_kv_heads(v, q.shape[2])
   out = jnp.einsum("bhts,bshd->bthd", probs, v.astype(jnp.float32), precision=_HIGHEST)
-  if segment_ids is not None:
-    out = jnp.where((segment_ids != 0)[:, :, None, None], out, 0.0)
+  if mask.segment_ids is not None:
+    out = jnp.where((mask.segment_ids != 0)[:, :, None, None], out, 0.0)
   return out.astype(q.dtype)

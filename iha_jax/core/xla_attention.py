@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from iha_jax.core.masking import MASK_VALUE, ranges_meet, visible
+from iha_jax.core.masking import MASK_VALUE, Mask, ranges_meet, visible
 from iha_jax.core.options import round_up
 
 # Keys padded onto a tile boundary get this index: after every query, so the causal rule
@@ -381,16 +381,11 @@ def flash_attention_heads_major(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
+  mask: Mask,
   *,
-  segment_ids: jax.Array | None,
-  window: int | None,
-  causal: bool = True,
   block_q: int | None = None,
   block_k: int | None = None,
   precision: jax.lax.PrecisionLike = None,
-  kv_segment_ids: jax.Array | None = None,
-  q_index: jax.Array | None = None,
-  k_index: jax.Array | None = None,
   dropout_rate: float = 0.0,
   dropout_rng: jax.Array | None = None,
 ) -> jax.Array:
@@ -398,19 +393,10 @@ def flash_attention_heads_major(
 
   Args:
     q: `[B, H, Tq, d]` and k: `[B, H, Tk, d]`, already rotated; v: `[B, H, Tk, dv]`.
-    segment_ids: `[B, Tq]` int32 with 0 = padding (outputs zeros, never seen), or
-      None for one unpadded sequence per row (no segment masking at all).
-    window: sliding window (a query sees keys with `t - s < window`, or
-      `|t - s| < window` when not causal) or None.
-    causal: keys at or before the query only; False: bidirectional.
+    mask: which keys each query sees (`Mask`: causal, window, segment ids of the queries
+      and keys, their positions on the flat sequence for a slice of a longer one).
     block_q, block_k: tile edges; Tq, Tk need not divide them (padded and masked).
     precision: matmul precision of the score and value contractions.
-    kv_segment_ids: `[B, Tk]` segment ids of the keys (default: `segment_ids`, which
-      needs Tq == Tk); a key of segment 0 is never seen (e.g. an empty cache slot).
-    q_index, k_index: `[Tq]`, `[Tk]` int32 positions t and s of the queries and keys on
-      the flat sequence, for the causal and window rules (default `arange`): queries
-      and keys that are a slice of a longer sequence (a decoding step, a sequence
-      shard). Any order is correct; sorted indices skip the most tiles.
     dropout_rate, dropout_rng: attention dropout (module docstring): each weight dropped
       with probability `dropout_rate` (0: none), masks drawn from the key `dropout_rng`.
 
@@ -418,15 +404,16 @@ def flash_attention_heads_major(
     `[B, H, Tq, dv]` in q.dtype.
   """
   t_q = q.shape[2]
+  causal = mask.causal
   q, k, v, segments, indices, window, block_q, block_k = _prepare(
     q,
     k,
     v,
-    segment_ids=segment_ids,
-    kv_segment_ids=kv_segment_ids,
-    q_index=q_index,
-    k_index=k_index,
-    window=window,
+    segment_ids=mask.segment_ids,
+    kv_segment_ids=mask.kv_segment_ids,
+    q_index=mask.q_index,
+    k_index=mask.k_index,
+    window=mask.window,
     causal=causal,
     block_q=block_q,
     block_k=block_k,
@@ -440,16 +427,7 @@ def flash_attention_heads_major(
 
 
 def attention_probabilities(
-  q: jax.Array,
-  k: jax.Array,
-  *,
-  segment_ids: jax.Array | None,
-  window: int | None,
-  causal: bool = True,
-  kv_segment_ids: jax.Array | None = None,
-  q_index: jax.Array | None = None,
-  k_index: jax.Array | None = None,
-  precision: jax.lax.PrecisionLike = None,
+  q: jax.Array, k: jax.Array, mask: Mask, *, precision: jax.lax.PrecisionLike = None
 ) -> jax.Array:
   """The attention weights `flash_attention_heads_major` applies, float32 `[B, H, Tq, Tk]`
   (arguments as there): the blockwise forward's log-sum-exp, then each query block's
@@ -457,15 +435,16 @@ def attention_probabilities(
   of queries that see no key, are zeros. Dense in Tk: for attention maps."""
   t_q, t_k = q.shape[2], k.shape[2]
   v = jnp.zeros((*k.shape[:3], 1), q.dtype)
+  causal = mask.causal
   q, k, v, segments, (q_index, k_index), window, block_q, block_k = _prepare(
     q,
     k,
     v,
-    segment_ids=segment_ids,
-    kv_segment_ids=kv_segment_ids,
-    q_index=q_index,
-    k_index=k_index,
-    window=window,
+    segment_ids=mask.segment_ids,
+    kv_segment_ids=mask.kv_segment_ids,
+    q_index=mask.q_index,
+    k_index=mask.k_index,
+    window=mask.window,
     causal=causal,
     block_q=None,
     block_k=None,

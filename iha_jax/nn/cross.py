@@ -9,8 +9,9 @@ are exactly its self-attention ones, so one IHA layer may serve both; MHA is the
 case. No RoPE and no window: queries and keys are on two different sequences, with no
 shared axis of positions (as the cross-attention of encoder-decoder models).
 
-The attention core is the XLA one the KV cache uses (`grouped_attention_heads_major`:
-tiles of keys under an online softmax, grouped-query aware), not the Pallas kernels.
+The call is the kind's own entry point (`AttentionKind.attend`) with keys of another
+length, as a cached call makes it: the registry picks the implementation, so the Pallas
+kernels run on TPU and GPU under "auto".
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from iha_jax.core.grouped import grouped_attention_heads_major
-from iha_jax.core.interleave import virtual_segment_ids
 from iha_jax.kinds import project_out, project_qkv
 from iha_jax.kinds.config import AttentionConfig
-from iha_jax.nn.functional import check_input, pseudo_heads, to_compute_dtype
+from iha_jax.nn.functional import check_input, to_compute_dtype
 
 
 def check_cross(cfg: AttentionConfig) -> None:
@@ -114,17 +113,8 @@ def cross_attention(
   context = jnp.asarray(context, x.dtype)
   q, _, _ = project_qkv(p, x)  # the unused k, v of x are dead code to XLA
   _, k, v = project_qkv(p, context)
-  num_pseudo = cfg.record.num_pseudo(cfg)
-  heads_major = lambda t: jnp.swapaxes(t, 1, 2)
-  out = grouped_attention_heads_major(
-    heads_major(pseudo_heads(p, cfg, "q", q)),  # [B, H, N*P, d]
-    heads_major(pseudo_heads(p, cfg, "k", k)),  # [B, G, M*P, d]
-    heads_major(pseudo_heads(p, cfg, "v", v)),
-    # A row whose context is all padding: its queries are padding too (zero outputs).
-    segment_ids=jnp.broadcast_to(kv_valid.max(axis=1, keepdims=True), (b, n * num_pseudo)),
-    kv_segment_ids=virtual_segment_ids(kv_valid, num_pseudo),
-    window=None,
-    causal=False,
-  )
-  out = cfg.record.collapse(p, cfg, heads_major(out))  # [B, N, H, d]
+  # A row whose context is all padding: its queries are padding too (zero outputs).
+  query_ids = jnp.broadcast_to(kv_valid.max(axis=1, keepdims=True), (b, n))
+  options = cfg.options(segment_ids=query_ids).replace(kv_segment_ids=kv_valid)
+  out = cfg.record.attend(p, q, k, v, cfg, options)  # [B, N, H, d]
   return project_out(p, out)

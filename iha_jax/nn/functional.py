@@ -22,6 +22,7 @@ from flax.linen import with_logical_constraint
 from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.core.grouped import grouped_attention_probabilities
+from iha_jax.core.masking import Mask
 from iha_jax.core.validation import default_positions
 from iha_jax.kinds import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ, project_out, project_qkv
 from iha_jax.kinds.config import AttentionConfig
@@ -194,11 +195,6 @@ def layer_attention_probabilities(
   segments = None
   if segment_ids is not None:
     segments = virtual_segment_ids(segment_ids, cfg.record.num_pseudo(cfg))
-  return grouped_attention_probabilities(  # keys may have G < H heads (grouped-query)
-    queries,
-    keys,
-    segment_ids=segments,
-    window=cfg.window,
-    causal=cfg.causal,
-    precision=jax.lax.Precision.HIGHEST,
-  )
+  mask = Mask(causal=cfg.causal, window=cfg.window, segment_ids=segments)
+  # Keys may have G < H heads (grouped-query).
+  return grouped_attention_probabilities(queries, keys, mask, precision=jax.lax.Precision.HIGHEST)

@@ -14,7 +14,7 @@ nothing below the layers imports it.
 
 from iha_jax.core.differential import diff_lambda_init
 from iha_jax.core.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
-from iha_jax.core.masking import visible
+from iha_jax.core.masking import Mask, visible
 from iha_jax.core.mixing import collapse_heads, pseudo_mix
 from iha_jax.core.norm import rms_norm
 from iha_jax.core.options import AttentionOptions, BlockSizes
@@ -32,6 +32,7 @@ from iha_jax.kinds import (
 __all__ = [
   "AttentionOptions",
   "BlockSizes",
+  "Mask",
   "apply_rope",
   "attention_probabilities",
   "collapse_heads",
