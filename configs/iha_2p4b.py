@@ -10,7 +10,7 @@ with tied embeddings that gives the paper's 2.4B parameters (a 3-matrix SwiGLU o
 Window: 'L' layers use "auto" = 8192 / (2 P) = 204 virtual tokens (~10 tokens), the
 paper's FLOP-matched window (docs/design.md §2).
 Data: a text corpus prepared as array_record (data.name, default tfds:c4/en) and the paper's
-tokenizer, Llama 3's (128,256 ids): a file the user supplies (the README's pod section shows
+tokenizer, Llama 3's (128,256 ids): a file the user supplies (docs/training.md's pod section shows
 how to get it), `TOKENIZER` by default or `--config.data.tokenizer=PATH_OR_URL`. The
 vocabulary is read from that file (model.vocab_size = -1).
 """

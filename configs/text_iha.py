@@ -13,7 +13,7 @@ corpus and the tokenizer first (`make train-text` does both, into workdirs/data)
   python train.py --config configs/text_iha.py --workdir workdirs/text_iha
 
 Other text: set `data.name` (e.g. `local_text/files`), `data.options`,
-`data.tokenizer` and `data.data_dir` (README, "Training on your own text").
+`data.tokenizer` and `data.data_dir` (docs/text.md, "Training on your own text").
 """
 
 import ml_collections

@@ -1,4 +1,5 @@
-"""Every Python block of README.md is a complete program that runs outside the repository.
+"""Every Python block of README.md and of the docs pages is a complete program that runs
+outside the repository (docs/your_model.md's run in tests/test_your_model.py).
 
 The blocks run in one interpreter (JAX is imported once) started in a temporary directory
 without PYTHONPATH, so `import iha_jax` must find the installed package (`pip install -e .`,
@@ -22,10 +23,10 @@ blocks = json.load(open(sys.argv[1]))
 print("iha_jax from", iha_jax.__file__)
 for index, (line, code) in enumerate(blocks):
   try:
-    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__main__"})
+    exec(compile(code, line, "exec"), {"__name__": "__main__"})
   except Exception:
     traceback.print_exc()
-    sys.exit(f"README.md python block {index} (line {line}) failed")
+    sys.exit(f"python block {index} ({line}) failed")
 """
 
 
@@ -37,10 +38,29 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
   ]
 
 
+# The pages whose Python blocks this test runs (docs/your_model.md has its own test).
+PAGES = ("README.md", "docs/attention.md", "docs/data.md", "docs/evaluation.md")
+
+
+def test_every_page_with_python_is_run():
+  """A page with a Python block is either listed here or run by its own test."""
+  pages = [os.path.relpath(p, REPO) for p in [os.path.join(REPO, "README.md")]]
+  docs = os.path.join(REPO, "docs")
+  pages += [os.path.join("docs", name) for name in sorted(os.listdir(docs)) if name.endswith(".md")]
+  with_python = set()
+  for page in pages:
+    with open(os.path.join(REPO, page), encoding="utf-8") as f:
+      if python_blocks(f.read()):
+        with_python.add(page)
+  assert with_python == set(PAGES) | {"docs/your_model.md"}, with_python
+
+
 def test_readme_python_blocks_run_outside_the_repository(tmp_path):
-  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-    blocks = python_blocks(f.read())
-  assert len(blocks) >= 5, blocks
+  blocks = []
+  for page in PAGES:
+    with open(os.path.join(REPO, page), encoding="utf-8") as f:
+      blocks += [(f"{page}:{line}", code) for line, code in python_blocks(f.read())]
+  assert len(blocks) >= 7, blocks
   (tmp_path / "blocks.json").write_text(json.dumps(blocks))
   (tmp_path / "run_blocks.py").write_text(RUNNER)
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

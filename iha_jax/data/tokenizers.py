@@ -276,7 +276,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     raise DataError(
       f"data.tokenizer: {spec!r} is neither 'byte' nor an existing tokenizer file"
       " (a tokenizer.json, a tiktoken BPE file, or a SentencePiece .model). Pass"
-      " --config.data.tokenizer=PATH; the README's pod section shows how to get"
+      " --config.data.tokenizer=PATH; docs/training.md's pod section shows how to get"
       " Llama 3's, and python -m iha_jax.data.train_tokenizer --name=DATASET"
       " --data_dir=DATA_DIR --output=PREFIX trains one."
     )
