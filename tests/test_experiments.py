@@ -233,7 +233,7 @@ class _FakeVariant:
 
   def __init__(self, config):
     self.config, self.params, self.attention_flops_per_token = config, 1, 1.0
-    self.train_flops_per_step = 6.0
+    self.train_flops_per_step, self.num_pseudo = 6.0, config.model.num_pseudo
 
   def run(self, learning_rate, seed, **kwargs):
     self.calls.append((learning_rate, seed))
@@ -260,6 +260,10 @@ def test_grid_extends_past_an_edge(monkeypatch, tmp_path):
   assert [lr for lr, seed in calls if seed == 0] == [1e-3, 3e-3, 1e-2, 0.03, 0.1]
   assert data["chosen_learning_rates"]["iha"] == 0.03
   assert (0.03, 1) in calls
+  # Every run's record names its P (the variant's config's).
+  assert {r["num_pseudo"] for r in data["runs"].values()} == {
+    study.scales["tiny"].config().model.num_pseudo
+  }
 
 
 def test_parts_run_apart_merge_into_the_whole(monkeypatch, tmp_path):
