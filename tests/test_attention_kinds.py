@@ -323,7 +323,7 @@ def test_xla_band_reaches_the_window_edge_at_every_width(causal, windows):
   """The XLA core's key band (`xla_attention._block_ranges`) includes the tile holding
   the window's first key for every width: with 4-query and 3-key tiles the window's edge
   falls on a key tile's last key for most widths (tests/mutants.py:
-  `xla_band_edge`)."""
+  `band_edge`)."""
   n = 13
   q, k, v = (jax.random.normal(key, (2, n, 2, 8)) for key in jax.random.split(jax.random.key(4), 3))
   for window in windows:
