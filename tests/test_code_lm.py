@@ -178,7 +178,7 @@ def test_code_lm_tiny_learns_beyond_byte_pair_frequencies(tmp_path):
   # The report: mean ± std of each metric, learning curves against tokens and FLOPs.
   with open(os.path.join(out, "code_lm.md")) as f:
     md = f.read()
-  row = next(line for line in md.splitlines() if line.startswith("| IHA (LLLLM) |"))
+  row = next(line for line in md.splitlines() if line.startswith("| IHA P = 2 (LLLLM) |"))
   assert row.count("±") == 3 and "Data `python_stdlib/chunks`" in md
   fig = report.plot(study, results, os.path.join(out, "again.png"))
   decode_png(os.path.join(out, "code_lm.png"), dpi=110, figure=fig)

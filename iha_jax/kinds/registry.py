@@ -340,7 +340,10 @@ def lookup(
   Pallas kernels on TPU and GPU, never cuDNN; "xla" for kinds without kernels).
   """
   record = _record(kind)
-  sharded = q is not None and context.applies(q.shape[1])
+  # A call whose queries already sit at an offset into longer keys (a cached call) runs
+  # whole: it is not split over the context axis again.
+  at_offset = options is not None and options.sliced
+  sharded = q is not None and not at_offset and context.applies(q.shape[1])
   name = resolve(record, implementation, q, v, options, num_pseudo, sliced=sharded)
   if implementation != AUTO:
     _warn_if_interpreted(name)
