@@ -191,7 +191,7 @@ def check_key_side(k: jax.Array, options: AttentionOptions) -> None:
     if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
       raise ValueError(f"{name} must be an integer array (int32), got {jnp.result_type(x)}.")
   offset = options.query_offset
-  if isinstance(offset, int) and not is_int(offset, 0) or jnp.ndim(offset) != 0:
+  if (isinstance(offset, int) and not is_int(offset, 0)) or jnp.ndim(offset) != 0:
     raise ValueError(f"query_offset must be an int >= 0 or an int32 scalar, got {offset!r}.")
 
 
