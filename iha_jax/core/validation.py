@@ -158,15 +158,7 @@ def check_options(q: jax.Array, options: AttentionOptions) -> AttentionOptions:
     raise ValueError(f"dropout_rate={rate} needs dropout_rng, a PRNG key (jax.random.key).")
   if options.block_sizes is not None and not isinstance(options.block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes or None, got {options.block_sizes!r}.")
-  batch_tokens = _shape(q)[:2]
-  for name in ("segment_ids", "positions"):
-    x = getattr(options, name)
-    if x is None:
-      continue
-    if _shape(x) != batch_tokens:
-      raise ValueError(f"{name} must have shape [B, N] = {list(batch_tokens)}, got {_shape(x)}.")
-    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-      raise ValueError(f"{name} must be an integer array (int32), got {jnp.result_type(x)}.")
+  _check_token_arrays(options, ("segment_ids", "positions"), _shape(q)[:2], "[B, N]")
   if rope_theta is not None:
     if not rope_theta > 0:
       raise ValueError(f"rope_theta must be > 0 or None (no RoPE), got {rope_theta!r}.")
@@ -181,18 +173,24 @@ def check_key_side(k: jax.Array, options: AttentionOptions) -> None:
   """A call whose queries sit at an offset into longer keys k `[B, Nk, ...]`: the keys'
   `kv_segment_ids` and `kv_positions` are `[B, Nk]` integers, `query_offset` an int >= 0
   or an int32 scalar."""
-  batch_tokens = _shape(k)[:2]
-  for name in ("kv_segment_ids", "kv_positions"):
+  _check_token_arrays(options, ("kv_segment_ids", "kv_positions"), _shape(k)[:2], "[B, Nk]")
+  offset = options.query_offset
+  if (isinstance(offset, int) and not is_int(offset, 0)) or jnp.ndim(offset) != 0:
+    raise ValueError(f"query_offset must be an int >= 0 or an int32 scalar, got {offset!r}.")
+
+
+def _check_token_arrays(
+  options: AttentionOptions, names: Sequence[str], batch_tokens: tuple[int, ...], layout: str
+) -> None:
+  """The options' arrays `names` (where given) are integers of shape `batch_tokens`."""
+  for name in names:
     x = getattr(options, name)
     if x is None:
       continue
     if _shape(x) != batch_tokens:
-      raise ValueError(f"{name} must have shape [B, Nk] = {list(batch_tokens)}, got {_shape(x)}.")
+      raise ValueError(f"{name} must have shape {layout} = {list(batch_tokens)}, got {_shape(x)}.")
     if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
       raise ValueError(f"{name} must be an integer array (int32), got {jnp.result_type(x)}.")
-  offset = options.query_offset
-  if (isinstance(offset, int) and not is_int(offset, 0)) or jnp.ndim(offset) != 0:
-    raise ValueError(f"query_offset must be an int >= 0 or an int32 scalar, got {offset!r}.")
 
 
 def default_positions(q: jax.Array, positions: jax.Array | None) -> jax.Array:
