@@ -4,7 +4,8 @@ For every variant: train over the variant's own learning-rate grid (seed 0; exte
 up to two steps past an edge where the best rate sits), choose the rate on validation,
 train the remaining seeds at that rate, evaluate every run on test. Only when every
 variant has its chosen rate and seeds: at each variant's chosen rate and for every seed,
-the study's sweep points (e.g. more key-value pairs, another width). Every finished run
+the study's sweep points (e.g. more key-value pairs, another width, equal training FLOPs;
+a point that leaves a variant's config unchanged records its base runs). Every finished run
 is written to `DIR/STUDY.json` at once, so a rerun skips it (resumable); the report is
 rewritten at the end. Parts of one study run apart (e.g. `--variants` split over
 processes or hosts) are joined by `merge_studies`.
@@ -57,6 +58,11 @@ class Sweep:
   values: tuple[Any, ...]  # the other points
   edit: Callable[[ml_collections.ConfigDict, Any], None]
   retune: bool = False
+  # The variants this sweep covers (names); empty: every contender.
+  variants: tuple[str, ...] = ()
+
+  def covers(self, variant: str) -> bool:
+    return not self.variants or variant in self.variants
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +154,16 @@ def variant_config(
   return config
 
 
+def same_config(study: Study, scale_name: str, variant: Variant, sweep: tuple[Sweep, Any]) -> bool:
+  """Whether the sweep point leaves `variant`'s config unchanged (its base run stands)."""
+  base = variant_config(study, scale_name, variant, "")
+  return base.to_dict() == variant_config(study, scale_name, variant, "", sweep).to_dict()
+
+
+def _point(sweep: tuple[Sweep, Any]) -> dict[str, Any]:
+  return {"axis": sweep[0].axis, "value": sweep[1]}
+
+
 def choose_rate(runs: Sequence[dict[str, Any]], select: str) -> float:
   """The grid rate with the best validation `select` (ties: lower validation loss)."""
   best = max(runs, key=lambda r: selection_score(r["validation"], select))
@@ -210,14 +226,15 @@ def sweep_rate_key(variant: str, axis: str, value: Any) -> str:
   return f"{variant}/{axis}={value}"
 
 
-def planned_runs(scale: Scale, seeds: int, num_variants: int) -> int:
-  """Runs without grid extensions (the progress bar's total grows by those)."""
-  per_variant = len(scale.learning_rates) + (seeds - 1)
-  per_variant += seeds * sum(len(s.values) for s in scale.sweeps)
-  per_variant += (len(scale.learning_rates) - 1) * sum(
-    len(s.values) for s in scale.sweeps if s.retune
-  )
-  return per_variant * num_variants
+def planned_runs(scale: Scale, seeds: int, variants: Sequence[str]) -> int:
+  """Runs of `variants` without grid extensions (the progress bar's total grows by those)."""
+  total = 0
+  for name in variants:
+    sweeps = [s for s in scale.sweeps if s.covers(name)]
+    total += len(scale.learning_rates) + (seeds - 1)
+    total += seeds * sum(len(s.values) for s in sweeps)
+    total += (len(scale.learning_rates) - 1) * sum(len(s.values) for s in sweeps if s.retune)
+  return total
 
 
 def run_study(
@@ -253,7 +270,7 @@ def run_study(
   store.data["sweep_bases"] = {s.axis: s.base for s in scale.sweeps}
   store.data["transfer_bases"] = {t.axis: t.base for t in scale.transfers}
   runs_bar = tqdm.tqdm(
-    total=planned_runs(scale, seeds, len(chosen_variants)),
+    total=planned_runs(scale, seeds, [v.name for v in chosen_variants]),
     desc=f"{study.name} runs",
     position=0,
     disable=not progress,
@@ -284,6 +301,14 @@ def run_study(
     key = run_key(variant.name, learning_rate, seed, point)
     if key in store:
       return store.data["runs"][key]
+    base_key = run_key(variant.name, learning_rate, seed, None)
+    if sweep is not None and base_key in store and same_config(study, scale_name, variant, sweep):
+      # The point leaves this variant's config as it is (e.g. the variant that sets an
+      # equal-FLOPs budget): its run is the base run, recorded at the point too.
+      record = {**store.data["runs"][base_key], "phase": phase, "sweep": _point(sweep)}
+      store.add(key, {**record, "same_as": base_key})
+      runs_bar.update(1)
+      return record
     if (variant.name, point) not in compiled:
       config = variant_config(study, scale_name, variant, data_dir, sweep)
       if study.prepare is not None:
@@ -299,13 +324,14 @@ def run_study(
         transfer.edit(test_config, value)
         prepare(test_config)
         transfer_tests[f"{transfer.axis}={value}"] = test_config
+    total_steps = target.config.train.total_steps  # the scale's, unless a sweep point's
     steps_bar = tqdm.tqdm(
-      total=scale.total_steps, desc=key, position=1, leave=False, disable=not progress
+      total=total_steps, desc=key, position=1, leave=False, disable=not progress
     )
     result = target.run(
       learning_rate,
       seed,
-      total_steps=scale.total_steps,
+      total_steps=total_steps,
       eval_every=scale.eval_every,
       patience=scale.patience,
       select=study.select,
@@ -319,7 +345,7 @@ def run_study(
       "phase": phase,
       "learning_rate": learning_rate,
       "seed": seed,
-      "sweep": None if point is None else {"axis": point[0], "value": point[1]},
+      "sweep": None if sweep is None else _point(sweep),
       "num_pseudo": target.num_pseudo,
       "params": target.params,
       "attention_flops_per_token": target.attention_flops_per_token,
@@ -354,7 +380,7 @@ def run_study(
   # on seed 0), every seed.
   for sweep in scale.sweeps:
     for value in sweep.values:
-      for variant in chosen_variants:
+      for variant in (v for v in chosen_variants if sweep.covers(v.name)):
         chosen = store.data["chosen_learning_rates"][variant.name]
         if sweep.retune:
           point = (sweep, value)

@@ -244,3 +244,28 @@ def test_eval_complete_reports_bits_per_byte_and_continues_the_prompt(tmp_path):
   table = complete.side_by_side([result])
   assert "text_lm" in table and f"{result.metrics['bits_per_byte']:.4f}" in table
   assert complete.describe(result, prompt, 1.0, 5).count(prompt) == 2
+
+
+def test_equal_flops_gives_the_cheaper_variants_more_steps():
+  """At `small`'s "equal_flops" point every covered variant trains for the dearest one's
+  FLOPs at 800 steps (to half a step), and the dearest keeps its base runs."""
+  study = STUDIES["code_lm"]
+  sweep = study.scales["small"].sweeps[0]
+  covered = [v for v in study.variants if sweep.covers(v.name)]
+  assert {v.name for v in covered} == set(code_lm.EQUAL_FLOPS_VARIANTS)
+  per_step, steps = {}, {}
+  for variant in covered:
+    base = protocol.variant_config(study, "small", variant, "")
+    point = protocol.variant_config(study, "small", variant, "", (sweep, "equal_flops"))
+    per_step[variant.name] = code_lm.train_flops_per_step(base, 2048)
+    steps[variant.name] = point.train.total_steps
+    assert base.train.total_steps == 800
+  dearest = max(per_step, key=per_step.get)
+  budget = 800 * per_step[dearest]
+  for name, flops in per_step.items():
+    assert abs(steps[name] * flops - budget) <= flops / 2, name
+    assert steps[name] > 800 or name == dearest
+  assert steps[dearest] == 800
+  assert protocol.same_config(
+    study, "small", covered[[v.name for v in covered].index(dearest)], (sweep, "equal_flops")
+  )

@@ -239,7 +239,10 @@ class _FakeVariant:
     self.calls.append((learning_rate, seed))
     score = -abs(learning_rate - 0.03)  # best at 3e-2: above the grid's top 1e-2
     metrics = {"token_accuracy": score, "exact_match": 0.0, "loss": 1.0}
-    return RunResult(steps=1, best_step=1, validation=metrics, test=metrics, curve=[], wall_s=0.0)
+    steps = kwargs["total_steps"]
+    return RunResult(
+      steps=steps, best_step=steps, validation=metrics, test=metrics, curve=[], wall_s=0.0
+    )
 
 
 def _fake_mqar(monkeypatch, num_variants: int):
@@ -289,3 +292,33 @@ def test_parts_run_apart_merge_into_the_whole(monkeypatch, tmp_path):
     protocol.merge_studies(study, "tiny", [str(tmp_path)], str(tmp_path / "merged"))
   with pytest.raises(SystemExit):  # argparse: --merge takes no --variants
     run.main(["mqar", "--scale", "tiny", "--merge", parts[0], "--variants", "iha"])
+
+
+def test_a_sweep_covers_its_variants_and_reuses_unchanged_runs(monkeypatch, tmp_path):
+  """A sweep point runs only the variants it covers, trains each for its config's steps,
+  and records the base run where the point leaves the config unchanged (no training)."""
+  study = _fake_mqar(monkeypatch, 3)
+  scale = study.scales["tiny"]
+  first, second, _ = (v.name for v in study.variants)
+  base_schedule = scale.config().model.attention_schedule  # the first variant's ("LM")
+
+  def budget(config, point):  # the first variant keeps its steps, the second gets more
+    if config.model.attention_schedule != base_schedule:
+      config.train.total_steps += 7
+
+  sweep = protocol.Sweep(
+    "budget", "equal_steps", ("equal_flops",), budget, variants=(first, second)
+  )
+  study = dataclasses.replace(study, scales={"tiny": dataclasses.replace(scale, sweeps=(sweep,))})
+  data = protocol.run_study(study, "tiny", 2, str(tmp_path), "", progress=False)
+  point = {"axis": "budget", "value": "equal_flops"}
+  swept = {(r["variant"], r["seed"]): r for r in data["runs"].values() if r["sweep"] == point}
+  assert sorted(swept) == [(first, 0), (first, 1), (second, 0), (second, 1)]
+  for seed in (0, 1):
+    assert swept[first, seed]["same_as"] == f"{first}/lr=0.03/seed={seed}"
+    assert swept[first, seed]["steps"] == scale.total_steps
+    assert swept[second, seed]["steps"] == scale.total_steps + 7
+    assert "same_as" not in swept[second, seed]
+  # Trained: each variant's grid (five rates with the extensions) and seed 1, then only
+  # the second variant's two seeds at the point.
+  assert len(_FakeVariant.calls) == 3 * 6 + 2

@@ -16,14 +16,17 @@ FLOPs.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import ml_collections
 
-from experiments.protocol import Scale, Study, Variant
+from experiments.protocol import Scale, Study, Sweep, Variant
 from experiments.studies.common import schedule_edit, study_config
 from iha_jax import data as data_lib
 from iha_jax.data import train_tokenizer
+from iha_jax.train import config as config_lib
+from iha_jax.train import flops as flops_lib
 
 PAPER = (
   "The paper trains 2.4B-parameter decoder LMs (IHA `LLLLM`, global attention, "
@@ -136,6 +139,41 @@ VARIANTS = (
   Variant("iha_p4", "IHA P = 4 = H (LLLLM)", iha_with_pseudo(4)),
 )
 
+# The equal-FLOPs comparison: the P sweep beside the baselines it is read against.
+EQUAL_FLOPS_VARIANTS = ("iha_p1", "iha", "iha_p4", "mha", "global_local", "talking_heads")
+
+
+def train_flops_per_step(config: ml_collections.ConfigDict, vocab: int) -> float:
+  """Model FLOPs of one training step of `config` with a `vocab`-piece vocabulary."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.model.vocab_size = vocab  # the tokenizer may not exist yet: its size is known
+  model = config_lib.validate(config, 1)
+  return flops_lib.train_flops_per_step(model, config.train.batch_size, config.data.seq_len)
+
+
+def equal_flops(scale: str, steps: int) -> Sweep:
+  """The sweep point "equal_flops" (base "equal_steps"): each covered variant trains for
+  the training FLOPs of the dearest covered variant's `steps` steps, rounded to whole
+  steps, so the cheaper variants get more steps and the dearest keeps its base runs."""
+  vocab = _SIZES[scale]["vocab"]
+
+  @functools.cache
+  def budget() -> float:
+    dearest = 0.0
+    for variant in VARIANTS:
+      if variant.name in EQUAL_FLOPS_VARIANTS:
+        config = _config(scale)
+        variant.edit(config)
+        dearest = max(dearest, train_flops_per_step(config, vocab))
+    return steps * dearest
+
+  def edit(config: ml_collections.ConfigDict, point: str) -> None:
+    if point == "equal_flops":
+      config.train.total_steps = round(budget() / train_flops_per_step(config, vocab))
+
+  return Sweep("budget", "equal_steps", ("equal_flops",), edit, variants=EQUAL_FLOPS_VARIANTS)
+
+
 CODE_LM = Study(
   name="code_lm",
   title="Language modelling on the Python standard library",
@@ -163,8 +201,14 @@ CODE_LM = Study(
     # grid is centred on 1e-2: a 300-step probe of global MHA gave validation loss 4.28 /
     # 3.96 / 4.14 at 3e-3 / 1e-2 / 3e-2; a best rate on an edge extends the grid (the
     # protocol's rule).
+    # Then the same variants at equal training FLOPs (`budget` = "equal_flops").
     "small": _scale(
-      "small", learning_rates=(3e-3, 1e-2, 3e-2), total_steps=800, eval_every=100, patience=16
+      "small",
+      learning_rates=(3e-3, 1e-2, 3e-2),
+      total_steps=800,
+      eval_every=100,
+      patience=16,
+      sweeps=(equal_flops("small", 800),),
     ),
   },
   select="loss",
