@@ -45,7 +45,7 @@ def metric_value(metrics: dict[str, float], name: str) -> float:
   return _DERIVED[name](metrics) if name in _DERIVED else metrics[name]
 
 
-def _chosen_runs(
+def chosen_runs(
   data: dict[str, Any], variant: str, sweep: dict | None = None
 ) -> list[dict[str, Any]]:
   """Runs of `variant` at its chosen rate (all seeds), at a sweep point or the base (a
@@ -71,7 +71,7 @@ def _transfer_runs(
 ) -> list[dict[str, Any]]:
   """`{"test": metrics}` of `variant`'s chosen-rate base runs on the transfer test set
   `axis=value` (the base value: the runs' own test set)."""
-  runs = _chosen_runs(data, variant)
+  runs = chosen_runs(data, variant)
   if data["transfer_bases"][axis] == value:
     return runs
   key = f"{axis}={value}"
@@ -150,7 +150,7 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
   variants = list(dict.fromkeys(r["variant"] for r in data["runs"].values()))
   labels = {r["variant"]: r["label"] for r in data["runs"].values()}
   for v in variants:
-    runs = _chosen_runs(data, v)
+    runs = chosen_runs(data, v)
     lines.append("| " + " | ".join([labels[v], *(_cell(runs, m) for m in metrics)]) + " |")
 
   rates = sorted({r["learning_rate"] for r in data["runs"].values() if r["phase"] == "grid"})
@@ -190,7 +190,7 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
     "| --- | --- | --- | --- | --- | --- | --- |",
   ]
   for v in variants:
-    runs = _chosen_runs(data, v)
+    runs = chosen_runs(data, v)
     if not runs:
       continue
     r0 = runs[0]
@@ -224,7 +224,7 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
       [
         (
           labels[v],
-          [_cell(_chosen_runs(data, v, {"axis": axis, "value": x}), metric) for x in values],
+          [_cell(chosen_runs(data, v, {"axis": axis, "value": x}), metric) for x in values],
         )
         for v in variants
       ],
@@ -300,7 +300,7 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
   bars = axes[0]
   lowest = []
   for i, v in enumerate(variants):
-    values = [scale_of(metric) * metric_value(r["test"], metric) for r in _chosen_runs(data, v)]
+    values = [scale_of(metric) * metric_value(r["test"], metric) for r in chosen_runs(data, v)]
     if not values:
       continue
     mean, std = _mean_std(values)
@@ -320,7 +320,7 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
   for curves, against in zip(axes[1 : 1 + num_curves], study.curves_against):
     x_label, x_of = CURVE_AXES[against]
     for v in variants:
-      for j, run in enumerate(_chosen_runs(data, v)):
+      for j, run in enumerate(chosen_runs(data, v)):
         xs = [x_of(run, c) for c in run["curve"]]
         values = [scale_of(study.select) * c[study.select] for c in run["curve"]]
         curves.plot(
@@ -345,7 +345,7 @@ def plot(study: Study, data: dict[str, Any], path: str) -> Figure:
       for x in points:
         values = [
           100 * metric_value(r["test"], metric)
-          for r in _chosen_runs(data, v, {"axis": axis, "value": x})
+          for r in chosen_runs(data, v, {"axis": axis, "value": x})
         ]
         if values:
           xs.append(x)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from experiments import protocol, report, run
+from experiments import protocol, quality_cost, report, run
 from experiments.studies import STUDIES
 from experiments.variant_runs import RunResult
 from tests.utils import decode_png
@@ -322,3 +322,51 @@ def test_a_sweep_covers_its_variants_and_reuses_unchanged_runs(monkeypatch, tmp_
   # Trained: each variant's grid (five rates with the extensions) and seed 1, then only
   # the second variant's two seeds at the point.
   assert len(_FakeVariant.calls) == 3 * 6 + 2
+
+
+def test_quality_against_cost_places_each_variant_at_its_price(monkeypatch, tmp_path):
+  """`experiments.quality_cost`: each variant's point sits at (its estimated step time /
+  the reference's, its mean test metric), its error bar is the std over seeds, and the
+  tables carry both budgets and the measured price apart from the estimate."""
+  study = _fake_mqar(monkeypatch, 3)
+  data = protocol.run_study(study, "tiny", 3, str(tmp_path), "", progress=False)
+  names = [v.name for v in study.variants]
+  # Distinct test values per seed, so means and stds are not trivially equal.
+  for r in data["runs"].values():
+    r["test"]["token_accuracy"] = 0.5 + 0.01 * names.index(r["variant"]) + 0.002 * r["seed"]
+  study_path = tmp_path / "mqar.json"
+  study_path.write_text(json.dumps(data))
+  costs = {
+    "reference": names[1],
+    "estimated": {
+      "what": "an estimate",
+      "target": "v5p-8",
+      "step_ms": {names[0]: 150.0, names[1]: 100.0},
+      "cost_only": [{"label": "P = H", "step_ms": 240.0}],
+    },
+    "measured": {"what": "CPU", "command": "c", "ms_per_step": {names[0]: 30.0, names[1]: 20.0}},
+  }
+  (tmp_path / "costs.json").write_text(json.dumps(costs))
+  monkeypatch.setattr(quality_cost, "STUDIES", {"mqar": study})
+  md, png = quality_cost.main(
+    ["--study", str(study_path), "--costs", str(tmp_path / "costs.json"), "--out", str(tmp_path)]
+  )
+  labels = {v.name: v.label for v in study.variants}
+  table = open(md).read()
+  assert f"| {labels[names[0]]} | " in table and "| 150.0 | 1.50 |" in table
+  assert f"| {labels[names[2]]} | " in table and table.count("| - | - |") >= 1  # unpriced
+  assert "| P = H | | (not trained) | | 240.0 | 2.40 |" in table
+  assert f"| {labels[names[0]]} | 30 | 1.50 |" in table  # measured, its own table
+  fig = quality_cost.plot(
+    quality_cost.rows(data, costs, "token_accuracy"), costs, "token_accuracy", png
+  )
+  decode_png(png, dpi=110, figure=fig)
+  seeds = 0.5 + 0.002 * np.arange(3)
+  bars = {c.get_label(): c for c in fig.axes[0].containers}  # one errorbar per point
+  for name, ratio in ((names[0], 1.5), (names[1], 1.0)):
+    expected = seeds + 0.01 * names.index(name)
+    x, y = bars[labels[name]].lines[0].get_xydata()[0]
+    assert (x, y) == pytest.approx((ratio, expected.mean()))
+    low, high = bars[labels[name]].lines[2][0].get_segments()[0]
+    assert high[1] - low[1] == pytest.approx(2 * np.std(expected, ddof=1))
+  assert labels[names[2]] not in bars  # no price: no point
