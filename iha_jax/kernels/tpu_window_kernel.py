@@ -1,0 +1,335 @@
+"""The kernel bodies of IHA's on-chip TPU window path (`iha_jax.kernels.tpu_window`):
+what one grid step does in VMEM, forward (`forward_kernel`) and backward
+(`backward_kernel`). The layouts, block specs and calls are `tpu_window`'s, the tiling
+`tpu_window_plan`'s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from iha_jax.core.masking import MASK_VALUE
+from iha_jax.kernels.tpu_window_plan import Plan
+
+BLOCK_UNROLL = 4
+MIX_UNROLL = 8
+
+# Additive masks: two of them still sum to a finite score (a row of padding stays finite).
+HALF_MASK = MASK_VALUE / 2
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+# --- in-kernel helpers ------------------------------------------------------------------------
+
+
+def _dot(a, b, dims, plan: Plan) -> jax.Array:
+  precision = None if plan.low_precision else lax.Precision.HIGHEST
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _rotate(x: jax.Array, table: jax.Array, inverse: bool = False) -> jax.Array:
+  """Rotate-half RoPE of float32 rows `x [r, d]` by a `cos | sin` table `[r, 2d]`."""
+  d = x.shape[1]
+  cos, sin = table[:, :d], table[:, d:]
+  swapped = pltpu.roll(x, d // 2, 1) * sin
+  return x * cos - swapped if inverse else x * cos + swapped
+
+
+def _unroll(count: int, most: int) -> int:
+  """The largest unroll factor up to `most` that divides `count` (independent products
+  in flight hide the MXU's and the reductions' latency)."""
+  return next(u for u in range(min(most, count), 0, -1) if count % u == 0)
+
+
+def _mix(
+  plan: Plan, src_ref, src_heads: int, tokens: int, matrix, dst_ref, dst_row: int, table, s: int
+):
+  """Pseudo rows of `tokens` source tokens: `dst[dst_row + (n, p)] = R(p) sum_m
+  matrix[(n, p), (n, m)] src[(n, m)]`, one MXU product per group of `s` tokens."""
+  rows = s * plan.num_pseudo
+  table = None if table is None else table[:rows]
+  width = s * src_heads
+  groups = tokens // s
+
+  def body(i, carry):
+    src = src_ref[pl.ds(pl.multiple_of(i * width, plan.align), width), :]
+    out = _dot(matrix, src, _NN, plan)
+    if table is not None:
+      out = _rotate(out, table)
+    dst_ref[pl.ds(pl.multiple_of(dst_row + i * rows, plan.align), rows), :] = out.astype(
+      dst_ref.dtype
+    )
+    return carry
+
+  lax.fori_loop(0, groups, body, 0, unroll=_unroll(groups, MIX_UNROLL))
+
+
+def _mix_band(plan: Plan, refs, matrix, dst_ref, table):
+  """The band's pseudo rows: halo blocks before, the tile's own, halo blocks after."""
+  sizes = [plan.halo] * plan.halo_before + [plan.tile] + [plan.halo] * plan.halo_after
+  row = 0
+  for ref, tokens in zip(refs, sizes):
+    _mix(plan, ref, plan.kv_heads, tokens, matrix, dst_ref, row, table, plan.kv_group)
+    row += tokens * plan.num_pseudo
+
+
+def _scores(plan: Plan, q, k, bias_ref, kid_ref, qid_ref, block, t0):
+  """Masked scores `[cq, kb]` float32 of one block, in log2 units (the queries carry
+  log2(e): `_softmax` takes powers of two). Without segments the masks are additive (the
+  band's bias and the keys' validity row: no compare per score)."""
+  s = _dot(q, k, _NT, plan) + bias_ref[...]
+  key_ids = kid_ref[pl.ds(block, 1), :]  # [1, kb]
+  if plan.segments:
+    ok = qid_ref[pl.ds(t0, plan.block_rows), :] == key_ids
+    return jnp.where(ok, s, MASK_VALUE)
+  return s + jnp.where(key_ids > 0, 0.0, HALF_MASK)
+
+
+def _softmax(s):
+  """(unnormalised probabilities, their row sums) of log2-unit scores."""
+  m = jnp.max(s, axis=1, keepdims=True)
+  p = jnp.exp2(s - m)
+  return p, jnp.sum(p, axis=1, keepdims=True)
+
+
+def _reciprocal(x):
+  """1 / x of row sums `[cq, 1]` (>= 1: each row's largest term is 1): the approximate
+  reciprocal and two Newton steps, float32-accurate from an estimate of 8 good bits (an
+  exact division expands to a dozen vector operations per vreg, for cases that never
+  arise here)."""
+  r = pl.reciprocal(x, approx=True)
+  r = r * (2.0 - x * r)
+  return r * (2.0 - x * r)
+
+
+# --- forward ----------------------------------------------------------------------------------
+
+
+def _split_inputs(plan: Plan, refs):
+  """(q, k band refs, v band refs, rest) of the kernels' leading inputs."""
+  band = plan.halo_before + 1 + plan.halo_after
+  q_ref, refs = refs[0], refs[1:]
+  k_refs, v_refs, refs = refs[:band], refs[band : 2 * band], refs[2 * band :]
+  return q_ref, k_refs, v_refs, refs
+
+
+def forward_kernel(*refs, plan: Plan):
+  q_ref, k_refs, v_refs, refs = _split_inputs(plan, refs)
+  aq_ref, ak_ref, av_ref, cm_ref, bias_ref, kid_ref, *refs = refs
+  table_ref = refs.pop(0) if plan.rotary else None
+  qid_ref = refs.pop(0) if plan.segments else None
+  y_ref, qx, kx, vx, ox = refs
+  cq = plan.block_rows
+  r = plan.targets // plan.kv_targets
+  y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+  table = None if table_ref is None else table_ref[...]
+
+  def kv_head(g, carry):
+    _mix_band(plan, k_refs, ak_ref[g], kx, table)
+    _mix_band(plan, v_refs, av_ref[g], vx, None)
+
+    def query_head(j, carry):
+      h = g * r + j
+      _mix(plan, q_ref, plan.heads, plan.tile, aq_ref[h], qx, 0, table, plan.group)
+
+      def block(qb, carry):
+        t0 = pl.multiple_of(qb * cq, plan.align)
+        k0 = pl.multiple_of(t0 + plan.base, plan.align)
+        s = _scores(
+          plan,
+          qx[pl.ds(t0, cq), :],
+          kx[pl.ds(k0, plan.key_rows), :],
+          bias_ref,
+          kid_ref,
+          qid_ref,
+          qb,
+          t0,
+        )
+        probs, total = _softmax(s)
+        o = _dot(probs.astype(vx.dtype), vx[pl.ds(k0, plan.key_rows), :], _NN, plan)
+        ox[pl.ds(t0, cq), :] = (o * _reciprocal(total)).astype(ox.dtype)
+        return carry
+
+      lax.fori_loop(0, plan.blocks, block, 0, unroll=_unroll(plan.blocks, BLOCK_UNROLL))
+      _collapse(plan, cm_ref[h], ox, y_ref)
+      return carry
+
+    lax.fori_loop(0, r, query_head, 0)
+    return carry
+
+  lax.fori_loop(0, plan.kv_targets, kv_head, 0)
+
+
+def _collapse(plan: Plan, matrix, o_ref, y_ref):
+  """`y[(n, ho)] += sum_p matrix[(n, ho), (n, p)] o[(n, p)]` over the tile's token groups
+  (one target head's share of the collapse)."""
+  rows, out_rows = plan.rows_per_group, plan.group * plan.out_heads
+  groups = plan.tile // plan.group
+
+  def body(i, carry):
+    o = o_ref[pl.ds(pl.multiple_of(i * rows, plan.align), rows), :]
+    y_rows = pl.ds(pl.multiple_of(i * out_rows, 8), out_rows)
+    y_ref[y_rows, :] += _dot(matrix, o, _NN, plan)
+    return carry
+
+  lax.fori_loop(0, groups, body, 0, unroll=_unroll(groups, MIX_UNROLL))
+
+
+# --- backward ---------------------------------------------------------------------------------
+
+
+def backward_kernel(*refs, plan: Plan):
+  q_ref, k_refs, v_refs, refs = _split_inputs(plan, refs)
+  dy_ref, aq_ref, ak_ref, av_ref, cm_ref, bias_ref, kid_ref, *refs = refs
+  aqt_ref, akt_ref, avt_ref, cmt_ref, *refs = refs
+  table_ref = refs.pop(0) if plan.rotary else None
+  qid_ref = refs.pop(0) if plan.segments else None
+  dq_ref, dk_refs, dv_refs, refs = refs[0], refs[1:4], refs[4:7], refs[7:]
+  daq_ref, dak_ref, dav_ref, dcm_ref, qx, dox, dqx, ox, kx, vx, dkx, dvx = refs
+  cq, kb = plan.block_rows, plan.key_rows
+  r = plan.targets // plan.kv_targets
+  for ref in (dq_ref, *dk_refs, *dv_refs, daq_ref, dak_ref, dav_ref, dcm_ref):
+    ref[...] = jnp.zeros(ref.shape, ref.dtype)
+  table = None if table_ref is None else table_ref[...]
+  dtype = qx.dtype
+
+  def kv_head(g, carry):
+    _mix_band(plan, k_refs, ak_ref[g], kx, table)
+    _mix_band(plan, v_refs, av_ref[g], vx, None)
+    dkx[...] = jnp.zeros(dkx.shape, dkx.dtype)
+    dvx[...] = jnp.zeros(dvx.shape, dvx.dtype)
+
+    def query_head(j, carry):
+      h = g * r + j
+      _mix(plan, q_ref, plan.heads, plan.tile, aq_ref[h], qx, 0, table, plan.group)
+      _mix(plan, dy_ref, plan.out_heads, plan.tile, cmt_ref[h], dox, 0, None, plan.group)
+
+      def block(qb, carry):
+        t0 = pl.multiple_of(qb * cq, plan.align)
+        k0 = pl.multiple_of(t0 + plan.base, plan.align)
+        q, k, v = qx[pl.ds(t0, cq), :], kx[pl.ds(k0, kb), :], vx[pl.ds(k0, kb), :]
+        do = dox[pl.ds(t0, cq), :]
+        probs, total = _softmax(_scores(plan, q, k, bias_ref, kid_ref, qid_ref, qb, t0))
+        probs = probs * _reciprocal(total)
+        o = _dot(probs.astype(dtype), v, _NN, plan).astype(dtype)
+        ox[pl.ds(t0, cq), :] = o
+        dp = _dot(do, v, _NT, plan)
+        delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1, keepdims=True)
+        # The scores' gradient, times ln 2: the queries carry log2(e) (`prepare`).
+        ds = (probs * (dp - delta) * math.log(2)).astype(dtype)
+        dvx[pl.ds(k0, kb), :] += _dot(probs.astype(dtype), do, _TN, plan)
+        dkx[pl.ds(k0, kb), :] += _dot(ds, q, _TN, plan)
+        dqx[pl.ds(t0, cq), :] = _dot(ds, k, _NN, plan)
+        return carry
+
+      lax.fori_loop(0, plan.blocks, block, 0, unroll=_unroll(plan.blocks, BLOCK_UNROLL))
+      _collapse_grad(plan, dy_ref, ox, dcm_ref, h)
+      _unmix(
+        plan,
+        dqx,
+        0,
+        plan.tile,
+        aqt_ref[h],
+        q_ref,
+        dq_ref,
+        plan.heads,
+        daq_ref,
+        h,
+        table,
+        plan.group,
+      )
+      return carry
+
+    lax.fori_loop(0, r, query_head, 0)
+    _unmix_band(plan, dkx, akt_ref[g], k_refs, dk_refs, dak_ref, g, table)
+    _unmix_band(plan, dvx, avt_ref[g], v_refs, dv_refs, dav_ref, g, None)
+    return carry
+
+  lax.fori_loop(0, plan.kv_targets, kv_head, 0)
+
+
+def _collapse_grad(plan: Plan, dy_ref, o_ref, dcm_ref, h):
+  """`dcm[h] += dy[(n, ho)] o[(n, p)]^T` over the tile's token groups."""
+  rows, out_rows = plan.rows_per_group, plan.group * plan.out_heads
+  groups = plan.tile // plan.group
+
+  def body(i, acc):
+    o = o_ref[pl.ds(pl.multiple_of(i * rows, plan.align), rows), :]
+    dy = dy_ref[pl.ds(pl.multiple_of(i * out_rows, plan.align), out_rows), :]
+    return acc + _dot(dy, o, _NT, plan)
+
+  zero = jnp.zeros((out_rows, rows), jnp.float32)
+  dcm_ref[h] += lax.fori_loop(0, groups, body, zero, unroll=_unroll(groups, MIX_UNROLL))
+
+
+def _unmix(
+  plan: Plan,
+  grad_ref,
+  row0,
+  tokens,
+  transposed,
+  src_ref,
+  dst_ref,
+  heads,
+  dmat_ref,
+  index,
+  table,
+  s: int,
+  dst_row0: int = 0,
+):
+  """The gradient of `_mix` (groups of `s` tokens): pseudo-row gradients
+  `grad[row0 + (n, p)]` (float32, of the rotated rows) -> source rows
+  `dst[(n, m)] += transposed[(n, m), (n, p)] g[(n, p)]`, and the matrix's
+  `dmat[index] += g[(n, p)] src[(n, m)]^T`, with `g = R(p)^T grad`."""
+  rows = s * plan.num_pseudo
+  table = None if table is None else table[:rows]
+  width = s * heads
+  groups = tokens // s
+
+  def body(i, acc):
+    grad = grad_ref[pl.ds(pl.multiple_of(row0 + i * rows, plan.align), rows), :]
+    if table is not None:
+      grad = _rotate(grad, table, inverse=True)
+    grad = grad.astype(src_ref.dtype)
+    src_rows = pl.ds(pl.multiple_of(i * width, plan.align), width)
+    dst_rows = pl.ds(pl.multiple_of(dst_row0 + i * width, 8), width)
+    dst_ref[dst_rows, :] += _dot(transposed, grad, _NN, plan)
+    return acc + _dot(grad, src_ref[src_rows, :], _NT, plan)
+
+  zero = jnp.zeros((rows, width), jnp.float32)
+  dmat_ref[index] += lax.fori_loop(0, groups, body, zero, unroll=_unroll(groups, MIX_UNROLL))
+
+
+def _unmix_band(plan: Plan, grad_ref, transposed, src_refs, dst_refs, dmat_ref, index, table):
+  """`_unmix` over the band: halo blocks before (into `dst_refs[0]`, stacked), the tile's
+  own keys (`dst_refs[1]`), halo blocks after (`dst_refs[2]`)."""
+  p, g = plan.num_pseudo, plan.kv_heads
+  row = 0
+  regions = [(0, j) for j in range(plan.halo_before)] + [(1, 0)]
+  regions += [(2, j) for j in range(plan.halo_after)]
+  for src_ref, (region, j) in zip(src_refs, regions):
+    tokens = plan.tile if region == 1 else plan.halo
+    _unmix(
+      plan,
+      grad_ref,
+      row,
+      tokens,
+      transposed,
+      src_ref,
+      dst_refs[region],
+      g,
+      dmat_ref,
+      index,
+      table,
+      plan.kv_group,
+      dst_row0=j * plan.halo * g,
+    )
+    row += tokens * p

@@ -1,0 +1,248 @@
+"""The static tiling of IHA's on-chip TPU window path (`iha_jax.kernels.tpu_window`).
+
+`plan` turns a call's shapes and options into a `Plan`: token groups whose mixing
+products fill whole sublane tiles, the score tile `[cq, kb]` that holds a block's whole
+band, the query tile per grid step (the longest within the scoped VMEM budget, counted by
+`_vmem_bytes`), and the halo blocks of keys around it; or `UnsupportedShape`, naming
+the limit, for a call the path cannot take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from iha_jax.core.options import AttentionOptions, round_up
+
+LANES = 128
+# Scoped VMEM the kernels may use (v5p has 64 MiB per core, v5e and v6e 128 MiB).
+VMEM_LIMIT_BYTES = 56 * 2**20
+# What the tiles' blocks and scratch may take of it (the rest: Mosaic's temporaries).
+VMEM_BUDGET_BYTES = 44 * 2**20
+# Default tile: about this many virtual rows per target head and grid step.
+TILE_ROWS = 3200
+
+
+class UnsupportedShape(ValueError):
+  """A call the on-chip window path cannot take (the materialised pipeline can): one line
+  naming the limit and the implementation that takes the call."""
+
+  def __init__(self, limit: str):
+    super().__init__(
+      f"implementation 'pallas_tpu_window' (IHA's on-chip window path): {limit}; use "
+      "'pallas_tpu' (the materialised pipeline) or 'auto'"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The static tiling of one call (hashable: a custom_vjp argument). Units: tokens
+  unless named rows (virtual rows, P per token)."""
+
+  heads: int  # H: source query heads
+  kv_heads: int  # G: source key/value heads
+  out_heads: int  # Ho: collapsed heads the call outputs
+  targets: int  # Ht: target query heads computed here
+  kv_targets: int  # Gt: target key/value heads computed here
+  num_pseudo: int  # P
+  head_dim: int  # d
+  window: int  # rows
+  causal: bool
+  per_head: bool  # collapse [Ht, P] (else [Ho, Ht, P])
+  group: int  # s: tokens per mixing product of the query side (q, the collapse)
+  kv_group: int  # tokens per mixing product of the key/value side
+  tile: int  # bn: query tokens per grid step
+  block_rows: int  # cq: query rows per score tile
+  key_rows: int  # kb: key rows per score tile
+  halo: int  # tokens per halo block (divides `tile`)
+  halo_before: int  # halo blocks before the tile's own keys
+  halo_after: int  # and after (bidirectional)
+  num_tiles: int
+  front: int  # key padding in front (tokens)
+  first_block: int  # tile 0's own keys: block `first_block` of the padded keys
+  key_tokens: int  # padded key tokens
+  segments: bool
+  rotary: bool
+  low_precision: bool  # bf16 inputs (else float32: products at HIGHEST precision)
+
+  @property
+  def band_rows(self) -> int:
+    return (self.halo * (self.halo_before + self.halo_after) + self.tile) * self.num_pseudo
+
+  @property
+  def lo_rows(self) -> int:  # key rows in the band before the tile's own
+    return self.halo * self.halo_before * self.num_pseudo
+
+  @property
+  def blocks(self) -> int:  # score tiles per head and grid step
+    return self.tile * self.num_pseudo // self.block_rows
+
+  @property
+  def base(self) -> int:
+    """First band row of query block 0's keys (block qb's: `qb * cq + base`)."""
+    if self.causal:
+      return self.lo_rows + self.block_rows - self.key_rows
+    return self.lo_rows - round_up(self.window - 1, self.align)
+
+  @property
+  def align(self) -> int:  # rows per sublane tile of the inputs' dtype
+    return 16 if self.low_precision else 8
+
+  @property
+  def rows_per_group(self) -> int:
+    return self.group * self.num_pseudo
+
+
+def _aligned_group(heads: tuple[int, ...], p: int, align: int) -> int:
+  for s in range(1, 129):
+    if all((s * x) % align == 0 for x in (*heads, p)):
+      return s
+  raise UnsupportedShape(f"no group of up to 128 tokens aligns heads {heads} and P = {p}")
+
+
+def plan(
+  q_shape: tuple[int, ...],
+  key_tokens: int,
+  kv_heads: int,
+  alphas_shape: tuple[tuple[int, ...], ...],
+  collapse_shape: tuple[int, ...],
+  options: AttentionOptions,
+  offset: int,
+  low_precision: bool,
+  tile_rows: int | None = None,
+  block_rows: int | None = None,
+) -> Plan:
+  """The tiling of a call, or `UnsupportedShape` naming the limit."""
+  _, n, h, d = q_shape
+  window = options.window
+  if window is None:
+    raise UnsupportedShape("it takes sliding windows only (window=None is a global layer)")
+  if not isinstance(offset, int):
+    raise UnsupportedShape("it needs a static query offset (a window layer's shard has one)")
+  (_, ht, p), (_, gt, _) = alphas_shape[0], alphas_shape[1]
+  per_head = len(collapse_shape) == 2
+  ho = ht if per_head else collapse_shape[0]
+  if d % 2 or d > LANES:
+    raise UnsupportedShape(f"head_dim {d}: it takes an even head_dim <= {LANES}")
+  align = 16 if low_precision else 8
+  # Token groups whose source and pseudo rows fill whole sublane tiles, per side (a
+  # product's contraction, s * heads, then stays one MXU pass wide: G = 5 takes 16 tokens
+  # where H = 20 takes 4).
+  s = _aligned_group((h, ho), p, align)
+  s_kv = _aligned_group((kv_heads,), p, align)
+  # Score tiles: cq query rows against kb keys (the whole band of the cq rows).
+  reach = window - 1 if options.causal else 2 * round_up(window - 1, align)
+  if block_rows is None:
+    # MXU passes per query row of the two products (a weight tile is loaded per product,
+    # which costs as much as streaming 128 rows through it); ties: the shortest tile unit.
+    def cost(cq: int) -> tuple[float, int]:
+      kb = round_up(cq + reach, LANES)
+      return 2 * kb / LANES * max(cq, LANES) / cq, math.lcm(s, s_kv, cq // math.gcd(cq, p))
+
+    block_rows = min(range(align, 512 + 1, align), key=cost)
+  elif block_rows % align:
+    raise UnsupportedShape(
+      f"block_sizes.block_k={block_rows}: its score tiles are multiples of {align} query rows"
+    )
+  key_rows = round_up(block_rows + reach, LANES)
+  # Key rows needed before a block's first query row and after its last.
+  before = key_rows - block_rows if options.causal else round_up(window - 1, align)
+  after = 0 if options.causal else key_rows - block_rows - before
+  # Tiles of whole token groups (both sides) and whole score tiles.
+  token_unit = math.lcm(s, s_kv, block_rows // math.gcd(block_rows, p))
+  before_tokens, after_tokens = -(-before // p), -(-after // p)
+  itemsize = 2 if low_precision else 4
+
+  def layout(tile: int) -> tuple[int, int, int]:  # (halo, blocks before, blocks after)
+    halo = _halo(max(before_tokens, after_tokens), tile, math.lcm(s, s_kv))
+    return halo, -(-before_tokens // halo), -(-after_tokens // halo)
+
+  def fits(tile: int) -> bool:
+    halo, nb, na = layout(tile)
+    band = tile + halo * (nb + na)
+    sizes = dict(heads=h, kv_heads=kv_heads, out_heads=ho, targets=ht, kv_targets=gt, d=d, p=p)
+    return _vmem_bytes(tile, band, block_rows, key_rows, s, s_kv, itemsize, **sizes) <= (
+      VMEM_BUDGET_BYTES
+    )
+
+  if tile_rows is None:
+    tile_rows = TILE_ROWS
+  longest = round_up(max(n, 1), token_unit)
+  tile = min(max(token_unit, round_up(-(-tile_rows // p), token_unit)), longest)
+  while tile > token_unit and not fits(tile):
+    tile -= token_unit
+  if not fits(tile):
+    raise UnsupportedShape(
+      f"its smallest tile ({tile} tokens at H={h}, P={p}, d={d}) needs more than "
+      f"{VMEM_BUDGET_BYTES // 2**20} MiB of VMEM"
+    )
+  halo, halo_before, halo_after = layout(tile)
+  num_tiles = -(-n // tile)
+  front = (-offset) % tile  # key padding that puts tile 0's own keys on a block boundary
+  while offset + front < halo * halo_before:
+    front += tile
+  needed = front + offset + num_tiles * tile + halo * halo_after
+  key_len = round_up(max(needed, front + key_tokens), tile)
+  return Plan(
+    heads=h,
+    kv_heads=kv_heads,
+    out_heads=ho,
+    targets=ht,
+    kv_targets=gt,
+    num_pseudo=p,
+    head_dim=d,
+    window=window,
+    causal=options.causal,
+    per_head=per_head,
+    group=s,
+    kv_group=s_kv,
+    tile=tile,
+    block_rows=block_rows,
+    key_rows=key_rows,
+    halo=halo,
+    halo_before=halo_before,
+    halo_after=halo_after,
+    num_tiles=num_tiles,
+    front=front,
+    first_block=(offset + front) // tile,
+    key_tokens=key_len,
+    segments=options.segment_ids is not None
+    or options.kv_segment_ids is not None
+    or options.key_segment_ids is not None,
+    rotary=options.rope_theta is not None,
+    low_precision=low_precision,
+  )
+
+
+def _vmem_bytes(
+  tile, band, cq, kb, s, s_kv, itemsize, *, heads, kv_heads, out_heads, targets, kv_targets, d, p
+) -> int:
+  """VMEM of the backward kernel (the larger of the two) at a tile of `tile` tokens and a
+  band of `band` key tokens: double-buffered blocks and matrices (with their transposes),
+  scratch, and the score tiles' float32 temporaries. Rows take whole 128-lane vregs (a
+  d = 64 row as much as a d = 128 one)."""
+  lanes = lambda x: round_up(x, LANES)
+  d = lanes(d)
+  inputs = (tile * heads + 2 * band * kv_heads + tile * out_heads) * d * itemsize
+  mixing = targets * s * p * lanes(s * heads) + 2 * kv_targets * s_kv * p * lanes(s_kv * kv_heads)
+  mixing += targets * s * out_heads * lanes(s * p)
+  outputs = (tile * heads + 2 * band * kv_heads) * d * 4
+  partials = targets * s * p * lanes(s * heads) + 2 * kv_targets * s_kv * p * lanes(s_kv * kv_heads)
+  partials += targets * s * out_heads * lanes(s * p)
+  scratch = (3 * tile * p + 2 * band * p) * d * itemsize + (tile * p + 2 * band * p) * d * 4
+  scores = 4 * cq * kb * 4
+  segments = tile * p * LANES * 4
+  return 2 * (inputs + 2 * mixing * itemsize + outputs + 4 * partials + segments) + scratch + scores
+
+
+def _halo(tokens: int, tile: int, group: int) -> int:
+  """Tokens per halo block: a divisor of the tile, whole token groups, covering `tokens`
+  in one block when the tile is long enough (else whole tiles)."""
+  if tokens <= 0:
+    return tile
+  if tokens >= tile:
+    return tile
+  for size in range(round_up(tokens, group), tile + 1, group):
+    if tile % size == 0:
+      return size
+  return tile
