@@ -1,0 +1,459 @@
+"""The backward kernels of IHA's on-chip GPU window path (`iha_jax.kernels.gpu_window`).
+
+Two Pallas-Triton kernels read the forward's operands (`gpu_window.prepare`: source rows,
+block-diagonal constants, RoPE tables, row ids; `gpu_window_kernel`'s layouts) and the
+output's cotangent dy in the forward's output layout, remake every pseudo tile on chip,
+and write source-sized gradients. Nothing P-sized crosses HBM but two float32 numbers per
+pseudo query row and target head (`lse`, `delta` `[B, Ht, num_q * q_rows]`: 2/d of a
+P-sized array), written by the first kernel for the second within the backward.
+
+- dQ (`iha_gpu_window_dq`), grid `(programs, B)`, each program `span` consecutive query
+  tiles: per target head and tile it mixes the pseudo queries, reruns the forward's
+  online softmax over the band (its log-sum-exp `lse` and pseudo output O: nothing is
+  saved by the forward), makes `dO = cm^T dy` (the collapse's transpose) and
+  `delta = rowsum(dO * O)`, then walks the band again for `dQ = sum dS K`. `R(p)^T` and
+  `aq^T` take dQ back to source rows dq1, dq2 (added over heads in the program's own
+  output block). The partials of the mixing and collapse matrices come out folded to
+  their weights' shapes (`_fold`): `dY O^T` and `dQ q^T` summed over the tile's tokens.
+- dK/dV (`iha_gpu_window_dkv`), grid `(programs, B)`, each program `span` consecutive key
+  groups: per key/value target head and group it mixes the pseudo keys and values, then
+  walks the query tiles whose window reaches the group (`query_band`) for the group's r
+  query heads, remaking their pseudo queries and dO and reading `lse`, `delta`:
+  `dV = sum P^T dO`, `dK = sum dS^T Q`; `R(p)^T`, `ak^T`, `av^T` give dk1, dk2, dv.
+
+Programs are few (`PROGRAMS` per batch row), so the weights' partials, one
+`[Ht, P', S']` float32 per program and matrix (P', S' the powers of two >= 16 over P and
+the source heads), stay far below a P-sized array; XLA sums them (`weight_grads`). Source
+gradients come out float32 in the operands' row layout; `gpu_window` maps them back to
+`[B, N, H, d]` and `[B, Nk, G, d]` through the transpose of `prepare`'s source part
+(RoPE's `R(pos * P)^T` included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from iha_jax.core.masking import MASK_VALUE
+from iha_jax.core.options import round_up
+from iha_jax.kernels.gpu_flash import MIN_LANES, next_pow2
+from iha_jax.kernels.gpu_window_kernel import _NN, _NT, COLLAPSE_ROWS, _dot, _pseudo, band
+
+if TYPE_CHECKING:
+  from iha_jax.kernels.gpu_window import WindowPlan
+
+# Programs per batch row of each kernel (two waves of H100's 132 SMs): each takes
+# `span` consecutive tiles, so the weights' partials are this many per batch row.
+PROGRAMS = 264
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+def backward_plan(plan: WindowPlan) -> tuple[WindowPlan, int, int]:
+  """(the plan with query tiles and key groups padded to whole spans, query tiles per dQ
+  program, key groups per dK/dV program). The padding tiles hold padding rows only."""
+  q_span, k_span = -(-plan.num_q // PROGRAMS), -(-plan.num_k // PROGRAMS)
+  padded = dataclasses.replace(
+    plan, num_q=round_up(plan.num_q, q_span), num_k=round_up(plan.num_k, k_span)
+  )
+  return padded, q_span, k_span
+
+
+def _pad2(x: int) -> int:
+  return max(MIN_LANES, next_pow2(x))
+
+
+def query_band(plan: WindowPlan, j):
+  """Query tiles `[lo, hi)` whose window reaches key group `j` (the transpose of `band`)."""
+  p, w = plan.num_pseudo, plan.window
+  first = j * plan.k_tokens * p
+  last = first + plan.k_tokens * p - 1
+  low = first if plan.causal else jnp.maximum(first - (w - 1), 0)
+  low_token = jnp.maximum(lax.div(low, p) - plan.offset, 0)
+  high_token = lax.div(last + w - 1, p) - plan.offset
+  lo = lax.div(low_token, plan.q_tokens)
+  hi = jnp.minimum(lax.div(jnp.maximum(high_token, 0), plan.q_tokens) + 1, plan.num_q)
+  hi = jnp.where(high_token < 0, lo, hi)
+  return lo, jnp.maximum(hi, lo)
+
+
+# --- in-kernel helpers ----------------------------------------------------------------------
+
+
+def _unrotate(g1, g2, rope):
+  """`R(p)^T` of float32 pseudo-row gradients in halves (the transpose of `_pseudo`'s
+  rotation)."""
+  if rope is None:
+    return g1, g2
+  cos, sin = rope[0][...], rope[1][...]
+  return g1 * cos + g2 * sin, g2 * cos - g1 * sin
+
+
+def _selector(rows: int, cols: int, period: int, used: int, *, along_rows: bool, offset=0):
+  """`[rows, cols]` float32 0/1: along columns (`along_rows=False`), entry (a, c) is 1
+  where `(c + offset) % period == a` and `c + offset < used`; along rows, the transpose's
+  form (entry (c, a))."""
+  a = lax.broadcasted_iota(jnp.int32, (rows, cols), 1 if along_rows else 0)
+  c = lax.broadcasted_iota(jnp.int32, (rows, cols), 0 if along_rows else 1) + offset
+  return ((lax.rem(c, period) == a) & (c < used)).astype(jnp.float32)
+
+
+def _fold(d, period_r: int, period_c: int, tokens: int, out_r: int, out_c: int, row0=0):
+  """`sum_n d[(n, a), (n, b)]` -> `[out_r, out_c]` float32: a gradient of a block-diagonal
+  `kron(I_s, w)` (rows `(n, a)` from `row0`, columns `(n, b)`) folded to w's shape."""
+  rows, cols = d.shape
+  r = lax.broadcasted_iota(jnp.int32, (rows, cols), 0) + row0
+  c = lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+  d = jnp.where(lax.div(r, period_r) == lax.div(c, period_c), d, 0.0)
+  left = _selector(out_r, rows, period_r, tokens * period_r, along_rows=False, offset=row0)
+  right = _selector(cols, out_c, period_c, tokens * period_c, along_rows=True)
+  return _dot(_dot(left, d, _NN), right, _NN)
+
+
+def _virtual(plan: WindowPlan, rows: int, first_token):
+  """Virtual indices (on the keys' axis) of a group's pseudo rows `(n, p)` from token
+  `first_token` (padding rows get indices past it; their ids mask them)."""
+  r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  token = lax.div(r, plan.num_pseudo)
+  return (first_token + token) * plan.num_pseudo + (r - token * plan.num_pseudo)
+
+
+def _visible(plan: WindowPlan, t, u, qid, kid, *, transposed: bool = False):
+  """`[len(t), len(u)]` (`[len(u), len(t)]` if transposed): query rows t see key rows u
+  (window, causality, segments)."""
+  if transposed:
+    delta, same = t[None, :] - u[:, None], qid[None, :] == kid[:, None]
+  else:
+    delta, same = t[:, None] - u[None, :], qid[:, None] == kid[None, :]
+  ok = delta < plan.window
+  ok &= delta >= 0 if plan.causal else delta > -plan.window
+  return ok & same
+
+
+def _d_output(plan: WindowPlan, cm_ref, dy_ref, h, row0, dtype):
+  """dO `[q_rows, width]` float32 of target head h: `cm[h]^T dy` over the tile's output
+  rows from `row0`, in chunks of `COLLAPSE_ROWS` (a bounded dy tile in registers)."""
+  chunk = min(COLLAPSE_ROWS, plan.out_rows)
+  d_o = jnp.zeros((plan.q_rows, plan.width), jnp.float32)
+  for c in range(plan.out_rows // chunk):
+    dy = dy_ref[pl.ds(row0 + c * chunk, chunk), :]
+    d_o += _dot(cm_ref[h, pl.ds(c * chunk, chunk), :], dy, _TN)
+  return d_o.astype(dtype)
+
+
+def _barrier(interpret: bool) -> None:
+  """Stores of an output block by other threads visible (read-modify-write by heads)."""
+  if not interpret:
+    plgpu.debug_barrier()
+
+
+def _accumulate(ref, rows, value, interpret: bool) -> None:
+  _barrier(interpret)
+  ref[rows, :] += value
+  _barrier(interpret)
+
+
+# --- dQ -------------------------------------------------------------------------------------
+
+
+def _dq_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
+  q1_ref, q2_ref, k1_ref, k2_ref, v_ref, dy_ref, aq_ref, ak_ref, av_ref, cm_ref, *refs = refs
+  rope_q = rope_k = None
+  if plan.rotary:
+    cos_q, sin_q, cos_k, sin_k, *refs = refs
+    rope_q, rope_k = (cos_q, sin_q), (cos_k, sin_k)
+  qid_ref, kid_ref, dq1_ref, dq2_ref, lse_ref, delta_ref, daq_ref, dcm_ref = refs
+  program = pl.program_id(0)
+  dtype = q1_ref.dtype
+  rq, rk, qs, ks = plan.q_rows, plan.k_rows, plan.q_src, plan.k_src
+  p, heads, out_heads = plan.num_pseudo, plan.heads, plan.out_heads
+  r = plan.targets // plan.kv_targets
+  p_pad, h_pad, o_pad = _pad2(p), _pad2(heads), _pad2(out_heads)
+  chunk = min(COLLAPSE_ROWS, plan.out_rows)
+
+  def zero(t, carry):
+    rows = pl.ds(t * qs, qs)
+    dq1_ref[rows, :] = jnp.zeros((qs, plan.half), jnp.float32)
+    dq2_ref[rows, :] = jnp.zeros((qs, plan.half), jnp.float32)
+    return carry
+
+  lax.fori_loop(0, span, zero, 0)
+
+  def head(h, carry):
+    g = lax.div(h, r)
+
+    def tile(t, partials):
+      d_aq, d_cm = partials
+      i = program * span + t
+      src = pl.ds(t * qs, qs)
+      q1, q2 = q1_ref[src], q2_ref[src]
+      qx1, qx2 = _pseudo(aq_ref[h], q1, q2, rope_q, dtype)
+      qid = qid_ref[pl.ds(t * rq, rq)]
+      tq = _virtual(plan, rq, plan.offset + i * plan.q_tokens)
+      lo, hi = band(plan, i)
+
+      def keys(j):
+        rows = pl.ds(j * ks, ks)
+        kx1, kx2 = _pseudo(ak_ref[g], k1_ref[rows], k2_ref[rows], rope_k, dtype)
+        vx = _dot(av_ref[g], v_ref[rows], _NN).astype(dtype)
+        ok = _visible(
+          plan, tq, _virtual(plan, rk, j * plan.k_tokens), qid, kid_ref[pl.ds(j * rk, rk)]
+        )
+        s = jnp.where(ok, _dot(qx1, kx1, _NT) + _dot(qx2, kx2, _NT), MASK_VALUE)
+        return kx1, kx2, vx, ok, s
+
+      def forward(j, carry):  # the forward's online softmax: O and the log-sum-exp
+        m, l, acc = carry
+        _, _, vx, ok, s = keys(j)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1))
+        probs = jnp.where(ok, jnp.exp(s - m_next[:, None]), 0.0)
+        rescale = jnp.exp(m - m_next)
+        l = rescale * l + jnp.sum(probs, axis=1)
+        return m_next, l, rescale[:, None] * acc + _dot(probs.astype(dtype), vx, _NN)
+
+      init = (
+        jnp.full((rq,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rq,), jnp.float32),
+        jnp.zeros((rq, plan.width), jnp.float32),
+      )
+      m, l, acc = lax.fori_loop(lo, hi, forward, init)
+      l = jnp.where(l == 0.0, 1.0, l)  # no key seen: O = 0
+      o = (acc / l[:, None]).astype(dtype)
+      lse = m + jnp.log(l)
+      d_o = _d_output(plan, cm_ref, dy_ref, h, t * plan.out_rows, dtype)
+      delta = jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
+      lse_ref[h, pl.ds(t * rq, rq)] = lse
+      delta_ref[h, pl.ds(t * rq, rq)] = delta
+      for c in range(plan.out_rows // chunk):  # dcm[h] += dY O^T, folded
+        dy = dy_ref[pl.ds(t * plan.out_rows + c * chunk, chunk), :]
+        d_cm += _fold(_dot(dy, o, _NT), out_heads, p, plan.q_tokens, o_pad, p_pad, c * chunk)
+
+      def backward(j, carry):
+        dq1, dq2 = carry
+        kx1, kx2, vx, ok, s = keys(j)
+        probs = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
+        ds = (probs * (_dot(d_o, vx, _NT) - delta[:, None])).astype(dtype)
+        return dq1 + _dot(ds, kx1, _NN), dq2 + _dot(ds, kx2, _NN)
+
+      zeros = jnp.zeros((rq, plan.half), jnp.float32)
+      dq1, dq2 = lax.fori_loop(lo, hi, backward, (zeros, zeros))
+      g1, g2 = (x.astype(dtype) for x in _unrotate(dq1, dq2, rope_q))
+      _accumulate(dq1_ref, src, _dot(aq_ref[h], g1, _TN), interpret)
+      _accumulate(dq2_ref, src, _dot(aq_ref[h], g2, _TN), interpret)
+      d_aq += _fold(_dot(g1, q1, _NT) + _dot(g2, q2, _NT), p, heads, plan.q_tokens, p_pad, h_pad)
+      return d_aq, d_cm
+
+    init = (jnp.zeros((p_pad, h_pad), jnp.float32), jnp.zeros((o_pad, p_pad), jnp.float32))
+    d_aq, d_cm = lax.fori_loop(0, span, tile, init)
+    daq_ref[h] = d_aq
+    dcm_ref[h] = d_cm
+    return carry
+
+  lax.fori_loop(0, plan.targets, head, 0)
+
+
+# --- dK/dV ----------------------------------------------------------------------------------
+
+
+def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
+  q1_ref, q2_ref, k1_ref, k2_ref, v_ref, dy_ref, lse_ref, delta_ref, *refs = refs
+  aq_ref, ak_ref, av_ref, cm_ref, *refs = refs
+  rope_q = rope_k = None
+  if plan.rotary:
+    cos_q, sin_q, cos_k, sin_k, *refs = refs
+    rope_q, rope_k = (cos_q, sin_q), (cos_k, sin_k)
+  qid_ref, kid_ref, dk1_ref, dk2_ref, dv_ref, dak_ref, dav_ref = refs
+  program = pl.program_id(0)
+  dtype = q1_ref.dtype
+  rq, rk, qs, ks = plan.q_rows, plan.k_rows, plan.q_src, plan.k_src
+  p, kv_heads = plan.num_pseudo, plan.kv_heads
+  r = plan.targets // plan.kv_targets
+  p_pad, g_pad = _pad2(p), _pad2(kv_heads)
+
+  def zero(t, carry):
+    rows = pl.ds(t * ks, ks)
+    dk1_ref[rows, :] = jnp.zeros((ks, plan.half), jnp.float32)
+    dk2_ref[rows, :] = jnp.zeros((ks, plan.half), jnp.float32)
+    dv_ref[rows, :] = jnp.zeros((ks, plan.width), jnp.float32)
+    return carry
+
+  lax.fori_loop(0, span, zero, 0)
+
+  def kv_head(g, carry):
+    def group(t, partials):
+      d_ak, d_av = partials
+      j = program * span + t
+      src = pl.ds(t * ks, ks)
+      k1, k2, v = k1_ref[src], k2_ref[src], v_ref[src]
+      kx1, kx2 = _pseudo(ak_ref[g], k1, k2, rope_k, dtype)
+      vx = _dot(av_ref[g], v, _NN).astype(dtype)
+      kid = kid_ref[pl.ds(t * rk, rk)]
+      u = _virtual(plan, rk, j * plan.k_tokens)
+      lo, hi = query_band(plan, j)
+      tiles = hi - lo
+
+      def step(n, carry):  # (query head of the group, query tile)
+        dk1, dk2, dv = carry
+        h, i = g * r + lax.div(n, tiles), lo + lax.rem(n, tiles)
+        rows = pl.ds(i * qs, qs)
+        qx1, qx2 = _pseudo(aq_ref[h], q1_ref[rows], q2_ref[rows], rope_q, dtype)
+        d_o = _d_output(plan, cm_ref, dy_ref, h, i * plan.out_rows, dtype)
+        lse = lse_ref[h, pl.ds(i * rq, rq)]
+        delta = delta_ref[h, pl.ds(i * rq, rq)]
+        tq = _virtual(plan, rq, plan.offset + i * plan.q_tokens)
+        ok = _visible(plan, tq, u, qid_ref[pl.ds(i * rq, rq)], kid, transposed=True)
+        s = _dot(kx1, qx1, _NT) + _dot(kx2, qx2, _NT)
+        probs = jnp.where(ok, jnp.exp(s - lse[None, :]), 0.0)
+        dv += _dot(probs.astype(dtype), d_o, _NN)
+        ds = (probs * (_dot(vx, d_o, _NT) - delta[None, :])).astype(dtype)
+        return dk1 + _dot(ds, qx1, _NN), dk2 + _dot(ds, qx2, _NN), dv
+
+      zeros = jnp.zeros((rk, plan.half), jnp.float32)
+      init = (zeros, zeros, jnp.zeros((rk, plan.width), jnp.float32))
+      dk1, dk2, dv = lax.fori_loop(0, r * tiles, step, init)
+      g1, g2 = (x.astype(dtype) for x in _unrotate(dk1, dk2, rope_k))
+      dv = dv.astype(dtype)
+      _accumulate(dk1_ref, src, _dot(ak_ref[g], g1, _TN), interpret)
+      _accumulate(dk2_ref, src, _dot(ak_ref[g], g2, _TN), interpret)
+      _accumulate(dv_ref, src, _dot(av_ref[g], dv, _TN), interpret)
+      fold = lambda d: _fold(d, p, kv_heads, plan.k_tokens, p_pad, g_pad)
+      d_ak += fold(_dot(g1, k1, _NT) + _dot(g2, k2, _NT))
+      d_av += fold(_dot(dv, v, _NT))
+      return d_ak, d_av
+
+    zeros = jnp.zeros((p_pad, g_pad), jnp.float32)
+    d_ak, d_av = lax.fori_loop(0, span, group, (zeros, zeros))
+    dak_ref[g] = d_ak
+    dav_ref[g] = d_av
+    return carry
+
+  lax.fori_loop(0, plan.kv_targets, kv_head, 0)
+
+
+# --- the calls ------------------------------------------------------------------------------
+
+
+def launch(plan: WindowPlan) -> plgpu.CompilerParams:
+  """Eight warps, one pipeline stage (the forward's, `gpu_window_kernel.launch`, for its
+  larger key groups): checked spill-free for H100 by tests/test_compile_targets.py."""
+  del plan
+  return plgpu.CompilerParams(num_warps=8, num_stages=1)
+
+
+def _rope_names(plan: WindowPlan) -> list[str]:
+  return ["cos_q", "sin_q", "cos_k", "sin_k"] if plan.rotary else []
+
+
+def _call(kernel, name, plan, span, operands, names, specs, outs, interpret):
+  b = operands["q1"].shape[0]
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i, bb: (0,) * x.ndim)
+  for n in ("aq", "ak", "av", "cm", *_rope_names(plan)):
+    specs[n] = whole(operands[n])
+  return pl.pallas_call(
+    functools.partial(kernel, plan=plan, span=span, interpret=interpret),
+    grid=(-(-plan.num_q // span) if kernel is _dq_kernel else -(-plan.num_k // span), b),
+    in_specs=[specs[n] for n in names],
+    out_specs=[spec for spec, _ in outs],
+    out_shape=[shape for _, shape in outs],
+    compiler_params=launch(plan),
+    interpret=interpret,
+    name=name,
+  )(*[operands[n] for n in names])
+
+
+def _per_program(rows: int, cols: int):
+  return pl.BlockSpec((None, rows, cols), lambda i, bb: (bb, i, 0))
+
+
+def _whole_row(x: jax.Array):
+  return pl.BlockSpec((None, *x.shape[1:]), lambda i, bb: (bb,) + (0,) * (x.ndim - 1))
+
+
+def _partials(programs: int, b: int, heads: int, rows: int, cols: int):
+  spec = pl.BlockSpec((None, None, heads, rows, cols), lambda i, bb: (bb, i, 0, 0, 0))
+  return spec, jax.ShapeDtypeStruct((b, programs, heads, rows, cols), jnp.float32)
+
+
+def dq_call(plan: WindowPlan, span: int, operands: dict, *, interpret: bool):
+  """-> (dq1, dq2 `[B, num_q * q_src, half]`, lse, delta `[B, Ht, num_q * q_rows]`, the
+  folded partials of aq `[B, programs, Ht, P', H']` and cm `[B, programs, Ht, Ho', P']`),
+  float32. `plan`: `backward_plan`'s (whole spans)."""
+  b = operands["q1"].shape[0]
+  programs = plan.num_q // span
+  names = ["q1", "q2", "k1", "k2", "v", "dy", "aq", "ak", "av", "cm", *_rope_names(plan)]
+  names += ["qid", "kid"]
+  specs = {n: _per_program(span * plan.q_src, plan.half) for n in ("q1", "q2")}
+  specs["dy"] = _per_program(span * plan.out_rows, plan.width)
+  specs["qid"] = pl.BlockSpec((None, span * plan.q_rows), lambda i, bb: (bb, i))
+  specs.update({n: _whole_row(operands[n]) for n in ("k1", "k2", "v", "kid")})
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  source = (_per_program(span * plan.q_src, plan.half), f32(b, plan.num_q * plan.q_src, plan.half))
+  stat = (
+    pl.BlockSpec((None, plan.targets, span * plan.q_rows), lambda i, bb: (bb, 0, i)),
+    f32(b, plan.targets, plan.num_q * plan.q_rows),
+  )
+  p, h, o = (_pad2(x) for x in (plan.num_pseudo, plan.heads, plan.out_heads))
+  outs = [source, source, stat, stat]
+  outs += [_partials(programs, b, plan.targets, p, h), _partials(programs, b, plan.targets, o, p)]
+  return _call(_dq_kernel, "iha_gpu_window_dq", plan, span, operands, names, specs, outs, interpret)
+
+
+def dkv_call(plan: WindowPlan, span: int, operands: dict, lse, delta, *, interpret: bool):
+  """-> (dk1, dk2 `[B, num_k * k_src, half]`, dv `[B, num_k * k_src, width]`, the folded
+  partials of ak and av `[B, programs, Gt, P', G']`), float32."""
+  b = operands["q1"].shape[0]
+  programs = plan.num_k // span
+  operands = dict(operands, lse=lse, delta=delta)
+  names = ["q1", "q2", "k1", "k2", "v", "dy", "lse", "delta", "aq", "ak", "av", "cm"]
+  names += [*_rope_names(plan), "qid", "kid"]
+  specs = {n: _whole_row(operands[n]) for n in ("q1", "q2", "dy", "lse", "delta", "qid")}
+  specs.update({n: _per_program(span * plan.k_src, plan.half) for n in ("k1", "k2")})
+  specs["v"] = _per_program(span * plan.k_src, plan.width)
+  specs["kid"] = pl.BlockSpec((None, span * plan.k_rows), lambda i, bb: (bb, i))
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  rows = plan.num_k * plan.k_src
+  outs = [
+    (_per_program(span * plan.k_src, plan.half), f32(b, rows, plan.half)),
+    (_per_program(span * plan.k_src, plan.half), f32(b, rows, plan.half)),
+    (_per_program(span * plan.k_src, plan.width), f32(b, rows, plan.width)),
+  ]
+  p, g = _pad2(plan.num_pseudo), _pad2(plan.kv_heads)
+  outs += [_partials(programs, b, plan.kv_targets, p, g)] * 2
+  return _call(
+    _dkv_kernel, "iha_gpu_window_dkv", plan, span, operands, names, specs, outs, interpret
+  )
+
+
+def gradients(plan: WindowPlan, q_span: int, k_span: int, operands: dict) -> tuple:
+  """Both kernels (Triton when lowering for cuda/rocm, Pallas' interpreter elsewhere) ->
+  (dq1, dq2, dk1, dk2, dv in the operands' row layouts, and the partials of aq, ak, av,
+  cm summed: `[Ht, P', H']`, `[Gt, P', G']` twice, `[Ht, Ho', P']`), float32."""
+
+  def call(operands, *, interpret):
+    dq1, dq2, lse, delta, daq, dcm = dq_call(plan, q_span, operands, interpret=interpret)
+    dk1, dk2, dv, dak, dav = dkv_call(plan, k_span, operands, lse, delta, interpret=interpret)
+    total = lambda x: x.sum(axis=(0, 1))
+    return dq1, dq2, dk1, dk2, dv, *(total(x) for x in (daq, dak, dav, dcm))
+
+  compiled = functools.partial(call, interpret=False)
+  return lax.platform_dependent(
+    operands, default=functools.partial(call, interpret=True), cuda=compiled, rocm=compiled
+  )
+
+
+def weight_grads(plan: WindowPlan, scale: float, daq, dak, dav, dcm) -> tuple:
+  """The summed folded partials -> (d alpha_q `[H, Ht, P]`, d alpha_k, d alpha_v `[G, Gt,
+  P]`, d collapse `[Ho, Ht, P]`, or `[Ht, P]` per head), float32. aq carries the softmax
+  `scale`."""
+  p, h, g, ho = plan.num_pseudo, plan.heads, plan.kv_heads, plan.out_heads
+  alpha = lambda x, s: jnp.transpose(x[:, :p, :s], (2, 0, 1))  # [T, P, S] -> [S, T, P]
+  dcollapse = jnp.transpose(dcm[:, :ho, :p], (1, 0, 2))  # [Ho, Ht, P]
+  if plan.per_head:  # collapse [Ht, P] entered as its diagonal [Ho = Ht, Ht, P]
+    dcollapse = jnp.einsum("hhp->hp", dcollapse)
+  return alpha(daq, h) * scale, alpha(dak, g), alpha(dav, g), dcollapse
