@@ -44,11 +44,13 @@ from jax.experimental.pallas import triton as plgpu
 from iha_jax.core.masking import MASK_VALUE
 from iha_jax.core.options import round_up
 from iha_jax.kernels.gpu_flash import MIN_LANES, next_pow2
-from iha_jax.kernels.gpu_window_kernel import _NN, _NT, COLLAPSE_ROWS, _dot, _pseudo, band
+from iha_jax.kernels.gpu_window_kernel import _NN, _NT, COLLAPSE_ROWS, _dot, band
 
 if TYPE_CHECKING:
   from iha_jax.kernels.gpu_window import WindowPlan
 
+# Source rows per mixing or un-mixing product (bounds a source tile and a float32 result).
+SOURCE_ROWS = 64
 # Programs per batch row of each kernel (two waves of H100's 132 SMs): each takes
 # `span` consecutive tiles, so the weights' partials are this many per batch row.
 PROGRAMS = 264
@@ -95,25 +97,73 @@ def _unrotate(g1, g2, rope):
   return g1 * cos + g2 * sin, g2 * cos - g1 * sin
 
 
-def _selector(rows: int, cols: int, period: int, used: int, *, along_rows: bool, offset=0):
-  """`[rows, cols]` float32 0/1: along columns (`along_rows=False`), entry (a, c) is 1
-  where `(c + offset) % period == a` and `c + offset < used`; along rows, the transpose's
-  form (entry (c, a))."""
-  a = lax.broadcasted_iota(jnp.int32, (rows, cols), 1 if along_rows else 0)
-  c = lax.broadcasted_iota(jnp.int32, (rows, cols), 0 if along_rows else 1) + offset
-  return ((lax.rem(c, period) == a) & (c < used)).astype(jnp.float32)
+def _token_rows(x: jax.Array, n, period: int, size: int) -> jax.Array:
+  """Rows `(n, a)`, `a < period`, of a register tile `x [rows, w]` whose rows are `(token,
+  a)` -> `[size, w]` (rows past `period` zero): a 0/1 product, exact in x's dtype."""
+  a = lax.broadcasted_iota(jnp.int32, (size, x.shape[0]), 0)
+  r = lax.broadcasted_iota(jnp.int32, (size, x.shape[0]), 1)
+  select = ((r == n * period + a) & (a < period)).astype(x.dtype)
+  return _dot(select, x, _NN).astype(x.dtype)
 
 
-def _fold(d, period_r: int, period_c: int, tokens: int, out_r: int, out_c: int, row0=0):
-  """`sum_n d[(n, a), (n, b)]` -> `[out_r, out_c]` float32: a gradient of a block-diagonal
-  `kron(I_s, w)` (rows `(n, a)` from `row0`, columns `(n, b)`) folded to w's shape."""
-  rows, cols = d.shape
-  r = lax.broadcasted_iota(jnp.int32, (rows, cols), 0) + row0
-  c = lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
-  d = jnp.where(lax.div(r, period_r) == lax.div(c, period_c), d, 0.0)
-  left = _selector(out_r, rows, period_r, tokens * period_r, along_rows=False, offset=row0)
-  right = _selector(cols, out_c, period_c, tokens * period_c, along_rows=True)
-  return _dot(_dot(left, d, _NN), right, _NN)
+def _window(ref, row0, total: int, n, period: int, size: int) -> jax.Array:
+  """The same of a group's `total` rows from `row0` in a ref: a `size`-row window inside
+  the group (never past it: its start clamped), aligned by an exact 0/1 product."""
+  start = jnp.minimum(n * period, total - size)
+  x = ref[pl.ds(row0 + start, size), :]
+  a = lax.broadcasted_iota(jnp.int32, (size, size), 0)
+  w = lax.broadcasted_iota(jnp.int32, (size, size), 1)
+  align = ((w == a + (n * period - start)) & (a < period)).astype(x.dtype)
+  return _dot(align, x, _NN).astype(x.dtype)
+
+
+def _weights_grad(tiles, refs, row0, total: int, tokens: int, periods, sizes) -> jax.Array:
+  """`sum_n sum_lanes tile[(n, a)] src[(n, b)]` over a group's tokens and the pairs
+  `(tile, src ref)` -> `[sizes[0], sizes[1]]` float32: the gradient of a block-diagonal
+  `kron(I_s, w)` folded to w's shape (tiles: register rows `(n, a)`, period `periods[0]`;
+  refs: a group's `total` rows `(n, b)` from `row0`, period `periods[1]`). Per token,
+  small products on rows picked exactly: no float32 `[rows, total]` product to fold."""
+  (pa, pb), (sa, sb) = periods, sizes
+
+  def token(n, acc):
+    for x, ref in zip(tiles, refs):
+      acc += _dot(_token_rows(x, n, pa, sa), _window(ref, row0, total, n, pb, sb), _NT)
+    return acc
+
+  return lax.fori_loop(0, tokens, token, jnp.zeros((sa, sb), jnp.float32))
+
+
+def _chunks(total: int) -> list[int]:
+  """Starts of the `SOURCE_ROWS`-row chunks of a group's `total` source rows."""
+  size = min(SOURCE_ROWS, total)
+  return list(range(0, total, size))
+
+
+def _mixed(matrix_ref, index, src_refs, row0, rope, dtype):
+  """`_pseudo` with the contraction over source rows in chunks (a bounded source tile in
+  registers): `R(p) (matrix[index] @ src)` of the group's rows from `row0`, in halves."""
+  total = matrix_ref.shape[-1]
+  size = min(SOURCE_ROWS, total)
+  outs = [0.0] * len(src_refs)
+  for c in _chunks(total):
+    matrix = matrix_ref[index, :, pl.ds(c, size)]
+    for n, ref in enumerate(src_refs):
+      outs[n] += _dot(matrix, ref[pl.ds(row0 + c, size), :], _NN)
+  if rope is not None:
+    cos, sin = rope[0][...], rope[1][...]
+    outs = [outs[0] * cos - outs[1] * sin, outs[1] * cos + outs[0] * sin]
+  return [x.astype(dtype) for x in outs]
+
+
+def _unmix(matrix_ref, index, grads, dst_refs, row0, interpret: bool) -> None:
+  """The gradient of `_mixed` (without the rotation) for a group's source rows from
+  `row0`, in chunks: `dst[chunk] += matrix[index][:, chunk]^T grad` per (grad, dst)."""
+  total = matrix_ref.shape[-1]
+  size = min(SOURCE_ROWS, total)
+  for c in _chunks(total):
+    matrix = matrix_ref[index, :, pl.ds(c, size)]
+    for grad, dst_ref in zip(grads, dst_refs):
+      _accumulate(dst_ref, pl.ds(row0 + c, size), _dot(matrix, grad, _TN), interpret)
 
 
 def _virtual(plan: WindowPlan, rows: int, first_token):
@@ -175,7 +225,6 @@ def _dq_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
   p, heads, out_heads = plan.num_pseudo, plan.heads, plan.out_heads
   r = plan.targets // plan.kv_targets
   p_pad, h_pad, o_pad = _pad2(p), _pad2(heads), _pad2(out_heads)
-  chunk = min(COLLAPSE_ROWS, plan.out_rows)
 
   def zero(t, carry):
     rows = pl.ds(t * qs, qs)
@@ -191,17 +240,14 @@ def _dq_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
     def tile(t, partials):
       d_aq, d_cm = partials
       i = program * span + t
-      src = pl.ds(t * qs, qs)
-      q1, q2 = q1_ref[src], q2_ref[src]
-      qx1, qx2 = _pseudo(aq_ref[h], q1, q2, rope_q, dtype)
+      qx1, qx2 = _mixed(aq_ref, h, (q1_ref, q2_ref), t * qs, rope_q, dtype)
       qid = qid_ref[pl.ds(t * rq, rq)]
       tq = _virtual(plan, rq, plan.offset + i * plan.q_tokens)
       lo, hi = band(plan, i)
 
       def keys(j):
-        rows = pl.ds(j * ks, ks)
-        kx1, kx2 = _pseudo(ak_ref[g], k1_ref[rows], k2_ref[rows], rope_k, dtype)
-        vx = _dot(av_ref[g], v_ref[rows], _NN).astype(dtype)
+        kx1, kx2 = _mixed(ak_ref, g, (k1_ref, k2_ref), j * ks, rope_k, dtype)
+        (vx,) = _mixed(av_ref, g, (v_ref,), j * ks, None, dtype)
         ok = _visible(
           plan, tq, _virtual(plan, rk, j * plan.k_tokens), qid, kid_ref[pl.ds(j * rk, rk)]
         )
@@ -230,9 +276,10 @@ def _dq_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
       delta = jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
       lse_ref[h, pl.ds(t * rq, rq)] = lse
       delta_ref[h, pl.ds(t * rq, rq)] = delta
-      for c in range(plan.out_rows // chunk):  # dcm[h] += dY O^T, folded
-        dy = dy_ref[pl.ds(t * plan.out_rows + c * chunk, chunk), :]
-        d_cm += _fold(_dot(dy, o, _NT), out_heads, p, plan.q_tokens, o_pad, p_pad, c * chunk)
+      tokens, rows = plan.q_tokens, t * plan.out_rows  # dcm[h] += (dY^T O)^T, folded
+      d_cm += _weights_grad(
+        [o], [dy_ref], rows, plan.out_rows, tokens, (p, out_heads), (p_pad, o_pad)
+      )
 
       def backward(j, carry):
         dq1, dq2 = carry
@@ -243,13 +290,13 @@ def _dq_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
 
       zeros = jnp.zeros((rq, plan.half), jnp.float32)
       dq1, dq2 = lax.fori_loop(lo, hi, backward, (zeros, zeros))
-      g1, g2 = (x.astype(dtype) for x in _unrotate(dq1, dq2, rope_q))
-      _accumulate(dq1_ref, src, _dot(aq_ref[h], g1, _TN), interpret)
-      _accumulate(dq2_ref, src, _dot(aq_ref[h], g2, _TN), interpret)
-      d_aq += _fold(_dot(g1, q1, _NT) + _dot(g2, q2, _NT), p, heads, plan.q_tokens, p_pad, h_pad)
+      grads = [x.astype(dtype) for x in _unrotate(dq1, dq2, rope_q)]
+      _unmix(aq_ref, h, grads, (dq1_ref, dq2_ref), t * qs, interpret)
+      periods, sizes = (p, heads), (p_pad, h_pad)
+      d_aq += _weights_grad(grads, (q1_ref, q2_ref), t * qs, qs, plan.q_tokens, periods, sizes)
       return d_aq, d_cm
 
-    init = (jnp.zeros((p_pad, h_pad), jnp.float32), jnp.zeros((o_pad, p_pad), jnp.float32))
+    init = (jnp.zeros((p_pad, h_pad), jnp.float32), jnp.zeros((p_pad, o_pad), jnp.float32))
     d_aq, d_cm = lax.fori_loop(0, span, tile, init)
     daq_ref[h] = d_aq
     dcm_ref[h] = d_cm
@@ -289,10 +336,8 @@ def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
     def group(t, partials):
       d_ak, d_av = partials
       j = program * span + t
-      src = pl.ds(t * ks, ks)
-      k1, k2, v = k1_ref[src], k2_ref[src], v_ref[src]
-      kx1, kx2 = _pseudo(ak_ref[g], k1, k2, rope_k, dtype)
-      vx = _dot(av_ref[g], v, _NN).astype(dtype)
+      kx1, kx2 = _mixed(ak_ref, g, (k1_ref, k2_ref), t * ks, rope_k, dtype)
+      (vx,) = _mixed(av_ref, g, (v_ref,), t * ks, None, dtype)
       kid = kid_ref[pl.ds(t * rk, rk)]
       u = _virtual(plan, rk, j * plan.k_tokens)
       lo, hi = query_band(plan, j)
@@ -301,8 +346,7 @@ def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
       def step(n, carry):  # (query head of the group, query tile)
         dk1, dk2, dv = carry
         h, i = g * r + lax.div(n, tiles), lo + lax.rem(n, tiles)
-        rows = pl.ds(i * qs, qs)
-        qx1, qx2 = _pseudo(aq_ref[h], q1_ref[rows], q2_ref[rows], rope_q, dtype)
+        qx1, qx2 = _mixed(aq_ref, h, (q1_ref, q2_ref), i * qs, rope_q, dtype)
         d_o = _d_output(plan, cm_ref, dy_ref, h, i * plan.out_rows, dtype)
         lse = lse_ref[h, pl.ds(i * rq, rq)]
         delta = delta_ref[h, pl.ds(i * rq, rq)]
@@ -317,14 +361,14 @@ def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
       zeros = jnp.zeros((rk, plan.half), jnp.float32)
       init = (zeros, zeros, jnp.zeros((rk, plan.width), jnp.float32))
       dk1, dk2, dv = lax.fori_loop(0, r * tiles, step, init)
-      g1, g2 = (x.astype(dtype) for x in _unrotate(dk1, dk2, rope_k))
+      grads = [x.astype(dtype) for x in _unrotate(dk1, dk2, rope_k)]
       dv = dv.astype(dtype)
-      _accumulate(dk1_ref, src, _dot(ak_ref[g], g1, _TN), interpret)
-      _accumulate(dk2_ref, src, _dot(ak_ref[g], g2, _TN), interpret)
-      _accumulate(dv_ref, src, _dot(av_ref[g], dv, _TN), interpret)
-      fold = lambda d: _fold(d, p, kv_heads, plan.k_tokens, p_pad, g_pad)
-      d_ak += fold(_dot(g1, k1, _NT) + _dot(g2, k2, _NT))
-      d_av += fold(_dot(dv, v, _NT))
+      row0 = t * ks
+      _unmix(ak_ref, g, grads, (dk1_ref, dk2_ref), row0, interpret)
+      _unmix(av_ref, g, [dv], (dv_ref,), row0, interpret)
+      periods, sizes = (p, kv_heads), (p_pad, g_pad)
+      d_ak += _weights_grad(grads, (k1_ref, k2_ref), row0, ks, plan.k_tokens, periods, sizes)
+      d_av += _weights_grad([dv], [v_ref], row0, ks, plan.k_tokens, periods, sizes)
       return d_ak, d_av
 
     zeros = jnp.zeros((p_pad, g_pad), jnp.float32)
@@ -382,7 +426,7 @@ def _partials(programs: int, b: int, heads: int, rows: int, cols: int):
 
 def dq_call(plan: WindowPlan, span: int, operands: dict, *, interpret: bool):
   """-> (dq1, dq2 `[B, num_q * q_src, half]`, lse, delta `[B, Ht, num_q * q_rows]`, the
-  folded partials of aq `[B, programs, Ht, P', H']` and cm `[B, programs, Ht, Ho', P']`),
+  folded partials of aq `[B, programs, Ht, P', H']` and cm `[B, programs, Ht, P', Ho']`),
   float32. `plan`: `backward_plan`'s (whole spans)."""
   b = operands["q1"].shape[0]
   programs = plan.num_q // span
@@ -400,7 +444,7 @@ def dq_call(plan: WindowPlan, span: int, operands: dict, *, interpret: bool):
   )
   p, h, o = (_pad2(x) for x in (plan.num_pseudo, plan.heads, plan.out_heads))
   outs = [source, source, stat, stat]
-  outs += [_partials(programs, b, plan.targets, p, h), _partials(programs, b, plan.targets, o, p)]
+  outs += [_partials(programs, b, plan.targets, p, h), _partials(programs, b, plan.targets, p, o)]
   return _call(_dq_kernel, "iha_gpu_window_dq", plan, span, operands, names, specs, outs, interpret)
 
 
@@ -433,7 +477,7 @@ def dkv_call(plan: WindowPlan, span: int, operands: dict, lse, delta, *, interpr
 def gradients(plan: WindowPlan, q_span: int, k_span: int, operands: dict) -> tuple:
   """Both kernels (Triton when lowering for cuda/rocm, Pallas' interpreter elsewhere) ->
   (dq1, dq2, dk1, dk2, dv in the operands' row layouts, and the partials of aq, ak, av,
-  cm summed: `[Ht, P', H']`, `[Gt, P', G']` twice, `[Ht, Ho', P']`), float32."""
+  cm summed: `[Ht, P', H']`, `[Gt, P', G']` twice, `[Ht, P', Ho']`), float32."""
 
   def call(operands, *, interpret):
     dq1, dq2, lse, delta, daq, dcm = dq_call(plan, q_span, operands, interpret=interpret)
@@ -453,7 +497,7 @@ def weight_grads(plan: WindowPlan, scale: float, daq, dak, dav, dcm) -> tuple:
   `scale`."""
   p, h, g, ho = plan.num_pseudo, plan.heads, plan.kv_heads, plan.out_heads
   alpha = lambda x, s: jnp.transpose(x[:, :p, :s], (2, 0, 1))  # [T, P, S] -> [S, T, P]
-  dcollapse = jnp.transpose(dcm[:, :ho, :p], (1, 0, 2))  # [Ho, Ht, P]
+  dcollapse = jnp.transpose(dcm[:, :p, :ho], (2, 0, 1))  # [Ht, P, Ho] -> [Ho, Ht, P]
   if plan.per_head:  # collapse [Ht, P] entered as its diagonal [Ho = Ht, Ht, P]
     dcollapse = jnp.einsum("hhp->hp", dcollapse)
   return alpha(daq, h) * scale, alpha(dak, g), alpha(dav, g), dcollapse
