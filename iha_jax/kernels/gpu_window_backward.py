@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 # Source rows per mixing or un-mixing product (bounds a source tile and a float32 result).
 SOURCE_ROWS = 64
+# Query rows per step of the dK/dV loop (a sub-tile: the pseudo queries and dO it remakes
+# stay within the registers beside the key group's accumulators).
+DKV_QUERY_ROWS = 32
 # Programs per batch row of each kernel (two waves of H100's 132 SMs): each takes
 # `span` consecutive tiles, so the weights' partials are this many per batch row.
 PROGRAMS = 264
@@ -99,9 +102,10 @@ def _unrotate(g1, g2, rope):
 
 def _token_rows(x: jax.Array, n, period: int, size: int) -> jax.Array:
   """Rows `(n, a)`, `a < period`, of a register tile `x [rows, w]` whose rows are `(token,
-  a)` -> `[size, w]` (rows past `period` zero): a 0/1 product, exact in x's dtype."""
-  a = lax.broadcasted_iota(jnp.int32, (size, x.shape[0]), 0)
-  r = lax.broadcasted_iota(jnp.int32, (size, x.shape[0]), 1)
+  a)` -> `[size, w]` (rows past `period` zero): a 0/1 product, exact in x's dtype. (Masks
+  from 1-D iotas: a 2-D iota is loop-invariant, and hoisted it would hold registers.)"""
+  a = lax.broadcasted_iota(jnp.int32, (size,), 0)[:, None]
+  r = lax.broadcasted_iota(jnp.int32, (x.shape[0],), 0)[None, :]
   select = ((r == n * period + a) & (a < period)).astype(x.dtype)
   return _dot(select, x, _NN).astype(x.dtype)
 
@@ -111,9 +115,10 @@ def _window(ref, row0, total: int, n, period: int, size: int) -> jax.Array:
   the group (never past it: its start clamped), aligned by an exact 0/1 product."""
   start = jnp.minimum(n * period, total - size)
   x = ref[pl.ds(row0 + start, size), :]
-  a = lax.broadcasted_iota(jnp.int32, (size, size), 0)
-  w = lax.broadcasted_iota(jnp.int32, (size, size), 1)
-  align = ((w == a + (n * period - start)) & (a < period)).astype(x.dtype)
+  a = lax.broadcasted_iota(jnp.int32, (size,), 0)
+  align = ((a[None, :] == a[:, None] + (n * period - start)) & (a[:, None] < period)).astype(
+    x.dtype
+  )
   return _dot(align, x, _NN).astype(x.dtype)
 
 
@@ -139,18 +144,20 @@ def _chunks(total: int) -> list[int]:
   return list(range(0, total, size))
 
 
-def _mixed(matrix_ref, index, src_refs, row0, rope, dtype):
+def _mixed(matrix_ref, index, src_refs, row0, rope, dtype, first=0, rows=None):
   """`_pseudo` with the contraction over source rows in chunks (a bounded source tile in
-  registers): `R(p) (matrix[index] @ src)` of the group's rows from `row0`, in halves."""
+  registers): `R(p) (matrix[index] @ src)` of a group's source rows from `row0`, in
+  halves; its pseudo rows `[first, first + rows)` (default all)."""
   total = matrix_ref.shape[-1]
   size = min(SOURCE_ROWS, total)
+  pseudo = pl.ds(first, rows or matrix_ref.shape[1])
   outs = [0.0] * len(src_refs)
   for c in _chunks(total):
-    matrix = matrix_ref[index, :, pl.ds(c, size)]
+    matrix = matrix_ref[index, pseudo, pl.ds(c, size)]
     for n, ref in enumerate(src_refs):
       outs[n] += _dot(matrix, ref[pl.ds(row0 + c, size), :], _NN)
   if rope is not None:
-    cos, sin = rope[0][...], rope[1][...]
+    cos, sin = rope[0][pseudo, :], rope[1][pseudo, :]
     outs = [outs[0] * cos - outs[1] * sin, outs[1] * cos + outs[0] * sin]
   return [x.astype(dtype) for x in outs]
 
@@ -166,12 +173,13 @@ def _unmix(matrix_ref, index, grads, dst_refs, row0, interpret: bool) -> None:
       _accumulate(dst_ref, pl.ds(row0 + c, size), _dot(matrix, grad, _TN), interpret)
 
 
-def _virtual(plan: WindowPlan, rows: int, first_token):
+def _virtual(plan: WindowPlan, rows: int, first_token, first_row=0):
   """Virtual indices (on the keys' axis) of a group's pseudo rows `(n, p)` from token
-  `first_token` (padding rows get indices past it; their ids mask them)."""
+  `first_token`, rows `[first_row, first_row + rows)`: row `(n, p)` is at `(first_token +
+  n) * P + p`, i.e. `first_token * P + row` (padding rows get indices past the group's;
+  their ids mask them)."""
   r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-  token = lax.div(r, plan.num_pseudo)
-  return (first_token + token) * plan.num_pseudo + (r - token * plan.num_pseudo)
+  return first_token * plan.num_pseudo + first_row + r
 
 
 def _visible(plan: WindowPlan, t, u, qid, kid, *, transposed: bool = False):
@@ -186,14 +194,16 @@ def _visible(plan: WindowPlan, t, u, qid, kid, *, transposed: bool = False):
   return ok & same
 
 
-def _d_output(plan: WindowPlan, cm_ref, dy_ref, h, row0, dtype):
-  """dO `[q_rows, width]` float32 of target head h: `cm[h]^T dy` over the tile's output
-  rows from `row0`, in chunks of `COLLAPSE_ROWS` (a bounded dy tile in registers)."""
+def _d_output(plan: WindowPlan, cm_ref, dy_ref, h, row0, dtype, first=0, rows=None):
+  """dO `[rows, width]` of target head h: `cm[h]^T dy` over the tile's output rows from
+  `row0`, in chunks of `COLLAPSE_ROWS` (a bounded dy tile in registers); its pseudo rows
+  `[first, first + rows)` (default all)."""
   chunk = min(COLLAPSE_ROWS, plan.out_rows)
-  d_o = jnp.zeros((plan.q_rows, plan.width), jnp.float32)
+  rows = rows or plan.q_rows
+  d_o = jnp.zeros((rows, plan.width), jnp.float32)
   for c in range(plan.out_rows // chunk):
     dy = dy_ref[pl.ds(row0 + c * chunk, chunk), :]
-    d_o += _dot(cm_ref[h, pl.ds(c * chunk, chunk), :], dy, _TN)
+    d_o += _dot(cm_ref[h, pl.ds(c * chunk, chunk), pl.ds(first, rows)], dy, _TN)
   return d_o.astype(dtype)
 
 
@@ -212,94 +222,130 @@ def _accumulate(ref, rows, value, interpret: bool) -> None:
 # --- dQ -------------------------------------------------------------------------------------
 
 
-def _dq_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
-  q1_ref, q2_ref, k1_ref, k2_ref, v_ref, dy_ref, aq_ref, ak_ref, av_ref, cm_ref, *refs = refs
+def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bool):
+  """The dQ side, in two kernels (`stats`: the first; each alone within the registers).
+  Stats: per target head and tile, the forward's online softmax again (O, lse), dO, delta
+  and the collapse's partial. dQ: the band again with lse and delta, `dQ = sum dS K`,
+  un-mixed to source rows, and the query mixing's partial."""
+  q1_ref, q2_ref, k1_ref, k2_ref, v_ref, dy_ref, *refs = refs
+  if not stats:
+    lse_ref, delta_ref, *refs = refs
+  aq_ref, ak_ref, av_ref, cm_ref, *refs = refs
   rope_q = rope_k = None
   if plan.rotary:
     cos_q, sin_q, cos_k, sin_k, *refs = refs
     rope_q, rope_k = (cos_q, sin_q), (cos_k, sin_k)
-  qid_ref, kid_ref, dq1_ref, dq2_ref, lse_ref, delta_ref, daq_ref, dcm_ref = refs
+  if stats:
+    qid_ref, kid_ref, lse_ref, delta_ref, part_ref = refs
+  else:
+    qid_ref, kid_ref, dq1_ref, dq2_ref, part_ref = refs
   program = pl.program_id(0)
   dtype = q1_ref.dtype
   rq, rk, qs, ks = plan.q_rows, plan.k_rows, plan.q_src, plan.k_src
   p, heads, out_heads = plan.num_pseudo, plan.heads, plan.out_heads
   r = plan.targets // plan.kv_targets
-  p_pad, h_pad, o_pad = _pad2(p), _pad2(heads), _pad2(out_heads)
+  p_pad = _pad2(p)
+  other = _pad2(out_heads if stats else heads)
+  # dQ's loop: dO remade from dy per step where the tile's output rows are no more than
+  # its pseudo rows (held across the loop beside dQ's accumulators, it would spill).
+  dy_late = not stats and plan.out_rows <= plan.q_rows and plan.mix_values_late
 
-  def zero(t, carry):
-    rows = pl.ds(t * qs, qs)
-    dq1_ref[rows, :] = jnp.zeros((qs, plan.half), jnp.float32)
-    dq2_ref[rows, :] = jnp.zeros((qs, plan.half), jnp.float32)
-    return carry
+  if not stats:
 
-  lax.fori_loop(0, span, zero, 0)
+    def zero(t, carry):
+      rows = pl.ds(t * qs, qs)
+      dq1_ref[rows, :] = jnp.zeros((qs, plan.half), jnp.float32)
+      dq2_ref[rows, :] = jnp.zeros((qs, plan.half), jnp.float32)
+      return carry
+
+    lax.fori_loop(0, span, zero, 0)
 
   def head(h, carry):
     g = lax.div(h, r)
 
-    def tile(t, partials):
-      d_aq, d_cm = partials
+    def tile(t, part):
       i = program * span + t
       qx1, qx2 = _mixed(aq_ref, h, (q1_ref, q2_ref), t * qs, rope_q, dtype)
       qid = qid_ref[pl.ds(t * rq, rq)]
       tq = _virtual(plan, rq, plan.offset + i * plan.q_tokens)
       lo, hi = band(plan, i)
+      d_o = None
+      if not (stats or dy_late):
+        d_o = _d_output(plan, cm_ref, dy_ref, h, t * plan.out_rows, dtype)
+      stat = pl.ds(t * rq, rq)
 
       def keys(j):
         kx1, kx2 = _mixed(ak_ref, g, (k1_ref, k2_ref), j * ks, rope_k, dtype)
-        (vx,) = _mixed(av_ref, g, (v_ref,), j * ks, None, dtype)
-        ok = _visible(
-          plan, tq, _virtual(plan, rk, j * plan.k_tokens), qid, kid_ref[pl.ds(j * rk, rk)]
-        )
+        kid = kid_ref[pl.ds(j * rk, rk)]
+        ok = _visible(plan, tq, _virtual(plan, rk, j * plan.k_tokens), qid, kid)
         s = jnp.where(ok, _dot(qx1, kx1, _NT) + _dot(qx2, kx2, _NT), MASK_VALUE)
-        return kx1, kx2, vx, ok, s
+        return kx1, kx2, ok, s
 
-      def forward(j, carry):  # the forward's online softmax: O and the log-sum-exp
-        m, l, acc = carry
-        _, _, vx, ok, s = keys(j)
-        m_next = jnp.maximum(m, jnp.max(s, axis=1))
-        probs = jnp.where(ok, jnp.exp(s - m_next[:, None]), 0.0)
-        rescale = jnp.exp(m - m_next)
-        l = rescale * l + jnp.sum(probs, axis=1)
-        return m_next, l, rescale[:, None] * acc + _dot(probs.astype(dtype), vx, _NN)
+      def values(j, probs):  # probs @ (av @ v), the forward's order of products
+        rows = pl.ds(j * ks, ks)
+        if plan.mix_values_late:  # (probs @ av) @ v: no [k_rows, width] float32 temporary
+          mixed = _dot(probs.astype(dtype), av_ref[g], _NN).astype(dtype)
+          return _dot(mixed, v_ref[rows], _NN)
+        vx = _dot(av_ref[g], v_ref[rows], _NN).astype(dtype)
+        return _dot(probs.astype(dtype), vx, _NN)
 
-      init = (
-        jnp.full((rq,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rq,), jnp.float32),
-        jnp.zeros((rq, plan.width), jnp.float32),
-      )
-      m, l, acc = lax.fori_loop(lo, hi, forward, init)
-      l = jnp.where(l == 0.0, 1.0, l)  # no key seen: O = 0
-      o = (acc / l[:, None]).astype(dtype)
-      lse = m + jnp.log(l)
-      d_o = _d_output(plan, cm_ref, dy_ref, h, t * plan.out_rows, dtype)
-      delta = jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
-      lse_ref[h, pl.ds(t * rq, rq)] = lse
-      delta_ref[h, pl.ds(t * rq, rq)] = delta
-      tokens, rows = plan.q_tokens, t * plan.out_rows  # dcm[h] += (dY^T O)^T, folded
-      d_cm += _weights_grad(
-        [o], [dy_ref], rows, plan.out_rows, tokens, (p, out_heads), (p_pad, o_pad)
-      )
+      def d_probs(j):  # dO @ (av @ v)^T
+        rows = pl.ds(j * ks, ks)
+        if dy_late:  # cm^T ((dy @ v^T) @ av^T): dy loaded per step, dO never held
+          dy = dy_ref[pl.ds(t * plan.out_rows, plan.out_rows), :]
+          d_mixed = _dot(dy, v_ref[rows], _NT).astype(dtype)  # [out_rows, k_src]
+          d_mixed = _dot(cm_ref[h], d_mixed, _TN).astype(dtype)  # [q_rows, k_src]
+          return _dot(d_mixed, av_ref[g], _NT)
+        if plan.mix_values_late:
+          d_mixed = _dot(d_o, v_ref[rows], _NT).astype(dtype)  # [q_rows, k_src]
+          return _dot(d_mixed, av_ref[g], _NT)
+        vx = _dot(av_ref[g], v_ref[rows], _NN).astype(dtype)
+        return _dot(d_o, vx, _NT)
+
+      if stats:
+
+        def forward(j, carry):  # the forward's online softmax: O and the log-sum-exp
+          m, l, acc = carry
+          _, _, ok, s = keys(j)
+          m_next = jnp.maximum(m, jnp.max(s, axis=1))
+          probs = jnp.where(ok, jnp.exp(s - m_next[:, None]), 0.0)
+          rescale = jnp.exp(m - m_next)
+          l = rescale * l + jnp.sum(probs, axis=1)
+          return m_next, l, rescale[:, None] * acc + values(j, probs)
+
+        init = (
+          jnp.full((rq,), MASK_VALUE, jnp.float32),
+          jnp.zeros((rq,), jnp.float32),
+          jnp.zeros((rq, plan.width), jnp.float32),
+        )
+        m, l, acc = lax.fori_loop(lo, hi, forward, init)
+        l = jnp.where(l == 0.0, 1.0, l)  # no key seen: O = 0
+        o = (acc / l[:, None]).astype(dtype)
+        lse_ref[h, stat] = m + jnp.log(l)
+        d_o = _d_output(plan, cm_ref, dy_ref, h, t * plan.out_rows, dtype)
+        delta_ref[h, stat] = jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
+        # dcm[h] += (dY^T O)^T, folded to the collapse's shape
+        periods, rows = (p, out_heads), t * plan.out_rows
+        args = (rows, plan.out_rows, plan.q_tokens, periods, (p_pad, other))
+        return part + _weights_grad([o], [dy_ref], *args)
+
+      lse, delta = lse_ref[h, stat], delta_ref[h, stat]
 
       def backward(j, carry):
         dq1, dq2 = carry
-        kx1, kx2, vx, ok, s = keys(j)
+        kx1, kx2, ok, s = keys(j)
         probs = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
-        ds = (probs * (_dot(d_o, vx, _NT) - delta[:, None])).astype(dtype)
+        ds = (probs * (d_probs(j) - delta[:, None])).astype(dtype)
         return dq1 + _dot(ds, kx1, _NN), dq2 + _dot(ds, kx2, _NN)
 
       zeros = jnp.zeros((rq, plan.half), jnp.float32)
       dq1, dq2 = lax.fori_loop(lo, hi, backward, (zeros, zeros))
       grads = [x.astype(dtype) for x in _unrotate(dq1, dq2, rope_q)]
       _unmix(aq_ref, h, grads, (dq1_ref, dq2_ref), t * qs, interpret)
-      periods, sizes = (p, heads), (p_pad, h_pad)
-      d_aq += _weights_grad(grads, (q1_ref, q2_ref), t * qs, qs, plan.q_tokens, periods, sizes)
-      return d_aq, d_cm
+      args = (t * qs, qs, plan.q_tokens, (p, heads), (p_pad, other))
+      return part + _weights_grad(grads, (q1_ref, q2_ref), *args)
 
-    init = (jnp.zeros((p_pad, h_pad), jnp.float32), jnp.zeros((p_pad, o_pad), jnp.float32))
-    d_aq, d_cm = lax.fori_loop(0, span, tile, init)
-    daq_ref[h] = d_aq
-    dcm_ref[h] = d_cm
+    part_ref[h] = lax.fori_loop(0, span, tile, jnp.zeros((p_pad, other), jnp.float32))
     return carry
 
   lax.fori_loop(0, plan.targets, head, 0)
@@ -318,10 +364,13 @@ def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
   qid_ref, kid_ref, dk1_ref, dk2_ref, dv_ref, dak_ref, dav_ref = refs
   program = pl.program_id(0)
   dtype = q1_ref.dtype
-  rq, rk, qs, ks = plan.q_rows, plan.k_rows, plan.q_src, plan.k_src
+  rq, rk, ks = plan.q_rows, plan.k_rows, plan.k_src
   p, kv_heads = plan.num_pseudo, plan.kv_heads
   r = plan.targets // plan.kv_targets
   p_pad, g_pad = _pad2(p), _pad2(kv_heads)
+  sub_rows = min(DKV_QUERY_ROWS, rq)
+  subs = rq // sub_rows
+  refs_q = (q1_ref, q2_ref, aq_ref, cm_ref, dy_ref, lse_ref, delta_ref, qid_ref)
 
   def zero(t, carry):
     rows = pl.ds(t * ks, ks)
@@ -336,31 +385,22 @@ def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
     def group(t, partials):
       d_ak, d_av = partials
       j = program * span + t
-      kx1, kx2 = _mixed(ak_ref, g, (k1_ref, k2_ref), t * ks, rope_k, dtype)
+      kx = _mixed(ak_ref, g, (k1_ref, k2_ref), t * ks, rope_k, dtype)
       (vx,) = _mixed(av_ref, g, (v_ref,), t * ks, None, dtype)
       kid = kid_ref[pl.ds(t * rk, rk)]
       u = _virtual(plan, rk, j * plan.k_tokens)
       lo, hi = query_band(plan, j)
       tiles = hi - lo
 
-      def step(n, carry):  # (query head of the group, query tile)
-        dk1, dk2, dv = carry
+      def step(n, carry):  # (query head of the group, query tile, sub-tile)
+        n, sub = lax.div(n, subs), lax.rem(n, subs)
         h, i = g * r + lax.div(n, tiles), lo + lax.rem(n, tiles)
-        qx1, qx2 = _mixed(aq_ref, h, (q1_ref, q2_ref), i * qs, rope_q, dtype)
-        d_o = _d_output(plan, cm_ref, dy_ref, h, i * plan.out_rows, dtype)
-        lse = lse_ref[h, pl.ds(i * rq, rq)]
-        delta = delta_ref[h, pl.ds(i * rq, rq)]
-        tq = _virtual(plan, rq, plan.offset + i * plan.q_tokens)
-        ok = _visible(plan, tq, u, qid_ref[pl.ds(i * rq, rq)], kid, transposed=True)
-        s = _dot(kx1, qx1, _NT) + _dot(kx2, qx2, _NT)
-        probs = jnp.where(ok, jnp.exp(s - lse[None, :]), 0.0)
-        dv += _dot(probs.astype(dtype), d_o, _NN)
-        ds = (probs * (_dot(vx, d_o, _NT) - delta[None, :])).astype(dtype)
-        return dk1 + _dot(ds, qx1, _NN), dk2 + _dot(ds, qx2, _NN), dv
+        args = (kx, vx, u, kid, h, i, sub * sub_rows, sub_rows, carry)
+        return _dkv_step(plan, refs_q, rope_q, *args)
 
       zeros = jnp.zeros((rk, plan.half), jnp.float32)
       init = (zeros, zeros, jnp.zeros((rk, plan.width), jnp.float32))
-      dk1, dk2, dv = lax.fori_loop(0, r * tiles, step, init)
+      dk1, dk2, dv = lax.fori_loop(0, r * tiles * subs, step, init)
       grads = [x.astype(dtype) for x in _unrotate(dk1, dk2, rope_k)]
       dv = dv.astype(dtype)
       row0 = t * ks
@@ -378,6 +418,25 @@ def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
     return carry
 
   lax.fori_loop(0, plan.kv_targets, kv_head, 0)
+
+
+def _dkv_step(plan: WindowPlan, refs_q, rope_q, kx, vx, u, kid, h, i, row0, rows, carry):
+  """One step of the dK/dV loop: query rows `[row0, row0 + rows)` of tile i, head h
+  (pseudo queries and dO remade), against the key group's pseudo rows."""
+  q1_ref, q2_ref, aq_ref, cm_ref, dy_ref, lse_ref, delta_ref, qid_ref = refs_q
+  dk1, dk2, dv = carry
+  dtype = vx.dtype
+  qx1, qx2 = _mixed(aq_ref, h, (q1_ref, q2_ref), i * plan.q_src, rope_q, dtype, row0, rows)
+  d_o = _d_output(plan, cm_ref, dy_ref, h, i * plan.out_rows, dtype, row0, rows)
+  at = pl.ds(i * plan.q_rows + row0, rows)
+  lse, delta = lse_ref[h, at], delta_ref[h, at]
+  tq = _virtual(plan, rows, plan.offset + i * plan.q_tokens, row0)
+  ok = _visible(plan, tq, u, qid_ref[at], kid, transposed=True)
+  s = _dot(kx[0], qx1, _NT) + _dot(kx[1], qx2, _NT)
+  probs = jnp.where(ok, jnp.exp(s - lse[None, :]), 0.0)
+  dv += _dot(probs.astype(dtype), d_o, _NN)
+  ds = (probs * (_dot(vx, d_o, _NT) - delta[None, :])).astype(dtype)
+  return dk1 + _dot(ds, qx1, _NN), dk2 + _dot(ds, qx2, _NN), dv
 
 
 # --- the calls ------------------------------------------------------------------------------
@@ -401,7 +460,7 @@ def _call(kernel, name, plan, span, operands, names, specs, outs, interpret):
     specs[n] = whole(operands[n])
   return pl.pallas_call(
     functools.partial(kernel, plan=plan, span=span, interpret=interpret),
-    grid=(-(-plan.num_q // span) if kernel is _dq_kernel else -(-plan.num_k // span), b),
+    grid=((plan.num_k if kernel is _dkv_kernel else plan.num_q) // span, b),
     in_specs=[specs[n] for n in names],
     out_specs=[spec for spec, _ in outs],
     out_shape=[shape for _, shape in outs],
@@ -424,28 +483,37 @@ def _partials(programs: int, b: int, heads: int, rows: int, cols: int):
   return spec, jax.ShapeDtypeStruct((b, programs, heads, rows, cols), jnp.float32)
 
 
-def dq_call(plan: WindowPlan, span: int, operands: dict, *, interpret: bool):
-  """-> (dq1, dq2 `[B, num_q * q_src, half]`, lse, delta `[B, Ht, num_q * q_rows]`, the
-  folded partials of aq `[B, programs, Ht, P', H']` and cm `[B, programs, Ht, P', Ho']`),
-  float32. `plan`: `backward_plan`'s (whole spans)."""
+def query_calls(plan: WindowPlan, span: int, operands: dict, *, interpret: bool):
+  """The stats kernel, then the dQ kernel -> (dq1, dq2 `[B, num_q * q_src, half]`, lse,
+  delta `[B, Ht, num_q * q_rows]`, the folded partials of aq `[B, programs, Ht, P', H']`
+  and cm `[B, programs, Ht, P', Ho']`), float32. `plan`: `backward_plan`'s."""
   b = operands["q1"].shape[0]
   programs = plan.num_q // span
-  names = ["q1", "q2", "k1", "k2", "v", "dy", "aq", "ak", "av", "cm", *_rope_names(plan)]
-  names += ["qid", "kid"]
   specs = {n: _per_program(span * plan.q_src, plan.half) for n in ("q1", "q2")}
   specs["dy"] = _per_program(span * plan.out_rows, plan.width)
   specs["qid"] = pl.BlockSpec((None, span * plan.q_rows), lambda i, bb: (bb, i))
   specs.update({n: _whole_row(operands[n]) for n in ("k1", "k2", "v", "kid")})
+  stat_spec = pl.BlockSpec((None, plan.targets, span * plan.q_rows), lambda i, bb: (bb, 0, i))
+  specs["lse"] = specs["delta"] = stat_spec
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  stat = (stat_spec, f32(b, plan.targets, plan.num_q * plan.q_rows))
   source = (_per_program(span * plan.q_src, plan.half), f32(b, plan.num_q * plan.q_src, plan.half))
-  stat = (
-    pl.BlockSpec((None, plan.targets, span * plan.q_rows), lambda i, bb: (bb, 0, i)),
-    f32(b, plan.targets, plan.num_q * plan.q_rows),
-  )
   p, h, o = (_pad2(x) for x in (plan.num_pseudo, plan.heads, plan.out_heads))
-  outs = [source, source, stat, stat]
-  outs += [_partials(programs, b, plan.targets, p, h), _partials(programs, b, plan.targets, p, o)]
-  return _call(_dq_kernel, "iha_gpu_window_dq", plan, span, operands, names, specs, outs, interpret)
+  tail = ["aq", "ak", "av", "cm", *_rope_names(plan), "qid", "kid"]
+  head = ["q1", "q2", "k1", "k2", "v", "dy"]
+  kernel = functools.partial(_query_kernel, stats=True)
+  outs = [stat, stat, _partials(programs, b, plan.targets, p, o)]
+  lse, delta, dcm = _call(
+    kernel, "iha_gpu_window_stats", plan, span, operands, head + tail, specs, outs, interpret
+  )
+  operands = dict(operands, lse=lse, delta=delta)
+  kernel = functools.partial(_query_kernel, stats=False)
+  outs = [source, source, _partials(programs, b, plan.targets, p, h)]
+  names = head + ["lse", "delta"] + tail
+  dq1, dq2, daq = _call(
+    kernel, "iha_gpu_window_dq", plan, span, operands, names, specs, outs, interpret
+  )
+  return dq1, dq2, lse, delta, daq, dcm
 
 
 def dkv_call(plan: WindowPlan, span: int, operands: dict, lse, delta, *, interpret: bool):
@@ -480,7 +548,7 @@ def gradients(plan: WindowPlan, q_span: int, k_span: int, operands: dict) -> tup
   cm summed: `[Ht, P', H']`, `[Gt, P', G']` twice, `[Ht, P', Ho']`), float32."""
 
   def call(operands, *, interpret):
-    dq1, dq2, lse, delta, daq, dcm = dq_call(plan, q_span, operands, interpret=interpret)
+    dq1, dq2, lse, delta, daq, dcm = query_calls(plan, q_span, operands, interpret=interpret)
     dk1, dk2, dv, dak, dav = dkv_call(plan, k_span, operands, lse, delta, interpret=interpret)
     total = lambda x: x.sum(axis=(0, 1))
     return dq1, dq2, dk1, dk2, dv, *(total(x) for x in (daq, dak, dav, dcm))
