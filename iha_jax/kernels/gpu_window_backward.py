@@ -91,12 +91,13 @@ def query_band(plan: WindowPlan, j):
 # --- in-kernel helpers ----------------------------------------------------------------------
 
 
-def _unrotate(g1, g2, rope):
+def _unrotate(g1, g2, rope, first=0):
   """`R(p)^T` of float32 pseudo-row gradients in halves (the transpose of `_pseudo`'s
-  rotation)."""
+  rotation); `first`: the tables' first row (`_varying`)."""
   if rope is None:
     return g1, g2
-  cos, sin = rope[0][...], rope[1][...]
+  rows = pl.ds(first, g1.shape[0])
+  cos, sin = rope[0][rows, :], rope[1][rows, :]
   return g1 * cos + g2 * sin, g2 * cos - g1 * sin
 
 
@@ -207,6 +208,13 @@ def _d_output(plan: WindowPlan, cm_ref, dy_ref, h, row0, dtype, first=0, rows=No
   return d_o.astype(dtype)
 
 
+def _varying(j):
+  """0, to the compiler a value of loop index j (>= 0, which it cannot know): a load at an
+  offset plus it stays in the loop. Hoisted out as loop-invariant, a constant's tile would
+  hold registers across the whole loop."""
+  return jnp.minimum(j, 0)
+
+
 def _barrier(interpret: bool) -> None:
   """Stores of an output block by other threads visible (read-modify-write by heads)."""
   if not interpret:
@@ -265,53 +273,40 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
 
     def tile(t, part):
       i = program * span + t
-      qx1, qx2 = _mixed(aq_ref, h, (q1_ref, q2_ref), t * qs, rope_q, dtype)
+      z = _varying(t)  # the tile's constants loaded in the tile loop, not held across it
+      qx1, qx2 = _mixed(aq_ref, h, (q1_ref, q2_ref), t * qs, rope_q, dtype, z)
       qid = qid_ref[pl.ds(t * rq, rq)]
       tq = _virtual(plan, rq, plan.offset + i * plan.q_tokens)
       lo, hi = band(plan, i)
       d_o = None
       if not (stats or dy_late):
-        d_o = _d_output(plan, cm_ref, dy_ref, h, t * plan.out_rows, dtype)
+        d_o = _d_output(plan, cm_ref, dy_ref, h + z, t * plan.out_rows, dtype)
       stat = pl.ds(t * rq, rq)
 
-      def keys(j):
-        kx1, kx2 = _mixed(ak_ref, g, (k1_ref, k2_ref), j * ks, rope_k, dtype)
+      def keys(j):  # transposed scores `[k_rows, q_rows]` of key group j, and its mask
+        y = _varying(j)
+        kx1, kx2 = _mixed(ak_ref, g, (k1_ref, k2_ref), j * ks, rope_k, dtype, y)
         kid = kid_ref[pl.ds(j * rk, rk)]
-        ok = _visible(plan, tq, _virtual(plan, rk, j * plan.k_tokens), qid, kid)
-        s = jnp.where(ok, _dot(qx1, kx1, _NT) + _dot(qx2, kx2, _NT), MASK_VALUE)
-        return kx1, kx2, ok, s
-
-      def values(j, probs):  # probs @ (av @ v), the forward's order of products
-        rows = pl.ds(j * ks, ks)
-        if plan.mix_values_late:  # (probs @ av) @ v: no [k_rows, width] float32 temporary
-          mixed = _dot(probs.astype(dtype), av_ref[g], _NN).astype(dtype)
-          return _dot(mixed, v_ref[rows], _NN)
-        vx = _dot(av_ref[g], v_ref[rows], _NN).astype(dtype)
-        return _dot(probs.astype(dtype), vx, _NN)
-
-      def d_probs(j):  # dO @ (av @ v)^T
-        rows = pl.ds(j * ks, ks)
-        if dy_late:  # cm^T ((dy @ v^T) @ av^T): dy loaded per step, dO never held
-          dy = dy_ref[pl.ds(t * plan.out_rows, plan.out_rows), :]
-          d_mixed = _dot(dy, v_ref[rows], _NT).astype(dtype)  # [out_rows, k_src]
-          d_mixed = _dot(cm_ref[h], d_mixed, _TN).astype(dtype)  # [q_rows, k_src]
-          return _dot(d_mixed, av_ref[g], _NT)
-        if plan.mix_values_late:
-          d_mixed = _dot(d_o, v_ref[rows], _NT).astype(dtype)  # [q_rows, k_src]
-          return _dot(d_mixed, av_ref[g], _NT)
-        vx = _dot(av_ref[g], v_ref[rows], _NN).astype(dtype)
-        return _dot(d_o, vx, _NT)
+        u = _virtual(plan, rk, j * plan.k_tokens)
+        ok = _visible(plan, tq, u, qid, kid, transposed=True)
+        return kx1, kx2, ok, _dot(kx1, qx1, _NT) + _dot(kx2, qx2, _NT), y
 
       if stats:
 
-        def forward(j, carry):  # the forward's online softmax: O and the log-sum-exp
+        def forward(j, carry):  # the forward's online softmax (transposed): O, lse
           m, l, acc = carry
-          _, _, ok, s = keys(j)
-          m_next = jnp.maximum(m, jnp.max(s, axis=1))
-          probs = jnp.where(ok, jnp.exp(s - m_next[:, None]), 0.0)
+          _, _, ok, s, y = keys(j)
+          s = jnp.where(ok, s, MASK_VALUE)
+          m_next = jnp.maximum(m, jnp.max(s, axis=0))
+          probs = jnp.where(ok, jnp.exp(s - m_next[None, :]), 0.0).astype(dtype)
           rescale = jnp.exp(m - m_next)
-          l = rescale * l + jnp.sum(probs, axis=1)
-          return m_next, l, rescale[:, None] * acc + values(j, probs)
+          l = rescale * l + jnp.sum(probs.astype(jnp.float32), axis=0)
+          v = v_ref[pl.ds(j * ks, ks)]
+          if plan.mix_values_late:  # (probs @ av) @ v: no [k_rows, width] temporary
+            values = _dot(_dot(probs, av_ref[g + y], _TN).astype(dtype), v, _NN)
+          else:
+            values = _dot(probs, _dot(av_ref[g + y], v, _NN).astype(dtype), _TN)
+          return m_next, l, rescale[:, None] * acc + values
 
         init = (
           jnp.full((rq,), MASK_VALUE, jnp.float32),
@@ -322,7 +317,7 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
         l = jnp.where(l == 0.0, 1.0, l)  # no key seen: O = 0
         o = (acc / l[:, None]).astype(dtype)
         lse_ref[h, stat] = m + jnp.log(l)
-        d_o = _d_output(plan, cm_ref, dy_ref, h, t * plan.out_rows, dtype)
+        d_o = _d_output(plan, cm_ref, dy_ref, h + z, t * plan.out_rows, dtype)
         delta_ref[h, stat] = jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
         # dcm[h] += (dY^T O)^T, folded to the collapse's shape
         periods, rows = (p, out_heads), t * plan.out_rows
@@ -331,17 +326,31 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
 
       lse, delta = lse_ref[h, stat], delta_ref[h, stat]
 
+      # Transposed, `[k_rows, q_rows]`: the tile's pseudo queries, dO (or dy and cm) are
+      # the products' second operands, which stay in shared memory across the loop.
+      if dy_late:  # dO never made: cm^T ((dy @ v^T) @ av^T), dy a few rows
+        dy = dy_ref[pl.ds(t * plan.out_rows, plan.out_rows), :]
+        cm = cm_ref[h + z]
+
       def backward(j, carry):
         dq1, dq2 = carry
-        kx1, kx2, ok, s = keys(j)
-        probs = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
-        ds = (probs * (d_probs(j) - delta[:, None])).astype(dtype)
-        return dq1 + _dot(ds, kx1, _NN), dq2 + _dot(ds, kx2, _NN)
+        kx1, kx2, ok, s, y = keys(j)
+        probs = jnp.where(ok, jnp.exp(s - lse[None, :]), 0.0)
+        v = v_ref[pl.ds(j * ks, ks)]
+        if dy_late:
+          mixed = _dot(_dot(v, dy, _NT).astype(dtype), cm, _NN).astype(dtype)
+          d_probs = _dot(av_ref[g + y], mixed, _NN)
+        elif plan.mix_values_late:
+          d_probs = _dot(av_ref[g + y], _dot(v, d_o, _NT).astype(dtype), _NN)
+        else:
+          d_probs = _dot(_dot(av_ref[g + y], v, _NN).astype(dtype), d_o, _NT)
+        ds = (probs * (d_probs - delta[None, :])).astype(dtype)
+        return dq1 + _dot(ds, kx1, _TN), dq2 + _dot(ds, kx2, _TN)
 
       zeros = jnp.zeros((rq, plan.half), jnp.float32)
       dq1, dq2 = lax.fori_loop(lo, hi, backward, (zeros, zeros))
-      grads = [x.astype(dtype) for x in _unrotate(dq1, dq2, rope_q)]
-      _unmix(aq_ref, h, grads, (dq1_ref, dq2_ref), t * qs, interpret)
+      grads = [x.astype(dtype) for x in _unrotate(dq1, dq2, rope_q, z)]
+      _unmix(aq_ref, h + z, grads, (dq1_ref, dq2_ref), t * qs, interpret)
       args = (t * qs, qs, plan.q_tokens, (p, heads), (p_pad, other))
       return part + _weights_grad(grads, (q1_ref, q2_ref), *args)
 
@@ -385,8 +394,9 @@ def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
     def group(t, partials):
       d_ak, d_av = partials
       j = program * span + t
-      kx = _mixed(ak_ref, g, (k1_ref, k2_ref), t * ks, rope_k, dtype)
-      (vx,) = _mixed(av_ref, g, (v_ref,), t * ks, None, dtype)
+      z = _varying(t)  # the group's constants loaded in the group loop, not held across it
+      kx = _mixed(ak_ref, g, (k1_ref, k2_ref), t * ks, rope_k, dtype, z)
+      (vx,) = _mixed(av_ref, g, (v_ref,), t * ks, None, dtype, z)
       kid = kid_ref[pl.ds(t * rk, rk)]
       u = _virtual(plan, rk, j * plan.k_tokens)
       lo, hi = query_band(plan, j)
@@ -401,11 +411,11 @@ def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
       zeros = jnp.zeros((rk, plan.half), jnp.float32)
       init = (zeros, zeros, jnp.zeros((rk, plan.width), jnp.float32))
       dk1, dk2, dv = lax.fori_loop(0, r * tiles * subs, step, init)
-      grads = [x.astype(dtype) for x in _unrotate(dk1, dk2, rope_k)]
+      grads = [x.astype(dtype) for x in _unrotate(dk1, dk2, rope_k, z)]
       dv = dv.astype(dtype)
       row0 = t * ks
-      _unmix(ak_ref, g, grads, (dk1_ref, dk2_ref), row0, interpret)
-      _unmix(av_ref, g, [dv], (dv_ref,), row0, interpret)
+      _unmix(ak_ref, g + z, grads, (dk1_ref, dk2_ref), row0, interpret)
+      _unmix(av_ref, g + z, [dv], (dv_ref,), row0, interpret)
       periods, sizes = (p, kv_heads), (p_pad, g_pad)
       d_ak += _weights_grad(grads, (k1_ref, k2_ref), row0, ks, plan.k_tokens, periods, sizes)
       d_av += _weights_grad([dv], [v_ref], row0, ks, plan.k_tokens, periods, sizes)
