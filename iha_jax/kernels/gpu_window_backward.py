@@ -317,8 +317,15 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
         l = jnp.where(l == 0.0, 1.0, l)  # no key seen: O = 0
         o = (acc / l[:, None]).astype(dtype)
         lse_ref[h, stat] = m + jnp.log(l)
-        d_o = _d_output(plan, cm_ref, dy_ref, h + z, t * plan.out_rows, dtype)
-        delta_ref[h, stat] = jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
+        # delta = rowsum(dO * O) with dO = cm^T dy: the column sums of cm * (dy O^T), in
+        # chunks of output rows (dO never made; tall products).
+        chunk = min(COLLAPSE_ROWS, plan.out_rows)
+        delta = jnp.zeros((rq,), jnp.float32)
+        for c in range(plan.out_rows // chunk):
+          dy = dy_ref[pl.ds(t * plan.out_rows + c * chunk, chunk), :]
+          cm = cm_ref[h + z, pl.ds(c * chunk, chunk), :].astype(jnp.float32)
+          delta += jnp.sum(cm * _dot(dy, o, _NT), axis=0)
+        delta_ref[h, stat] = delta
         # dcm[h] += (dY^T O)^T, folded to the collapse's shape
         periods, rows = (p, out_heads), t * plan.out_rows
         args = (rows, plan.out_rows, plan.q_tokens, periods, (p_pad, other))
