@@ -221,6 +221,14 @@ def _barrier(interpret: bool) -> None:
     plgpu.debug_barrier()
 
 
+def _add(ref, index, value, interpret: bool) -> None:
+  """`ref[index] += value` (a partial of the weights, the program's own block): not a
+  loop's carry, which would hold registers across the loops inside."""
+  _barrier(interpret)
+  ref[index] += value
+  _barrier(interpret)
+
+
 def _accumulate(ref, rows, value, interpret: bool) -> None:
   _barrier(interpret)
   ref[rows, :] += value
@@ -271,7 +279,9 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
   def head(h, carry):
     g = lax.div(h, r)
 
-    def tile(t, part):
+    part_ref[h] = jnp.zeros((p_pad, other), jnp.float32)
+
+    def tile(t, carry):
       i = program * span + t
       z = _varying(t)  # the tile's constants loaded in the tile loop, not held across it
       qx1, qx2 = _mixed(aq_ref, h, (q1_ref, q2_ref), t * qs, rope_q, dtype, z)
@@ -329,7 +339,8 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
         # dcm[h] += (dY^T O)^T, folded to the collapse's shape
         periods, rows = (p, out_heads), t * plan.out_rows
         args = (rows, plan.out_rows, plan.q_tokens, periods, (p_pad, other))
-        return part + _weights_grad([o], [dy_ref], *args)
+        _add(part_ref, h, _weights_grad([o], [dy_ref], *args), interpret)
+        return carry
 
       lse, delta = lse_ref[h, stat], delta_ref[h, stat]
 
@@ -359,9 +370,10 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
       grads = [x.astype(dtype) for x in _unrotate(dq1, dq2, rope_q, z)]
       _unmix(aq_ref, h + z, grads, (dq1_ref, dq2_ref), t * qs, interpret)
       args = (t * qs, qs, plan.q_tokens, (p, heads), (p_pad, other))
-      return part + _weights_grad(grads, (q1_ref, q2_ref), *args)
+      _add(part_ref, h, _weights_grad(grads, (q1_ref, q2_ref), *args), interpret)
+      return carry
 
-    part_ref[h] = lax.fori_loop(0, span, tile, jnp.zeros((p_pad, other), jnp.float32))
+    lax.fori_loop(0, span, tile, 0)
     return carry
 
   lax.fori_loop(0, plan.targets, head, 0)
@@ -398,8 +410,10 @@ def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
   lax.fori_loop(0, span, zero, 0)
 
   def kv_head(g, carry):
-    def group(t, partials):
-      d_ak, d_av = partials
+    dak_ref[g] = jnp.zeros((p_pad, g_pad), jnp.float32)
+    dav_ref[g] = jnp.zeros((p_pad, g_pad), jnp.float32)
+
+    def group(t, carry):
       j = program * span + t
       z = _varying(t)  # the group's constants loaded in the group loop, not held across it
       kx = _mixed(ak_ref, g, (k1_ref, k2_ref), t * ks, rope_k, dtype, z)
@@ -424,14 +438,13 @@ def _dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
       _unmix(ak_ref, g + z, grads, (dk1_ref, dk2_ref), row0, interpret)
       _unmix(av_ref, g + z, [dv], (dv_ref,), row0, interpret)
       periods, sizes = (p, kv_heads), (p_pad, g_pad)
-      d_ak += _weights_grad(grads, (k1_ref, k2_ref), row0, ks, plan.k_tokens, periods, sizes)
-      d_av += _weights_grad([dv], [v_ref], row0, ks, plan.k_tokens, periods, sizes)
-      return d_ak, d_av
+      fold = functools.partial(_weights_grad, row0=row0, total=ks, tokens=plan.k_tokens)
+      fold = functools.partial(fold, periods=periods, sizes=sizes)
+      _add(dak_ref, g, fold(grads, (k1_ref, k2_ref)), interpret)
+      _add(dav_ref, g, fold([dv], [v_ref]), interpret)
+      return carry
 
-    zeros = jnp.zeros((p_pad, g_pad), jnp.float32)
-    d_ak, d_av = lax.fori_loop(0, span, group, (zeros, zeros))
-    dak_ref[g] = d_ak
-    dav_ref[g] = d_av
+    lax.fori_loop(0, span, group, 0)
     return carry
 
   lax.fori_loop(0, plan.kv_targets, kv_head, 0)
