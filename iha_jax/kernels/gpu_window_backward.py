@@ -195,16 +195,17 @@ def _visible(plan: WindowPlan, t, u, qid, kid, *, transposed: bool = False):
   return ok & same
 
 
-def _d_output(plan: WindowPlan, cm_ref, dy_ref, h, row0, dtype, first=0, rows=None):
-  """dO `[rows, width]` of target head h: `cm[h]^T dy` over the tile's output rows from
-  `row0`, in chunks of `COLLAPSE_ROWS` (a bounded dy tile in registers); its pseudo rows
-  `[first, first + rows)` (default all)."""
+def _d_output(plan: WindowPlan, cm_ref, dy_ref, h, row0, dtype, first=0, rows=None, *, t=False):
+  """dO `[rows, width]` of target head h (`t`: its transpose, `[width, rows]`): `cm[h]^T
+  dy` over the tile's output rows from `row0`, in chunks of `COLLAPSE_ROWS` (a bounded dy
+  tile in registers); its pseudo rows `[first, first + rows)` (default all)."""
   chunk = min(COLLAPSE_ROWS, plan.out_rows)
   rows = rows or plan.q_rows
-  d_o = jnp.zeros((rows, plan.width), jnp.float32)
+  d_o = jnp.zeros((plan.width, rows) if t else (rows, plan.width), jnp.float32)
   for c in range(plan.out_rows // chunk):
     dy = dy_ref[pl.ds(row0 + c * chunk, chunk), :]
-    d_o += _dot(cm_ref[h, pl.ds(c * chunk, chunk), pl.ds(first, rows)], dy, _TN)
+    cm = cm_ref[h, pl.ds(c * chunk, chunk), pl.ds(first, rows)]
+    d_o += _dot(dy, cm, _TN) if t else _dot(cm, dy, _TN)
   return d_o.astype(dtype)
 
 
@@ -457,15 +458,17 @@ def _dkv_step(plan: WindowPlan, refs_q, rope_q, kx, vx, u, kid, h, i, row0, rows
   dk1, dk2, dv = carry
   dtype = vx.dtype
   qx1, qx2 = _mixed(aq_ref, h, (q1_ref, q2_ref), i * plan.q_src, rope_q, dtype, row0, rows)
-  d_o = _d_output(plan, cm_ref, dy_ref, h, i * plan.out_rows, dtype, row0, rows)
+  # dO^T `[width, rows]`: both its products take it as the second operand (and its own
+  # product is tall: tensor cores' wgmma where the key group's rows are few).
+  d_o = _d_output(plan, cm_ref, dy_ref, h, i * plan.out_rows, dtype, row0, rows, t=True)
   at = pl.ds(i * plan.q_rows + row0, rows)
   lse, delta = lse_ref[h, at], delta_ref[h, at]
   tq = _virtual(plan, rows, plan.offset + i * plan.q_tokens, row0)
   ok = _visible(plan, tq, u, qid_ref[at], kid, transposed=True)
   s = _dot(kx[0], qx1, _NT) + _dot(kx[1], qx2, _NT)
   probs = jnp.where(ok, jnp.exp(s - lse[None, :]), 0.0)
-  dv += _dot(probs.astype(dtype), d_o, _NN)
-  ds = (probs * (_dot(vx, d_o, _NT) - delta[None, :])).astype(dtype)
+  dv += _dot(probs.astype(dtype), d_o, _NT)
+  ds = (probs * (_dot(vx, d_o, _NN) - delta[None, :])).astype(dtype)
   return dk1 + _dot(ds, qx1, _NN), dk2 + _dot(ds, qx2, _NN), dv
 
 
