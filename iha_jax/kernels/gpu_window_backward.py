@@ -139,6 +139,30 @@ def _weights_grad(tiles, refs, row0, total: int, tokens: int, periods, sizes) ->
   return lax.fori_loop(0, tokens, token, jnp.zeros((sa, sb), jnp.float32))
 
 
+def _fold(d, periods, tokens: int, sizes, dtype, row0=0) -> jax.Array:
+  """`sum_n d[(n, a), (n, b)]` -> `[sizes[0], sizes[1]]` float32 of a float32 product `d`
+  (rows `(n, a)` from `row0`, columns `(n, b)`): the token-diagonal blocks summed by 0/1
+  products, on tensor cores as two bfloat16 terms each (`hi + lo`: 16 bits of mantissa;
+  float32 products for float32 calls, `dtype`)."""
+  (pa, pb), (sa, sb) = periods, sizes
+  rows, cols = d.shape
+  iota = lambda n: lax.broadcasted_iota(jnp.int32, (n,), 0)
+  r, c = iota(rows) + row0, iota(cols)
+  d = jnp.where(lax.div(r, pa)[:, None] == lax.div(c, pb)[None, :], d, 0.0)
+  left = (lax.rem(r, pa)[None, :] == iota(sa)[:, None]) & (r < tokens * pa)[None, :]
+  right = (lax.rem(c, pb)[:, None] == iota(sb)[None, :]) & (c < tokens * pb)[:, None]
+  exact = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+
+  def times(x, select, x_first: bool):  # x float32 (as hi + lo), select 0/1
+    select = select.astype(exact)
+    parts = [x] if exact == jnp.float32 else [x.astype(exact)]
+    if exact != jnp.float32:
+      parts.append((x - parts[0].astype(jnp.float32)).astype(exact))
+    return sum(_dot(p, select, _NN) if x_first else _dot(select, p, _NN) for p in parts)
+
+  return times(times(d, left, False), right, True)
+
+
 def _chunks(total: int) -> list[int]:
   """Starts of the `SOURCE_ROWS`-row chunks of a group's `total` source rows."""
   size = min(SOURCE_ROWS, total)
@@ -280,7 +304,7 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
   def head(h, carry):
     g = lax.div(h, r)
 
-    part_ref[h] = jnp.zeros((p_pad, other), jnp.float32)
+    part_ref[h] = jnp.zeros(part_ref.shape[1:], jnp.float32)
 
     def tile(t, carry):
       i = program * span + t
@@ -328,19 +352,20 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
         l = jnp.where(l == 0.0, 1.0, l)  # no key seen: O = 0
         o = (acc / l[:, None]).astype(dtype)
         lse_ref[h, stat] = m + jnp.log(l)
-        # delta = rowsum(dO * O) with dO = cm^T dy: the column sums of cm * (dy O^T), in
-        # chunks of output rows (dO never made; tall products).
+        # delta = rowsum(dO * O) with dO = cm^T dy: the column sums of cm * (dy O^T); and
+        # dcm[h] += dy O^T folded to the collapse's shape. In chunks of output rows (dO
+        # never made; tall products).
         chunk = min(COLLAPSE_ROWS, plan.out_rows)
         delta = jnp.zeros((rq,), jnp.float32)
+        d_cm = jnp.zeros((other, p_pad), jnp.float32)
         for c in range(plan.out_rows // chunk):
           dy = dy_ref[pl.ds(t * plan.out_rows + c * chunk, chunk), :]
           cm = cm_ref[h + z, pl.ds(c * chunk, chunk), :].astype(jnp.float32)
-          delta += jnp.sum(cm * _dot(dy, o, _NT), axis=0)
+          d = _dot(dy, o, _NT)
+          delta += jnp.sum(cm * d, axis=0)
+          d_cm += _fold(d, (out_heads, p), plan.q_tokens, (other, p_pad), dtype, c * chunk)
         delta_ref[h, stat] = delta
-        # dcm[h] += (dY^T O)^T, folded to the collapse's shape
-        periods, rows = (p, out_heads), t * plan.out_rows
-        args = (rows, plan.out_rows, plan.q_tokens, periods, (p_pad, other))
-        _add(part_ref, h, _weights_grad([o], [dy_ref], *args), interpret)
+        _add(part_ref, h, d_cm, interpret)
         return carry
 
       lse, delta = lse_ref[h, stat], delta_ref[h, stat]
@@ -519,7 +544,7 @@ def _partials(programs: int, b: int, heads: int, rows: int, cols: int):
 def query_calls(plan: WindowPlan, span: int, operands: dict, *, interpret: bool):
   """The stats kernel, then the dQ kernel -> (dq1, dq2 `[B, num_q * q_src, half]`, lse,
   delta `[B, Ht, num_q * q_rows]`, the folded partials of aq `[B, programs, Ht, P', H']`
-  and cm `[B, programs, Ht, P', Ho']`), float32. `plan`: `backward_plan`'s."""
+  and cm `[B, programs, Ht, Ho', P']`), float32. `plan`: `backward_plan`'s."""
   b = operands["q1"].shape[0]
   programs = plan.num_q // span
   specs = {n: _per_program(span * plan.q_src, plan.half) for n in ("q1", "q2")}
@@ -535,7 +560,7 @@ def query_calls(plan: WindowPlan, span: int, operands: dict, *, interpret: bool)
   tail = ["aq", "ak", "av", "cm", *_rope_names(plan), "qid", "kid"]
   head = ["q1", "q2", "k1", "k2", "v", "dy"]
   kernel = functools.partial(_query_kernel, stats=True)
-  outs = [stat, stat, _partials(programs, b, plan.targets, p, o)]
+  outs = [stat, stat, _partials(programs, b, plan.targets, o, p)]
   lse, delta, dcm = _call(
     kernel, "iha_gpu_window_stats", plan, span, operands, head + tail, specs, outs, interpret
   )
@@ -578,7 +603,7 @@ def dkv_call(plan: WindowPlan, span: int, operands: dict, lse, delta, *, interpr
 def gradients(plan: WindowPlan, q_span: int, k_span: int, operands: dict) -> tuple:
   """Both kernels (Triton when lowering for cuda/rocm, Pallas' interpreter elsewhere) ->
   (dq1, dq2, dk1, dk2, dv in the operands' row layouts, and the partials of aq, ak, av,
-  cm summed: `[Ht, P', H']`, `[Gt, P', G']` twice, `[Ht, P', Ho']`), float32."""
+  cm summed: `[Ht, P', H']`, `[Gt, P', G']` twice, `[Ht, Ho', P']`), float32."""
 
   def call(operands, *, interpret):
     dq1, dq2, lse, delta, daq, dcm = query_calls(plan, q_span, operands, interpret=interpret)
@@ -598,7 +623,7 @@ def weight_grads(plan: WindowPlan, scale: float, daq, dak, dav, dcm) -> tuple:
   `scale`."""
   p, h, g, ho = plan.num_pseudo, plan.heads, plan.kv_heads, plan.out_heads
   alpha = lambda x, s: jnp.transpose(x[:, :p, :s], (2, 0, 1))  # [T, P, S] -> [S, T, P]
-  dcollapse = jnp.transpose(dcm[:, :p, :ho], (2, 0, 1))  # [Ht, P, Ho] -> [Ho, Ht, P]
+  dcollapse = jnp.transpose(dcm[:, :ho, :p], (1, 0, 2))  # [Ht, Ho, P] -> [Ho, Ht, P]
   if plan.per_head:  # collapse [Ht, P] entered as its diagonal [Ho = Ht, Ht, P]
     dcollapse = jnp.einsum("hhp->hp", dcollapse)
   return alpha(daq, h) * scale, alpha(dak, g), alpha(dav, g), dcollapse
