@@ -123,20 +123,27 @@ def _window(ref, row0, total: int, n, period: int, size: int) -> jax.Array:
   return _dot(align, x, _NN).astype(x.dtype)
 
 
-def _weights_grad(tiles, refs, row0, total: int, tokens: int, periods, sizes) -> jax.Array:
+def _weights_grad(
+  tiles, refs, row0, total: int, tokens: int, periods, sizes, refs_first: bool = False
+) -> jax.Array:
   """`sum_n sum_lanes tile[(n, a)] src[(n, b)]` over a group's tokens and the pairs
   `(tile, src ref)` -> `[sizes[0], sizes[1]]` float32: the gradient of a block-diagonal
   `kron(I_s, w)` folded to w's shape (tiles: register rows `(n, a)`, period `periods[0]`;
-  refs: a group's `total` rows `(n, b)` from `row0`, period `periods[1]`). Per token,
-  small products on rows picked exactly: no float32 `[rows, total]` product to fold."""
+  refs: a group's `total` rows `(n, b)` from `row0`, period `periods[1]`; `refs_first`:
+  the refs' rows `(n, a)`, the tiles' `(n, b)`). Per token, small products on rows picked
+  exactly: no float32 `[rows, total]` product to fold."""
   (pa, pb), (sa, sb) = periods, sizes
+  if refs_first:
+    refs, tiles, (pa, pb), (sa, sb) = tiles, refs, (pb, pa), (sb, sa)
 
   def token(n, acc):
     for x, ref in zip(tiles, refs):
-      acc += _dot(_token_rows(x, n, pa, sa), _window(ref, row0, total, n, pb, sb), _NT)
+      pair = _token_rows(x, n, pa, sa), _window(ref, row0, total, n, pb, sb)
+      acc += _dot(*(pair[::-1] if refs_first else pair), _NT)
     return acc
 
-  return lax.fori_loop(0, tokens, token, jnp.zeros((sa, sb), jnp.float32))
+  shape = (sb, sa) if refs_first else (sa, sb)
+  return lax.fori_loop(0, tokens, token, jnp.zeros(shape, jnp.float32))
 
 
 def _fold(d, periods, tokens: int, sizes, dtype, row0=0) -> jax.Array:
@@ -287,6 +294,9 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
   r = plan.targets // plan.kv_targets
   p_pad = _pad2(p)
   other = _pad2(out_heads if stats else heads)
+  # The collapse's partial: folded from dy O^T, or per token where the tile's output rows
+  # outnumber its pseudo rows (fewer registers there, as compiled for H100).
+  many_outputs = plan.out_rows > plan.q_rows
   # dQ's loop: dO remade from dy per step where the tile's output rows are no more than
   # its pseudo rows (held across the loop beside dQ's accumulators, it would spill).
   dy_late = not stats and plan.out_rows <= plan.q_rows and plan.mix_values_late
@@ -363,8 +373,12 @@ def _query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: bo
           cm = cm_ref[h + z, pl.ds(c * chunk, chunk), :].astype(jnp.float32)
           d = _dot(dy, o, _NT)
           delta += jnp.sum(cm * d, axis=0)
-          d_cm += _fold(d, (out_heads, p), plan.q_tokens, (other, p_pad), dtype, c * chunk)
+          if not many_outputs:
+            d_cm += _fold(d, (out_heads, p), plan.q_tokens, (other, p_pad), dtype, c * chunk)
         delta_ref[h, stat] = delta
+        if many_outputs:  # per token instead: fewer registers with many output rows
+          args = (t * plan.out_rows, plan.out_rows, plan.q_tokens, (out_heads, p), (other, p_pad))
+          d_cm = _weights_grad([dy_ref], [o], *args, refs_first=True)
         _add(part_ref, h, d_cm, interpret)
         return carry
 
