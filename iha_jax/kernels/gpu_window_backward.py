@@ -49,8 +49,11 @@ from iha_jax.kernels.gpu_window_kernel import _NN, _NT, COLLAPSE_ROWS, _dot, ban
 if TYPE_CHECKING:
   from iha_jax.kernels.gpu_window import WindowPlan
 
-# Source rows per mixing or un-mixing product (bounds a source tile and a float32 result).
-SOURCE_ROWS = 64
+# Source rows per mixing product (its contraction: a bounded source tile in registers) and
+# per un-mixing product (its float32 result; 64: tall enough for wgmma), as compiled for
+# H100 (tests/test_compile_targets.py).
+MIX_ROWS = 32
+UNMIX_ROWS = 64
 # Query rows per step of the dK/dV loop (a sub-tile: the pseudo queries and dO it remakes
 # stay within the registers beside the key group's accumulators).
 DKV_QUERY_ROWS = 32
@@ -170,10 +173,9 @@ def _fold(d, periods, tokens: int, sizes, dtype, row0=0) -> jax.Array:
   return times(times(d, left, False), right, True)
 
 
-def _chunks(total: int) -> list[int]:
-  """Starts of the `SOURCE_ROWS`-row chunks of a group's `total` source rows."""
-  size = min(SOURCE_ROWS, total)
-  return list(range(0, total, size))
+def _chunks(total: int, size: int) -> list[int]:
+  """Starts of the `size`-row chunks of a group's `total` source rows."""
+  return list(range(0, total, min(size, total)))
 
 
 def _mixed(matrix_ref, index, src_refs, row0, rope, dtype, first=0, rows=None):
@@ -181,10 +183,10 @@ def _mixed(matrix_ref, index, src_refs, row0, rope, dtype, first=0, rows=None):
   registers): `R(p) (matrix[index] @ src)` of a group's source rows from `row0`, in
   halves; its pseudo rows `[first, first + rows)` (default all)."""
   total = matrix_ref.shape[-1]
-  size = min(SOURCE_ROWS, total)
+  size = min(MIX_ROWS, total)
   pseudo = pl.ds(first, rows or matrix_ref.shape[1])
   outs = [0.0] * len(src_refs)
-  for c in _chunks(total):
+  for c in _chunks(total, size):
     matrix = matrix_ref[index, pseudo, pl.ds(c, size)]
     for n, ref in enumerate(src_refs):
       outs[n] += _dot(matrix, ref[pl.ds(row0 + c, size), :], _NN)
@@ -198,8 +200,8 @@ def _unmix(matrix_ref, index, grads, dst_refs, row0, interpret: bool) -> None:
   """The gradient of `_mixed` (without the rotation) for a group's source rows from
   `row0`, in chunks: `dst[chunk] += matrix[index][:, chunk]^T grad` per (grad, dst)."""
   total = matrix_ref.shape[-1]
-  size = min(SOURCE_ROWS, total)
-  for c in _chunks(total):
+  size = min(UNMIX_ROWS, total)
+  for c in _chunks(total, size):
     matrix = matrix_ref[index, :, pl.ds(c, size)]
     for grad, dst_ref in zip(grads, dst_refs):
       _accumulate(dst_ref, pl.ds(row0 + c, size), _dot(matrix, grad, _TN), interpret)
