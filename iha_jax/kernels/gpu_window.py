@@ -35,12 +35,15 @@ Layouts: source rows token-group-major (`gpu_window_kernel`'s docstring); the ou
 y `[B, N, Ho, d]` is float32 (Ho = H, or the local target heads of a per-head collapse;
 a full collapse over a head shard is a partial sum).
 
-The backward is NOT on chip yet (interim): the custom VJP saves only the call's own
-arrays (nothing P-sized) and its backward differentiates the materialised GPU pipeline
-(`virtual_attention.iha(..., platform="gpu")`: mixing einsums in HBM, gpu_flash's forward
-and backward kernels), which re-runs that pipeline's forward. Forward and backward thus
-agree only to the kernels' rounding, and training memory/time in the backward is
-the materialised path's.
+The backward is on chip too (`gpu_window_backward`): the custom VJP saves only the
+call's own arrays (nothing P-sized; the forward's softmax is run again), and three
+kernels (statistics, dQ, dK/dV) remake the pseudo tiles from the source-sized operands
+and write source-row gradients and per-program partial gradients of the mixing and
+collapse matrices, folded to the weights' shapes (summed in XLA). Only two float32
+numbers per pseudo query row and target head (`lse`, `delta` `[B, Ht, N*P]`, 2/d of a
+P-sized array) cross HBM between them. `sources`' transpose (padding, halves,
+`R(pos * P)^T`) takes the row gradients back to q, k, v. The materialised pipeline is
+no longer reached: every call the forward takes, the backward takes.
 """
 
 from __future__ import annotations
