@@ -212,11 +212,13 @@ def _visible(plan: WindowPlan, t, u, qid, kid, *, transposed: bool = False):
   return ok & same
 
 
-def _d_output(plan: WindowPlan, cm_ref, dy_ref, h, row0, dtype, first=0, rows=None, *, t=False):
+def _d_output(
+  plan: WindowPlan, cm_ref, dy_ref, h, row0, dtype, first=0, rows=None, *, t=False, chunk=None
+):
   """dO `[rows, width]` of target head h (`t`: its transpose, `[width, rows]`): `cm[h]^T
-  dy` over the tile's output rows from `row0`, in chunks of `COLLAPSE_ROWS` (a bounded dy
-  tile in registers); its pseudo rows `[first, first + rows)` (default all)."""
-  chunk = min(COLLAPSE_ROWS, plan.out_rows)
+  dy` over the tile's output rows from `row0`, in chunks of `chunk` (`COLLAPSE_ROWS`) rows
+  (a bounded dy tile in registers); its pseudo rows `[first, first + rows)` (default all)."""
+  chunk = min(chunk or COLLAPSE_ROWS, plan.out_rows)
   rows = rows or plan.q_rows
   d_o = jnp.zeros((plan.width, rows) if t else (rows, plan.width), jnp.float32)
   for c in range(plan.out_rows // chunk):
@@ -310,7 +312,8 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
       lo, hi = band(plan, i)
       d_o = None
       if not (stats or dy_late):
-        d_o = _d_output(plan, cm_ref, dy_ref, h + z, t * plan.out_rows, dtype)
+        # In 32-row chunks: fewer registers beside the loop's operands (H100, P = 4).
+        d_o = _d_output(plan, cm_ref, dy_ref, h + z, t * plan.out_rows, dtype, chunk=32)
       stat = pl.ds(t * rq, rq)
 
       def keys(j):  # transposed scores `[k_rows, q_rows]` of key group j, and its mask
@@ -328,9 +331,10 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
           _, _, ok, s, y = keys(j)
           s = jnp.where(ok, s, MASK_VALUE)
           m_next = jnp.maximum(m, jnp.max(s, axis=0))
-          probs = jnp.where(ok, jnp.exp(s - m_next[None, :]), 0.0).astype(dtype)
+          probs = jnp.where(ok, jnp.exp(s - m_next[None, :]), 0.0)
           rescale = jnp.exp(m - m_next)
-          l = rescale * l + jnp.sum(probs.astype(jnp.float32), axis=0)
+          l = rescale * l + jnp.sum(probs, axis=0)
+          probs = probs.astype(dtype)
           v = v_ref[pl.ds(j * ks, ks)]
           if plan.mix_values_late:  # (probs @ av) @ v: no [k_rows, width] temporary
             values = _dot(_dot(probs, av_ref[g + y], _TN).astype(dtype), v, _NN)
