@@ -9,8 +9,7 @@ out_rows, width]`, and remake every pseudo tile on chip:
 - statistics (`query_kernel(stats=True)`, "iha_gpu_window_stats"): per target head and
   query tile, the forward's online softmax again -> the pseudo output O and the
   log-sum-exp `lse`; `delta = rowsum(dO * O)` with `dO = cm^T dy`, as the column sums of
-  `cm * (dy O^T)`; and the collapse's partial, `dy O^T` folded to `[Ho', P']` (`_fold`;
-  per token, `_weights_grad`, where a tile's output rows outnumber its pseudo rows).
+  `cm * (dy O^T)`; and the collapse's partial, `dy O^T` folded to `[Ho', P']`.
 - dQ (`query_kernel(stats=False)`, "iha_gpu_window_dq"): the band again with `lse` and
   `delta`: `dQ = sum_j dS_j K_j`, then `R(p)^T` and `aq^T` (source rows dq1, dq2, added
   over heads in the program's own output block) and the query mixing's partial, `dQ
@@ -131,30 +130,6 @@ def _weights_grad(
 
   shape = (sb, sa) if refs_first else (sa, sb)
   return lax.fori_loop(0, tokens, token, jnp.zeros(shape, jnp.float32))
-
-
-def _fold(d, periods, tokens: int, sizes, dtype, row0=0) -> jax.Array:
-  """`sum_n d[(n, a), (n, b)]` -> `[sizes[0], sizes[1]]` float32 of a float32 product `d`
-  (rows `(n, a)` from `row0`, columns `(n, b)`): the token-diagonal blocks summed by 0/1
-  products, on tensor cores as two bfloat16 terms each (`hi + lo`: 16 bits of mantissa;
-  float32 products for float32 calls, `dtype`)."""
-  (pa, pb), (sa, sb) = periods, sizes
-  rows, cols = d.shape
-  iota = lambda n: lax.broadcasted_iota(jnp.int32, (n,), 0)
-  r, c = iota(rows) + row0, iota(cols)
-  d = jnp.where(lax.div(r, pa)[:, None] == lax.div(c, pb)[None, :], d, 0.0)
-  left = (lax.rem(r, pa)[None, :] == iota(sa)[:, None]) & (r < tokens * pa)[None, :]
-  right = (lax.rem(c, pb)[:, None] == iota(sb)[None, :]) & (c < tokens * pb)[:, None]
-  exact = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
-
-  def times(x, select, x_first: bool):  # x float32 (as hi + lo), select 0/1
-    select = select.astype(exact)
-    parts = [x] if exact == jnp.float32 else [x.astype(exact)]
-    if exact != jnp.float32:
-      parts.append((x - parts[0].astype(jnp.float32)).astype(exact))
-    return sum(_dot(p, select, _NN) if x_first else _dot(select, p, _NN) for p in parts)
-
-  return times(times(d, left, False), right, True)
 
 
 def _chunks(total: int, size: int) -> list[int]:
@@ -282,9 +257,6 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
   r = plan.targets // plan.kv_targets
   p_pad = pad2(p)
   other = pad2(out_heads if stats else heads)
-  # The collapse's partial: folded from dy O^T, or per token where the tile's output rows
-  # outnumber its pseudo rows (fewer registers there, as compiled for H100).
-  many_outputs = plan.out_rows > plan.q_rows
   # dQ's loop: dO never made where the tile's output rows are no more than its pseudo rows
   # (`cm^T ((dy v^T) av^T)` per step instead; dO beside dQ's accumulators spilled).
   dy_late = not stats and plan.out_rows <= plan.q_rows and plan.mix_values_late
@@ -351,23 +323,18 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
         l = jnp.where(l == 0.0, 1.0, l)  # no key seen: O = 0
         o = (acc / l[:, None]).astype(dtype)
         lse_ref[h, stat] = m + jnp.log(l)
-        # delta = rowsum(dO * O) with dO = cm^T dy: the column sums of cm * (dy O^T); and
-        # dcm[h] += dy O^T folded to the collapse's shape. In chunks of output rows (dO
-        # never made; tall products).
+        # delta = rowsum(dO * O) with dO = cm^T dy: the column sums of cm * (dy O^T), in
+        # chunks of output rows (dO never made; tall products).
         chunk = min(COLLAPSE_ROWS, plan.out_rows)
         delta = jnp.zeros((rq,), jnp.float32)
-        d_cm = jnp.zeros((other, p_pad), jnp.float32)
         for c in range(plan.out_rows // chunk):
           dy = dy_ref[pl.ds(t * plan.out_rows + c * chunk, chunk), :]
           cm = cm_ref[h + z, pl.ds(c * chunk, chunk), :].astype(jnp.float32)
-          d = _dot(dy, o, _NT)
-          delta += jnp.sum(cm * d, axis=0)
-          if not many_outputs:
-            d_cm += _fold(d, (out_heads, p), plan.q_tokens, (other, p_pad), dtype, c * chunk)
+          delta += jnp.sum(cm * _dot(dy, o, _NT), axis=0)
         delta_ref[h, stat] = delta
-        if many_outputs:  # per token instead: fewer registers with many output rows
-          args = (t * plan.out_rows, plan.out_rows, plan.q_tokens, (out_heads, p), (other, p_pad))
-          d_cm = _weights_grad([dy_ref], [o], *args, refs_first=True)
+        # dcm[h] += dy O^T folded to the collapse's shape, per token
+        args = (t * plan.out_rows, plan.out_rows, plan.q_tokens, (out_heads, p), (other, p_pad))
+        d_cm = _weights_grad([dy_ref], [o], *args, refs_first=True)
         _add(part_ref, h, d_cm, interpret)
         return carry
 
