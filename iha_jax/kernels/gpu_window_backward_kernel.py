@@ -426,8 +426,9 @@ def dkv_kernel(*refs, plan: WindowPlan, span: int, interpret: bool):
         return _dkv_step(plan, refs_q, rope_q, *args)
 
       zeros = jnp.zeros((rk, plan.half), jnp.float32)
-      init = (zeros, zeros, jnp.zeros((rk, plan.width), jnp.float32))
+      init = (zeros, zeros, jnp.zeros((plan.width, rk), jnp.float32))
       dk1, dk2, dv = lax.fori_loop(0, r * tiles * subs, step, init)
+      dv = dv.T
       grads = [x.astype(dtype) for x in _unrotate(dk1, dk2, rope_k, z)]
       dv = dv.astype(dtype)
       row0 = t * ks
@@ -461,6 +462,6 @@ def _dkv_step(plan: WindowPlan, refs_q, rope_q, kx, vx, u, kid, h, i, row0, rows
   ok = _visible(plan, tq, u, qid_ref[at], kid, transposed=True)
   s = _dot(kx[0], qx1, _NT) + _dot(kx[1], qx2, _NT)
   probs = jnp.where(ok, jnp.exp(s - lse[None, :]), 0.0)
-  dv += _dot(probs.astype(dtype), d_o, _NT)
+  dv += _dot(d_o, probs.astype(dtype), _NT)  # dV^T `[width, k_rows]`: a tall product
   ds = (probs * (_dot(vx, d_o, _NN) - delta[None, :])).astype(dtype)
   return dk1 + _dot(ds, qx1, _NN), dk2 + _dot(ds, qx2, _NN), dv
