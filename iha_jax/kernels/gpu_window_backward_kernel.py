@@ -257,9 +257,12 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
   r = plan.targets // plan.kv_targets
   p_pad = pad2(p)
   other = pad2(out_heads if stats else heads)
-  # dQ's loop: dO never made where the tile's output rows are no more than its pseudo rows
-  # (`cm^T ((dy v^T) av^T)` per step instead; dO beside dQ's accumulators spilled).
-  dy_late = not stats and plan.out_rows <= plan.q_rows and plan.mix_values_late
+  # Where a tile's output rows are no more than its pseudo rows (P = H = 20): dQ's loop
+  # never makes dO (`cm^T ((dy v^T) av^T)` per step; dO beside dQ's accumulators spilled),
+  # and delta's products take 32 output rows at a time (64 spilled; with more output
+  # rows, 64 keeps wgmma), as compiled for H100.
+  few_outputs = plan.out_rows <= plan.q_rows
+  dy_late = not stats and few_outputs and plan.mix_values_late
 
   if not stats:
 
@@ -325,7 +328,7 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
         lse_ref[h, stat] = m + jnp.log(l)
         # delta = rowsum(dO * O) with dO = cm^T dy: the column sums of cm * (dy O^T), in
         # chunks of output rows (dO never made; tall products).
-        chunk = min(COLLAPSE_ROWS, plan.out_rows)
+        chunk = min(32 if few_outputs else COLLAPSE_ROWS, plan.out_rows)
         delta = jnp.zeros((rq,), jnp.float32)
         for c in range(plan.out_rows // chunk):
           dy = dy_ref[pl.ds(t * plan.out_rows + c * chunk, chunk), :]
