@@ -150,8 +150,8 @@ SMOKE = {
       dataclasses.replace(GQA_CASES[2][1], shards=4),
     ),
     ("control: 128 x 128 tiles at P = 2", dataclasses.replace(_case("P = 2"), blocks=(128, 128))),
-    # The on-chip window path (`gpu_window`): its forward kernel, and the materialised
-    # pipeline's kernels its interim backward runs.
+    # The on-chip window path (`gpu_window`): its forward kernel and its backward's
+    # statistics, dQ and dK/dV kernels.
     (
       "on-chip: 2.4B L layer (P = H = 20)",
       Case(heads=20, pseudo=20, window=204, tokens=2048, onchip=True),

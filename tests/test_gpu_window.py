@@ -2,17 +2,20 @@
 against the dense reference: its Triton kernel in Pallas' interpreter on CPU (the
 dispatcher falls back to it off-GPU by itself), forward and every gradient (q, k, v,
 alpha_*, collapse) with a random cotangent, through the shared harness
-(tests/conformance.py). Then its tiling and the calls it refuses in one line.
+(tests/conformance.py); its backward's own kernels, programs of several tiles included,
+never the materialised pipeline. Then its tiling and the calls it refuses in one line.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from iha_jax.core.options import AttentionOptions
-from iha_jax.kernels import gpu_window
+from iha_jax.kernels import gpu_window, gpu_window_backward, virtual_attention
 from iha_jax.ops import BlockSizes, iha_attention
 from tests import conformance as cf
 from tests.utils import random_iha_inputs
@@ -72,6 +75,38 @@ def test_gpu_window_matches_reference_on_a_sequence_shard():
     mask={**CAUSAL, "window": 13},
     blocks=BlockSizes(16, 16),
   )
+
+
+def test_gpu_window_backward_stays_on_chip(monkeypatch):
+  """The gradient runs the path's own kernels (forward; the backward's statistics, dQ and
+  dK/dV), never the materialised
+  pipeline (its mixing einsums in HBM and gpu_flash's kernels)."""
+
+  def materialised(*args, **kwargs):
+    raise AssertionError("the backward called the materialised pipeline")
+
+  monkeypatch.setattr(virtual_attention, "iha", materialised)
+  q, k, v, *mixing = random_iha_inputs(jax.random.key(0), 1, 12, 2, 16, 2)
+  attend = lambda *x: iha_attention(
+    *x, window=8, block_sizes=BlockSizes(16, 16), implementation=WINDOW
+  ).sum()
+  jaxpr = str(jax.make_jaxpr(jax.grad(attend, argnums=tuple(range(7))))(q, k, v, *mixing))
+  kernels = set(re.findall(r"name=(iha_\w+)", jaxpr))
+  assert kernels == {
+    "iha_gpu_window_forward",
+    "iha_gpu_window_stats",
+    "iha_gpu_window_dq",
+    "iha_gpu_window_dkv",
+  }
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("kind, n, mask, blocks, dtype", [CASES[1], CASES[2]])
+def test_gpu_window_backward_programs_of_several_tiles(monkeypatch, kind, n, mask, blocks, dtype):
+  """Two backward programs per batch row: each takes several query tiles (key groups),
+  the last ones padding tiles, and sums its tiles' partials of the mixing and collapse."""
+  monkeypatch.setattr(gpu_window_backward, "PROGRAMS", 2)
+  cf.check(kind, WINDOW, b=2, n=n, mask=mask, dtype=dtype, blocks=blocks)
 
 
 def _plan(h: int, g: int, p: int, window: int, **options) -> gpu_window.WindowPlan:

@@ -35,12 +35,15 @@ Layouts: source rows token-group-major (`gpu_window_kernel`'s docstring); the ou
 y `[B, N, Ho, d]` is float32 (Ho = H, or the local target heads of a per-head collapse;
 a full collapse over a head shard is a partial sum).
 
-The backward is NOT on chip yet (interim): the custom VJP saves only the call's own
-arrays (nothing P-sized) and its backward differentiates the materialised GPU pipeline
-(`virtual_attention.iha(..., platform="gpu")`: mixing einsums in HBM, gpu_flash's forward
-and backward kernels), which re-runs that pipeline's forward. Forward and backward thus
-agree only to the kernels' rounding, and training memory/time in the backward is
-the materialised path's.
+The backward is on chip too (`gpu_window_backward`): the custom VJP saves only the
+call's own arrays (nothing P-sized; the forward's softmax is run again), and three
+kernels (statistics, dQ, dK/dV) remake the pseudo tiles from the source-sized operands
+and write source-row gradients and per-program partial gradients of the mixing and
+collapse matrices, folded to the weights' shapes (summed in XLA). Only two float32
+numbers per pseudo query row and target head (`lse`, `delta` `[B, Ht, N*P]`, 2/d of a
+P-sized array) cross HBM between them. `sources`' transpose (padding, halves,
+`R(pos * P)^T`) takes the row gradients back to q, k, v. The materialised pipeline is
+no longer reached: every call the forward takes, the backward takes.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from jax import lax
 from iha_jax.core.options import AttentionOptions
 from iha_jax.core.rope import apply_rope, rope_frequencies
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import gpu_window_kernel, virtual_attention
+from iha_jax.kernels import gpu_window_backward, gpu_window_kernel, virtual_attention
 from iha_jax.kernels.gpu_flash import MIN_LANES, next_pow2
 
 # Default query tile: pseudo rows per target head and program.
@@ -268,23 +271,31 @@ def _row_ids(ids: jax.Array, p: int, tokens: int, groups: int, rows: int, paddin
   return _pad_to(ids, 2, rows, padding).reshape(b, groups * rows)
 
 
-def prepare(q, k, v, alphas, collapse, options: AttentionOptions, plan: WindowPlan) -> dict:
-  """The kernel's operands (`gpu_window_kernel`): source rows rotated by `R(pos * P)` in
-  two halves, the block-diagonal constants, RoPE tables and per-row ids."""
-  p = plan.num_pseudo
-  positions = default_positions(q, options.positions)
-  key_ids, key_positions = virtual_attention.key_side(q, k, options)
+def sources(q, k, v, options: AttentionOptions, plan: WindowPlan) -> dict:
+  """The kernels' source rows (linear in q, k, v: the backward transposes it): q1, q2,
+  k1, k2 rotated by `R(pos * P)` in two halves, v; token groups padded to whole rows."""
   if plan.rotary:  # R(pos * P) on the source heads; R(p) per pseudo row on chip
-    q = apply_rope(q, positions * p, options.rope_theta)
-    k = apply_rope(k, key_positions * p, options.rope_theta)
+    positions = default_positions(q, options.positions)
+    _, key_positions = virtual_attention.key_side(q, k, options)
+    q = apply_rope(q, positions * plan.num_pseudo, options.rope_theta)
+    k = apply_rope(k, key_positions * plan.num_pseudo, options.rope_theta)
   q = _group_rows(q, plan.q_tokens, plan.num_q, plan.q_src)
   k = _group_rows(k, plan.k_tokens, plan.num_k, plan.k_src)
   v = _pad_to(_group_rows(v, plan.k_tokens, plan.num_k, plan.k_src), -1, plan.width)
   (q1, q2), (k1, k2) = _halves(q, plan.half), _halves(k, plan.half)
+  return dict(q1=q1, q2=q2, k1=k1, k2=k2, v=v)
+
+
+def prepare(q, k, v, alphas, collapse, options: AttentionOptions, plan: WindowPlan) -> dict:
+  """The kernels' operands (`gpu_window_kernel`): `sources`, the block-diagonal
+  constants, RoPE tables and per-row ids."""
+  p = plan.num_pseudo
+  positions = default_positions(q, options.positions)
+  key_ids, _ = virtual_attention.key_side(q, k, options)
+  operands = sources(q, k, v, options, plan)
   dtype = q.dtype
   alpha_q, alpha_k, alpha_v = (a.astype(jnp.float32) for a in alphas)
   scale = 1 / math.sqrt(plan.head_dim)  # the softmax scale rides on the queries
-  operands = dict(q1=q1, q2=q2, k1=k1, k2=k2, v=v)
   operands["aq"] = _block_diagonal(alpha_q * scale, plan.q_tokens, plan.q_rows, plan.q_src)
   operands["ak"] = _block_diagonal(alpha_k, plan.k_tokens, plan.k_rows, plan.k_src)
   operands["av"] = _block_diagonal(alpha_v, plan.k_tokens, plan.k_rows, plan.k_src)
@@ -336,17 +347,28 @@ def _attend_fwd(plan, options, q, k, v, alphas, collapse):
 
 
 def _attend_bwd(plan, residuals, dy):
-  # Interim: the materialised GPU pipeline's gradients (its tiles are its own defaults:
-  # this path's block sizes are pseudo rows of a different tiling).
-  options, *primals = residuals
-  materialised = options.replace(block_sizes=None)
-  _, vjp = jax.vjp(
-    lambda q, k, v, alphas, collapse: virtual_attention.iha(
-      q, k, v, alphas, collapse, materialised, platform="gpu"
-    ),
-    *primals,
+  # On chip (`gpu_window_backward`): the kernels remake the pseudo tiles from the
+  # source-sized operands (made again here, in XLA) and write source-row gradients, which
+  # the transpose of `sources` (padding, halves, R(pos * P)) takes back to q, k, v.
+  options, q, k, v, alphas, collapse = residuals
+  padded, q_span, k_span = gpu_window_backward.backward_plan(plan)
+  operands = prepare(q, k, v, alphas, collapse, options, padded)
+  rows = _pad_to(dy, -1, plan.width).astype(q.dtype)
+  operands["dy"] = _group_rows(rows, plan.q_tokens, padded.num_q, plan.out_rows)
+  dq1, dq2, dk1, dk2, dv, *partials = gpu_window_backward.gradients(
+    padded, q_span, k_span, operands
   )
-  return (jax.tree.map(lambda _: None, options), *vjp(dy))
+  f32 = lambda x: x.astype(jnp.float32)
+  _, transpose = jax.vjp(lambda *x: sources(*x, options, padded), f32(q), f32(k), f32(v))
+  grads = transpose(dict(q1=dq1, q2=dq2, k1=dk1, k2=dk2, v=dv))
+  scale = 1 / math.sqrt(plan.head_dim)
+  *dalphas, dcollapse = gpu_window_backward.weight_grads(plan, scale, *partials)
+  return (
+    jax.tree.map(lambda _: None, options),
+    *(g.astype(x.dtype) for g, x in zip(grads, (q, k, v))),
+    tuple(g.astype(a.dtype) for g, a in zip(dalphas, alphas)),
+    dcollapse.astype(collapse.dtype),
+  )
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

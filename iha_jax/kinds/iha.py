@@ -51,7 +51,7 @@ class Interleaved(AttentionKind):
     "pallas_gpu": functools.partial(iha_on_current_mesh, platform="gpu"),
     # Sliding windows with the pseudo-heads made, attended and collapsed in VMEM (TPU).
     "pallas_tpu_window": iha_window_on_current_mesh,
-    # Its GPU twin (Triton; the backward through the materialised pipeline for now).
+    # Its GPU twin (Triton; forward and backward on chip).
     "pallas_gpu_window": iha_gpu_window_on_current_mesh,
     # Materialised pseudo q/k/v + an MHA implementation over the virtual sequence.
     "pallas_gpu_mha": functools.partial(iha_via_mha, mha=MHA.implementations["pallas_gpu"]),
