@@ -428,8 +428,13 @@ def merge_studies(
     chosen_learning_rates=merged["chosen_learning_rates"],
     seeds=max(part.get("seeds", 0) for part in parts),
   )
-  for field in ("sweep_bases", "transfer_bases"):
-    target.data[field] = next((p[field] for p in parts if field in p), {})
+  for field in ("sweep_bases", "transfer_bases"):  # every part's axes (a part may predate one)
+    bases: dict[str, Any] = {}
+    for part in parts:
+      for axis, base in part.get(field, {}).items():
+        if bases.setdefault(axis, base) != base:
+          raise ValueError(f"--merge: {field} {axis!r} differs between the sources")
+    target.data[field] = bases
   datasets = {name: d for part in parts for name, d in part.get("data", {}).items()}
   if datasets:
     target.data["data"] = datasets

@@ -52,6 +52,8 @@ def _format(stats: tuple[float, float, list[float]] | None) -> str:
   if stats is None:
     return "-"
   mean, std, values = stats
+  if len(values) == 1:  # no spread to report
+    return f"{mean:.3f} (one seed)"
   return f"{mean:.3f} ± {std:.3f} ({', '.join(f'{v:.3f}' for v in values)})"
 
 

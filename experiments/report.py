@@ -217,7 +217,7 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
     values = sorted(values)
     metric = metrics[0]
     lines += _variant_table(
-      f"Sweep over `{axis}` (test {METRIC_NAMES[metric]} %, each variant at its "
+      f"Sweep over `{axis}` ({metric_label(metric, 'test')}, each variant at its "
       f"chosen rate or the point's re-tuned one, same seeds; "
       f"{data['sweep_bases'][axis]} is the base point above):",
       values,
@@ -253,7 +253,7 @@ def markdown(study: Study, data: dict[str, Any]) -> str:
     }
     lines += _variant_table(
       f"Trained at `{axis}` = {data['transfer_bases'][axis]}, tested at every `{axis}` "
-      f"(test {METRIC_NAMES[metric]} %, the runs above, no further training):",
+      f"({metric_label(metric, 'test')}, the runs above, no further training):",
       points,
       [
         (labels[v], [_cell(_transfer_runs(data, v, axis, x), metric) for x in points])

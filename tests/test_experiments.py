@@ -322,6 +322,13 @@ def test_a_sweep_covers_its_variants_and_reuses_unchanged_runs(monkeypatch, tmp_
   # Trained: each variant's grid (five rates with the extensions) and seed 1, then only
   # the second variant's two seeds at the point.
   assert len(_FakeVariant.calls) == 3 * 6 + 2
+  # Joined with a part from before the sweep existed, the merge keeps the sweep's axis.
+  older = tmp_path / "older"
+  older.mkdir()
+  before = {k: v for k, v in data.items() if k not in ("sweep_bases", "runs")}
+  (older / "mqar.json").write_text(json.dumps({**before, "sweep_bases": {}, "runs": {}}))
+  merged = protocol.merge_studies(study, "tiny", [str(older), str(tmp_path)], str(tmp_path / "m"))
+  assert merged["sweep_bases"] == {"budget": "equal_steps"} and merged["runs"] == data["runs"]
 
 
 def test_quality_against_cost_places_each_variant_at_its_price(monkeypatch, tmp_path):

@@ -11,7 +11,8 @@ directory, under `DATA_DIR/tokenizers/`), packed into rows. The rate is chosen o
 validation loss (nats per token); the test metrics are bits per byte (the loss over the
 UTF-8 bytes the scored tokens cover: comparable across tokenizers), the loss and
 next-token accuracy. Learning curves are drawn against training tokens and training
-FLOPs.
+FLOPs. IHA also runs at P = 1 and P = 4 = H (the P sweep), and at `small` the P sweep and
+its baselines are compared again at equal training FLOPs (the `budget` sweep).
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class TransformerConfig:
       None means G = H. Differential ('D') layers, which have H/2 heads, get G/2 (G even);
       Talking-Heads ('T') and 2-simplicial ('X') layers refuse G < H.
     mlp_dim: F, hidden width of the MLP.
-    num_pseudo: P for the IHA layers; None means P = H.
+    num_pseudo: P for the IHA layers; None means P = H (the paper's default and the
+      dearest; docs/results.md "Which P?" for which to pick).
     attention_schedule: one letter per layer, repeated to `num_layers`: I (global IHA),
       L (sliding-window IHA), M (global MHA), S (sliding-window MHA), T (Talking-Heads),
       D (differential), X (2-simplicial), and those of kinds registered later

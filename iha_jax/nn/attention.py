@@ -44,7 +44,12 @@ class Attention(nnx.Module):
     num_kv_heads: G key/value heads dividing H (grouped-query attention: query head h
       reads key/value head `h // (H // G)`; G = 1 multi-query); None: G = H.
     num_pseudo: IHA's P pseudo-heads per head; None: P = H, the paper's default, which
-      costs P^2 times MHA's attention work per global layer (IHA only).
+      costs P^2 times MHA's attention work per global layer (IHA only). Which P: start
+      with P = 2 (P = 1 where MHA's step price is the limit: it has no extra
+      pseudo-heads, its mixing folds into the projections) and raise it towards H only
+      where your own runs show the gain; in this project's study a larger P did not
+      improve quality while the estimated step price grows with P (docs/results.md,
+      "Which P?").
     window: sliding window in the kind's units: VIRTUAL tokens for IHA (`N * P` per
       sequence), tokens for the other kinds; None: global.
     window_tokens: the window in TOKENS instead (IHA: `window_tokens * P` virtual tokens);
