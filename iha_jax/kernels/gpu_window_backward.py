@@ -13,9 +13,8 @@ forward: its softmax is run again), and write source-sized gradients. What cross
   other two within the backward: the only arrays with P-sized rows, nothing P x d;
 - the weights' partials, one per program, matrix and target head, folded to the weights'
   shapes padded to powers of two >= 16 (`[P', H']`, `[P', G']`, `[Ho', P']`): with
-  `PROGRAMS` programs per batch row they are `B * PROGRAMS * Ht * P' * H' * 4` bytes
-  (at P = H = 20: 21 MiB per batch row and matrix at any N); XLA sums them
-  (`weight_grads`).
+  `PROGRAMS` programs per batch row they are `B * PROGRAMS * Ht * P' * H' * 4` bytes,
+  independent of N (docs/compile_checks.md); XLA sums them (`weight_grads`).
 """
 
 from __future__ import annotations
