@@ -21,6 +21,7 @@ from configs import text_global_local, text_iha
 from experiments import protocol, report, run
 from experiments.studies import STUDIES, code_lm
 from iha_jax.data import python_stdlib, registry, text_stats
+from iha_jax.train import config as config_lib
 from tests.utils import decode_png
 
 tfds.disable_progress_bar()
@@ -268,4 +269,20 @@ def test_equal_flops_gives_the_cheaper_variants_more_steps():
   assert steps[dearest] == 800
   assert protocol.same_config(
     study, "small", covered[[v.name for v in covered].index(dearest)], (sweep, "equal_flops")
+  )
+
+
+def test_p1_control_is_sliding_window_mha_with_iha_p1s_windows():
+  """P = 1's control differs from IHA P = 1 only in the attention kind: Global+Local's
+  `S` layers see as many tokens as IHA P = 1's `L` layers (one virtual token per token)."""
+  study = STUDIES["code_lm"]
+  variants = {v.name: v for v in study.variants}
+  iha = protocol.variant_config(study, "small", variants["iha_p1"], "")
+  control = protocol.variant_config(study, "small", variants["global_local_p1"], "")
+  twin = protocol.variant_config(study, "small", variants["global_local"], "")
+  assert control.model.attention_schedule == "SSSSM" and control.model.num_pseudo is None
+  assert control.model.mha_window == config_lib.resolve_window(iha) == 128
+  assert twin.model.mha_window == 32  # the committed Global+Local: IHA P = 2's window
+  assert control.model.to_dict() | {"attention_schedule": "LLLLM", "mha_window": None} == (
+    iha.model.to_dict() | {"num_pseudo": None, "iha_window": None}
   )

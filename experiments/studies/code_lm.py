@@ -11,8 +11,9 @@ directory, under `DATA_DIR/tokenizers/`), packed into rows. The rate is chosen o
 validation loss (nats per token); the test metrics are bits per byte (the loss over the
 UTF-8 bytes the scored tokens cover: comparable across tokenizers), the loss and
 next-token accuracy. Learning curves are drawn against training tokens and training
-FLOPs. IHA also runs at P = 1 and P = 4 = H (the P sweep), and at `small` the P sweep and
-its baselines are compared again at equal training FLOPs (the `budget` sweep).
+FLOPs. IHA also runs at P = 1 and P = 4 = H (the P sweep), Global+Local also with
+P = 1's windows (P = 1's control), and at `small` the P sweep and its baselines are
+compared again at equal training FLOPs (the `budget` sweep).
 """
 
 from __future__ import annotations
@@ -127,9 +128,22 @@ def iha_with_pseudo(p: int):
   return edit
 
 
+def global_local_at(p: int):
+  """An edit: Global+Local `SSSSM` with the windows IHA has at P = `p`, in tokens
+  (`seq_len / (2 p^2)`); at P = 1 that is IHA P = 1's window, so the pair differs only in
+  IHA's factored projections and mixing."""
+
+  def edit(config: ml_collections.ConfigDict) -> None:
+    config.model.num_pseudo = p
+    schedule_edit("SSSSM")(config)
+
+  return edit
+
+
 # IHA and Global+Local first: a study stopped part-way has compared `make train-text`'s
 # pair (the runner takes the variants in this order). The P sweep comes last: P = 1 (the
-# mixing without interleaving's extra rows: one pseudo-head per head) and P = 4 = H.
+# mixing without interleaving's extra rows: one pseudo-head per head) and P = 4 = H, then
+# P = 1's control: sliding-window MHA with P = 1's windows (128 tokens at `small`).
 VARIANTS = (
   Variant("iha", "IHA P = 2 (LLLLM)", schedule_edit("LLLLM")),
   Variant("global_local", "Global+Local (SSSSM)", schedule_edit("SSSSM")),
@@ -138,6 +152,7 @@ VARIANTS = (
   Variant("diff", "differential (D)", schedule_edit("D")),
   Variant("iha_p1", "IHA P = 1 (LLLLM)", iha_with_pseudo(1)),
   Variant("iha_p4", "IHA P = 4 = H (LLLLM)", iha_with_pseudo(4)),
+  Variant("global_local_p1", "Global+Local, P = 1's windows (SSSSM)", global_local_at(1)),
 )
 
 # The equal-FLOPs comparison: the P sweep beside the baselines it is read against.
