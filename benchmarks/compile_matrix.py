@@ -219,19 +219,15 @@ def _cell(row: dict) -> str:
   kernels = row["kernels"]
   # The flash kernels in the header's order; other paths' kernels (the on-chip window
   # path's) by name.
-  names = [k for k in KERNELS if k in kernels]
-  named = not names
-  names = names or sorted(kernels)
-  prefix = lambda name: f"{name}: " if named else ""
+  names = [k for k in KERNELS if k in kernels] or sorted(kernels)
+  label = "" if names[0] in KERNELS else "{}: "
   if all(k.get("vmem_bytes") is not None for k in kernels.values()):
-    if named:
-      return ", ".join(f"{prefix(k)}{_mib(kernels[k]['vmem_bytes'])} MiB" for k in names)
-    return " / ".join(_mib(kernels[k]["vmem_bytes"]) for k in names) + " MiB"
+    return " / ".join(label.format(k) + _mib(kernels[k]["vmem_bytes"]) for k in names) + " MiB"
   parts = []
   for name in names:
     k = kernels[name]
     parts.append(
-      f"{prefix(name)}{k['registers']} r, {k['spill_bytes']} B spill, "
+      f"{label.format(name)}{k['registers']} r, {k['spill_bytes']} B spill, "
       f"{k['shared_bytes'] // 1024} KiB smem, {k['tensor_cores']}"
     )
   return " / ".join(parts)

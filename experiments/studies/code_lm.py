@@ -117,25 +117,15 @@ def _scale(name: str, **budget) -> Scale:
   return Scale(lambda: _config(name), **budget)
 
 
-def iha_with_pseudo(p: int):
-  """An edit: IHA `LLLLM` with P = `p` and the paper's window `seq_len / (2p)` virtual
-  tokens ("auto"); the other variants keep the scale's P = 2 (Global+Local's window)."""
-
-  def edit(config: ml_collections.ConfigDict) -> None:
-    schedule_edit("LLLLM")(config)
-    config.model.num_pseudo = p
-
-  return edit
-
-
-def global_local_at(p: int):
-  """An edit: Global+Local `SSSSM` with the windows IHA has at P = `p`, in tokens
-  (`seq_len / (2 p^2)`); at P = 1 that is IHA P = 1's window, so the pair differs only in
-  IHA's factored projections and mixing."""
+def with_pseudo(schedule: str, p: int):
+  """An edit: `schedule` at IHA's P = `p` (the other variants keep the scale's P = 2):
+  'L' layers get the paper's window `seq_len / (2p)` virtual tokens ("auto"), 'S' layers
+  the same window in tokens (`schedule_edit`), so Global+Local at P = 1 is IHA P = 1's
+  model but for IHA's factored projections and mixing."""
 
   def edit(config: ml_collections.ConfigDict) -> None:
     config.model.num_pseudo = p
-    schedule_edit("SSSSM")(config)
+    schedule_edit(schedule)(config)
 
   return edit
 
@@ -150,9 +140,9 @@ VARIANTS = (
   Variant("mha", "global MHA (M)", schedule_edit("M")),
   Variant("talking_heads", "Talking-Heads (T)", schedule_edit("T")),
   Variant("diff", "differential (D)", schedule_edit("D")),
-  Variant("iha_p1", "IHA P = 1 (LLLLM)", iha_with_pseudo(1)),
-  Variant("iha_p4", "IHA P = 4 = H (LLLLM)", iha_with_pseudo(4)),
-  Variant("global_local_p1", "Global+Local, P = 1's windows (SSSSM)", global_local_at(1)),
+  Variant("iha_p1", "IHA P = 1 (LLLLM)", with_pseudo("LLLLM", 1)),
+  Variant("iha_p4", "IHA P = 4 = H (LLLLM)", with_pseudo("LLLLM", 4)),
+  Variant("global_local_p1", "Global+Local, P = 1's windows (SSSSM)", with_pseudo("SSSSM", 1)),
 )
 
 # The equal-FLOPs comparison: the P sweep beside the baselines it is read against.
