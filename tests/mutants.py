@@ -87,6 +87,15 @@ MUTANTS: list[Mutant] = [
     "tests/test_kernels.py::test_kernels_match_reference[tpu-p4-w9-g1]",
   ),
   Mutant(
+    "onchip_keys_overwritten",
+    "on-chip TPU window backward: a score tile overwrites 16 key-gradient rows an earlier "
+    "tile added to",
+    "iha_jax/kernels/tpu_window_kernel.py",
+    "  shared = kb - cq\n",
+    "  shared = kb - cq - 16\n",
+    "tests/test_kernels.py::test_kernels_match_reference[tpu-window-p2-packed]",
+  ),
+  Mutant(
     "band_edge",
     "the band rule (XLA key blocks, kernel tiles): a block whose last key is the window's "
     "first is skipped",

@@ -188,21 +188,22 @@ KERNEL_CASES = [
     blocks=BlockSizes(256, 256),
   ),
   _case("tpu-bf16-p2", cf.iha(2, 16, 2), TPU, 20, {**CAUSAL, "window": None}, dtype=jnp.bfloat16),
-  # The on-chip window path (pseudo-heads made and collapsed in VMEM): grid tiles of 8
-  # tokens (16 rows at P = 2) and 16-row score tiles, so 40 tokens are five tiles, each
-  # with seven 8-token halo blocks before it (a score tile's 128 key rows); one key/value
-  # head at P = 4; bidirectional at P = 5 > H = 3 (halo blocks on both sides); per-head
-  # collapse without RoPE.
+  # The on-chip window path (pseudo-heads made and collapsed in VMEM): grid tiles of 24
+  # tokens (48 rows at P = 2) and 16-row score tiles, so 40 tokens are two tiles, each
+  # with three halo blocks before it (a score tile's 128 key rows) and three score tiles
+  # per head (H = G: each writes the key rows no earlier one saw, two heads share each
+  # mixing product); one key/value head at P = 4; bidirectional at P = 5 > H = 3 (halo
+  # blocks on both sides, two score tiles per head); per-head collapse without RoPE.
   *[
     _case(f"tpu-window-{name}", kind, WINDOW, 40, mask, dtype=dtype, blocks=BlockSizes(*blocks))
     for name, kind, mask, blocks, dtype in [
-      ("p2-packed", cf.iha(2, 16, 2), {**CAUSAL, "window": 13}, (16, 16), jnp.float32),
+      ("p2-packed", cf.iha(2, 16, 2), {**CAUSAL, "window": 13}, (48, 16), jnp.float32),
       ("p4-g1", cf.iha(2, 16, 4, kv_heads=1), {**CAUSAL, "window": 13}, (32, 16), jnp.float32),
       (
         "bidirectional-p5",
         cf.iha(3, 16, 5),
         {**BIDIRECTIONAL, "window": 40},
-        (40, 40),
+        (80, 40),
         jnp.float32,
       ),
       (

@@ -14,8 +14,9 @@ and RoPE only):
   `[s*H, d]` times `kron(I_s, alpha[:, h, :]^T)` `[s*P, s*H]` give the group's pseudo
   rows `(n, p)` `[s*P, d]`, already interleaved (token-major). With `s*H <= 128` each
   output row is one MXU pass, so the cost is the output's size: the same as an einsum
-  in HBM, without the HBM. The collapse and every gradient of the mixing are the same
-  kind of product.
+  in HBM, without the HBM. Consecutive target heads share one product (their matrices
+  stacked, `Plan.q_stack` / `kv_stack`: the same source rows as weights). The collapse
+  and every gradient of the mixing are the same kind of product.
 - *RoPE* at virtual position `pos * P + p` is `R(p) R(pos * P)`: the source heads are
   rotated at `pos * P` outside (source-sized, in XLA), and each group's pseudo rows by
   `R(p)` here, from one constant `[s*P, 2d]` table (period P rows).
@@ -33,7 +34,10 @@ heads of a per-head collapse; a full collapse over a head shard is a partial sum
 
 The backward kernel recomputes each block's probabilities and pseudo output, and writes
 the source gradients (a tile's own keys and its halo separately, added in XLA), and each
-tile's partial gradient of the mixing and collapse matrices (summed in XLA).
+tile's partial gradient of the mixing and collapse matrices (summed in XLA). Its pseudo
+key gradients accumulate in VMEM block by block; where each key/value head has one query
+head, a block writes the cq key rows no earlier block saw and adds only the rest (no
+zeroed scratch per head).
 
 Files: `tpu_window_plan` (the tiling: `plan`, `Plan`, the VMEM budget),
 `tpu_window_kernel` (what a grid step does in VMEM, forward and backward), and this
@@ -92,7 +96,12 @@ def _group_table(plan: Plan, theta: float) -> jax.Array:
   angles = jnp.arange(p, dtype=jnp.float32)[:, None] * rope_frequencies(d, theta)
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   table = jnp.concatenate([cos, cos, -sin, sin], axis=-1)  # [P, 2d]
-  return jnp.tile(table, (max(plan.group, plan.kv_group), 1))
+  return jnp.tile(table, (_table_groups(plan), 1))
+
+
+def _table_groups(plan: Plan) -> int:
+  """Token groups of `R(p)` rows the table holds: the longest stacked mixing product's."""
+  return max(plan.group * plan.q_stack, plan.kv_group * plan.kv_stack)
 
 
 def _band_bias(plan: Plan) -> jax.Array:
@@ -142,11 +151,24 @@ class Constants(NamedTuple):
   table: jax.Array | None  # [s*P, 2d] float32 `cos | sin` of R(p), or None (no RoPE)
   query_ids: jax.Array | None  # [B, rows, 1] int32, or None (no segments)
 
-  def operands(self, backward: bool) -> list[jax.Array]:
-    out = [self.aq, self.ak, self.av, self.cm, self.bias, self.key_ids]
-    if backward:  # the transposes, for the gradients' products
-      out += [jnp.swapaxes(x, 1, 2) for x in (self.aq, self.ak, self.av, self.cm)]
+  def operands(self, plan: Plan, backward: bool) -> list[jax.Array]:
+    """The kernels' constant operands: the mixing matrices stacked as the kernels' products
+    take them (`q_stack` / `kv_stack` heads per product), per head where a gradient
+    product takes them (the transposes)."""
+    jq, jk = plan.q_stack, plan.kv_stack
+    out = [_stack(self.aq, jq), _stack(self.ak, jk), _stack(self.av, jk), self.cm]
+    out += [self.bias, self.key_ids]
+    if backward:  # the transposes, for the gradients' products (do's mixing stacked)
+      aqt, akt, avt, cmt = (jnp.swapaxes(x, 1, 2) for x in (self.aq, self.ak, self.av, self.cm))
+      out += [aqt, akt, avt, _stack(cmt, jq)]
     return out + [x for x in (self.table, self.query_ids) if x is not None]
+
+
+def _stack(matrices: jax.Array, heads: int) -> jax.Array:
+  """`[T, r, c]` per-head matrices -> `[T / heads, heads * r, c]`: consecutive heads' rows
+  one after another (one product mixes them all)."""
+  t, r, c = matrices.shape
+  return matrices.reshape(t // heads, heads * r, c)
 
 
 def _matrix_shapes(plan: Plan) -> list[tuple[int, int, int]]:
@@ -161,17 +183,20 @@ def _matrix_shapes(plan: Plan) -> list[tuple[int, int, int]]:
 
 
 def _constant_specs(plan: Plan, d: int, *, backward: bool):
-  p = plan.num_pseudo
-  matrices = _matrix_shapes(plan)
-  specs = [_whole(shape) for shape in matrices]
+  p, jq, jk = plan.num_pseudo, plan.q_stack, plan.kv_stack
+  aq, ak, av, cm = _matrix_shapes(plan)
+  stacked = lambda shape, j: (shape[0] // j, j * shape[1], shape[2])
+  transposed = lambda shape: (shape[0], shape[2], shape[1])
+  specs = [_whole(x) for x in (stacked(aq, jq), stacked(ak, jk), stacked(av, jk), cm)]
   specs += [
     _whole((plan.block_rows, plan.key_rows)),
     pl.BlockSpec((None, None, plan.blocks, plan.key_rows), lambda b, i: (b, i, 0, 0)),
   ]
   if backward:
-    specs += [_whole((t, c, r)) for t, r, c in matrices]
+    specs += [_whole(transposed(x)) for x in (aq, ak, av)]
+    specs.append(_whole(stacked(transposed(cm), jq)))
   if plan.rotary:
-    specs.append(_whole((max(plan.group, plan.kv_group) * p, 2 * d)))
+    specs.append(_whole((_table_groups(plan) * p, 2 * d)))
   if plan.segments:
     specs.append(pl.BlockSpec((None, plan.tile * p, 1), lambda b, i: (b, i, 0)))
   return specs
@@ -218,15 +243,15 @@ def _forward_call(plan: Plan, q, k, v, constants: Constants, *, interpret: bool)
       (b, plan.num_tiles * plan.tile * plan.out_heads, d), jnp.float32
     ),
     scratch_shapes=[
-      pltpu.VMEM((plan.tile * p, d), q.dtype),
-      pltpu.VMEM((plan.band_rows, d), q.dtype),
-      pltpu.VMEM((plan.band_rows, d), q.dtype),
-      pltpu.VMEM((plan.tile * p, d), q.dtype),
+      pltpu.VMEM((plan.q_stack, plan.tile * p, d), q.dtype),  # pseudo q per stacked head
+      pltpu.VMEM((plan.kv_stack, plan.band_rows, d), q.dtype),  # pseudo k, v
+      pltpu.VMEM((plan.kv_stack, plan.band_rows, d), q.dtype),
+      pltpu.VMEM((plan.tile * p, d), q.dtype),  # one head's pseudo o
     ],
     compiler_params=_compiler_params(),
     interpret=interpret,
     name="iha_window_forward",
-  )(q, *([k] * band), *([v] * band), *constants.operands(backward=False))
+  )(q, *([k] * band), *([v] * band), *constants.operands(plan, backward=False))
 
 
 def _backward_call(plan: Plan, q, k, v, dy, constants: Constants, *, interpret: bool):
@@ -262,19 +287,19 @@ def _backward_call(plan: Plan, q, k, v, dy, constants: Constants, *, interpret: 
     out_specs=[spec for spec, _ in outs],
     out_shape=[shape for _, shape in outs],
     scratch_shapes=[
-      pltpu.VMEM((plan.tile * p, d), dtype),  # pseudo q
-      pltpu.VMEM((plan.tile * p, d), dtype),  # pseudo do
-      pltpu.VMEM((plan.tile * p, d), jnp.float32),  # pseudo dq
-      pltpu.VMEM((plan.tile * p, d), dtype),  # pseudo o
-      pltpu.VMEM((plan.band_rows, d), dtype),  # pseudo k, v
-      pltpu.VMEM((plan.band_rows, d), dtype),
-      pltpu.VMEM((plan.band_rows, d), jnp.float32),  # pseudo dk, dv
+      pltpu.VMEM((plan.q_stack, plan.tile * p, d), dtype),  # pseudo q per stacked head
+      pltpu.VMEM((plan.q_stack, plan.tile * p, d), dtype),  # pseudo do
+      pltpu.VMEM((plan.tile * p, d), jnp.float32),  # one head's pseudo dq
+      pltpu.VMEM((plan.tile * p, d), dtype),  # one head's pseudo o
+      pltpu.VMEM((plan.kv_stack, plan.band_rows, d), dtype),  # pseudo k, v per stacked head
+      pltpu.VMEM((plan.kv_stack, plan.band_rows, d), dtype),
+      pltpu.VMEM((plan.band_rows, d), jnp.float32),  # one head's pseudo dk, dv
       pltpu.VMEM((plan.band_rows, d), jnp.float32),
     ],
     compiler_params=_compiler_params(),
     interpret=interpret,
     name="iha_window_backward",
-  )(q, *([k] * band), *([v] * band), dy, *constants.operands(backward=True))
+  )(q, *([k] * band), *([v] * band), dy, *constants.operands(plan, backward=True))
   dq, dk_parts, dv_parts, dmats = results[0], results[1:4], results[4:7], results[7:]
   key_tokens = plan.key_tokens
   dk, dv = (_gather_band(plan, parts, b, key_tokens) for parts in (dk_parts, dv_parts))

@@ -52,10 +52,12 @@ def _unroll(count: int, most: int) -> int:
 def _mix(
   plan: Plan, src_ref, src_heads: int, tokens: int, matrix, dst_ref, dst_row: int, table, s: int
 ):
-  """Pseudo rows of `tokens` source tokens: `dst[dst_row + (n, p)] = R(p) sum_m
-  matrix[(n, p), (n, m)] src[(n, m)]`, one MXU product per group of `s` tokens."""
+  """Pseudo rows of `tokens` source tokens for a stack of target heads: `dst[i, dst_row +
+  (n, p)] = R(p) sum_m matrix[(i, n, p), (n, m)] src[(n, m)]`, one MXU product per group
+  of `s` tokens (its rows: the stacked heads' blocks, one after another)."""
   rows = s * plan.num_pseudo
-  table = None if table is None else table[:rows]
+  stack = matrix.shape[0] // rows
+  table = None if table is None else table[: stack * rows]
   width = s * src_heads
   groups = tokens // s
 
@@ -64,9 +66,10 @@ def _mix(
     out = _dot(matrix, src, _NN, plan)
     if table is not None:
       out = _rotate(out, table)
-    dst_ref[pl.ds(pl.multiple_of(dst_row + i * rows, plan.align), rows), :] = out.astype(
-      dst_ref.dtype
-    )
+    out = out.astype(dst_ref.dtype)
+    dst = pl.ds(pl.multiple_of(dst_row + i * rows, plan.align), rows)
+    for j in range(stack):
+      dst_ref[j, dst, :] = out[j * rows : (j + 1) * rows]
     return carry
 
   lax.fori_loop(0, groups, body, 0, unroll=_unroll(groups, MIX_UNROLL))
@@ -79,6 +82,33 @@ def _mix_band(plan: Plan, refs, matrix, dst_ref, table):
   for ref, tokens in zip(refs, sizes):
     _mix(plan, ref, plan.kv_heads, tokens, matrix, dst_ref, row, table, plan.kv_group)
     row += tokens * plan.num_pseudo
+
+
+def _heads(plan: Plan, mix_kv, mix_q, head):
+  """Loop over the target heads as the stacked mixing products take them: per chunk `c`
+  of `kv_stack` key/value heads `mix_kv(c)`; per chunk of `q_stack` of their query heads
+  `mix_q(stacked)` (the chunk's index into the stacked matrices); `head(h, qi, slot)` per
+  query head `h`, `qi` its place in its query stack, `slot` its key/value head's in the
+  key/value stack (the heads in order)."""
+  r = plan.targets // plan.kv_targets
+  jq, jk = plan.q_stack, plan.kv_stack
+  chunks = jk * r // jq  # query chunks per key/value chunk
+
+  def kv_body(c, carry):
+    mix_kv(c)
+
+    def q_body(qc, carry):
+      mix_q(c * chunks + qc)
+
+      def head_body(qi, carry):
+        head(c * jk * r + qc * jq + qi, qi, lax.div(qc * jq + qi, r))
+        return carry
+
+      return lax.fori_loop(0, jq, head_body, carry)
+
+    return lax.fori_loop(0, chunks, q_body, carry)
+
+  lax.fori_loop(0, plan.kv_targets // jk, kv_body, 0)
 
 
 def _scores(plan: Plan, q, k, bias_ref, kid_ref, qid_ref, block, t0):
@@ -128,44 +158,39 @@ def forward_kernel(*refs, plan: Plan):
   qid_ref = refs.pop(0) if plan.segments else None
   y_ref, qx, kx, vx, ox = refs
   cq = plan.block_rows
-  r = plan.targets // plan.kv_targets
   y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
   table = None if table_ref is None else table_ref[...]
 
-  def kv_head(g, carry):
-    _mix_band(plan, k_refs, ak_ref[g], kx, table)
-    _mix_band(plan, v_refs, av_ref[g], vx, None)
+  def mix_kv(c):
+    _mix_band(plan, k_refs, ak_ref[c], kx, table)
+    _mix_band(plan, v_refs, av_ref[c], vx, None)
 
-    def query_head(j, carry):
-      h = g * r + j
-      _mix(plan, q_ref, plan.heads, plan.tile, aq_ref[h], qx, 0, table, plan.group)
+  def mix_q(stacked):
+    _mix(plan, q_ref, plan.heads, plan.tile, aq_ref[stacked], qx, 0, table, plan.group)
 
-      def block(qb, carry):
-        t0 = pl.multiple_of(qb * cq, plan.align)
-        k0 = pl.multiple_of(t0 + plan.base, plan.align)
-        s = _scores(
-          plan,
-          qx[pl.ds(t0, cq), :],
-          kx[pl.ds(k0, plan.key_rows), :],
-          bias_ref,
-          kid_ref,
-          qid_ref,
-          qb,
-          t0,
-        )
-        probs, total = _softmax(s)
-        o = _dot(probs.astype(vx.dtype), vx[pl.ds(k0, plan.key_rows), :], _NN, plan)
-        ox[pl.ds(t0, cq), :] = (o * _reciprocal(total)).astype(ox.dtype)
-        return carry
-
-      lax.fori_loop(0, plan.blocks, block, 0, unroll=_unroll(plan.blocks, BLOCK_UNROLL))
-      _collapse(plan, cm_ref[h], ox, y_ref)
+  def head(h, qi, slot):
+    def block(qb, carry):
+      t0 = pl.multiple_of(qb * cq, plan.align)
+      k0 = pl.multiple_of(t0 + plan.base, plan.align)
+      s = _scores(
+        plan,
+        qx[qi, pl.ds(t0, cq), :],
+        kx[slot, pl.ds(k0, plan.key_rows), :],
+        bias_ref,
+        kid_ref,
+        qid_ref,
+        qb,
+        t0,
+      )
+      probs, total = _softmax(s)
+      o = _dot(probs.astype(vx.dtype), vx[slot, pl.ds(k0, plan.key_rows), :], _NN, plan)
+      ox[pl.ds(t0, cq), :] = (o * _reciprocal(total)).astype(ox.dtype)
       return carry
 
-    lax.fori_loop(0, r, query_head, 0)
-    return carry
+    lax.fori_loop(0, plan.blocks, block, 0, unroll=_unroll(plan.blocks, BLOCK_UNROLL))
+    _collapse(plan, cm_ref[h], ox, y_ref)
 
-  lax.fori_loop(0, plan.kv_targets, kv_head, 0)
+  _heads(plan, mix_kv, mix_q, head)
 
 
 def _collapse(plan: Plan, matrix, o_ref, y_ref):
@@ -195,65 +220,86 @@ def backward_kernel(*refs, plan: Plan):
   dq_ref, dk_refs, dv_refs, refs = refs[0], refs[1:4], refs[4:7], refs[7:]
   daq_ref, dak_ref, dav_ref, dcm_ref, qx, dox, dqx, ox, kx, vx, dkx, dvx = refs
   cq, kb = plan.block_rows, plan.key_rows
-  r = plan.targets // plan.kv_targets
   for ref in (dq_ref, *dk_refs, *dv_refs, daq_ref, dak_ref, dav_ref, dcm_ref):
     ref[...] = jnp.zeros(ref.shape, ref.dtype)
   table = None if table_ref is None else table_ref[...]
   dtype = qx.dtype
 
-  def kv_head(g, carry):
-    _mix_band(plan, k_refs, ak_ref[g], kx, table)
-    _mix_band(plan, v_refs, av_ref[g], vx, None)
-    dkx[...] = jnp.zeros(dkx.shape, dkx.dtype)
-    dvx[...] = jnp.zeros(dvx.shape, dvx.dtype)
+  def mix_kv(c):
+    _mix_band(plan, k_refs, ak_ref[c], kx, table)
+    _mix_band(plan, v_refs, av_ref[c], vx, None)
 
-    def query_head(j, carry):
-      h = g * r + j
-      _mix(plan, q_ref, plan.heads, plan.tile, aq_ref[h], qx, 0, table, plan.group)
-      _mix(plan, dy_ref, plan.out_heads, plan.tile, cmt_ref[h], dox, 0, None, plan.group)
+  def mix_q(stacked):
+    _mix(plan, q_ref, plan.heads, plan.tile, aq_ref[stacked], qx, 0, table, plan.group)
+    _mix(plan, dy_ref, plan.out_heads, plan.tile, cmt_ref[stacked], dox, 0, None, plan.group)
 
-      def block(qb, carry):
-        t0 = pl.multiple_of(qb * cq, plan.align)
-        k0 = pl.multiple_of(t0 + plan.base, plan.align)
-        q, k, v = qx[pl.ds(t0, cq), :], kx[pl.ds(k0, kb), :], vx[pl.ds(k0, kb), :]
-        do = dox[pl.ds(t0, cq), :]
-        probs, total = _softmax(_scores(plan, q, k, bias_ref, kid_ref, qid_ref, qb, t0))
-        probs = probs * _reciprocal(total)
-        o = _dot(probs.astype(dtype), v, _NN, plan).astype(dtype)
-        ox[pl.ds(t0, cq), :] = o
-        dp = _dot(do, v, _NT, plan)
-        delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1, keepdims=True)
-        # The scores' gradient, times ln 2: the queries carry log2(e) (`prepare`).
-        ds = (probs * (dp - delta) * math.log(2)).astype(dtype)
-        dvx[pl.ds(k0, kb), :] += _dot(probs.astype(dtype), do, _TN, plan)
-        dkx[pl.ds(k0, kb), :] += _dot(ds, q, _TN, plan)
-        dqx[pl.ds(t0, cq), :] = _dot(ds, k, _NN, plan)
-        return carry
-
-      lax.fori_loop(0, plan.blocks, block, 0, unroll=_unroll(plan.blocks, BLOCK_UNROLL))
-      _collapse_grad(plan, dy_ref, ox, dcm_ref, h)
-      _unmix(
-        plan,
-        dqx,
-        0,
-        plan.tile,
-        aqt_ref[h],
-        q_ref,
-        dq_ref,
-        plan.heads,
-        daq_ref,
-        h,
-        table,
-        plan.group,
-      )
+  def head(h, qi, slot):
+    def block(qb, carry):
+      t0 = pl.multiple_of(qb * cq, plan.align)
+      k0 = pl.multiple_of(t0 + plan.base, plan.align)
+      q, do = qx[qi, pl.ds(t0, cq), :], dox[qi, pl.ds(t0, cq), :]
+      k, v = kx[slot, pl.ds(k0, kb), :], vx[slot, pl.ds(k0, kb), :]
+      probs, total = _softmax(_scores(plan, q, k, bias_ref, kid_ref, qid_ref, qb, t0))
+      probs = probs * _reciprocal(total)
+      o = _dot(probs.astype(dtype), v, _NN, plan).astype(dtype)
+      ox[pl.ds(t0, cq), :] = o
+      dp = _dot(do, v, _NT, plan)
+      delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1, keepdims=True)
+      # The scores' gradient, times ln 2: the queries carry log2(e) (`prepare`).
+      ds = (probs * (dp - delta) * math.log(2)).astype(dtype)
+      _add_keys(plan, dvx, k0, _dot(probs.astype(dtype), do, _TN, plan))
+      _add_keys(plan, dkx, k0, _dot(ds, q, _TN, plan))
+      dqx[pl.ds(t0, cq), :] = _dot(ds, k, _NN, plan)
       return carry
 
-    lax.fori_loop(0, r, query_head, 0)
-    _unmix_band(plan, dkx, akt_ref[g], k_refs, dk_refs, dak_ref, g, table)
-    _unmix_band(plan, dvx, avt_ref[g], v_refs, dv_refs, dav_ref, g, None)
-    return carry
+    if _one_query_head(plan):  # rows block 0 adds to (the rest it or a later block writes)
+      for ref in (dkx, dvx):
+        ref[pl.ds(plan.base, plan.key_rows - cq), :] = jnp.zeros(
+          (plan.key_rows - cq, ref.shape[1]), ref.dtype
+        )
+    lax.fori_loop(0, plan.blocks, block, 0, unroll=_unroll(plan.blocks, BLOCK_UNROLL))
+    _collapse_grad(plan, dy_ref, ox, dcm_ref, h)
+    _unmix(
+      plan, dqx, 0, plan.tile, aqt_ref[h], q_ref, dq_ref, plan.heads, daq_ref, h, table, plan.group
+    )
+    # A key/value head's query heads run one after another: after its last one, its
+    # gradients are complete (one dk/dv scratch serves every head).
+    r = plan.targets // plan.kv_targets
+    last = lax.rem(h, r) == r - 1
 
-  lax.fori_loop(0, plan.kv_targets, kv_head, 0)
+    @pl.when(last)
+    def _():
+      g = lax.div(h, r)
+      _unmix_band(plan, dkx, akt_ref[g], k_refs, dk_refs, dak_ref, g, table)
+      _unmix_band(plan, dvx, avt_ref[g], v_refs, dv_refs, dav_ref, g, None)
+      if not _one_query_head(plan):
+        dkx[...] = jnp.zeros(dkx.shape, dkx.dtype)
+        dvx[...] = jnp.zeros(dvx.shape, dvx.dtype)
+
+  dkx[...] = jnp.zeros(dkx.shape, dkx.dtype)
+  dvx[...] = jnp.zeros(dvx.shape, dvx.dtype)
+  _heads(plan, mix_kv, mix_q, head)
+
+
+def _one_query_head(plan: Plan) -> bool:
+  """Whether each key/value head has one query head (H = G): its key gradients then come
+  from that head's blocks alone, in order."""
+  return plan.targets == plan.kv_targets
+
+
+def _add_keys(plan: Plan, ref, k0, grad):
+  """`ref[k0 : k0 + kb] += grad` (`[kb, d]` float32, a block's key-side gradient). With
+  one query head per key/value head, the window's last cq rows are rows no earlier block
+  saw (blocks run in order, a stride of cq apart): those are written, not added, so the
+  head needs no zeroed scratch (only block 0's first kb - cq rows, zeroed before it)."""
+  kb, cq = plan.key_rows, plan.block_rows
+  if not _one_query_head(plan):
+    ref[pl.ds(k0, kb), :] += grad
+    return
+  shared = kb - cq
+  if shared:
+    ref[pl.ds(k0, shared), :] += grad[:shared]
+  ref[pl.ds(pl.multiple_of(k0 + shared, 8), cq), :] = grad[shared:]
 
 
 def _collapse_grad(plan: Plan, dy_ref, o_ref, dcm_ref, h):
