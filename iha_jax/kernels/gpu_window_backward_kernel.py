@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from iha_jax.core.masking import MASK_VALUE
 from iha_jax.kernels.gpu_flash import MIN_LANES, next_pow2
-from iha_jax.kernels.gpu_window_kernel import _NN, _NT, COLLAPSE_ROWS, _dot, band
+from iha_jax.kernels.gpu_window_kernel import _NN, _NT, COLLAPSE_ROWS, _dot, band, visible
 
 if TYPE_CHECKING:
   from iha_jax.kernels.gpu_window import WindowPlan
@@ -175,18 +175,6 @@ def _virtual(plan: WindowPlan, rows: int, first_token, first_row=0):
   return first_token * plan.num_pseudo + first_row + r
 
 
-def _visible(plan: WindowPlan, t, u, qid, kid, *, transposed: bool = False):
-  """`[len(t), len(u)]` (`[len(u), len(t)]` if transposed): query rows t see key rows u
-  (window, causality, segments)."""
-  if transposed:
-    delta, same = t[None, :] - u[:, None], qid[None, :] == kid[:, None]
-  else:
-    delta, same = t[:, None] - u[None, :], qid[:, None] == kid[None, :]
-  ok = delta < plan.window
-  ok &= delta >= 0 if plan.causal else delta > -plan.window
-  return ok & same
-
-
 def _d_output(
   plan: WindowPlan, cm_ref, dy_ref, h, row0, dtype, first=0, rows=None, *, t=False, chunk=None
 ):
@@ -296,7 +284,7 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
         kx1, kx2 = _mixed(ak_ref, g, (k1_ref, k2_ref), j * ks, rope_k, dtype, y)
         kid = kid_ref[pl.ds(j * rk, rk)]
         u = _virtual(plan, rk, j * plan.k_tokens)
-        ok = _visible(plan, tq, u, qid, kid, transposed=True)
+        ok = visible(plan, tq, u, qid, lambda: kid, transposed=True)
         return kx1, kx2, ok, _dot(kx1, qx1, _NT) + _dot(kx2, qx2, _NT), y
 
       if stats:
@@ -462,7 +450,7 @@ def _dkv_step(plan: WindowPlan, refs_q, rope_q, kx, vx, u, kid, h, i, row0, rows
   at = pl.ds(i * plan.q_rows + row0, rows)
   lse, delta = lse_ref[h, at], delta_ref[h, at]
   tq = _virtual(plan, rows, plan.offset + i * plan.q_tokens, row0)
-  ok = _visible(plan, tq, u, qid_ref[at], kid, transposed=True)
+  ok = visible(plan, tq, u, qid_ref[at], lambda: kid, transposed=True)
   s = _dot(kx[0], qx1, _NT) + _dot(kx[1], qx2, _NT)
   probs = jnp.where(ok, jnp.exp(s - lse[None, :]), 0.0)
   dv += _dot(d_o, probs.astype(dtype), _NT)  # dV^T `[width, k_rows]`: a tall product

@@ -111,10 +111,7 @@ def _forward_kernel(*refs, plan: WindowPlan, interpret: bool):
       kx1, kx2 = _pseudo(ak_ref[g], k1_ref[rows], k2_ref[rows], rope_k, dtype)
       s = _dot(qx1, kx1, _NT) + _dot(qx2, kx2, _NT)
       u = (j * plan.k_tokens + tok_k) * plan.num_pseudo + (r_k - tok_k * plan.num_pseudo)
-      delta = t[:, None] - u[None, :]
-      ok = delta < plan.window
-      ok &= delta >= 0 if plan.causal else delta > -plan.window
-      ok &= qid[:, None] == kid_ref[pl.ds(j * rk, rk)][None, :]
+      ok = visible(plan, t, u, qid, lambda: kid_ref[pl.ds(j * rk, rk)])
       s = jnp.where(ok, s, MASK_VALUE)
       m_next = jnp.maximum(m, jnp.max(s, axis=1))
       probs = jnp.where(ok, jnp.exp(s - m_next[:, None]), 0.0)
@@ -147,6 +144,15 @@ def _forward_kernel(*refs, plan: WindowPlan, interpret: bool):
     return carry
 
   lax.fori_loop(0, plan.targets, head, 0)
+
+
+def visible(plan: WindowPlan, t, u, qid, kid, *, transposed: bool = False):
+  """`[len(t), len(u)]` (`[len(u), len(t)]` if transposed): query rows t see key rows u
+  (window, causality, then segments: `kid()` loads the key ids where they are used)."""
+  delta = t[None, :] - u[:, None] if transposed else t[:, None] - u[None, :]
+  ok = delta < plan.window
+  ok &= delta >= 0 if plan.causal else delta > -plan.window
+  return ok & (qid[None, :] == kid()[:, None] if transposed else qid[:, None] == kid()[None, :])
 
 
 def launch(plan: WindowPlan) -> plgpu.CompilerParams:
