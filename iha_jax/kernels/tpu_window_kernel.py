@@ -252,7 +252,9 @@ def backward_kernel(*refs, plan: Plan):
       dqx[pl.ds(t0, cq), :] = _dot(ds, k, _NN, plan)
       return carry
 
-    if _one_query_head(plan):  # rows block 0 adds to (the rest it or a later block writes)
+    if _one_query_head(plan) and kb > cq:
+      # Block 0 adds to its window's first kb - cq rows; every other row of the head's
+      # windows is written by a block before any block adds to it (`_add_keys`).
       for ref in (dkx, dvx):
         ref[pl.ds(plan.base, plan.key_rows - cq), :] = jnp.zeros(
           (plan.key_rows - cq, ref.shape[1]), ref.dtype
