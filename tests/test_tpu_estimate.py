@@ -352,3 +352,15 @@ def test_bad_input_is_one_line(args, expected, tmp_path, monkeypatch):
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr
   assert lines[0].startswith("tpu_estimate: ") and expected in lines[0]
+
+
+def test_schedule_profile_charges_each_loop_its_trips():
+  from benchmarks import schedule_profile
+
+  rows = schedule_profile.profile(LISTING)
+  program, loop = rows
+  assert (program.kind, program.issued, program.share) == ("program", 83, 1.0)
+  # 8 bundles per trip, 10 trips; the skippable span's two vadds count as the loop's own.
+  assert (loop.kind, loop.trips, loop.issued) == ("loop", 10, 80)
+  assert dict(loop.ops) == {"vadd": 2}
+  assert "loop" in schedule_profile.table(rows) and "ESTIMATE" in schedule_profile.table(rows)

@@ -156,17 +156,19 @@ class Program:
     return counts
 
 
+def bundles(text: str) -> list[tuple[str, str]]:
+  """One listing's bundles in address order: (body, trailing comment) each."""
+  found = (_BUNDLE.match(line) for line in text.splitlines())
+  return [(m.group("body"), m.group("tail")) for m in found if m]
+
+
 def parse(text: str, name: str = "") -> Program:
   """Parses one final-bundles listing."""
   bodies: list[str] = []
   region_at: dict[int, int] = {}
-  for line in text.splitlines():
-    match = _BUNDLE.match(line)
-    if not match:
-      continue
-    position = len(bodies)
-    bodies.append(match.group("body"))
-    for region in _REGION_START.findall(match.group("tail")):
+  for position, (body, tail) in enumerate(bundles(text)):
+    bodies.append(body)
+    for region in _REGION_START.findall(tail):
       region_at.setdefault(int(region), position)
   operands = tuple(
     Operand(memory, dtype, tuple(int(x) for x in dims.split(",") if x), kind)
