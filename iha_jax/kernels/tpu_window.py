@@ -148,7 +148,7 @@ class Constants(NamedTuple):
   cm: jax.Array  # [Ht, s*Ho, s*P]: `_collapse_blocks(collapse)`
   bias: jax.Array  # [cq, kb] float32: `_band_bias`
   key_ids: jax.Array  # [B, tiles, blocks, kb] int32
-  table: jax.Array | None  # [s*P, 2d] float32 `cos | sin` of R(p), or None (no RoPE)
+  table: jax.Array | None  # [rows, 2d] float32 `cos | sin` of R(p) (`_table_groups`), or None
   query_ids: jax.Array | None  # [B, rows, 1] int32, or None (no segments)
 
   def operands(self, plan: Plan, backward: bool) -> list[jax.Array]:
