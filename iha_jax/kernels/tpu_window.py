@@ -39,7 +39,7 @@ key gradients accumulate in VMEM block by block; where each key/value head has o
 head, a block writes the cq key rows no earlier block saw and adds only the rest (no
 zeroed scratch per head).
 
-Files: `tpu_window_plan` (the tiling: `plan`, `Plan`, the VMEM budget),
+Files: `tpu_window_plan` (the tiling: `plan`, `Plan`, the VMEM budget, `gather_band`),
 `tpu_window_kernel` (what a grid step does in VMEM, forward and backward), and this
 module (the constants built in XLA, layouts, block specs, the calls and the custom VJP).
 """
@@ -61,7 +61,13 @@ from iha_jax.core.options import AttentionOptions
 from iha_jax.core.rope import apply_rope, rope_frequencies
 from iha_jax.core.validation import default_positions
 from iha_jax.kernels.tpu_window_kernel import HALF_MASK, backward_kernel, forward_kernel
-from iha_jax.kernels.tpu_window_plan import VMEM_LIMIT_BYTES, Plan, UnsupportedShape, plan
+from iha_jax.kernels.tpu_window_plan import (
+  VMEM_LIMIT_BYTES,
+  Plan,
+  UnsupportedShape,
+  gather_band,
+  plan,
+)
 
 __all__ = ["UnsupportedShape", "VMEM_LIMIT_BYTES", "plan", "plan_for", "unsupported", "window_iha"]
 
@@ -302,45 +308,9 @@ def _backward_call(plan: Plan, q, k, v, dy, constants: Constants, *, interpret: 
   )(q, *([k] * band), *([v] * band), dy, *constants.operands(plan, backward=True))
   dq, dk_parts, dv_parts, dmats = results[0], results[1:4], results[4:7], results[7:]
   key_tokens = plan.key_tokens
-  dk, dv = (_gather_band(plan, parts, b, key_tokens) for parts in (dk_parts, dv_parts))
+  dk, dv = (gather_band(plan, parts, b, key_tokens) for parts in (dk_parts, dv_parts))
   daq, dak, dav, dcm = (x.sum(axis=(0, 1)) for x in dmats)
   return dq, dk, dv, daq, dak, dav, dcm
-
-
-def _gather_band(plan: Plan, parts, b: int, key_tokens: int) -> jax.Array:
-  """The key-side gradients the tiles wrote (halo blocks before, own keys, halo blocks
-  after, each `[B, tiles, ...]`) added up at their key positions -> `[B, key_tokens * G,
-  d]` float32 (rows of padding keys included)."""
-  before, own, after = parts
-  g, tile = plan.kv_heads, plan.tile
-  first = plan.first_block * tile  # tile 0's own first key token
-
-  def place(x, start_token):  # x [B, T, d] rows of keys at tokens [start, start + T/g)
-    tokens = x.shape[1] // g
-    return jnp.pad(x, ((0, 0), (start_token * g, (key_tokens - start_token - tokens) * g), (0, 0)))
-
-  total = place(own, first)
-  for j in range(plan.halo_before):  # block j of `before`: halo_before - j blocks back
-    piece = before[:, :, j * plan.halo * g : (j + 1) * plan.halo * g]
-    shift = (plan.halo_before - j) * plan.halo
-    total = total + place(
-      _tiles_to_rows(piece, tile, g, at_end=True), first - shift - (tile - plan.halo)
-    )
-  for j in range(plan.halo_after):
-    piece = after[:, :, j * plan.halo * g : (j + 1) * plan.halo * g]
-    shift = tile + j * plan.halo
-    total = total + place(_tiles_to_rows(piece, tile, g, at_end=False), first + shift)
-  return total
-
-
-def _tiles_to_rows(piece, tile: int, g: int, *, at_end: bool) -> jax.Array:
-  """`[B, tiles, w*G, d]` pieces, one per tile at a stride of `tile` tokens -> contiguous
-  rows `[B, tiles * tile * G, d]` (each piece padded to a whole tile, at its end or its
-  start)."""
-  b, tiles, rows, d = piece.shape
-  pad = tile * g - rows
-  piece = jnp.pad(piece, ((0, 0), (0, 0), (pad, 0) if at_end else (0, pad), (0, 0)))
-  return piece.reshape(b, tiles * tile * g, d)
 
 
 def _ids(plan: Plan, b: int, n: int, nk: int, options: AttentionOptions):

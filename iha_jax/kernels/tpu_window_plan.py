@@ -4,13 +4,17 @@
 products fill whole sublane tiles, the score tile `[cq, kb]` that holds a block's whole
 band, the query tile per grid step (the longest within the scoped VMEM budget, counted by
 `_vmem_bytes`), and the halo blocks of keys around it; or `UnsupportedShape`, naming
-the limit, for a call the path cannot take.
+the limit, for a call the path cannot take. `gather_band` puts the key gradients the
+tiles write (own keys, halo blocks) back at their key positions (XLA, after the backward).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+import jax
+import jax.numpy as jnp
 
 from iha_jax.core.options import AttentionOptions, round_up
 
@@ -283,3 +287,39 @@ def _halo(tokens: int, tile: int, group: int) -> int:
     if tile % size == 0:
       return size
   return tile
+
+
+def gather_band(plan: Plan, parts, b: int, key_tokens: int) -> jax.Array:
+  """The key-side gradients the tiles wrote (halo blocks before, own keys, halo blocks
+  after, each `[B, tiles, ...]`) added up at their key positions -> `[B, key_tokens * G,
+  d]` float32 (rows of padding keys included)."""
+  before, own, after = parts
+  g, tile = plan.kv_heads, plan.tile
+  first = plan.first_block * tile  # tile 0's own first key token
+
+  def place(x, start_token):  # x [B, T, d] rows of keys at tokens [start, start + T/g)
+    tokens = x.shape[1] // g
+    return jnp.pad(x, ((0, 0), (start_token * g, (key_tokens - start_token - tokens) * g), (0, 0)))
+
+  total = place(own, first)
+  for j in range(plan.halo_before):  # block j of `before`: halo_before - j blocks back
+    piece = before[:, :, j * plan.halo * g : (j + 1) * plan.halo * g]
+    shift = (plan.halo_before - j) * plan.halo
+    total = total + place(
+      _tiles_to_rows(piece, tile, g, at_end=True), first - shift - (tile - plan.halo)
+    )
+  for j in range(plan.halo_after):
+    piece = after[:, :, j * plan.halo * g : (j + 1) * plan.halo * g]
+    shift = tile + j * plan.halo
+    total = total + place(_tiles_to_rows(piece, tile, g, at_end=False), first + shift)
+  return total
+
+
+def _tiles_to_rows(piece, tile: int, g: int, *, at_end: bool) -> jax.Array:
+  """`[B, tiles, w*G, d]` pieces, one per tile at a stride of `tile` tokens -> contiguous
+  rows `[B, tiles * tile * G, d]` (each piece padded to a whole tile, at its end or its
+  start)."""
+  b, tiles, rows, d = piece.shape
+  pad = tile * g - rows
+  piece = jnp.pad(piece, ((0, 0), (0, 0), (pad, 0) if at_end else (0, pad), (0, 0)))
+  return piece.reshape(b, tiles * tile * g, d)
