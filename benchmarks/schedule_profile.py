@@ -58,12 +58,10 @@ def profile(text: str, top_ops: int = 6) -> list[Row]:
   """The loop tree of one listing, outermost first (depth-first)."""
   program = llo.parse(text)
   bodies = [body for body, _ in llo.bundles(text)]
-  times = dict((id(node), count) for node, count in program.issues())
-
-  def issued(node: llo.Node) -> float:
-    return times[id(node)] * node.own + sum(issued(child) for child in node.children)
-
-  total = issued(program.root) or 1.0
+  issued: dict[int, float] = {}  # per node (by id): its bundles issued, children included
+  for node, times in reversed(program.issues()):  # children before their parents
+    issued[id(node)] = times * node.own + sum(issued[id(c)] for c in node.children)
+  total = issued[id(program.root)] or 1.0
   rows: list[Row] = []
 
   def loops_under(node: llo.Node) -> list[llo.Node]:
@@ -81,7 +79,7 @@ def profile(text: str, top_ops: int = 6) -> list[Row]:
     for position in range(node.start, node.end + 1):
       if position not in inside:
         ops.update(_op_name(m, s) for m, s in _VECTOR_OP.findall(bodies[position]))
-    spent = issued(node)
+    spent = issued[id(node)]
     rows.append(
       Row(depth, node.kind, node.trips, spent, spent / total, tuple(ops.most_common(top_ops)))
     )

@@ -102,12 +102,8 @@ def _group_table(plan: Plan, theta: float) -> jax.Array:
   angles = jnp.arange(p, dtype=jnp.float32)[:, None] * rope_frequencies(d, theta)
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   table = jnp.concatenate([cos, cos, -sin, sin], axis=-1)  # [P, 2d]
-  return jnp.tile(table, (_table_groups(plan), 1))
-
-
-def _table_groups(plan: Plan) -> int:
-  """Token groups of `R(p)` rows the table holds: the longest stacked mixing product's."""
-  return max(plan.group * plan.q_stack, plan.kv_group * plan.kv_stack)
+  # As many token groups as the longest stacked mixing product's rows.
+  return jnp.tile(table, (max(plan.group * plan.q_stack, plan.kv_group * plan.kv_stack), 1))
 
 
 def _band_bias(plan: Plan) -> jax.Array:
@@ -154,7 +150,7 @@ class Constants(NamedTuple):
   cm: jax.Array  # [Ht, s*Ho, s*P]: `_collapse_blocks(collapse)`
   bias: jax.Array  # [cq, kb] float32: `_band_bias`
   key_ids: jax.Array  # [B, tiles, blocks, kb] int32
-  table: jax.Array | None  # [rows, 2d] float32 `cos | sin` of R(p) (`_table_groups`), or None
+  table: jax.Array | None  # [rows, 2d] float32 `cos | sin` of R(p) (`_group_table`), or None
   query_ids: jax.Array | None  # [B, rows, 1] int32, or None (no segments)
 
   def operands(self, plan: Plan, backward: bool) -> list[jax.Array]:
@@ -162,15 +158,15 @@ class Constants(NamedTuple):
     take them (`q_stack` / `kv_stack` heads per product), per head where a gradient
     product takes them (the transposes)."""
     jq, jk = plan.q_stack, plan.kv_stack
-    out = [_stack(self.aq, jq), _stack(self.ak, jk), _stack(self.av, jk), self.cm]
+    out = [_stacked(self.aq, jq), _stacked(self.ak, jk), _stacked(self.av, jk), self.cm]
     out += [self.bias, self.key_ids]
     if backward:  # the transposes, for the gradients' products (do's mixing stacked)
       aqt, akt, avt, cmt = (jnp.swapaxes(x, 1, 2) for x in (self.aq, self.ak, self.av, self.cm))
-      out += [aqt, akt, avt, _stack(cmt, jq)]
+      out += [aqt, akt, avt, _stacked(cmt, jq)]
     return out + [x for x in (self.table, self.query_ids) if x is not None]
 
 
-def _stack(matrices: jax.Array, heads: int) -> jax.Array:
+def _stacked(matrices: jax.Array, heads: int) -> jax.Array:
   """`[T, r, c]` per-head matrices -> `[T / heads, heads * r, c]`: consecutive heads' rows
   one after another (one product mixes them all)."""
   t, r, c = matrices.shape
@@ -188,23 +184,14 @@ def _matrix_shapes(plan: Plan) -> list[tuple[int, int, int]]:
   ]
 
 
-def _constant_specs(plan: Plan, d: int, *, backward: bool):
-  p, jq, jk = plan.num_pseudo, plan.q_stack, plan.kv_stack
-  aq, ak, av, cm = _matrix_shapes(plan)
-  stacked = lambda shape, j: (shape[0] // j, j * shape[1], shape[2])
-  transposed = lambda shape: (shape[0], shape[2], shape[1])
-  specs = [_whole(x) for x in (stacked(aq, jq), stacked(ak, jk), stacked(av, jk), cm)]
-  specs += [
-    _whole((plan.block_rows, plan.key_rows)),
-    pl.BlockSpec((None, None, plan.blocks, plan.key_rows), lambda b, i: (b, i, 0, 0)),
-  ]
-  if backward:
-    specs += [_whole(transposed(x)) for x in (aq, ak, av)]
-    specs.append(_whole(stacked(transposed(cm), jq)))
-  if plan.rotary:
-    specs.append(_whole((_table_groups(plan) * p, 2 * d)))
+def _constant_specs(plan: Plan, operands: list[jax.Array]):
+  """BlockSpecs of `Constants.operands`: each whole, except the per-tile key ids (6th)
+  and query ids (last, with segments)."""
+  specs = [_whole(x.shape) for x in operands]
+  specs[5] = pl.BlockSpec((None, None, plan.blocks, plan.key_rows), lambda b, i: (b, i, 0, 0))
   if plan.segments:
-    specs.append(pl.BlockSpec((None, plan.tile * p, 1), lambda b, i: (b, i, 0)))
+    rows = plan.tile * plan.num_pseudo
+    specs[-1] = pl.BlockSpec((None, rows, 1), lambda b, i: (b, i, 0))
   return specs
 
 
@@ -233,11 +220,12 @@ def _band_count(plan: Plan) -> int:
 
 def _forward_call(plan: Plan, q, k, v, constants: Constants, *, interpret: bool):
   b, d, p = q.shape[0], plan.head_dim, plan.num_pseudo
+  fixed = constants.operands(plan, backward=False)
   in_specs = [
     _source_spec(plan, plan.heads),
     *_band_specs(plan, plan.kv_heads, d),
     *_band_specs(plan, plan.kv_heads, d),
-    *_constant_specs(plan, d, backward=False),
+    *_constant_specs(plan, fixed),
   ]
   band = _band_count(plan)
   return pl.pallas_call(
@@ -257,19 +245,20 @@ def _forward_call(plan: Plan, q, k, v, constants: Constants, *, interpret: bool)
     compiler_params=_compiler_params(),
     interpret=interpret,
     name="iha_window_forward",
-  )(q, *([k] * band), *([v] * band), *constants.operands(plan, backward=False))
+  )(q, *([k] * band), *([v] * band), *fixed)
 
 
 def _backward_call(plan: Plan, q, k, v, dy, constants: Constants, *, interpret: bool):
   b, d, p = q.shape[0], plan.head_dim, plan.num_pseudo
   g, tiles = plan.kv_heads, plan.num_tiles
   band = _band_count(plan)
+  fixed = constants.operands(plan, backward=True)
   in_specs = [
     _source_spec(plan, plan.heads),
     *_band_specs(plan, g, d),
     *_band_specs(plan, g, d),
     _source_spec(plan, plan.out_heads),
-    *_constant_specs(plan, d, backward=True),
+    *_constant_specs(plan, fixed),
   ]
   per_tile = lambda shape: pl.BlockSpec(
     (None, None, *shape), lambda b, i: (b, i) + (0,) * len(shape)
@@ -305,7 +294,7 @@ def _backward_call(plan: Plan, q, k, v, dy, constants: Constants, *, interpret: 
     compiler_params=_compiler_params(),
     interpret=interpret,
     name="iha_window_backward",
-  )(q, *([k] * band), *([v] * band), dy, *constants.operands(plan, backward=True))
+  )(q, *([k] * band), *([v] * band), dy, *fixed)
   dq, dk_parts, dv_parts, dmats = results[0], results[1:4], results[4:7], results[7:]
   key_tokens = plan.key_tokens
   dk, dv = (gather_band(plan, parts, b, key_tokens) for parts in (dk_parts, dv_parts))

@@ -22,8 +22,7 @@ LANES = 128
 # Scoped VMEM the kernels may use (v5p has 64 MiB per core, v5e and v6e 128 MiB).
 VMEM_LIMIT_BYTES = 56 * 2**20
 # What the tiles' blocks and scratch may take of it as `_vmem_bytes` counts them (the
-# rest: Mosaic's temporaries; the count is high: 45.5 MiB counted where Mosaic reports
-# 36.5 for the 2.4B L layer's backward).
+# rest: Mosaic's temporaries; the count runs above Mosaic's own: docs/performance.md §14).
 VMEM_BUDGET_BYTES = 46 * 2**20
 # Default tile: about this many virtual rows per target head and grid step.
 TILE_ROWS = 3200
@@ -230,8 +229,8 @@ def _stack(heads: int, rows: int) -> int:
   """Consecutive target heads whose mixing is one product (a divisor of `heads`): they
   share the product's weights (the source rows), so stacking them halves the weight
   pushes and the products' fixed latency per head (P = 20: two heads' 160 rows per
-  product; forward 5% faster by estimate). The fewest heads reaching 128 rows, at most
-  256 rows (VMEM)."""
+  product; docs/design.md §8). The fewest heads reaching 128 rows, at most 256 rows
+  (VMEM)."""
   fits = [j for j in range(1, heads + 1) if heads % j == 0 and j * rows <= max(rows, 2 * LANES)]
   return next((j for j in fits if j * rows >= LANES), fits[-1])
 
