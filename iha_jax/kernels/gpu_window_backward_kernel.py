@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 # H100 (tests/test_compile_targets.py).
 MIX_ROWS = 32
 UNMIX_ROWS = 64
+# dQ's key mixing where a group has more source rows than `MIX_ROWS` (P = 4): smaller
+# chunks, as compiled for H100 (32-row chunks spilled).
+DQ_KEY_MIX_ROWS = 16
 # Query rows per step of the dK/dV loop (a sub-tile: the pseudo queries and dO it remakes
 # stay within the registers beside the key group's accumulators).
 DKV_QUERY_ROWS = 32
@@ -97,6 +100,12 @@ def _token_rows(x: jax.Array, n, period: int, size: int) -> jax.Array:
   return _dot(select, x, _NN).astype(x.dtype)
 
 
+def _first_rows(x: jax.Array, period: int) -> jax.Array:
+  """x's first `period` rows, the others zero."""
+  rows = lax.broadcasted_iota(jnp.int32, (x.shape[0],), 0)[:, None]
+  return jnp.where(rows < period, x, jnp.zeros_like(x))
+
+
 def _window(ref, row0, total: int, n, period: int, size: int) -> jax.Array:
   """The same of a group's `total` rows from `row0` in a ref: a `size`-row window inside
   the group (never past it: its start clamped), aligned by an exact 0/1 product."""
@@ -122,13 +131,22 @@ def _weights_grad(
   if refs_first:
     refs, tiles, (pa, pb), (sa, sb) = tiles, refs, (pb, pa), (sb, sa)
 
+  shape = (sb, sa) if refs_first else (sa, sb)
+  if tokens == 1 and total == sb and all(x.shape[0] == sa for x in tiles):
+    # One token (a key group at P = H = 20): its rows are the tile's and the group's own,
+    # masked in place; the 0/1 products' tiles spilled beside the group's gradients.
+    acc = jnp.zeros(shape, jnp.float32)
+    for x, ref in zip(tiles, refs):
+      pair = _first_rows(x, pa), _first_rows(ref[pl.ds(row0, total), :], pb)
+      acc += _dot(*(pair[::-1] if refs_first else pair), _NT)
+    return acc
+
   def token(n, acc):
     for x, ref in zip(tiles, refs):
       pair = _token_rows(x, n, pa, sa), _window(ref, row0, total, n, pb, sb)
       acc += _dot(*(pair[::-1] if refs_first else pair), _NT)
     return acc
 
-  shape = (sb, sa) if refs_first else (sa, sb)
   return lax.fori_loop(0, tokens, token, jnp.zeros(shape, jnp.float32))
 
 
@@ -137,12 +155,12 @@ def _chunks(total: int, size: int) -> list[int]:
   return list(range(0, total, min(size, total)))
 
 
-def _mixed(matrix_ref, index, src_refs, row0, rope, dtype, first=0, rows=None):
-  """`_pseudo` with the contraction over source rows in chunks (a bounded source tile in
-  registers): `R(p) (matrix[index] @ src)` of a group's source rows from `row0`, in
-  halves; its pseudo rows `[first, first + rows)` (default all)."""
+def _mixed(matrix_ref, index, src_refs, row0, rope, dtype, first=0, rows=None, chunk=MIX_ROWS):
+  """`_pseudo` with the contraction over source rows in chunks of `chunk` rows (a bounded
+  source tile in registers): `R(p) (matrix[index] @ src)` of a group's source rows from
+  `row0`, in halves; its pseudo rows `[first, first + rows)` (default all)."""
   total = matrix_ref.shape[-1]
-  size = min(MIX_ROWS, total)
+  size = min(chunk, total)
   pseudo = pl.ds(first, rows or matrix_ref.shape[1])
   outs = [0.0] * len(src_refs)
   for c in _chunks(total, size):
@@ -251,6 +269,7 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
   # rows, 64 keeps wgmma), as compiled for H100.
   few_outputs = plan.out_rows <= plan.q_rows
   dy_late = not stats and few_outputs and plan.mix_values_late
+  key_chunk = DQ_KEY_MIX_ROWS if not stats and ks > MIX_ROWS else MIX_ROWS
 
   if not stats:
 
@@ -281,7 +300,7 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
 
       def keys(j):  # transposed scores `[k_rows, q_rows]` of key group j, and its mask
         y = _varying(j)
-        kx1, kx2 = _mixed(ak_ref, g, (k1_ref, k2_ref), j * ks, rope_k, dtype, y)
+        kx1, kx2 = _mixed(ak_ref, g, (k1_ref, k2_ref), j * ks, rope_k, dtype, y, chunk=key_chunk)
         kid = kid_ref[pl.ds(j * rk, rk)]
         u = _virtual(plan, rk, j * plan.k_tokens)
         ok = visible(plan, tq, u, qid, lambda: kid, transposed=True)
@@ -355,9 +374,14 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
       zeros = jnp.zeros((rq, plan.half), jnp.float32)
       dq1, dq2 = lax.fori_loop(lo, hi, backward, (zeros, zeros))
       grads = [x.astype(dtype) for x in _unrotate(dq1, dq2, rope_q, z)]
-      _unmix(aq_ref, h + z, grads, (dq1_ref, dq2_ref), t * qs, interpret)
       args = (t * qs, qs, plan.q_tokens, (p, heads), (p_pad, other))
-      _add(part_ref, h, _weights_grad(grads, (q1_ref, q2_ref), *args), interpret)
+      # The weights' partial first where the output rows are many (P = 4), after the
+      # un-mixing where they are few (P = H = 20): either order spilled on H100 in the other.
+      if not few_outputs:
+        _add(part_ref, h, _weights_grad(grads, (q1_ref, q2_ref), *args), interpret)
+      _unmix(aq_ref, h + z, grads, (dq1_ref, dq2_ref), t * qs, interpret)
+      if few_outputs:
+        _add(part_ref, h, _weights_grad(grads, (q1_ref, q2_ref), *args), interpret)
       return carry
 
     lax.fori_loop(0, span, tile, 0)
