@@ -96,6 +96,15 @@ MUTANTS: list[Mutant] = [
     "tests/test_kernels.py::test_kernels_match_reference[tpu-window-p2-packed]",
   ),
   Mutant(
+    "gpu_one_token_weight_rows",
+    "on-chip GPU window backward: a one-token group folds its weight partials without its "
+    "last pseudo row (the paper's P = H key groups)",
+    "iha_jax/kernels/gpu_window_backward_kernel.py",
+    "pair = _first_rows(x, pa), ",
+    "pair = _first_rows(x, pa - 1), ",
+    "tests/test_gpu_window.py::test_gpu_window_matches_reference[one-token-groups-p9]",
+  ),
+  Mutant(
     "band_edge",
     "the band rule (XLA key blocks, kernel tiles): a block whose last key is the window's "
     "first is skipped",

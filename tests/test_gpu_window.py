@@ -44,6 +44,11 @@ CASES = [
     {**CAUSAL, "window": 11},
     (16, 16),
   ),
+  # P = 9 > 16 / 2: query tiles and key groups of one token each, the case of the paper's
+  # P = H = 20 (whose weight partials fold without 0/1 token selections).
+  _case(
+    "one-token-groups-p9", cf.iha(2, 16, 9), 20, {**CAUSAL, "window": 13}, (16, 16), full=False
+  ),
   _case(
     "bf16-g1",
     cf.iha(4, 32, 2, kv_heads=1),
