@@ -160,6 +160,16 @@ SMOKE = {
       "on-chip: 2.4B L layer at P = 4",
       Case(heads=20, pseudo=4, window=1024, tokens=2048, onchip=True),
     ),
+    # The same at the shipped N = 8192: more query tiles per backward program, which
+    # ptxas allocates differently.
+    (
+      "on-chip: 2.4B L layer (P = H = 20), N = 8192",
+      Case(heads=20, pseudo=20, window=204, tokens=8192, onchip=True),
+    ),
+    (
+      "on-chip: 2.4B L layer at P = 4, N = 8192",
+      Case(heads=20, pseudo=4, window=1024, tokens=8192, onchip=True),
+    ),
   ],
 }
 
