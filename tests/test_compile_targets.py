@@ -104,17 +104,18 @@ def test_h100_kernels_compile_without_spills_at_default_tiles():
       assert "wgmma" in kernel["tensor_cores"], (case, name, kernel)
   # The on-chip GPU window path ("pallas_gpu_window") at the paper's P = H = 20 and at
   # P = 4, N = 2048 and the shipped 8192: its forward kernel and its backward's
-  # statistics, dQ and dK/dV kernels (pseudo-heads remade on chip), spill-free but for
-  # dQ, which still spills a few bytes in some (a known gap, docs/design.md §8; jax
-  # 0.12's Triton spills more), held to at most what it spills now: a change that spills
-  # more fails.
+  # statistics, dQ and dK/dV kernels (pseudo-heads remade on chip). Spill-free at the
+  # shipped shapes under jax 0.10.2; a few kernels still spill a few bytes elsewhere (a
+  # known gap, docs/design.md §8; jax 0.12's Triton spills more), held to at most what
+  # they spill now: a change that spills more fails.
   newest = jax.__version_info__ >= (0, 11)
   p20, p4 = "on-chip: 2.4B L layer (P = H = 20)", "on-chip: 2.4B L layer at P = 4"
   n8k = ", N = 8192"
   still_spilling = {
+    (p4, "iha_gpu_window_stats"): 4,
     (p20, "iha_gpu_window_dq"): 16 if newest else 0,
-    (p4, "iha_gpu_window_dq"): 8 if newest else 0,
-    (p20 + n8k, "iha_gpu_window_dq"): 20 if newest else 8,
+    (p4, "iha_gpu_window_dq"): 4 if newest else 0,
+    (p20 + n8k, "iha_gpu_window_dq"): 16 if newest else 0,
     (p4 + n8k, "iha_gpu_window_stats"): 4 if newest else 0,
   }
   for case in (p20, p4, p20 + n8k, p4 + n8k):

@@ -35,9 +35,10 @@ from iha_jax.kernels.gpu_window_backward_kernel import dkv_kernel, pad2, query_k
 if TYPE_CHECKING:
   from iha_jax.kernels.gpu_window import WindowPlan
 
-# Programs per batch row of each kernel (two waves of H100's 132 SMs): each takes `span`
-# consecutive tiles, so the weights' partials are this many per batch row.
-PROGRAMS = 264
+# Programs per batch row of each kernel (one per H100 SM): each takes `span` consecutive
+# tiles, so the weights' partials are this many per batch row. (Two waves spilled in dQ
+# at the 2.4B layer's shape under jax 0.10.2: docs/compile_checks.md.)
+PROGRAMS = 132
 
 
 def backward_plan(plan: WindowPlan) -> tuple[WindowPlan, int, int]:
