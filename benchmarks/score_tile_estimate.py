@@ -31,22 +31,14 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from iha_jax.estimate import tpu  # noqa: E402
+from iha_jax.kernels.tpu_window_kernel import _NN, _NT, _TN, _reciprocal, _softmax  # noqa: E402
 from iha_jax.parallel import targets  # noqa: E402
 
 HEAD_ROWS, HEADS, D = 3200, 20, 128
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_NN = (((1,), (0,)), ((), ()))  # a @ b
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 def _dot(a, b, dims):
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
-def _reciprocal(x):
-  r = pl.reciprocal(x, approx=True)
-  r = r * (2.0 - x * r)
-  return r * (2.0 - x * r)
 
 
 def kernel_call(rows: int, keys: int, transposed: bool, unroll: int):
@@ -65,12 +57,9 @@ def kernel_call(rows: int, keys: int, transposed: bool, unroll: int):
         o_ref[:, pl.ds(t0, rows)] = (o * _reciprocal(jnp.sum(p, axis=0, keepdims=True))).astype(
           o_ref.dtype
         )
-      else:  # as the kernel: scores [rows, keys], reductions over lanes
-        s = _dot(q, k, _NT) + bias_ref[...]
-        m = jnp.max(s, axis=1, keepdims=True)
-        p = jnp.exp2(s - m)
+      else:  # the kernel's own chain: scores [rows, keys], reductions over lanes
+        p, total = _softmax(_dot(q, k, _NT) + bias_ref[...])
         o = _dot(p.astype(v.dtype), v, _NN)
-        total = jnp.sum(p, axis=1, keepdims=True)
         o_ref[pl.ds(t0, rows), :] = (o * _reciprocal(total)).astype(o_ref.dtype)
       return carry
 

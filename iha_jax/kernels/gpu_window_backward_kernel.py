@@ -375,13 +375,14 @@ def query_kernel(*refs, plan: WindowPlan, span: int, interpret: bool, stats: boo
       dq1, dq2 = lax.fori_loop(lo, hi, backward, (zeros, zeros))
       grads = [x.astype(dtype) for x in _unrotate(dq1, dq2, rope_q, z)]
       args = (t * qs, qs, plan.q_tokens, (p, heads), (p_pad, other))
+      partial = lambda: _add(part_ref, h, _weights_grad(grads, (q1_ref, q2_ref), *args), interpret)
       # The weights' partial first where the output rows are many (P = 4), after the
       # un-mixing where they are few (P = H = 20): either order spilled on H100 in the other.
       if not few_outputs:
-        _add(part_ref, h, _weights_grad(grads, (q1_ref, q2_ref), *args), interpret)
+        partial()
       _unmix(aq_ref, h + z, grads, (dq1_ref, dq2_ref), t * qs, interpret)
       if few_outputs:
-        _add(part_ref, h, _weights_grad(grads, (q1_ref, q2_ref), *args), interpret)
+        partial()
       return carry
 
     lax.fori_loop(0, span, tile, 0)

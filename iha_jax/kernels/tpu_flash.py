@@ -11,8 +11,8 @@ Layouts (rows: the attended sequence, padded to whole tiles):
   q `[B, H, Tq, d]`, k `[B, G, Tk, d]`, v `[B, G, Tk, dv]` (G divides H: query head h
   reads key/value head `h // (H // G)`), o `[B, H, Tq, dv]`; the per-row float32 lse and
   delta cross HBM as rows of one tile each, `[B, H, tiles, 1, bq]` (compact: a column
-  `[B, H, Tq, 1]` is padded to 128 lanes there, 128 times its size: 3.1 GiB per array
-  at P = 20 in the 2.4B step), and the kernels that need columns transpose them in VMEM;
+  `[B, H, Tq, 1]` is padded to 128 lanes there, 128 times its size; docs/design.md §8),
+  and the kernels that need columns transpose them in VMEM;
   segment ids (optional) as columns `[B, T, 1]` and rows `[B, 1, T]` int32, padding keys
   marked -1 (never equal to a query's id), padding queries 0 (zeroed outputs); RoPE
   tables (optional) `[B, T, 2d]` float32 (`cos | sin`) per query / key row, blocked

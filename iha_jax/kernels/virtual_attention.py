@@ -69,20 +69,19 @@ SUBLANES = 16  # bf16 packs 16 rows per vreg: tiles are multiples of it
 # Remat name of the kernels' residuals, the pseudo output o and its log-sum-exp, given
 # (so a policy naming it saves them, and the backward skips re-running the forward)
 # only while o has at most `SAVED_RESIDUAL_BYTES` per call (per device: the kernels run
-# inside shard_map): the 2.4B step at P = 4 keeps 0.3 GiB per window layer, while at
-# P = 20 (1.6 GiB per layer) the forward reruns instead (docs/performance.md §14).
+# inside shard_map): the 2.4B step keeps them at P = 4 and reruns the forward at P = 20
+# (sizes: docs/performance.md §14).
 ATTENTION_RESIDUALS = "attention_residuals"
 SAVED_RESIDUAL_BYTES = 2**29
 # A call whose pseudo output o exceeds this (per device) runs its pipeline over chunks of
 # the batch, one after another, inside the custom VJP (`_by_chunks`): pseudo q/k/v, o,
 # do and their gradients are P times the layer's own activations, and at the paper's
-# P = 20 (1.6 GiB each per v5p chip in the 2.4B step) they set the step's peak memory,
-# which chunks lower on v5p-128 and h100x8 for a small estimated cost in those window
-# layers' forward+backward (slices of do; docs/performance.md §14). P = 4 (0.3 GiB) runs
-# whole.
+# P = 20 they set the 2.4B step's peak memory, which chunks lower on v5p-128 and h100x8
+# for a small estimated cost in those window layers (slices of do); P = 4 runs whole
+# (sizes and costs: docs/performance.md §14).
 CHUNK_BYTES = 2**30
-# The chunks are unrolled (`_by_chunks`), so a step's compile grows with their count: a
-# batch of 2^22 rows on one H100 in one chunk per 1 GiB took minutes to refuse.
+# The chunks are unrolled (`_by_chunks`), so a step's compile grows with their count
+# (a huge batch in one chunk per `CHUNK_BYTES` compiled for minutes before failing).
 MAX_CHUNKS = 8
 
 
