@@ -125,6 +125,12 @@ def test_mxu_work_per_region_and_the_floor(monkeypatch):
   floor = 4 * call.mxu_work.flops(128) / chip.flops_per_core_cycle
   cycles, _ = tpu_estimate.kernel_cycles(program, call, chip)
   assert cycles >= floor
+  # The floor per product shape, as the op table prints it: four steps of the 128-deep
+  # product, one run of the pl.when's three 80-deep ones.
+  rate = chip.flops_per_core_cycle * chip.clock_hz
+  products = dict(tpu_estimate.kernel_mxu_products(call, chip))
+  one = 2 * 256 * 128 * 128 / rate  # one 256-row product, contraction padded to 128
+  assert products == pytest.approx({(256, 128, 128): 4 * one, (256, 80, 128): 3 * one})
 
 
 def test_in_place_slice_updates_are_charged_their_slice():

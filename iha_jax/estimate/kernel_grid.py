@@ -85,8 +85,15 @@ class MxuWork:
   products: tuple[tuple[int, int, int, float], ...] = ()  # (rows, contraction, cols, times)
 
   def flops(self, edge: int) -> float:
+    return sum(self.flops_by_product(edge).values())
+
+  def flops_by_product(self, edge: int) -> dict[tuple[int, int, int], float]:
+    """`flops` per product shape (rows, contraction, columns as issued, unpadded)."""
     pad = lambda x, m: -(-x // m) * m
-    return sum(2.0 * pad(r, 8) * pad(k, edge) * pad(c, edge) * t for r, k, c, t in self.products)
+    out: dict[tuple[int, int, int], float] = {}
+    for r, k, c, t in self.products:
+      out[(r, k, c)] = out.get((r, k, c), 0.0) + 2.0 * pad(r, 8) * pad(k, edge) * pad(c, edge) * t
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

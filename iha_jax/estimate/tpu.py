@@ -112,6 +112,13 @@ class OpEstimate:
   weighted: bool = True
   lower_bound: bool = False  # a loop's trip count is only known at run time (counted once)
   regions: tuple[tuple[str, int, float], ...] = ()  # kernels: (region, bundles, runs/core)
+  # Kernels: one run's MXU work at peak per product shape (`kernel_mxu_products`).
+  mxu_products: tuple[tuple[tuple[int, int, int], float], ...] = ()
+
+  @property
+  def mxu_floor_s(self) -> float:
+    """A kernel run's MXU work at the chip's peak: no schedule runs it faster."""
+    return sum(seconds for _, seconds in self.mxu_products)
 
   @property
   def seconds(self) -> float:
@@ -160,6 +167,16 @@ class Estimate:
       )
       for region, bundles, runs in op.regions:
         lines.append(f"      {region:<16} {bundles:>7} bundles x {runs:>9.0f} runs per core")
+      if op.mxu_floor_s:
+        share = 100 * op.mxu_floor_s / op.seconds
+        lines.append(
+          f"      MXU work at peak {op.mxu_floor_s * 1e3:.4f} ms per run ({share:.0f}% of its "
+          "estimate), by product (rows x contraction x columns, ms):"
+        )
+        lines.append(
+          "        "
+          + ", ".join(f"{r}x{k}x{c} {t * 1e3:.3f}" for (r, k, c), t in op.mxu_products[:6])
+        )
     if len(ranked) > top:
       rest = sum(op.total_s for op in ranked[top:])
       lines.append(
@@ -301,6 +318,7 @@ def _op(name: str, program: llo.Program, calls: list, spec: Chip) -> OpEstimate:
     weighted and call.weighted,
     lower_bound=program.unknown_trips > 0,
     regions=kernel_regions(program, call),
+    mxu_products=kernel_mxu_products(call, spec),
   )
 
 
@@ -372,8 +390,37 @@ def _mxu_shortfall(grid_loop, call, core: int, steps: int, weights, cycles: floa
 
 
 def _when_flops(when: kernel_grid.When, core: int, edge: int) -> float:
-  own = when.mxu_work.flops(edge) if when.mxu_work is not None else 0.0
-  return when.steps[core] * own + sum(_when_flops(c, core, edge) for c in when.children)
+  return sum(_when_products(when, core, edge).values())
+
+
+def _when_products(when: kernel_grid.When, core: int, edge: int) -> dict:
+  """FLOPs per product shape of a `pl.when` body and what nests in it, over `core`'s steps."""
+  out: dict[tuple[int, int, int], float] = {}
+  own = when.mxu_work.flops_by_product(edge) if when.mxu_work is not None else {}
+  parts = [{k: when.steps[core] * f for k, f in own.items()}]
+  parts += [_when_products(child, core, edge) for child in when.children]
+  for part in parts:
+    for shape, flops in part.items():
+      out[shape] = out.get(shape, 0.0) + flops
+  return out
+
+
+def kernel_mxu_products(
+  call: kernel_grid.KernelCall, spec: Chip
+) -> tuple[tuple[tuple[int, int, int], float], ...]:
+  """One kernel run's MXU work at the chip's peak per product shape (rows, contraction,
+  columns as issued; seconds, largest first) on the core with the most: the floor that
+  `kernel_cycles` holds each region to, summed."""
+  rate = spec.flops_per_core_cycle * spec.clock_hz
+  most: dict[tuple[int, int, int], float] = {}
+  for core, steps in enumerate(call.core_steps):
+    flops = {k: steps * f for k, f in call.mxu_work.flops_by_product(spec.mxu_edge).items()}
+    for when in call.whens:
+      for shape, f in _when_products(when, core, spec.mxu_edge).items():
+        flops[shape] = flops.get(shape, 0.0) + f
+    if sum(flops.values()) > sum(most.values()):
+      most = flops
+  return tuple(sorted(((k, f / rate) for k, f in most.items()), key=lambda kv: -kv[1]))
 
 
 def kernel_regions(program: llo.Program, call: kernel_grid.KernelCall):
