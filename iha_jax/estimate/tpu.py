@@ -393,7 +393,9 @@ def _when_flops(when: kernel_grid.When, core: int, edge: int) -> float:
   return sum(_when_products(when, core, edge).values())
 
 
-def _when_products(when: kernel_grid.When, core: int, edge: int) -> dict:
+def _when_products(
+  when: kernel_grid.When, core: int, edge: int
+) -> dict[tuple[int, int, int], float]:
   """FLOPs per product shape of a `pl.when` body and what nests in it, over `core`'s steps."""
   out: dict[tuple[int, int, int], float] = {}
   own = when.mxu_work.flops_by_product(edge) if when.mxu_work is not None else {}
