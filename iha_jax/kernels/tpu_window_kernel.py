@@ -240,14 +240,18 @@ def backward_kernel(*refs, plan: Plan):
       q, do = qx[qi, pl.ds(t0, cq), :], dox[qi, pl.ds(t0, cq), :]
       k, v = kx[slot, pl.ds(k0, kb), :], vx[slot, pl.ds(k0, kb), :]
       probs, total = _softmax(_scores(plan, q, k, bias_ref, kid_ref, qid_ref, qb, t0))
-      probs = probs * _reciprocal(total)
-      o = _dot(probs.astype(dtype), v, _NN, plan).astype(dtype)
+      # The probabilities stay unnormalised: 1 / total scales the [cq, d] rows of o and
+      # do and the dS factor instead of the [cq, kb] tile (fewer vector operations).
+      scale = _reciprocal(total)
+      unnormalised = probs.astype(dtype)
+      o = (_dot(unnormalised, v, _NN, plan) * scale).astype(dtype)
       ox[pl.ds(t0, cq), :] = o
       dp = _dot(do, v, _NT, plan)
       delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1, keepdims=True)
       # The scores' gradient, times ln 2: the queries carry log2(e) (`prepare`).
-      ds = (probs * (dp - delta) * math.log(2)).astype(dtype)
-      _add_keys(plan, dvx, k0, _dot(probs.astype(dtype), do, _TN, plan))
+      ds = (probs * ((dp - delta) * (scale * math.log(2)))).astype(dtype)
+      scaled_do = (do.astype(jnp.float32) * scale).astype(dtype)
+      _add_keys(plan, dvx, k0, _dot(unnormalised, scaled_do, _TN, plan))
       _add_keys(plan, dkx, k0, _dot(ds, q, _TN, plan))
       dqx[pl.ds(t0, cq), :] = _dot(ds, k, _NN, plan)
       return carry
