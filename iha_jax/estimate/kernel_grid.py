@@ -20,6 +20,7 @@ Reads `jax.core` jaxprs and the `pallas_call` equation's public parameters
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -90,9 +91,9 @@ class MxuWork:
   def flops_by_product(self, edge: int) -> dict[tuple[int, int, int], float]:
     """`flops` per product shape (rows, contraction, columns as issued, unpadded)."""
     pad = lambda x, m: -(-x // m) * m
-    out: dict[tuple[int, int, int], float] = {}
+    out: collections.Counter = collections.Counter()
     for r, k, c, t in self.products:
-      out[(r, k, c)] = out.get((r, k, c), 0.0) + 2.0 * pad(r, 8) * pad(k, edge) * pad(c, edge) * t
+      out[(r, k, c)] += 2.0 * pad(r, 8) * pad(k, edge) * pad(c, edge) * t
     return out
 
 

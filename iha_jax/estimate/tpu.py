@@ -27,6 +27,7 @@ Usage (a fresh process; libtpu must start with the schedule dump switched on):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -393,17 +394,12 @@ def _when_flops(when: kernel_grid.When, core: int, edge: int) -> float:
   return sum(_when_products(when, core, edge).values())
 
 
-def _when_products(
-  when: kernel_grid.When, core: int, edge: int
-) -> dict[tuple[int, int, int], float]:
+def _when_products(when: kernel_grid.When, core: int, edge: int) -> collections.Counter:
   """FLOPs per product shape of a `pl.when` body and what nests in it, over `core`'s steps."""
-  out: dict[tuple[int, int, int], float] = {}
   own = when.mxu_work.flops_by_product(edge) if when.mxu_work is not None else {}
-  parts = [{k: when.steps[core] * f for k, f in own.items()}]
-  parts += [_when_products(child, core, edge) for child in when.children]
-  for part in parts:
-    for shape, flops in part.items():
-      out[shape] = out.get(shape, 0.0) + flops
+  out = collections.Counter({shape: when.steps[core] * f for shape, f in own.items()})
+  for child in when.children:
+    out.update(_when_products(child, core, edge))
   return out
 
 
@@ -414,15 +410,15 @@ def kernel_mxu_products(
   columns as issued; seconds, largest first) on the core with the most: the floor that
   `kernel_cycles` holds each region to, summed."""
   rate = spec.flops_per_core_cycle * spec.clock_hz
-  most: dict[tuple[int, int, int], float] = {}
+  own = call.mxu_work.flops_by_product(spec.mxu_edge)
+  most = collections.Counter()
   for core, steps in enumerate(call.core_steps):
-    flops = {k: steps * f for k, f in call.mxu_work.flops_by_product(spec.mxu_edge).items()}
+    flops = collections.Counter({shape: steps * f for shape, f in own.items()})
     for when in call.whens:
-      for shape, f in _when_products(when, core, spec.mxu_edge).items():
-        flops[shape] = flops.get(shape, 0.0) + f
-    if sum(flops.values()) > sum(most.values()):
+      flops.update(_when_products(when, core, spec.mxu_edge))
+    if flops.total() > most.total():
       most = flops
-  return tuple(sorted(((k, f / rate) for k, f in most.items()), key=lambda kv: -kv[1]))
+  return tuple((shape, f / rate) for shape, f in most.most_common())
 
 
 def kernel_regions(program: llo.Program, call: kernel_grid.KernelCall):
