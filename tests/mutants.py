@@ -81,7 +81,7 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "kernel_window_too_wide",
     "TPU flash kernel's mask: window one virtual token too wide",
-    "iha_jax/kernels/tpu_flash.py",
+    "iha_jax/kernels/flash/tpu_kernel.py",
     "ok = tiles.visible(t, s)\n",
     "ok = tiles.visible(t, s) | tiles.visible(t - 1, s)\n",
     "tests/test_kernels.py::test_kernels_match_reference[tpu-p4-w9-g1]",

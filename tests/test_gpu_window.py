@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 from iha_jax.core.options import AttentionOptions
-from iha_jax.kernels import gpu_window, gpu_window_backward, virtual_attention
+from iha_jax.kernels import gpu_window, gpu_window_backward
+from iha_jax.kernels.flash import attention as flash_attention
 from iha_jax.ops import BlockSizes, iha_attention
 from tests import conformance as cf
 from tests.utils import random_iha_inputs
@@ -85,12 +86,12 @@ def test_gpu_window_matches_reference_on_a_sequence_shard():
 def test_gpu_window_backward_stays_on_chip(monkeypatch):
   """The gradient runs the path's own kernels (forward; the backward's statistics, dQ and
   dK/dV), never the materialised
-  pipeline (its mixing einsums in HBM and gpu_flash's kernels)."""
+  pipeline (its mixing einsums in HBM and the flash kernels)."""
 
   def materialised(*args, **kwargs):
     raise AssertionError("the backward called the materialised pipeline")
 
-  monkeypatch.setattr(virtual_attention, "iha", materialised)
+  monkeypatch.setattr(flash_attention, "iha", materialised)
   q, k, v, *mixing = random_iha_inputs(jax.random.key(0), 1, 12, 2, 16, 2)
   attend = lambda *x: iha_attention(
     *x, window=8, block_sizes=BlockSizes(16, 16), implementation=WINDOW

@@ -1,7 +1,7 @@
 """Sliding-window IHA on GPU with the pseudo-heads made, attended and collapsed on chip.
 
 The GPU twin of `iha_jax.kernels.tpu_window` (same signature and semantics). The
-materialised pipeline (`iha_jax.kernels.virtual_attention`, "pallas_gpu") writes pseudo
+materialised pipeline (`iha_jax.kernels.flash.attention`, "pallas_gpu") writes pseudo
 q/k/v and the pseudo output to HBM, four arrays P times the layer's own activations; a
 window layer attends a band of only ~W virtual keys per query, so that traffic bounds
 it. Here one Triton program takes a tile of query tokens and, per target head, mixes
@@ -59,8 +59,10 @@ from jax import lax
 from iha_jax.core.options import AttentionOptions
 from iha_jax.core.rope import apply_rope, rope_frequencies
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import gpu_window_backward, gpu_window_kernel, virtual_attention
-from iha_jax.kernels.gpu_flash import MIN_LANES, next_pow2
+from iha_jax.kernels import gpu_window_backward, gpu_window_kernel
+from iha_jax.kernels.flash.attention import key_side
+from iha_jax.kernels.gpu import MIN_BLOCK as MIN_LANES
+from iha_jax.kernels.gpu import next_pow2
 
 # Default query tile: pseudo rows per target head and program.
 QUERY_ROWS = 64
@@ -276,7 +278,7 @@ def sources(q, k, v, options: AttentionOptions, plan: WindowPlan) -> dict:
   k1, k2 rotated by `R(pos * P)` in two halves, v; token groups padded to whole rows."""
   if plan.rotary:  # R(pos * P) on the source heads; R(p) per pseudo row on chip
     positions = default_positions(q, options.positions)
-    _, key_positions = virtual_attention.key_side(q, k, options)
+    _, key_positions = key_side(q, k, options)
     q = apply_rope(q, positions * plan.num_pseudo, options.rope_theta)
     k = apply_rope(k, key_positions * plan.num_pseudo, options.rope_theta)
   q = _group_rows(q, plan.q_tokens, plan.num_q, plan.q_src)
@@ -291,7 +293,7 @@ def prepare(q, k, v, alphas, collapse, options: AttentionOptions, plan: WindowPl
   constants, RoPE tables and per-row ids."""
   p = plan.num_pseudo
   positions = default_positions(q, options.positions)
-  key_ids, _ = virtual_attention.key_side(q, k, options)
+  key_ids, _ = key_side(q, k, options)
   operands = sources(q, k, v, options, plan)
   dtype = q.dtype
   alpha_q, alpha_k, alpha_v = (a.astype(jnp.float32) for a in alphas)

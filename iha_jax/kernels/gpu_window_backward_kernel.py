@@ -40,7 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from iha_jax.core.masking import MASK_VALUE
-from iha_jax.kernels.gpu_flash import MIN_LANES, next_pow2
+from iha_jax.kernels.gpu import MIN_BLOCK as MIN_LANES
+from iha_jax.kernels.gpu import next_pow2
 from iha_jax.kernels.gpu_window_kernel import _NN, _NT, COLLAPSE_ROWS, _dot, band, visible
 
 if TYPE_CHECKING:

@@ -43,7 +43,8 @@ from jax.sharding import PartitionSpec as P
 
 from iha_jax.core.options import AttentionOptions, with_overrides
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import gpu_window, splash, tpu_window, virtual_attention
+from iha_jax.kernels import gpu_window, splash, tpu_window
+from iha_jax.kernels.flash import attention
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
@@ -150,7 +151,7 @@ class _Tokens:
     self.sliced = options.sliced or k.shape[1] != q.shape[1]
     self.offset = options.query_offset
     if self.sliced:
-      self.arrays += list(virtual_attention.key_side(q, k, options))
+      self.arrays += list(attention.key_side(q, k, options))
       self.specs += [P(batch, None)] * 2
       if not isinstance(self.offset, int):
         self.arrays.append(jnp.asarray(self.offset, jnp.int32))
@@ -198,7 +199,7 @@ def sharded_iha_attention(
   **overrides: Any,
 ) -> jax.Array:
   """IHA's kernels via `jax.shard_map` over `mesh`: `kernel` (default
-  `virtual_attention.iha`; e.g. the on-chip window path's) on each shard.
+  `attention.iha`; e.g. the on-chip window path's) on each shard.
 
   Args:
     q: `[B, N, H, d]`, k, v: `[B, N, G, d]` (`[B, Nk, G, d]` for a sliced call); B
@@ -224,7 +225,7 @@ def sharded_iha_attention(
     local_options = tokens.options(options, token_arrays)
     if not split_kv:  # all G target heads here: keep the one this shard's queries read
       alpha_k, alpha_v = (_local_kv(a, 1, head_axis, g, shards) for a in (alpha_k, alpha_v))
-    y = (kernel or virtual_attention.iha)(
+    y = (kernel or attention.iha)(
       q, k, v, (alpha_q, alpha_k, alpha_v), collapse, local_options, platform=platform
     )
     if full and head_axis:  # every output head mixes every target head: sum the shares
@@ -260,10 +261,10 @@ def sharded_mha_attention(
   batch_axes: Sequence[str] = ("data",),
   head_axis: str | None = "tensor",
   platform: str = "gpu",
-  kernel: Callable[..., jax.Array] = virtual_attention.mha,
+  kernel: Callable[..., jax.Array] = attention.mha,
   **overrides: Any,
 ) -> jax.Array:
-  """`kernel` (`virtual_attention.mha`, or `splash.splash_mha_attention`) via
+  """`kernel` (`attention.mha`, or `splash.splash_mha_attention`) via
   `jax.shard_map`: heads are independent, so q
   `[B, N, H, d]`, k, v `[B, N, G, dv]` and the output stay split over batch and heads (G
   divisible by the `head_axis` size: each shard holds whole grouped-query groups).
@@ -314,11 +315,9 @@ def _window_outputs(q, k, v, alphas, collapse, options, *, platform: str) -> jax
 
 # The registry's kernel entries: one call, whatever the mesh.
 iha_on_current_mesh = functools.partial(
-  _on_current_mesh, _unsharded(virtual_attention.iha), sharded_iha_attention
+  _on_current_mesh, _unsharded(attention.iha), sharded_iha_attention
 )
-mha_on_current_mesh = functools.partial(
-  _on_current_mesh, virtual_attention.mha, sharded_mha_attention
-)
+mha_on_current_mesh = functools.partial(_on_current_mesh, attention.mha, sharded_mha_attention)
 # IHA's on-chip window path (TPU): pseudo-heads made and collapsed in VMEM.
 iha_window_on_current_mesh = functools.partial(
   _on_current_mesh,

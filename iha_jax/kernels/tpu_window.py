@@ -1,6 +1,6 @@
 """Sliding-window IHA on TPU with the pseudo-heads made, attended and collapsed in VMEM.
 
-The materialised pipeline (`iha_jax.kernels.virtual_attention`) writes pseudo q/k/v and
+The materialised pipeline (`iha_jax.kernels.flash.attention`) writes pseudo q/k/v and
 the pseudo output to HBM: four arrays P times the size of the layer's own activations.
 A window layer attends a band of only ~W virtual keys per query, so at the paper's
 P = H that traffic, not the MXU, bounds it. Here one grid step takes a tile of tokens

@@ -1,6 +1,6 @@
 """Which (query tile, key tile) pair a flash-attention grid step works on.
 
-The TPU flash kernels (`iha_jax.kernels.tpu_flash`) run a grid `(batch x heads, rows,
+The TPU flash kernels (`iha_jax.kernels.flash.tpu`) run a grid `(batch x heads, rows,
 steps)`: every step attends one query tile to one key tile, and a row walks the key
 tiles one query tile sees (or, for the key/value gradients, the query tiles that see one
 key tile). Grid steps cost time even when a kernel skips them (~300 bundles on v5p), so
