@@ -43,8 +43,10 @@ from jax.sharding import PartitionSpec as P
 
 from iha_jax.core.options import AttentionOptions, with_overrides
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import gpu_window, splash, tpu_window
+from iha_jax.kernels import splash
 from iha_jax.kernels.flash import attention
+from iha_jax.kernels.window import gpu as gpu_window
+from iha_jax.kernels.window import tpu as tpu_window
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
