@@ -55,7 +55,7 @@ def _segment_ids(seg) -> tuple[jax.Array, jax.Array]:
   return seg_q[..., 0], seg_k.reshape(seg_k.shape[0], -1)
 
 
-def _pallas(kernel, call: Call, name: str, grid, launch: Launch, interpret: bool, **specs):
+def _pallas_call(kernel, call: Call, name: str, grid, launch: Launch, interpret: bool, **specs):
   return pl.pallas_call(
     functools.partial(kernel, call=call),
     grid=grid,
@@ -97,7 +97,7 @@ def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
       pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, home(i))),
       pl.BlockSpec((None, seg_k.shape[1]), lambda i, bb, hh: (bb, 0)),
     ]
-  o, lse = _pallas(
+  o, lse = _pallas_call(
     forward_kernel,
     call,
     "iha_flash_forward",
@@ -148,7 +148,7 @@ def _dq(call: Call, q, k, v, do, lead_specs, operands, *, interpret: bool):
     pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, home(i))),
     pl.BlockSpec((None, k.shape[2]), lambda i, bb, hh: (bb, 0)),
   ]
-  return _pallas(
+  return _pallas_call(
     dq_kernel,
     call,
     "iha_flash_dq",
@@ -190,7 +190,7 @@ def _dkv(call: Call, q, k, v, do, lse, delta, lead_specs, operands, *, interpret
     pl.BlockSpec((None, q.shape[2]), lambda j, bb, gg: (bb, 0)),
     pl.BlockSpec((None, bk), lambda j, bb, gg: (bb, j)),
   ]
-  return _pallas(
+  return _pallas_call(
     dkv_kernel,
     call,
     "iha_flash_dkv",

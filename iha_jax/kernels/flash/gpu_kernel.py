@@ -25,13 +25,6 @@ from iha_jax.kernels.gpu import (
 )
 
 
-def _offset(refs, call: Call):
-  """(query offset in rows, remaining refs): a traced offset is the first operand."""
-  if call.tiles.offset is None:
-    return refs[0][0], refs[1:]
-  return call.tiles.offset, refs
-
-
 def _mask(call: Call, q_tile, k_tile, offset, seg_q, seg_k, transposed: bool) -> jax.Array:
   """Visibility of one tile pair, `[bq, bk]` (`[bk, bq]` if `transposed`); seg_q, seg_k:
   the tiles' ids (`[bq]`, `[bk]`) or None."""
@@ -58,7 +51,7 @@ def _rows(ref, tile, block: int, head=None):
 
 
 def forward_kernel(*refs, call: Call):
-  offset, refs = _offset(refs, call)
+  offset, refs = call.offset_and_refs(refs)
   q_ref, k_ref, v_ref, *refs = refs
   seg_q_ref, seg_k_ref, o_ref, lse_ref = refs if call.segments else (None, None, *refs)
   tiles = call.tiles
@@ -86,7 +79,7 @@ def forward_kernel(*refs, call: Call):
 
 
 def dq_kernel(*refs, call: Call):
-  offset, refs = _offset(refs, call)
+  offset, refs = call.offset_and_refs(refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
   seg_q_ref, seg_k_ref, dq_ref = refs if call.segments else (None, None, *refs)
   tiles = call.tiles
@@ -108,7 +101,7 @@ def dq_kernel(*refs, call: Call):
 
 
 def dkv_kernel(*refs, call: Call):
-  offset, refs = _offset(refs, call)
+  offset, refs = call.offset_and_refs(refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
   seg_q_ref, seg_k_ref, dk_ref, dv_ref = refs if call.segments else (None, None, *refs)
   tiles = call.tiles

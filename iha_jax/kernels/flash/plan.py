@@ -268,3 +268,10 @@ class Call:
   @property
   def group(self) -> int:
     return self.heads // self.kv_heads
+
+  def offset_and_refs(self, refs):
+    """(the query offset in rows, a kernel's other refs): a traced offset (a sequence
+    shard's) is the kernel's first operand, read here; a static one is the tiles'."""
+    if self.tiles.offset is None:
+      return refs[0][0], refs[1:]
+    return self.tiles.offset, refs

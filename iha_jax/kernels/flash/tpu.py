@@ -91,7 +91,7 @@ def _specs(call: Call, d: int, dv: int):
   return per_query, rows, inputs, segments
 
 
-def _call(
+def _pallas_call(
   kernel,
   call: Call,
   grid,
@@ -136,7 +136,7 @@ def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool, with_lse
   rows, steps = call.tiles.query_major()
   per_query, per_query_rows, inputs, segments = _specs(call, d, dv)
   bq = call.tiles.block_q
-  outputs = _call(
+  outputs = _pallas_call(
     functools.partial(forward_kernel, with_lse=with_lse),
     call,
     (b * h, rows, steps),
@@ -218,7 +218,7 @@ def _dq(call: Call, q, k, v, rope, segments, offset, do, lse, delta, *, interpre
   dv, bq = v.shape[-1], call.tiles.block_q
   rows, steps = call.tiles.query_major()
   per_query, per_query_rows, inputs, seg_specs = _specs(call, d, dv)
-  (dq,) = _call(
+  (dq,) = _pallas_call(
     dq_kernel,
     call,
     (b * h, rows, steps),
@@ -323,7 +323,7 @@ def _dkv(call: Call, q, k, v, rope, segments, offset, do, lse, delta, *, ring: i
     out_specs.append(dq_spec)
     out_shapes.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
     scratch.append(pltpu.VMEM((ring * r, bq, d), jnp.float32))
-  grads = _call(
+  grads = _pallas_call(
     functools.partial(dkv_kernel, ring=ring),
     call,
     (b * g, rows, r * steps),

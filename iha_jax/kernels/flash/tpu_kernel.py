@@ -90,13 +90,6 @@ def _columns(*rows: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(t[:, i * share : i * share + 1] for i in range(len(rows)))
 
 
-def _offset(refs, call: Call):
-  """Splits the scalar-prefetch offset (rows; sliced calls) off the refs."""
-  if call.tiles.offset is None:
-    return refs[0][0], refs[1:]
-  return call.tiles.offset, refs
-
-
 def _tables(refs, call: Call):
   """Splits the RoPE tables' refs `(queries', keys', rest)` off the refs (None, None
   without RoPE)."""
@@ -109,7 +102,7 @@ def _tables(refs, call: Call):
 
 
 def forward_kernel(*refs, call: Call, with_lse: bool = True):
-  offset, refs = _offset(refs, call)
+  offset, refs = call.offset_and_refs(refs)
   q_ref, k_ref, v_ref, *refs = refs
   exact = q_ref.dtype == jnp.float32  # float32 inputs: true float32 products
   q_rope, k_rope, refs = _tables(refs, call)
@@ -238,7 +231,7 @@ def _firsts(call: Call, q_tile, k_tile, offset, q_rows: slice, k_rows: slice):
 
 
 def dq_kernel(*refs, call: Call):
-  offset, refs = _offset(refs, call)
+  offset, refs = call.offset_and_refs(refs)
   q_ref, k_ref, v_ref, *refs = refs
   exact = q_ref.dtype == jnp.float32  # float32 inputs: true float32 products
   q_rope, k_rope, refs = _tables(refs, call)
@@ -289,7 +282,7 @@ def dkv_kernel(*refs, call: Call, ring: int = 0):
   i's float32 accumulator sits in slot `i % ring` of a VMEM ring (per query head of the
   group) from its first key tile to key tile i, its last (causal, equal tiles), whose
   first step writes it out and clears the slot."""
-  offset, refs = _offset(refs, call)
+  offset, refs = call.offset_and_refs(refs)
   q_ref, k_ref, v_ref, *refs = refs
   exact = q_ref.dtype == jnp.float32  # float32 inputs: true float32 products
   q_rope, k_rope, refs = _tables(refs, call)

@@ -132,12 +132,12 @@ def pseudo_angles(pseudo: jax.Array, head_dim: int, theta: float) -> jax.Array:
 # --- the entry's skeleton ----------------------------------------------------------------
 
 
-def plan_for(plan: Callable, q, k, alphas, collapse, options: AttentionOptions, **platform):
-  """`plan(...)`, a path's tiling, of a call (arrays or ShapeDtypeStructs): its shapes,
+def plan_for(tiling: Callable, q, k, alphas, collapse, options: AttentionOptions, **platform):
+  """`tiling(...)`, a path's `Plan`, of a call (arrays or ShapeDtypeStructs): its shapes,
   static query offset and requested blocks; `platform`: the path's own arguments."""
   offset = options.query_offset if (options.sliced or k.shape[1] != q.shape[1]) else 0
   blocks = options.block_sizes
-  return plan(
+  return tiling(
     q.shape,
     k.shape[1],
     k.shape[2],

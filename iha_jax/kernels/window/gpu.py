@@ -64,7 +64,7 @@ from iha_jax.kernels.window import common
 from iha_jax.kernels.window.common import block_diagonal, full_collapse, pseudo_angles
 from iha_jax.kernels.window.gpu_backward_kernel import dkv_kernel, query_kernel
 from iha_jax.kernels.window.gpu_kernel import forward_kernel
-from iha_jax.kernels.window.gpu_plan import Plan, backward_plan, plan
+from iha_jax.kernels.window.gpu_plan import Plan, backward_plan, tiling
 
 # --- operands built in XLA (source-sized, or small constants) -----------------------------
 
@@ -394,7 +394,7 @@ def window_iha(
 
 def plan_for(q, k, alphas, collapse, options: AttentionOptions) -> Plan:
   """The `Plan` of a call (arrays or ShapeDtypeStructs)."""
-  return common.plan_for(plan, q, k, alphas, collapse, options)
+  return common.plan_for(tiling, q, k, alphas, collapse, options)
 
 
 def unsupported(q, v, num_pseudo: int, options: AttentionOptions) -> str | None:

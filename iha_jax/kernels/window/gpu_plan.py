@@ -1,7 +1,7 @@
 """The static tiling of IHA's on-chip GPU window path (`iha_jax.kernels.window.gpu`), and
 its band in the tiling's units.
 
-`plan` turns a call's shapes and options into a `Plan`: query tiles and key groups of
+`tiling` turns a call's shapes and options into a `Plan`: query tiles and key groups of
 whole tokens whose pseudo rows (and source rows) are padded to powers of two (Triton's
 block shapes), as many tokens as fill them within register budgets, or
 `GpuUnsupportedShape` naming the limit; `backward_plan` pads them to whole spans of the
@@ -84,7 +84,7 @@ def _check_rows(rows: int | None, name: str, p: int) -> None:
     )
 
 
-def plan(
+def tiling(
   q_shape: tuple[int, ...],
   key_tokens: int,
   kv_heads: int,

@@ -39,7 +39,7 @@ key gradients accumulate in VMEM block by block; where each key/value head has o
 head, a block writes the cq key rows no earlier block saw and adds only the rest (no
 zeroed scratch per head).
 
-Files: `window.tpu_plan` (the tiling: `plan`, `Plan`, the VMEM budget, `gather_band`),
+Files: `window.tpu_plan` (the tiling: `tiling`, `Plan`, the VMEM budget, `gather_band`),
 `window.tpu_kernel` (what a grid step does in VMEM, forward and backward), and this
 module (the constants built in XLA, layouts, block specs, the calls and the custom VJP);
 what it shares with the GPU twin: `window.common`.
@@ -64,7 +64,7 @@ from iha_jax.kernels.tpu import on_tpu
 from iha_jax.kernels.window import common
 from iha_jax.kernels.window.common import block_diagonal, full_collapse, in_band, pseudo_angles
 from iha_jax.kernels.window.tpu_kernel import HALF_MASK, backward_kernel, forward_kernel
-from iha_jax.kernels.window.tpu_plan import VMEM_LIMIT_BYTES, Plan, gather_band, plan
+from iha_jax.kernels.window.tpu_plan import VMEM_LIMIT_BYTES, Plan, gather_band, tiling
 
 # --- constants built outside the kernels (XLA, small) ------------------------------------
 
@@ -402,7 +402,7 @@ def window_iha(
 def plan_for(q, k, alphas, collapse, options: AttentionOptions) -> Plan:
   """The `Plan` of a call (arrays or ShapeDtypeStructs)."""
   low_precision = jnp.dtype(q.dtype).itemsize <= 2
-  return common.plan_for(plan, q, k, alphas, collapse, options, low_precision=low_precision)
+  return common.plan_for(tiling, q, k, alphas, collapse, options, low_precision=low_precision)
 
 
 def unsupported(q, v, num_pseudo: int, options: AttentionOptions) -> str | None:

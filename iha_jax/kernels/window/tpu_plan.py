@@ -1,6 +1,6 @@
 """The static tiling of IHA's on-chip TPU window path (`iha_jax.kernels.window.tpu`).
 
-`plan` turns a call's shapes and options into a `Plan`: token groups whose mixing
+`tiling` turns a call's shapes and options into a `Plan`: token groups whose mixing
 products fill whole sublane tiles, the score tile `[cq, kb]` that holds a block's whole
 band, the query tile per grid step (the longest within the scoped VMEM budget, counted by
 `_vmem_bytes`), and the halo blocks of keys around it; or `TpuUnsupportedShape`, naming
@@ -103,7 +103,7 @@ def _aligned_group(heads: tuple[int, ...], p: int, align: int) -> int:
   raise TpuUnsupportedShape(f"no group of up to 128 tokens aligns heads {heads} and P = {p}")
 
 
-def plan(
+def tiling(
   q_shape: tuple[int, ...],
   key_tokens: int,
   kv_heads: int,
