@@ -150,7 +150,7 @@ SMOKE = {
       dataclasses.replace(GQA_CASES[2][1], shards=4),
     ),
     ("control: 128 x 128 tiles at P = 2", dataclasses.replace(_case("P = 2"), blocks=(128, 128))),
-    # The on-chip window path (`gpu_window`): its forward kernel and its backward's
+    # The on-chip window path (`kernels.window.gpu`): its forward kernel and its backward's
     # statistics, dQ and dK/dV kernels.
     (
       "on-chip: 2.4B L layer (P = H = 20)",

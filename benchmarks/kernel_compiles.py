@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from iha_jax import kernels
 from iha_jax.core.options import AttentionOptions, BlockSizes
-from iha_jax.kernels import gpu_window, tpu_window
+from iha_jax.kernels.window import gpu as gpu_window
+from iha_jax.kernels.window import tpu as tpu_window
 from iha_jax.parallel import compiled, context, targets
 
 

@@ -14,7 +14,7 @@ Implementations:
 - pallas_gpu_mha: materialised pseudo q/k/v + the Pallas MHA kernel over the virtual
   sequence, given segment ids (the packed-data case, which cuDNN's path does not take).
 - pallas_gpu_window (window layers; by `--impls` only): IHA's on-chip GPU window path
-  (`iha_jax.kernels.gpu_window`: pseudo-heads mixed, attended and collapsed on chip,
+  (`iha_jax.kernels.window.gpu`: pseudo-heads mixed, attended and collapsed on chip,
   forward and backward).
 - cudnn: materialised pseudo q/k/v + `jax.nn.dot_product_attention(
   implementation="cudnn", is_causal=True, local_window_size=...)` (the library's

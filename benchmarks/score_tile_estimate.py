@@ -4,7 +4,7 @@
     python benchmarks/score_tile_estimate.py --rows 288 --keys 512
     python benchmarks/score_tile_estimate.py --layout keys_on_sublanes --rows 128
 
-A Pallas kernel that runs only what `tpu_window_kernel.forward_kernel` does per score tile
+A Pallas kernel that runs only what `window.tpu_kernel.forward_kernel` does per score tile
 (scores of `rows` queries against `keys` keys, an additive band mask, a softmax in log2
 units, probabilities times values, the normalised rows stored) over one head's 3200 rows
 per grid step, 20 heads; no mixing, no collapse. It tries a tile shape or layout in a
@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from iha_jax.estimate import tpu  # noqa: E402
-from iha_jax.kernels.tpu_window_kernel import _NN, _NT, _TN, _reciprocal, _softmax  # noqa: E402
+from iha_jax.kernels.tpu import NN, NT, TN  # noqa: E402
+from iha_jax.kernels.window.tpu_kernel import reciprocal, unnormalised_softmax  # noqa: E402
 from iha_jax.parallel import targets  # noqa: E402
 
 HEAD_ROWS, HEADS, D = 3200, 20, 128
@@ -50,17 +51,17 @@ def kernel_call(rows: int, keys: int, transposed: bool, unroll: int):
       t0 = pl.multiple_of(i * rows, 16)
       q, k, v = q_ref[pl.ds(t0, rows), :], k_ref[pl.ds(t0, keys), :], v_ref[pl.ds(t0, keys), :]
       if transposed:  # scores [keys, rows]: reductions over sublanes and vregs
-        s = _dot(k, q, _NT) + bias_ref[...]
+        s = _dot(k, q, NT) + bias_ref[...]
         m = jnp.max(s, axis=0, keepdims=True)
         p = jnp.exp2(s - m)
-        o = _dot(v, p.astype(v.dtype), _TN)  # o^T [d, rows]
-        o_ref[:, pl.ds(t0, rows)] = (o * _reciprocal(jnp.sum(p, axis=0, keepdims=True))).astype(
+        o = _dot(v, p.astype(v.dtype), TN)  # o^T [d, rows]
+        o_ref[:, pl.ds(t0, rows)] = (o * reciprocal(jnp.sum(p, axis=0, keepdims=True))).astype(
           o_ref.dtype
         )
       else:  # the kernel's own chain: scores [rows, keys], reductions over lanes
-        p, total = _softmax(_dot(q, k, _NT) + bias_ref[...])
-        o = _dot(p.astype(v.dtype), v, _NN)
-        o_ref[pl.ds(t0, rows), :] = (o * _reciprocal(total)).astype(o_ref.dtype)
+        p, total = unnormalised_softmax(_dot(q, k, NT) + bias_ref[...])
+        o = _dot(p.astype(v.dtype), v, NN)
+        o_ref[pl.ds(t0, rows), :] = (o * reciprocal(total)).astype(o_ref.dtype)
       return carry
 
     lax.fori_loop(0, blocks, block, 0, unroll=unroll)

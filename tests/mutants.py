@@ -81,7 +81,7 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "kernel_window_too_wide",
     "TPU flash kernel's mask: window one virtual token too wide",
-    "iha_jax/kernels/tpu_flash.py",
+    "iha_jax/kernels/flash/tpu_kernel.py",
     "ok = tiles.visible(t, s)\n",
     "ok = tiles.visible(t, s) | tiles.visible(t - 1, s)\n",
     "tests/test_kernels.py::test_kernels_match_reference[tpu-p4-w9-g1]",
@@ -90,7 +90,7 @@ MUTANTS: list[Mutant] = [
     "onchip_keys_overwritten",
     "on-chip TPU window backward: a score tile overwrites 16 key-gradient rows an earlier "
     "tile added to",
-    "iha_jax/kernels/tpu_window_kernel.py",
+    "iha_jax/kernels/window/tpu_kernel.py",
     "  shared = kb - cq\n",
     "  shared = kb - cq - 16\n",
     "tests/test_kernels.py::test_kernels_match_reference[tpu-window-p2-packed]",
@@ -99,7 +99,7 @@ MUTANTS: list[Mutant] = [
     "gpu_one_token_weight_rows",
     "on-chip GPU window backward: a one-token group folds its weight partials without its "
     "last pseudo row (the paper's P = H key groups)",
-    "iha_jax/kernels/gpu_window_backward_kernel.py",
+    "iha_jax/kernels/window/gpu_mixing.py",
     "pair = _first_rows(x, pa), ",
     "pair = _first_rows(x, pa - 1), ",
     "tests/test_gpu_window.py::test_gpu_window_matches_reference[one-token-groups-p9]",

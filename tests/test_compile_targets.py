@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from iha_jax.kernels import tpu_window
+from iha_jax.kernels.window import tpu_plan
 from iha_jax.parallel import targets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_tpu_kernels_compile_within_scoped_vmem():
     for name, kernel in paper["kernels"].items():
       assert 0 < kernel["vmem_bytes"] <= SCOPED_VMEM_LIMIT, (case, name, kernel)
   # The on-chip window path: one forward and one backward kernel, within the VMEM it asks
-  # for (`tpu_window.VMEM_LIMIT_BYTES`, under v5p's 64 MiB), also for a GQA sequence shard.
+  # for (`window.tpu_plan.VMEM_LIMIT_BYTES`, under v5p's 64 MiB), also for a GQA sequence shard.
   for case in (
     "on-chip: 2.4B L layer (P = H = 20)",
     "on-chip GQA: 2.4B L layer (G = 5), one of 4 sequence shards",
@@ -83,7 +83,7 @@ def test_tpu_kernels_compile_within_scoped_vmem():
     assert onchip["ok"], onchip["error"]
     assert set(onchip["kernels"]) == {"iha_window_forward", "iha_window_backward"}, case
     for name, kernel in onchip["kernels"].items():
-      assert 0 < kernel["vmem_bytes"] <= tpu_window.VMEM_LIMIT_BYTES, (case, name, kernel)
+      assert 0 < kernel["vmem_bytes"] <= tpu_plan.VMEM_LIMIT_BYTES, (case, name, kernel)
   # Control: tiles of 2048 virtual rows each way break Mosaic's scoped-VMEM limit.
   control = rows["control: 2048-row tiles at P = 4, forward"]
   assert not control["ok"]

@@ -1,4 +1,4 @@
-"""IHA's on-chip GPU window path ("pallas_gpu_window", `iha_jax.kernels.gpu_window`)
+"""IHA's on-chip GPU window path ("pallas_gpu_window", `iha_jax.kernels.window.gpu`)
 against the dense reference: its Triton kernel in Pallas' interpreter on CPU (the
 dispatcher falls back to it off-GPU by itself), forward and every gradient (q, k, v,
 alpha_*, collapse) with a random cotangent, through the shared harness
@@ -8,14 +8,20 @@ never the materialised pipeline. Then its tiling and the calls it refuses in one
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from iha_jax.core.masking import visible
 from iha_jax.core.options import AttentionOptions
-from iha_jax.kernels import gpu_window, gpu_window_backward, virtual_attention
+from iha_jax.kernels.flash import attention as flash_attention
+from iha_jax.kernels.window import gpu as gpu_window
+from iha_jax.kernels.window import gpu_plan
+from iha_jax.kernels.window.common import in_band
 from iha_jax.ops import BlockSizes, iha_attention
 from tests import conformance as cf
 from tests.utils import random_iha_inputs
@@ -85,12 +91,12 @@ def test_gpu_window_matches_reference_on_a_sequence_shard():
 def test_gpu_window_backward_stays_on_chip(monkeypatch):
   """The gradient runs the path's own kernels (forward; the backward's statistics, dQ and
   dK/dV), never the materialised
-  pipeline (its mixing einsums in HBM and gpu_flash's kernels)."""
+  pipeline (its mixing einsums in HBM and the flash kernels)."""
 
   def materialised(*args, **kwargs):
     raise AssertionError("the backward called the materialised pipeline")
 
-  monkeypatch.setattr(virtual_attention, "iha", materialised)
+  monkeypatch.setattr(flash_attention, "iha", materialised)
   q, k, v, *mixing = random_iha_inputs(jax.random.key(0), 1, 12, 2, 16, 2)
   attend = lambda *x: iha_attention(
     *x, window=8, block_sizes=BlockSizes(16, 16), implementation=WINDOW
@@ -110,11 +116,11 @@ def test_gpu_window_backward_stays_on_chip(monkeypatch):
 def test_gpu_window_backward_programs_of_several_tiles(monkeypatch, kind, n, mask, blocks, dtype):
   """Two backward programs per batch row: each takes several query tiles (key groups),
   the last ones padding tiles, and sums its tiles' partials of the mixing and collapse."""
-  monkeypatch.setattr(gpu_window_backward, "PROGRAMS", 2)
+  monkeypatch.setattr(gpu_plan, "PROGRAMS", 2)
   cf.check(kind, WINDOW, b=2, n=n, mask=mask, dtype=dtype, blocks=blocks)
 
 
-def _plan(h: int, g: int, p: int, window: int, **options) -> gpu_window.WindowPlan:
+def _plan(h: int, g: int, p: int, window: int, **options) -> gpu_plan.Plan:
   q = jax.ShapeDtypeStruct((1, 2048, h, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 2048, g, 128), jnp.bfloat16)
   alphas = tuple(jax.ShapeDtypeStruct((x, x, p), jnp.float32) for x in (h, g, g))
@@ -139,9 +145,44 @@ def test_gpu_window_refuses_in_one_line_naming_the_limit():
   q, k, v, *mixing = random_iha_inputs(jax.random.key(0), 1, 8, 2, 16, 2)
   assert "sliding windows only" in gpu_window.unsupported(q, v, 2, AttentionOptions())
   assert gpu_window.unsupported(q, v, 2, AttentionOptions(window=8)) is None
-  with pytest.raises(gpu_window.UnsupportedShape) as error:
+  with pytest.raises(gpu_plan.GpuUnsupportedShape) as error:
     iha_attention(q, k, v, *mixing, window=None, implementation=WINDOW)
   message = str(error.value)
   assert "\n" not in message and "'pallas_gpu'" in message and WINDOW in message
-  with pytest.raises(gpu_window.UnsupportedShape, match="block_sizes.block_q=24"):
+  with pytest.raises(gpu_plan.GpuUnsupportedShape, match="block_sizes.block_q=24"):
     iha_attention(q, k, v, *mixing, window=8, block_sizes=BlockSizes(24, 16), implementation=WINDOW)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_band_is_the_masking_rule(causal):
+  """The window paths' band (`window.common.in_band`: the TPU score tiles' bias, the GPU
+  kernels' masks) is `core.masking.visible`'s rule; the GPU tiling's key groups of a query
+  tile, and query tiles of a key group, hold every pair that rule makes visible (shards
+  at a query offset included)."""
+  delta = np.arange(-50, 51)
+  for window in (1, 4, 13, 50):
+    want = np.asarray(visible(delta, np.zeros_like(delta), None, None, window, causal))
+    assert (in_band(delta, window, causal) == want).all(), window
+  for p, window, offset in itertools.product((3, 5), range(1, 40), (0, 7)):
+    n = 20
+    q = jax.ShapeDtypeStruct((1, n, 2, 16), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, n + offset, 2, 16), jnp.float32)
+    alphas = tuple(jax.ShapeDtypeStruct((2, 2, p), jnp.float32) for _ in range(3))
+    collapse = jax.ShapeDtypeStruct((2, 2, p), jnp.float32)
+    blocks = BlockSizes(16, 16)  # tiles and groups of a few tokens
+    options = AttentionOptions(
+      window=window, causal=causal, query_offset=offset, block_sizes=blocks
+    )
+    plan = gpu_window.plan_for(q, k, alphas, collapse, options)
+    t = (offset + np.arange(n)[:, None]) * p + np.arange(p)  # [N, P]: virtual query rows
+    s = np.arange(n + offset)[:, None] * p + np.arange(p)
+    seen = np.asarray(visible(t.reshape(-1, 1), s.reshape(1, -1), None, None, window, causal))
+    seen = seen.reshape(n, p, n + offset, p).any(axis=(1, 3))  # [query token, key token]
+    tile, group = np.arange(n) // plan.q_tokens, np.arange(n + offset) // plan.k_tokens
+    groups = np.array([gpu_plan.key_groups(plan, i) for i in range(plan.num_q)])
+    tiles = np.array([gpu_plan.query_tiles(plan, j) for j in range(plan.num_k)])
+    for bands, home, other in ((groups, tile, group), (tiles, group, tile)):
+      lo, hi = bands[home, 0], bands[home, 1]
+      pairs = seen if bands is groups else seen.T
+      inside = (lo[:, None] <= other[None, :]) & (other[None, :] < hi[:, None])
+      assert (inside | ~pairs).all(), (p, window, offset)

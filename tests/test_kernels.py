@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from iha_jax.kernels import virtual_attention
+from iha_jax.kernels.flash import attention as flash_attention
 from iha_jax.kernels.sharded import sharded_iha_attention
 from iha_jax.kinds import registry
 from iha_jax.models.config import TransformerConfig
@@ -157,7 +157,7 @@ KERNEL_CASES = [
   ],
   _case("tpu-p4-w9-g1", cf.iha(2, 16, 4, kv_heads=1), TPU, 20, {**CAUSAL, "window": 9}),
   # A causal window on equal tiles: dQ rides in the dK/dV kernel (a ring of query-tile
-  # accumulators, `tpu_flash._dq_ring`): nine 32-row tiles, five in flight per key tile,
+  # accumulators, `flash.tpu.dq_ring`): nine 32-row tiles, five in flight per key tile,
   # both query heads of the one key/value head sharing the kernel.
   _case(
     "tpu-dq-ring-g1",
@@ -167,7 +167,7 @@ KERNEL_CASES = [
     {**CAUSAL, "window": 100},
     blocks=BlockSizes(32, 32),
   ),
-  # 256-row tiles: partly visible pairs run in halves (`tpu_flash._masked_blocks`, dQ and
+  # 256-row tiles: partly visible pairs run in halves (`flash.tpu_kernel._masked_blocks`, dQ and
   # dK/dV): a causal window's band with the dQ ring and packed documents; a global causal
   # band (folded rows) without documents, its last key tile mostly padding (600 of 768).
   _case(
@@ -322,7 +322,7 @@ def test_pipeline_in_batch_chunks_matches_reference(monkeypatch):
   """Past `CHUNK_BYTES` of pseudo output a call runs one sequence at a time (what bounds
   the P = 20 step's memory): the same output and gradients, the mixing tensors' summed
   over the chunks."""
-  monkeypatch.setattr(virtual_attention, "CHUNK_BYTES", 1)
+  monkeypatch.setattr(flash_attention, "CHUNK_BYTES", 1)
   cf.check(cf.iha(2, 16, 2, kv_heads=1), TPU, b=2, n=20, mask={**CAUSAL, "window": 9})
 
 
@@ -361,7 +361,7 @@ def test_remat_saves_small_kernel_residuals(policy, saved, monkeypatch):
   `SAVED_RESIDUAL_BYTES` (P = 20 at scale), or under `save_projections`, the forward
   reruns instead."""
   if not saved:
-    monkeypatch.setattr(virtual_attention, "SAVED_RESIDUAL_BYTES", 0)
+    monkeypatch.setattr(flash_attention, "SAVED_RESIDUAL_BYTES", 0)
   cfg = TransformerConfig(
     vocab_size=32, num_layers=2, model_dim=32, num_heads=2, head_dim=16, mlp_dim=32,
     num_pseudo=2, attention_schedule="LM", iha_window=8, implementation=TPU,

@@ -2,7 +2,7 @@
 
 `jax.export` with `platforms=["tpu"]` emits Mosaic (`tpu_custom_call`) and with
 `platforms=["cuda"]` emits Triton (`__gpu$xla.gpu.triton`): `lax.platform_dependent`
-in `iha_jax.kernels.virtual_attention` picks the compiled kernels for those platforms. The
+in `iha_jax.kernels.flash.attention` picks the compiled kernels for those platforms. The
 Triton custom call embeds Triton IR with no serialization-compatibility
 guarantee, so exporting it needs `DisabledSafetyCheck.custom_call` (checked below);
 the lowering itself is complete. Mosaic's final compile (layouts, VMEM limits)
@@ -56,7 +56,7 @@ def test_iha_exports(shape, platform, grad):
     )
   exported = _export(f, platform, x, x, x, a, a, a, a)
   assert target in _custom_calls(exported)
-  # Both platforms mix pseudo q/k/v in HBM by design (iha_jax.kernels.virtual_attention;
+  # Both platforms mix pseudo q/k/v in HBM by design (iha_jax.kernels.flash.attention;
   # tests/test_kernels.py checks the backward saves none of them).
 
 

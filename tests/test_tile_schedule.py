@@ -1,4 +1,4 @@
-"""The TPU flash kernels' tile schedules (`iha_jax.kernels.tile_schedule`) against brute
+"""The TPU flash kernels' tile schedules (`iha_jax.kernels.flash.plan`) against brute
 force: every visible (query tile, key tile) pair is attended exactly once, accumulators
 start and end where the bands do, no tile index leaves its axis (the kernels run without
 Mosaic's DMA bounds checks), and "no mask needed" is claimed only for entirely visible
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from iha_jax.core.masking import visible
-from iha_jax.kernels.tile_schedule import Tiles
+from iha_jax.kernels.flash.plan import Tiles
 
 
 def _tiles(causal, window, block_q, block_k, q_rows, k_rows, keys, offset, max_offset=0):

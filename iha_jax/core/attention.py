@@ -148,7 +148,7 @@ def iha_via_mha(
   """IHA as materialised pseudo q `[B, N * P, H, d]`, k/v `[B, N * P, G, d]` and an MHA
   implementation `mha(q, k, v, options)` over the virtual sequence (virtual segment ids and
   positions; the window, in virtual tokens, and the block sizes carry over). Autodiff
-  saves the P-sized pseudo q/k/v here; the Pallas kernels (`iha_jax.kernels.virtual_attention`) mix
+  saves the P-sized pseudo q/k/v here; the Pallas kernels (`iha_jax.kernels.flash.attention`) mix
   the same way but remake them in the backward."""
   num_pseudo = alpha_q.shape[2]
   qv, kv, vv = (interleave(pseudo_mix(x, a)) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))

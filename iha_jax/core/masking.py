@@ -85,7 +85,7 @@ def ranges_meet(t_first, t_last, s_first, s_last, window: int | None, causal: bo
   span `[t_first - s_last, t_last - s_first]` and each is attained, so the band meets it
   iff that interval meets the rule's. Any array module, or Python ints (True: always).
   The one statement of the band: the XLA path's key blocks (`xla_attention`) and the
-  kernels' tile schedule (`iha_jax.kernels.tile_schedule`) both ask it."""
+  kernels' tile schedule (`iha_jax.kernels.flash.plan`) both ask it."""
   meet = s_first <= t_last if causal else True
   if window is not None:
     meet = meet & (s_last > t_first - window)

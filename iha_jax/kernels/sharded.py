@@ -21,7 +21,8 @@ so each device attends over its own rows (and heads) only.
   heads they read, so groups never straddle shards.
 
 `mesh=None` takes the mesh made current by `jax.set_mesh` (`iha_jax.parallel.activate`);
-`batch_axes` / `head_axis` name its axes (`()` / None: not split).
+`batch_axes` / `head_axis` name its axes (`()` / None: not split; by default the ones the
+logical-axis rules give the batch and the heads, `iha_jax.parallel.sharding.kernel_axes`).
 
 `iha_on_current_mesh` / `mha_on_current_mesh` are what the kind records name for
 "pallas_tpu" / "pallas_gpu": under a mesh they run the wrappers with the axes the
@@ -31,6 +32,7 @@ directly, so a layer makes one call whatever the mesh.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -43,10 +45,22 @@ from jax.sharding import PartitionSpec as P
 
 from iha_jax.core.options import AttentionOptions, with_overrides
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import gpu_window, splash, tpu_window, virtual_attention
+from iha_jax.kernels import splash
+from iha_jax.kernels.flash import attention
+from iha_jax.kernels.window import gpu as gpu_window
+from iha_jax.kernels.window import tpu as tpu_window
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
+
+
+class _Axes(enum.Enum):
+  FROM_RULES = "the logical-axis rules' batch / head axes of the mesh"
+
+
+# The default of `batch_axes` and `head_axis`: the mesh axes the logical-axis rules map the
+# batch and the heads to (`iha_jax.parallel.sharding.kernel_axes`, as the kernel entries).
+FROM_RULES = _Axes.FROM_RULES
 
 
 def _current(mesh: MeshLike | None) -> MeshLike:
@@ -150,7 +164,7 @@ class _Tokens:
     self.sliced = options.sliced or k.shape[1] != q.shape[1]
     self.offset = options.query_offset
     if self.sliced:
-      self.arrays += list(virtual_attention.key_side(q, k, options))
+      self.arrays += list(attention.key_side(q, k, options))
       self.specs += [P(batch, None)] * 2
       if not isinstance(self.offset, int):
         self.arrays.append(jnp.asarray(self.offset, jnp.int32))
@@ -169,15 +183,20 @@ def _prepare(
   q: jax.Array,
   k: jax.Array,
   mesh: MeshLike | None,
-  batch_axes: Sequence[str],
-  head_axis: str | None,
+  batch_axes: Sequence[str] | _Axes,
+  head_axis: str | None | _Axes,
   options: AttentionOptions,
-) -> tuple[MeshLike, tuple[str, ...], _Tokens]:
-  """The mesh, batch axes and token arrays of a sharded call."""
+) -> tuple[MeshLike, tuple[str, ...], str | None, _Tokens]:
+  """The mesh, batch axes, head axis (`FROM_RULES`: the rules') and token arrays of a
+  sharded call."""
   mesh = _current(mesh)
+  if batch_axes is FROM_RULES or head_axis is FROM_RULES:
+    rules = sharding.kernel_axes(mesh) or dict(batch_axes=(), head_axis=None)
+    batch_axes = rules["batch_axes"] if batch_axes is FROM_RULES else batch_axes
+    head_axis = rules["head_axis"] if head_axis is FROM_RULES else head_axis
   batch = tuple(batch_axes)
   check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis, kv_heads=k.shape[2])
-  return mesh, batch, _Tokens(q, k, options, batch)
+  return mesh, batch, head_axis, _Tokens(q, k, options, batch)
 
 
 def sharded_iha_attention(
@@ -191,14 +210,14 @@ def sharded_iha_attention(
   options: AttentionOptions | None = None,
   *,
   mesh: MeshLike | None = None,
-  batch_axes: Sequence[str] = ("data",),
-  head_axis: str | None = "tensor",
+  batch_axes: Sequence[str] | _Axes = FROM_RULES,
+  head_axis: str | None | _Axes = FROM_RULES,
   platform: str = "gpu",
   kernel: Callable[..., jax.Array] | None = None,
   **overrides: Any,
 ) -> jax.Array:
   """IHA's kernels via `jax.shard_map` over `mesh`: `kernel` (default
-  `virtual_attention.iha`; e.g. the on-chip window path's) on each shard.
+  `flash.attention.iha`; e.g. the on-chip window path's) on each shard.
 
   Args:
     q: `[B, N, H, d]`, k, v: `[B, N, G, d]` (`[B, Nk, G, d]` for a sliced call); B
@@ -211,12 +230,14 @@ def sharded_iha_attention(
       `kv_*` `[B, Nk]` and `query_offset`; defaults filled here); `implementation` is
       not read: the kernels of `platform` run.
     mesh: device mesh holding `batch_axes` and `head_axis` (None: the current mesh).
+    batch_axes, head_axis: the mesh axes the batch and the heads split over (`()` / None:
+      not split); `FROM_RULES`: those the logical-axis rules give them.
 
   Returns:
     `[B, N, H, d]`: batch-sharded; per_head collapse also head-sharded.
   """
   options = with_overrides(options, overrides)
-  mesh, batch, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
+  mesh, batch, head_axis, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
   full = collapse.ndim == 3
   g, shards, split_kv = _kv_placement(k, mesh, head_axis)
 
@@ -224,7 +245,7 @@ def sharded_iha_attention(
     local_options = tokens.options(options, token_arrays)
     if not split_kv:  # all G target heads here: keep the one this shard's queries read
       alpha_k, alpha_v = (_local_kv(a, 1, head_axis, g, shards) for a in (alpha_k, alpha_v))
-    y = (kernel or virtual_attention.iha)(
+    y = (kernel or attention.iha)(
       q, k, v, (alpha_q, alpha_k, alpha_v), collapse, local_options, platform=platform
     )
     if full and head_axis:  # every output head mixes every target head: sum the shares
@@ -257,13 +278,13 @@ def sharded_mha_attention(
   options: AttentionOptions | None = None,
   *,
   mesh: MeshLike | None = None,
-  batch_axes: Sequence[str] = ("data",),
-  head_axis: str | None = "tensor",
+  batch_axes: Sequence[str] | _Axes = FROM_RULES,
+  head_axis: str | None | _Axes = FROM_RULES,
   platform: str = "gpu",
-  kernel: Callable[..., jax.Array] = virtual_attention.mha,
+  kernel: Callable[..., jax.Array] = attention.mha,
   **overrides: Any,
 ) -> jax.Array:
-  """`kernel` (`virtual_attention.mha`, or `splash.splash_mha_attention`) via
+  """`kernel` (`flash.attention.mha`, or `splash.splash_mha_attention`) via
   `jax.shard_map`: heads are independent, so q
   `[B, N, H, d]`, k, v `[B, N, G, dv]` and the output stay split over batch and heads (G
   divisible by the `head_axis` size: each shard holds whole grouped-query groups).
@@ -271,7 +292,7 @@ def sharded_mha_attention(
   Args and returns as `sharded_iha_attention` without the mixing; `[B, N, H, dv]`.
   """
   options = with_overrides(options, overrides)
-  mesh, batch, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
+  mesh, batch, head_axis, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
   g, shards, split_kv = _kv_placement(k, mesh, head_axis)
 
   def local(q, k, v, *token_arrays):
@@ -314,11 +335,9 @@ def _window_outputs(q, k, v, alphas, collapse, options, *, platform: str) -> jax
 
 # The registry's kernel entries: one call, whatever the mesh.
 iha_on_current_mesh = functools.partial(
-  _on_current_mesh, _unsharded(virtual_attention.iha), sharded_iha_attention
+  _on_current_mesh, _unsharded(attention.iha), sharded_iha_attention
 )
-mha_on_current_mesh = functools.partial(
-  _on_current_mesh, virtual_attention.mha, sharded_mha_attention
-)
+mha_on_current_mesh = functools.partial(_on_current_mesh, attention.mha, sharded_mha_attention)
 # IHA's on-chip window path (TPU): pseudo-heads made and collapsed in VMEM.
 iha_window_on_current_mesh = functools.partial(
   _on_current_mesh,

@@ -16,7 +16,7 @@ Conventions mapped onto splash's:
   every real query and are never seen; bidirectional calls mark padding with id 0;
 - sequence shards (a query offset into longer keys) are refused: splash's masks are
   static, while a shard's offset is traced (run those layers with "pallas_tpu").
-Runs compiled on TPU and in Pallas interpret mode elsewhere (`lax.platform_dependent`),
+Runs compiled on TPU and in Pallas interpret mode elsewhere (`kernels.tpu.on_tpu`),
 so CPU tests exercise the same code.
 """
 
@@ -26,14 +26,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from iha_jax.core.options import AttentionOptions, round_up
 from iha_jax.core.rope import apply_rope
 from iha_jax.core.validation import default_positions
+from iha_jax.kernels.tpu import LANES, on_tpu
 
-LANES = 128  # splash's blocks are multiples of the lane width
 DEFAULT_BLOCK = 512  # without `block_sizes` (benchmarks search per shape: performance.md)
 # Splash's compute block (the key block one inner step multiplies) at most this: larger
 # ones exceed v5p's scoped VMEM with 2048-row query blocks.
@@ -120,15 +119,15 @@ def splash_mha_attention(
   if segment_ids is not None:
     args.append(pad(segment_ids.astype(jnp.int32)))
 
-  def run(interpret: bool):
+  def run(*arrays, interpret: bool):
     kernel = _kernel(h, padded, options.window, options.causal, blocks, interpret)
 
     def one(q, k, v, ids=None):
       return kernel(q, k, v, segment_ids=None if ids is None else splash.SegmentIds(ids, ids))
 
-    return lambda *arrays: jax.vmap(one)(*arrays)
+    return jax.vmap(one)(*arrays)
 
-  out = lax.platform_dependent(*args, tpu=run(False), default=run(True))
+  out = on_tpu(run, *args)
   out = jnp.swapaxes(out, 1, 2)[:, :n].astype(dtype)  # [B, N, H, dv]
   if options.segment_ids is not None:  # padding queries output zeros
     out = jnp.where((options.segment_ids != 0)[:, :, None, None], out, jnp.zeros((), dtype))

@@ -44,7 +44,7 @@ import jax
 
 from iha_jax.core import cudnn_attention, validation
 from iha_jax.core.options import AttentionOptions, with_overrides
-from iha_jax.kernels import tpu_window
+from iha_jax.kernels.window import tpu as tpu_window
 from iha_jax.kinds import tpu_auto
 from iha_jax.kinds.base import AttentionKind, Letter
 from iha_jax.parallel import context

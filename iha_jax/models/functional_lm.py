@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from iha_jax.kernels.virtual_attention import ATTENTION_RESIDUALS
+from iha_jax.kernels.flash.attention import ATTENTION_RESIDUALS
 from iha_jax.models.config import TransformerConfig
 from iha_jax.models.transformer import (
   TransformerLM,
@@ -52,7 +52,7 @@ def remat_policy(name: str) -> Callable | None:
     return jax.checkpoint_policies.save_only_these_names(*projections)
   if name == "save_attention":
     # Also the kernels' o and lse where they are small enough to be named
-    # (`virtual_attention.ATTENTION_RESIDUALS`: o up to 0.5 GiB per call): no forward
+    # (`flash.attention.ATTENTION_RESIDUALS`: o up to 0.5 GiB per call): no forward
     # kernel reruns: more memory for somewhat less estimated time (the 2.4B step at
     # P = 4 on v5p-128: docs/performance.md §14).
     return jax.checkpoint_policies.save_only_these_names(*projections, ATTENTION_RESIDUALS)

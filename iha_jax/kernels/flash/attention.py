@@ -1,14 +1,11 @@
 """IHA and MHA on TPU and GPU: pseudo-heads mixed by einsums in HBM, then flash attention.
 
-IHA's P pseudo-queries, keys and values per head are linear in the source heads, so
-they are made once per call by einsums (`bnmd,mhp->bhnpd`: the MXU or tensor cores,
-HBM-bound at these sizes) and laid out head-major as the `T = N * P` virtual rows each
-target head attends over; a flash kernel then runs plain flash attention on them
-(`iha_jax.kernels.tpu_flash`: Mosaic; `iha_jax.kernels.gpu_flash`: Triton), with no
-per-tile rebuild of pseudo tiles from all H source heads (which bound the earlier fused
-kernels by the vector units / CUDA cores), and the P outputs collapse by one more einsum.
-The softmax scale `1/sqrt(d)` rides on `alpha_q` (on q for MHA), so the kernels do no
-scaling.
+The flash family's entry: pseudo q/k/v made once per call in HBM
+(`iha_jax.kernels.flash.mixing`: the `T = N * P` virtual rows each target head attends
+over), plain flash attention on them (`iha_jax.kernels.flash.tpu`: Mosaic;
+`iha_jax.kernels.flash.gpu`: Triton), with no per-tile rebuild of pseudo tiles from all
+H source heads (which bound the earlier fused kernels by the vector units / CUDA cores),
+and the P outputs collapsed by one more einsum. The kernels do no scaling.
 
 RoPE at the virtual positions `pos * P + p`: on TPU, window layers and MHA at tiles under
 1024 rows, bound by HBM, pass one float32 `cos | sin` table per side, `[B, T, 2d]` (no
@@ -33,8 +30,8 @@ Sequence shards (a query offset into longer keys, `iha_jax.parallel.context`): t
 rotate at their own positions and carry their own segment ids; the offset reaches the
 kernels as a scalar operand, so one compiled kernel serves every shard.
 
-The entry points are `iha` and `mha`; `_kernel_call` is the policy of a call (tiles, where
-RoPE runs), `_attend` and `_pipeline` its mechanics. Where the kernels run:
+The entry points are `iha` and `mha`; `_plan_call` is the policy of a call (tiles, where
+RoPE runs), `_pseudo_outputs` and `_pipeline` its mechanics. Where the kernels run:
 `lax.platform_dependent` picks the compiled kernel when lowering for its platform (TPU:
 Mosaic; cuda/rocm: Triton) and the same kernel in Pallas interpret mode for any other
 platform (e.g. CPU), so `implementation="pallas_gpu"` works everywhere, and `jax.export`
@@ -44,7 +41,6 @@ kernels.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -54,10 +50,12 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from iha_jax.core.options import AttentionOptions, round_up
-from iha_jax.core.rope import rope_frequencies
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels import gpu_flash, tpu_flash
-from iha_jax.kernels.tile_schedule import Call, Tiles
+from iha_jax.kernels import gpu, tpu
+from iha_jax.kernels.flash import gpu as flash_gpu
+from iha_jax.kernels.flash import tpu as flash_tpu
+from iha_jax.kernels.flash.mixing import Mixing, pseudo_per_head, virtual_segment_ids
+from iha_jax.kernels.flash.plan import Call, Tiles
 
 # Default TPU tiles (rows), the estimate's choice on v5p at the paper's shape
 # (docs/performance.md): global layers amortise a step's fixed cost over 1024 x 1024
@@ -65,7 +63,6 @@ from iha_jax.kernels.tile_schedule import Call, Tiles
 # kernels exceed the default scoped VMEM, as float32 ones would).
 GLOBAL_BLOCK = 1024
 WINDOW_BLOCK = 512
-SUBLANES = 16  # bf16 packs 16 rows per vreg: tiles are multiples of it
 # Remat name of the kernels' residuals, the pseudo output o and its log-sum-exp, given
 # (so a policy naming it saves them, and the backward skips re-running the forward)
 # only while o has at most `SAVED_RESIDUAL_BYTES` per call (per device: the kernels run
@@ -87,78 +84,51 @@ MAX_CHUNKS = 8
 
 def _gpu_blocks(dtype, head_dim: int) -> tuple[int, int]:
   """Default GPU tiles (rows): 128 query rows against 64-row key tiles, the
-  FlashAttention-2 shape for Hopper's wgmma at d <= 128 (`gpu_flash.launch` sizes warps
-  and stages); 64 x 32 for wider q/k rows (128 x 64 overflowed shared memory at d = 256);
-  64 x 16 for float32, whose dots run on the CUDA cores (true float32 products): the
-  largest spill-free at d = 128 (docs/compile_checks.md)."""
+  FlashAttention-2 shape for Hopper's wgmma at d <= 128 (`flash.gpu.flash_launch` sizes
+  warps and stages); 64 x 32 for wider q/k rows (128 x 64 overflowed shared memory at
+  d = 256); 64 x 16 for float32, whose dots run on the CUDA cores (true float32
+  products): the largest spill-free at d = 128 (docs/compile_checks.md)."""
   if jnp.dtype(dtype).itemsize >= 4:
     return 64, 16
   return (64, 32) if head_dim > 128 else (128, 64)
 
 
-_FLASH = {"tpu": tpu_flash, "gpu": gpu_flash}
+# Per platform: the flash calls, and how they run (compiled there, interpreted elsewhere).
+_FLASH = {"tpu": flash_tpu, "gpu": flash_gpu}
+_ON_PLATFORM = {"tpu": tpu.on_tpu, "gpu": gpu.on_gpu}
 PLATFORMS = tuple(_FLASH)
 
 
 def _tile(rows: int, requested: int | None, default: int, name: str) -> tuple[int, int]:
   """(tile edge, padded rows): the requested or default edge, or one tile for a shorter
   sequence. Tiles are multiples of 16 rows (bf16 packs 16 rows per vreg)."""
-  if requested is not None and (requested <= 0 or requested % SUBLANES):
+  unit = tpu.PACKED_SUBLANES
+  if requested is not None and (requested <= 0 or requested % unit):
     raise ValueError(
-      f"block_sizes.{name}={requested}: TPU tiles are positive multiples of {SUBLANES} rows "
+      f"block_sizes.{name}={requested}: TPU tiles are positive multiples of {unit} rows "
       f"(virtual tokens for IHA), e.g. 512"
     )
-  block = min(requested or default, round_up(rows, SUBLANES))
+  block = min(requested or default, round_up(rows, unit))
   return block, round_up(rows, block)
 
 
 def _gpu_tile(rows: int, requested: int | None, default: int, name: str) -> tuple[int, int]:
   """`_tile` for Triton: tiles are powers of two >= 16 rows (Triton's block shapes)."""
-  if requested is not None and (requested < 16 or requested & (requested - 1)):
+  if requested is not None and (requested < gpu.MIN_BLOCK or requested & (requested - 1)):
     raise ValueError(
-      f"block_sizes.{name}={requested}: GPU tiles are powers of two >= 16 rows "
+      f"block_sizes.{name}={requested}: GPU tiles are powers of two >= {gpu.MIN_BLOCK} rows "
       "(virtual tokens for IHA), e.g. 64"
     )
-  block = min(requested or default, max(16, gpu_flash.next_pow2(rows)))
+  block = min(requested or default, gpu.block_pow2(rows))
   return block, round_up(rows, block)
 
 
-def _run(platform: str, name: str, call: Call, *args, **options):
-  """`<platform>_flash.<name>(call, *args, **options)`: compiled on its platform (Mosaic
+def _run_flash(platform: str, name: str, call: Call, *args, **options):
+  """`flash.<platform>.<name>(call, *args, **options)`: compiled on its platform (Mosaic
   on TPU, Triton on cuda/rocm), Pallas' interpreter elsewhere (e.g. CPU)."""
-  fn = functools.partial(getattr(_FLASH[platform], name), **options)
-  compiled = functools.partial(fn, call, interpret=False)
-  targets = {"tpu": compiled} if platform == "tpu" else {"cuda": compiled, "rocm": compiled}
-  return lax.platform_dependent(
-    *args, default=functools.partial(fn, call, interpret=True), **targets
+  return _ON_PLATFORM[platform](
+    functools.partial(getattr(_FLASH[platform], name), call, **options), *args
   )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Mixing:
-  """Source heads -> the kernels' padded virtual rows (static: a custom_vjp argument)."""
-
-  theta: float | None  # RoPE's base (None: no RoPE)
-  scale: float  # the softmax scale, carried by the queries
-  rows_q: int
-  rows_k: int
-  rotate_in_kernel: bool  # RoPE by the kernels, per tile in VMEM (else here, in HBM)
-
-  def __call__(self, q, k, v, alphas, positions, key_positions):
-    a_q, a_k, a_v = alphas if alphas is not None else (None, None, None)
-    theta = None if self.rotate_in_kernel else self.theta
-    qv = _mix(q, a_q, positions, theta, scale=self.scale)
-    kv = _mix(k, a_k, key_positions, theta)
-    vv = _mix(v, a_v, key_positions, None)
-    return _pad_rows(qv, self.rows_q), _pad_rows(kv, self.rows_k), _pad_rows(vv, self.rows_k)
-
-  def tables(self, positions, key_positions, num_pseudo: int, d: int):
-    """The kernels' RoPE tables of the query and key rows (`_rope_table`) at the virtual
-    positions `pos * P + p`, or None (no RoPE, or RoPE in HBM)."""
-    if not self.rotate_in_kernel:  # (which implies RoPE)
-      return None
-    rows = ((positions, self.rows_q), (key_positions, self.rows_k))
-    return tuple(_rope_table(x, num_pseudo, d, self.theta, r) for x, r in rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -176,8 +146,8 @@ def _forward(platform, mixing, call, q, k, v, alphas, positions, key_positions, 
 
   def forward(q, k, v, positions, key_positions, seg):
     qv, kv, vv = mixing(q, k, v, alphas, positions, key_positions)
-    rope = mixing.tables(positions, key_positions, _num_pseudo(alphas), q.shape[-1])
-    return _run(platform, "forward", call, qv, kv, vv, rope, seg, offset, **kw), ()
+    rope = mixing.tables(positions, key_positions, pseudo_per_head(alphas), q.shape[-1])
+    return _run_flash(platform, "forward", call, qv, kv, vv, rope, seg, offset, **kw), ()
 
   chunks = _chunks(mixing, q, v, alphas)
   return _by_chunks(forward, chunks, q, k, v, positions, key_positions, seg)[0]
@@ -198,9 +168,9 @@ def _pipeline_bwd(platform, mixing, call, residuals, do):
   def backward(q, k, v, positions, key_positions, seg, o, lse, do):
     mix = lambda q, k, v, alphas: mixing(q, k, v, alphas, positions, key_positions)
     (qv, kv, vv), mix_vjp = jax.vjp(mix, q, k, v, alphas)
-    rope = mixing.tables(positions, key_positions, _num_pseudo(alphas), q.shape[-1])
+    rope = mixing.tables(positions, key_positions, pseudo_per_head(alphas), q.shape[-1])
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-    dqv, dkv, dvv = _run(
+    dqv, dkv, dvv = _run_flash(
       platform, "backward", call, qv, kv, vv, rope, seg, offset, do.astype(qv.dtype), lse, delta
     )
     dq, dk, dv, dalphas = mix_vjp((dqv, dkv, dvv))  # already in the pseudo rows' dtypes
@@ -215,7 +185,7 @@ def _pipeline_bwd(platform, mixing, call, residuals, do):
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
-def _chunks(mixing: _Mixing, q: jax.Array, v: jax.Array, alphas) -> int:
+def _chunks(mixing: Mixing, q: jax.Array, v: jax.Array, alphas) -> int:
   """Chunks of the batch the pipeline runs in: the fewest that divide it with at most
   `CHUNK_BYTES` of pseudo output o each, at most `MAX_CHUNKS` (the largest divisor up
   to it when none is small enough)."""
@@ -247,80 +217,13 @@ def _by_chunks(fn, chunks: int, *batched):
   return joined, jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *[out[1] for out in outputs])
 
 
-def _num_pseudo(alphas) -> int:
-  """P: the pseudo-heads per head (1 for MHA, `alphas` None)."""
-  return 1 if alphas is None else alphas[0].shape[2]
-
-
-def _rope_table(positions: jax.Array, num_pseudo: int, d: int, theta: float, rows: int):
-  """`cos | sin` `[B, rows, 2d]` float32 of the virtual rows of tokens at `positions`
-  `[B, N]` (virtual position `pos * P + p`; padding rows 0): `cos = [c, c]` and
-  `sin = [-s, s]` per frequency, so `x cos + swap(x) sin` is the rotate-half RoPE (one
-  table, one DMA per tile)."""
-  b = positions.shape[0]
-  cos, sin = (x.reshape(b, -1, d // 2) for x in _virtual_cos_sin(positions, num_pseudo, d, theta))
-  cos, sin = (jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0))) for x in (cos, sin))
-  return jnp.concatenate([cos, cos, -sin, sin], axis=-1)
-
-
-def _virtual_cos_sin(positions: jax.Array, num_pseudo: int, d: int, theta: float):
-  """RoPE's `(cos, sin)`, each `[B, N, P, d/2]` float32, at the virtual positions
-  `pos * P + p`, by angle addition: `cos(a + b) = cos a cos b - sin a sin b` with
-  `a = pos * P * f` per token and `b = p * f` per pseudo-head. The sines and cosines (a
-  polynomial each on TPU's vector units, which bound the table's cost) are taken at N
-  tokens, not N * P rows, several times cheaper by v5p estimate (docs/performance.md
-  §14). Both angles are rounded once, as `(pos * P + p) * f` is."""
-  frequencies = rope_frequencies(d, theta)
-  token = (positions * num_pseudo).astype(jnp.float32)[..., None] * frequencies  # [B, N, d/2]
-  pseudo = jnp.arange(num_pseudo, dtype=jnp.float32)[:, None] * frequencies  # [P, d/2]
-  cos_a, sin_a = jnp.cos(token)[:, :, None], jnp.sin(token)[:, :, None]
-  cos_b, sin_b = jnp.cos(pseudo), jnp.sin(pseudo)
-  return cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
-
-
-def _rotate_virtual(x: jax.Array, positions: jax.Array, num_pseudo: int, theta: float | None):
-  """RoPE of `x: [B, Hx, N, P, d]` (float32) at virtual positions `pos * P + p`."""
-  if theta is None:
-    return x
-  cos, sin = (t[:, None] for t in _virtual_cos_sin(positions, num_pseudo, x.shape[-1], theta))
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def _mix(x: jax.Array, alpha: jax.Array | None, positions, theta, scale: float = 1.0):
-  """Source heads `[B, N, S, d]` -> virtual rows `[B, Ht, N * P, d]` in x.dtype: mixed
-  by `alpha: [S, Ht, P]` (None: each head itself, P = 1), rotated, times `scale`."""
-  b, n, _, d = x.shape
-  if alpha is None:
-    mixed = jnp.swapaxes(x.astype(jnp.float32), 1, 2)[:, :, :, None]  # [B, S, N, 1, d]
-    p = 1
-  else:
-    p = alpha.shape[2]
-    mixed = jnp.einsum(
-      "bnmd,mhp->bhnpd", x, (alpha * scale).astype(x.dtype), preferred_element_type=jnp.float32
-    )
-    scale = 1.0
-  mixed = _rotate_virtual(mixed, positions, p, theta) * scale
-  return mixed.reshape(b, mixed.shape[1], n * p, d).astype(x.dtype)
-
-
-def _segments(ids: jax.Array, num_pseudo: int, rows: int, padding: int) -> jax.Array:
-  """Token ids `[B, N]` -> virtual ids `[B, rows]` (padded with `padding`)."""
-  virtual = jnp.repeat(ids.astype(jnp.int32), num_pseudo, axis=1)
-  return jnp.pad(virtual, ((0, 0), (0, rows - virtual.shape[1])), constant_values=padding)
-
-
-def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
-  return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, 0)))
-
-
-def _kernel_call(q, k, v, alphas, options: AttentionOptions, platform: str):
+def _plan_call(q, k, v, alphas, options: AttentionOptions, platform: str):
   """The policy of a call: its tiles (the platform's defaults or `options.block_sizes`),
-  where RoPE runs (kernels or HBM), and with them the static `Call` and `_Mixing`."""
+  where RoPE runs (kernels or HBM), and with them the static `Call` and `Mixing`."""
   _, n, _, d = q.shape
   nk = k.shape[1]
   sliced = options.sliced or nk != n
-  p = _num_pseudo(alphas)
+  p = pseudo_per_head(alphas)
   blocks = options.block_sizes
   requested = (blocks and blocks.block_q, blocks and blocks.block_k)
   if platform == "gpu":
@@ -334,7 +237,7 @@ def _kernel_call(q, k, v, alphas, options: AttentionOptions, platform: str):
     wide = (
       options.window is None
       and jnp.dtype(q.dtype).itemsize <= 2
-      and max(d, v.shape[-1]) <= tpu_flash.LANES
+      and max(d, v.shape[-1]) <= tpu.LANES
     )
     default = GLOBAL_BLOCK if wide else WINDOW_BLOCK
     block_q, rows_q = _tile(n * p, requested[0], default, "block_q")
@@ -366,10 +269,10 @@ def _kernel_call(q, k, v, alphas, options: AttentionOptions, platform: str):
     and (options.window is not None or (alphas is None and max(block_q, block_k) < GLOBAL_BLOCK))
   )
   call = Call(tiles, heads=heads, kv_heads=kv_heads, segments=segments, rotary=in_kernel)
-  return call, _Mixing(options.rope_theta, 1 / math.sqrt(d), rows_q, rows_k, in_kernel)
+  return call, Mixing(options.rope_theta, 1 / math.sqrt(d), rows_q, rows_k, in_kernel)
 
 
-def _attend(
+def _pseudo_outputs(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
@@ -388,8 +291,8 @@ def _attend(
   b, n, _, _ = q.shape
   nk = k.shape[1]
   sliced = options.sliced or nk != n
-  p = _num_pseudo(alphas)
-  call, mixing = _kernel_call(q, k, v, alphas, options, platform)
+  p = pseudo_per_head(alphas)
+  call, mixing = _plan_call(q, k, v, alphas, options, platform)
   positions = default_positions(q, options.positions)
   key_positions = positions
   key_ids = options.segment_ids
@@ -407,8 +310,10 @@ def _attend(
     key_ids = jnp.where(key_ids == 0, -1, key_ids)  # padding keys: seen by no query
     block_k = call.tiles.block_k
     seg = (  # query ids as columns [B, Tq, 1], key ids as rows of a tile [B, tiles, 1, bk]
-      _segments(query_ids, p, mixing.rows_q, 0)[..., None],
-      _segments(key_ids, p, mixing.rows_k, -1).reshape(b, mixing.rows_k // block_k, 1, block_k),
+      virtual_segment_ids(query_ids, p, mixing.rows_q, 0)[..., None],
+      virtual_segment_ids(key_ids, p, mixing.rows_k, -1).reshape(
+        b, mixing.rows_k // block_k, 1, block_k
+      ),
     )
   offset = options.query_offset if sliced else 0
   static = isinstance(offset, int)
@@ -463,7 +368,7 @@ def iha(
   alpha_v [G, Gt, P])`; `options` as `iha_jax.ops.iha_attention` checks them (its
   `implementation` is not read). The kernel behind `implementation="pallas_<platform>"`
   without the checks or the mesh routing (`iha_jax.kernels.sharded`)."""
-  o = _attend(q, k, v, alphas, options, _checked(platform))
+  o = _pseudo_outputs(q, k, v, alphas, options, _checked(platform))
   spec = "bgnpd,hgp->bnhd" if collapse.ndim == 3 else "bhnpd,hp->bnhd"
   return jnp.einsum(spec, o, collapse.astype(o.dtype), preferred_element_type=jnp.float32)
 
@@ -474,5 +379,5 @@ def mha(
   """MHA (causal or bidirectional) through the same flash kernels without mixing (P = 1):
   q `[B, N, H, d]`, k `[B, Nk, G, d]` (RoPE applies to these), v `[B, Nk, G, dv]` (dv may
   differ from d, e.g. 2d for differential attention) -> `[B, N, H, dv]` in q's dtype."""
-  o = _attend(q, k, v, None, options, _checked(platform))
+  o = _pseudo_outputs(q, k, v, None, options, _checked(platform))
   return jnp.swapaxes(o[:, :, :, 0], 1, 2).astype(q.dtype)

@@ -1,7 +1,7 @@
-"""The kernel bodies of IHA's on-chip TPU window path (`iha_jax.kernels.tpu_window`):
+"""The kernel bodies of IHA's on-chip TPU window path (`iha_jax.kernels.window.tpu`):
 what one grid step does in VMEM, forward (`forward_kernel`) and backward
-(`backward_kernel`). The layouts, block specs and calls are `tpu_window`'s, the tiling
-`tpu_window_plan`'s.
+(`backward_kernel`). The layouts, block specs and calls are `window.tpu`'s, the tiling
+`window.tpu_plan`'s.
 """
 
 from __future__ import annotations
@@ -12,35 +12,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax.core.masking import MASK_VALUE
-from iha_jax.kernels.tpu_window_plan import Plan
+from iha_jax.kernels.tpu import NN, NT, TN, dot, rotate
+from iha_jax.kernels.window.tpu_plan import Plan
 
 BLOCK_UNROLL = 4
 MIX_UNROLL = 8
 
 # Additive masks: two of them still sum to a finite score (a row of padding stays finite).
 HALF_MASK = MASK_VALUE / 2
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_NN = (((1,), (0,)), ((), ()))  # a @ b
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 # --- in-kernel helpers ------------------------------------------------------------------------
 
 
-def _dot(a, b, dims, plan: Plan) -> jax.Array:
-  precision = None if plan.low_precision else lax.Precision.HIGHEST
-  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
-
-
 def _rotate(x: jax.Array, table: jax.Array, inverse: bool = False) -> jax.Array:
   """Rotate-half RoPE of float32 rows `x [r, d]` by a `cos | sin` table `[r, 2d]`."""
   d = x.shape[1]
-  cos, sin = table[:, :d], table[:, d:]
-  swapped = pltpu.roll(x, d // 2, 1) * sin
-  return x * cos - swapped if inverse else x * cos + swapped
+  return rotate(x, table[:, :d], table[:, d:], inverse)
 
 
 def _unroll(count: int, most: int) -> int:
@@ -63,7 +53,7 @@ def _mix(
 
   def body(i, carry):
     src = src_ref[pl.ds(pl.multiple_of(i * width, plan.align), width), :]
-    out = _dot(matrix, src, _NN, plan)
+    out = dot(matrix, src, NN, plan.exact)
     if table is not None:
       out = _rotate(out, table)
     out = out.astype(dst_ref.dtype)
@@ -113,9 +103,9 @@ def _heads(plan: Plan, mix_kv, mix_q, head):
 
 def _scores(plan: Plan, q, k, bias_ref, kid_ref, qid_ref, block, t0):
   """Masked scores `[cq, kb]` float32 of one block, in log2 units (the queries carry
-  log2(e): `_softmax` takes powers of two). Without segments the masks are additive (the
-  band's bias and the keys' validity row: no compare per score)."""
-  s = _dot(q, k, _NT, plan) + bias_ref[...]
+  log2(e): `unnormalised_softmax` takes powers of two). Without segments the masks are
+  additive (the band's bias and the keys' validity row: no compare per score)."""
+  s = dot(q, k, NT, plan.exact) + bias_ref[...]
   key_ids = kid_ref[pl.ds(block, 1), :]  # [1, kb]
   if plan.segments:
     ok = qid_ref[pl.ds(t0, plan.block_rows), :] == key_ids
@@ -123,14 +113,14 @@ def _scores(plan: Plan, q, k, bias_ref, kid_ref, qid_ref, block, t0):
   return s + jnp.where(key_ids > 0, 0.0, HALF_MASK)
 
 
-def _softmax(s):
+def unnormalised_softmax(s):
   """(unnormalised probabilities, their row sums) of log2-unit scores."""
   m = jnp.max(s, axis=1, keepdims=True)
   p = jnp.exp2(s - m)
   return p, jnp.sum(p, axis=1, keepdims=True)
 
 
-def _reciprocal(x):
+def reciprocal(x):
   """1 / x of row sums `[cq, 1]` (>= 1: each row's largest term is 1): the approximate
   reciprocal and two Newton steps, float32-accurate from an estimate of 8 good bits (an
   exact division expands to a dozen vector operations per vreg, for cases that never
@@ -182,9 +172,9 @@ def forward_kernel(*refs, plan: Plan):
         qb,
         t0,
       )
-      probs, total = _softmax(s)
-      o = _dot(probs.astype(vx.dtype), vx[slot, pl.ds(k0, plan.key_rows), :], _NN, plan)
-      ox[pl.ds(t0, cq), :] = (o * _reciprocal(total)).astype(ox.dtype)
+      probs, total = unnormalised_softmax(s)
+      o = dot(probs.astype(vx.dtype), vx[slot, pl.ds(k0, plan.key_rows), :], NN, plan.exact)
+      ox[pl.ds(t0, cq), :] = (o * reciprocal(total)).astype(ox.dtype)
       return carry
 
     lax.fori_loop(0, plan.blocks, block, 0, unroll=_unroll(plan.blocks, BLOCK_UNROLL))
@@ -202,7 +192,7 @@ def _collapse(plan: Plan, matrix, o_ref, y_ref):
   def body(i, carry):
     o = o_ref[pl.ds(pl.multiple_of(i * rows, plan.align), rows), :]
     y_rows = pl.ds(pl.multiple_of(i * out_rows, 8), out_rows)
-    y_ref[y_rows, :] += _dot(matrix, o, _NN, plan)
+    y_ref[y_rows, :] += dot(matrix, o, NN, plan.exact)
     return carry
 
   lax.fori_loop(0, groups, body, 0, unroll=_unroll(groups, MIX_UNROLL))
@@ -239,21 +229,21 @@ def backward_kernel(*refs, plan: Plan):
       k0 = pl.multiple_of(t0 + plan.base, plan.align)
       q, do = qx[qi, pl.ds(t0, cq), :], dox[qi, pl.ds(t0, cq), :]
       k, v = kx[slot, pl.ds(k0, kb), :], vx[slot, pl.ds(k0, kb), :]
-      probs, total = _softmax(_scores(plan, q, k, bias_ref, kid_ref, qid_ref, qb, t0))
+      probs, total = unnormalised_softmax(_scores(plan, q, k, bias_ref, kid_ref, qid_ref, qb, t0))
       # The probabilities stay unnormalised: 1 / total scales the [cq, d] rows of o and
       # do and the dS factor instead of the [cq, kb] tile (fewer vector operations).
-      scale = _reciprocal(total)
+      scale = reciprocal(total)
       unnormalised = probs.astype(dtype)
-      o = (_dot(unnormalised, v, _NN, plan) * scale).astype(dtype)
+      o = (dot(unnormalised, v, NN, plan.exact) * scale).astype(dtype)
       ox[pl.ds(t0, cq), :] = o
-      dp = _dot(do, v, _NT, plan)
+      dp = dot(do, v, NT, plan.exact)
       delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1, keepdims=True)
       # The scores' gradient, times ln 2: the queries carry log2(e) (`prepare`).
       ds = (probs * ((dp - delta) * (scale * math.log(2)))).astype(dtype)
       scaled_do = (do.astype(jnp.float32) * scale).astype(dtype)
-      _add_keys(plan, dvx, k0, _dot(unnormalised, scaled_do, _TN, plan))
-      _add_keys(plan, dkx, k0, _dot(ds, q, _TN, plan))
-      dqx[pl.ds(t0, cq), :] = _dot(ds, k, _NN, plan)
+      _add_keys(plan, dvx, k0, dot(unnormalised, scaled_do, TN, plan.exact))
+      _add_keys(plan, dkx, k0, dot(ds, q, TN, plan.exact))
+      dqx[pl.ds(t0, cq), :] = dot(ds, k, NN, plan.exact)
       return carry
 
     if _one_query_head(plan) and kb > cq:
@@ -316,7 +306,7 @@ def _collapse_grad(plan: Plan, dy_ref, o_ref, dcm_ref, h):
   def body(i, acc):
     o = o_ref[pl.ds(pl.multiple_of(i * rows, plan.align), rows), :]
     dy = dy_ref[pl.ds(pl.multiple_of(i * out_rows, plan.align), out_rows), :]
-    return acc + _dot(dy, o, _NT, plan)
+    return acc + dot(dy, o, NT, plan.exact)
 
   zero = jnp.zeros((out_rows, rows), jnp.float32)
   dcm_ref[h] += lax.fori_loop(0, groups, body, zero, unroll=_unroll(groups, MIX_UNROLL))
@@ -353,8 +343,8 @@ def _unmix(
     grad = grad.astype(src_ref.dtype)
     src_rows = pl.ds(pl.multiple_of(i * width, plan.align), width)
     dst_rows = pl.ds(pl.multiple_of(dst_row0 + i * width, 8), width)
-    dst_ref[dst_rows, :] += _dot(transposed, grad, _NN, plan)
-    return acc + _dot(grad, src_ref[src_rows, :], _NT, plan)
+    dst_ref[dst_rows, :] += dot(transposed, grad, NN, plan.exact)
+    return acc + dot(grad, src_ref[src_rows, :], NT, plan.exact)
 
   zero = jnp.zeros((rows, width), jnp.float32)
   dmat_ref[index] += lax.fori_loop(0, groups, body, zero, unroll=_unroll(groups, MIX_UNROLL))

@@ -1,9 +1,9 @@
-"""The static tiling of IHA's on-chip TPU window path (`iha_jax.kernels.tpu_window`).
+"""The static tiling of IHA's on-chip TPU window path (`iha_jax.kernels.window.tpu`).
 
-`plan` turns a call's shapes and options into a `Plan`: token groups whose mixing
+`tiling` turns a call's shapes and options into a `Plan`: token groups whose mixing
 products fill whole sublane tiles, the score tile `[cq, kb]` that holds a block's whole
 band, the query tile per grid step (the longest within the scoped VMEM budget, counted by
-`_vmem_bytes`), and the halo blocks of keys around it; or `UnsupportedShape`, naming
+`_vmem_bytes`), and the halo blocks of keys around it; or `TpuUnsupportedShape`, naming
 the limit, for a call the path cannot take. `gather_band` puts the key gradients the
 tiles write (own keys, halo blocks) back at their key positions (XLA, after the backward).
 """
@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from iha_jax.core.options import AttentionOptions, round_up
+from iha_jax.kernels.tpu import LANES, PACKED_SUBLANES, SUBLANES
+from iha_jax.kernels.window.common import UnsupportedShape, WindowShape, window_shape
 
-LANES = 128
 # Scoped VMEM the kernels may use (v5p has 64 MiB per core, v5e and v6e 128 MiB).
 VMEM_LIMIT_BYTES = 56 * 2**20
 # What the tiles' blocks and scratch may take of it as `_vmem_bytes` counts them (the
@@ -28,32 +30,19 @@ VMEM_BUDGET_BYTES = 46 * 2**20
 TILE_ROWS = 3200
 
 
-class UnsupportedShape(ValueError):
-  """A call the on-chip window path cannot take (the materialised pipeline can): one line
-  naming the limit and the implementation that takes the call."""
+class TpuUnsupportedShape(UnsupportedShape):
+  """A call the on-chip TPU window path cannot take."""
 
-  def __init__(self, limit: str):
-    super().__init__(
-      f"implementation 'pallas_tpu_window' (IHA's on-chip window path): {limit}; use "
-      "'pallas_tpu' (the materialised pipeline) or 'auto'"
-    )
+  implementation = "pallas_tpu_window"
+  path = "IHA's on-chip window path"
+  fallback = "pallas_tpu"
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(WindowShape):
   """The static tiling of one call (hashable: a custom_vjp argument). Units: tokens
   unless named rows (virtual rows, P per token)."""
 
-  heads: int  # H: source query heads
-  kv_heads: int  # G: source key/value heads
-  out_heads: int  # Ho: collapsed heads the call outputs
-  targets: int  # Ht: target query heads computed here
-  kv_targets: int  # Gt: target key/value heads computed here
-  num_pseudo: int  # P
-  head_dim: int  # d
-  window: int  # rows
-  causal: bool
-  per_head: bool  # collapse [Ht, P] (else [Ho, Ht, P])
   group: int  # s: tokens per mixing product of the query side (q, the collapse)
   kv_group: int  # tokens per mixing product of the key/value side
   q_stack: int  # consecutive target heads whose query-side mixing is one product
@@ -69,7 +58,6 @@ class Plan:
   first_block: int  # tile 0's own keys: block `first_block` of the padded keys
   key_tokens: int  # padded key tokens
   segments: bool
-  rotary: bool
   low_precision: bool  # bf16 inputs (else float32: products at HIGHEST precision)
 
   @property
@@ -93,21 +81,29 @@ class Plan:
 
   @property
   def align(self) -> int:  # rows per sublane tile of the inputs' dtype
-    return 16 if self.low_precision else 8
+    return _align(self.low_precision)
+
+  @property
+  def exact(self) -> bool:  # float32 inputs: true float32 products (HIGHEST precision)
+    return not self.low_precision
 
   @property
   def rows_per_group(self) -> int:
     return self.group * self.num_pseudo
 
 
+def _align(low_precision: bool) -> int:
+  return PACKED_SUBLANES if low_precision else SUBLANES
+
+
 def _aligned_group(heads: tuple[int, ...], p: int, align: int) -> int:
   for s in range(1, 129):
     if all((s * x) % align == 0 for x in (*heads, p)):
       return s
-  raise UnsupportedShape(f"no group of up to 128 tokens aligns heads {heads} and P = {p}")
+  raise TpuUnsupportedShape(f"no group of up to 128 tokens aligns heads {heads} and P = {p}")
 
 
-def plan(
+def tiling(
   q_shape: tuple[int, ...],
   key_tokens: int,
   kv_heads: int,
@@ -115,94 +111,58 @@ def plan(
   collapse_shape: tuple[int, ...],
   options: AttentionOptions,
   offset: int,
-  low_precision: bool,
   tile_rows: int | None = None,
   block_rows: int | None = None,
+  *,
+  low_precision: bool,
 ) -> Plan:
-  """The tiling of a call, or `UnsupportedShape` naming the limit."""
-  _, n, h, d = q_shape
-  window = options.window
-  if window is None:
-    raise UnsupportedShape("it takes sliding windows only (window=None is a global layer)")
-  if not isinstance(offset, int):
-    raise UnsupportedShape("it needs a static query offset (a window layer's shard has one)")
-  (_, ht, p), (_, gt, _) = alphas_shape[0], alphas_shape[1]
-  per_head = len(collapse_shape) == 2
-  ho = ht if per_head else collapse_shape[0]
-  if d % 2 or d > LANES:
-    raise UnsupportedShape(f"head_dim {d}: it takes an even head_dim <= {LANES}")
-  align = 16 if low_precision else 8
+  """The tiling of a call, or `TpuUnsupportedShape` naming the limit."""
+  shape = window_shape(
+    q_shape, kv_heads, alphas_shape, collapse_shape, options, offset, LANES, TpuUnsupportedShape
+  )
+  n, p = q_shape[1], shape.num_pseudo
+  align = _align(low_precision)
   # Token groups whose source and pseudo rows fill whole sublane tiles, per side (a
   # product's contraction, s * heads, then stays one MXU pass wide: G = 5 takes 16 tokens
   # where H = 20 takes 4).
-  s = _aligned_group((h, ho), p, align)
+  s = _aligned_group((shape.heads, shape.out_heads), p, align)
   s_kv = _aligned_group((kv_heads,), p, align)
-  kv_stack = _stack(gt, s_kv * p)
-  q_stack = _stack(kv_stack * (ht // gt), s * p)
-  # Score tiles: cq query rows against kb keys (the whole band of the cq rows).
-  reach = window - 1 if options.causal else 2 * round_up(window - 1, align)
-  if block_rows is None:
-    # MXU passes per query row of the two products (a weight tile is loaded per product,
-    # which costs as much as streaming 128 rows through it); ties: the shortest tile unit.
-    def cost(cq: int) -> tuple[float, int]:
-      kb = round_up(cq + reach, LANES)
-      return 2 * kb / LANES * max(cq, LANES) / cq, math.lcm(s, s_kv, cq // math.gcd(cq, p))
-
-    block_rows = min(range(align, 512 + 1, align), key=cost)
-  elif block_rows % align:
-    raise UnsupportedShape(
-      f"block_sizes.block_k={block_rows}: its score tiles are multiples of {align} query rows"
-    )
-  key_rows = round_up(block_rows + reach, LANES)
-  # Key rows needed before a block's first query row and after its last.
-  before = key_rows - block_rows if options.causal else round_up(window - 1, align)
-  after = 0 if options.causal else key_rows - block_rows - before
+  kv_stack = _stack(shape.kv_targets, s_kv * p)
+  q_stack = _stack(kv_stack * (shape.targets // shape.kv_targets), s * p)
+  block_rows, key_rows, before, after = _score_tile(shape, block_rows, s, s_kv, align)
   # Tiles of whole token groups (both sides) and whole score tiles.
   token_unit = math.lcm(s, s_kv, block_rows // math.gcd(block_rows, p))
   before_tokens, after_tokens = -(-before // p), -(-after // p)
-  itemsize = 2 if low_precision else 4
 
   def layout(tile: int) -> tuple[int, int, int]:  # (halo, blocks before, blocks after)
     halo = _halo(max(before_tokens, after_tokens), tile, math.lcm(s, s_kv))
     return halo, -(-before_tokens // halo), -(-after_tokens // halo)
 
-  def fits(tile: int) -> bool:
+  def vmem(tile: int) -> int:
     halo, nb, na = layout(tile)
     band = tile + halo * (nb + na)
-    sizes = dict(heads=h, kv_heads=kv_heads, out_heads=ho, targets=ht, kv_targets=gt, d=d, p=p)
-    stacks = dict(q_stack=q_stack, kv_stack=kv_stack)
-    vmem = _vmem_bytes(tile, band, block_rows, key_rows, s, s_kv, itemsize, **sizes, **stacks)
-    return vmem <= VMEM_BUDGET_BYTES
-
-  if tile_rows is None:
-    tile_rows = TILE_ROWS
-  longest = round_up(max(n, 1), token_unit)
-  tile = min(max(token_unit, round_up(-(-tile_rows // p), token_unit)), longest)
-  while tile > token_unit and not fits(tile):
-    tile -= token_unit
-  if not fits(tile):
-    raise UnsupportedShape(
-      f"its smallest tile ({tile} tokens at H={h}, P={p}, d={d}) needs more than "
-      f"{VMEM_BUDGET_BYTES // 2**20} MiB of VMEM"
+    sizes = dict(
+      heads=shape.heads,
+      kv_heads=kv_heads,
+      out_heads=shape.out_heads,
+      targets=shape.targets,
+      kv_targets=shape.kv_targets,
+      d=shape.head_dim,
+      p=p,
     )
+    itemsize = 2 if low_precision else 4
+    stacks = dict(q_stack=q_stack, kv_stack=kv_stack)
+    return _vmem_bytes(tile, band, block_rows, key_rows, s, s_kv, itemsize, **sizes, **stacks)
+
+  tile = _fitting_tile(shape, n, tile_rows, token_unit, vmem)
   halo, halo_before, halo_after = layout(tile)
   num_tiles = -(-n // tile)
   front = (-offset) % tile  # key padding that puts tile 0's own keys on a block boundary
   while offset + front < halo * halo_before:
     front += tile
   needed = front + offset + num_tiles * tile + halo * halo_after
-  key_len = round_up(max(needed, front + key_tokens), tile)
   return Plan(
-    heads=h,
-    kv_heads=kv_heads,
-    out_heads=ho,
-    targets=ht,
-    kv_targets=gt,
-    num_pseudo=p,
-    head_dim=d,
-    window=window,
-    causal=options.causal,
-    per_head=per_head,
+    **dataclasses.asdict(shape),
     group=s,
     kv_group=s_kv,
     q_stack=q_stack,
@@ -216,13 +176,60 @@ def plan(
     num_tiles=num_tiles,
     front=front,
     first_block=(offset + front) // tile,
-    key_tokens=key_len,
+    key_tokens=round_up(max(needed, front + key_tokens), tile),
     segments=options.segment_ids is not None
     or options.kv_segment_ids is not None
     or options.key_segment_ids is not None,
-    rotary=options.rope_theta is not None,
     low_precision=low_precision,
   )
+
+
+def _score_tile(
+  shape: WindowShape, block_rows: int | None, s: int, s_kv: int, align: int
+) -> tuple[int, int, int, int]:
+  """(cq, kb, before, after): score tiles of cq query rows against the kb keys of their
+  whole band, which starts `before` rows before a block's first query row and ends `after`
+  rows after its last (`in_band`: W - 1 back, and W - 1 ahead when bidirectional, in
+  whole sublane tiles); cq the requested, else the fewest MXU passes per query row."""
+  window, p = shape.window, shape.num_pseudo
+  reach = window - 1 if shape.causal else 2 * round_up(window - 1, align)
+  if block_rows is None:
+    # MXU passes per query row of the two products (a weight tile is loaded per product,
+    # which costs as much as streaming 128 rows through it); ties: the shortest tile unit.
+    def cost(cq: int) -> tuple[float, int]:
+      kb = round_up(cq + reach, LANES)
+      return 2 * kb / LANES * max(cq, LANES) / cq, math.lcm(s, s_kv, cq // math.gcd(cq, p))
+
+    block_rows = min(range(align, 512 + 1, align), key=cost)
+  elif block_rows % align:
+    raise TpuUnsupportedShape(
+      f"block_sizes.block_k={block_rows}: its score tiles are multiples of {align} query rows"
+    )
+  key_rows = round_up(block_rows + reach, LANES)
+  before = key_rows - block_rows if shape.causal else round_up(window - 1, align)
+  after = 0 if shape.causal else key_rows - block_rows - before
+  return block_rows, key_rows, before, after
+
+
+def _fitting_tile(
+  shape: WindowShape, n: int, tile_rows: int | None, token_unit: int, vmem: Callable
+) -> int:
+  """Query tokens per grid step: about `tile_rows` virtual rows (`TILE_ROWS` by default)
+  per target head in whole `token_unit`s, at most the sequence, shortened until `vmem` of
+  the tile is within `VMEM_BUDGET_BYTES`."""
+  p = shape.num_pseudo
+  if tile_rows is None:
+    tile_rows = TILE_ROWS
+  longest = round_up(max(n, 1), token_unit)
+  tile = min(max(token_unit, round_up(-(-tile_rows // p), token_unit)), longest)
+  while tile > token_unit and vmem(tile) > VMEM_BUDGET_BYTES:
+    tile -= token_unit
+  if vmem(tile) > VMEM_BUDGET_BYTES:
+    raise TpuUnsupportedShape(
+      f"its smallest tile ({tile} tokens at H={shape.heads}, P={p}, d={shape.head_dim}) "
+      f"needs more than {VMEM_BUDGET_BYTES // 2**20} MiB of VMEM"
+    )
+  return tile
 
 
 def _stack(heads: int, rows: int) -> int:

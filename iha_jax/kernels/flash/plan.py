@@ -1,6 +1,6 @@
 """Which (query tile, key tile) pair a flash-attention grid step works on.
 
-The TPU flash kernels (`iha_jax.kernels.tpu_flash`) run a grid `(batch x heads, rows,
+The TPU flash kernels (`iha_jax.kernels.flash.tpu`) run a grid `(batch x heads, rows,
 steps)`: every step attends one query tile to one key tile, and a row walks the key
 tiles one query tile sees (or, for the key/value gradients, the query tiles that see one
 key tile). Grid steps cost time even when a kernel skips them (~300 bundles on v5p), so
@@ -268,3 +268,10 @@ class Call:
   @property
   def group(self) -> int:
     return self.heads // self.kv_heads
+
+  def offset_and_refs(self, refs):
+    """(the query offset in rows, a kernel's other refs): a traced offset (a sequence
+    shard's) is the kernel's first operand, read here; a static one is the tiles'."""
+    if self.tiles.offset is None:
+      return refs[0][0], refs[1:]
+    return self.tiles.offset, refs

@@ -1,6 +1,6 @@
 """Sliding-window IHA on TPU with the pseudo-heads made, attended and collapsed in VMEM.
 
-The materialised pipeline (`iha_jax.kernels.virtual_attention`) writes pseudo q/k/v and
+The materialised pipeline (`iha_jax.kernels.flash.attention`) writes pseudo q/k/v and
 the pseudo output to HBM: four arrays P times the size of the layer's own activations.
 A window layer attends a band of only ~W virtual keys per query, so at the paper's
 P = H that traffic, not the MXU, bounds it. Here one grid step takes a tile of tokens
@@ -39,9 +39,10 @@ key gradients accumulate in VMEM block by block; where each key/value head has o
 head, a block writes the cq key rows no earlier block saw and adds only the rest (no
 zeroed scratch per head).
 
-Files: `tpu_window_plan` (the tiling: `plan`, `Plan`, the VMEM budget, `gather_band`),
-`tpu_window_kernel` (what a grid step does in VMEM, forward and backward), and this
-module (the constants built in XLA, layouts, block specs, the calls and the custom VJP).
+Files: `window.tpu_plan` (the tiling: `tiling`, `Plan`, the VMEM budget, `gather_band`),
+`window.tpu_kernel` (what a grid step does in VMEM, forward and backward), and this
+module (the constants built in XLA, layouts, block specs, the calls and the custom VJP);
+what it shares with the GPU twin: `window.common`.
 """
 
 from __future__ import annotations
@@ -53,53 +54,33 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax.core.options import AttentionOptions
-from iha_jax.core.rope import apply_rope, rope_frequencies
+from iha_jax.core.rope import apply_rope
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels.tpu_window_kernel import HALF_MASK, backward_kernel, forward_kernel
-from iha_jax.kernels.tpu_window_plan import (
-  VMEM_LIMIT_BYTES,
-  Plan,
-  UnsupportedShape,
-  gather_band,
-  plan,
-)
-
-__all__ = ["UnsupportedShape", "VMEM_LIMIT_BYTES", "plan", "plan_for", "unsupported", "window_iha"]
-
+from iha_jax.kernels.tpu import on_tpu
+from iha_jax.kernels.window import common
+from iha_jax.kernels.window.common import block_diagonal, full_collapse, in_band, pseudo_angles
+from iha_jax.kernels.window.tpu_kernel import HALF_MASK, backward_kernel, forward_kernel
+from iha_jax.kernels.window.tpu_plan import VMEM_LIMIT_BYTES, Plan, gather_band, tiling
 
 # --- constants built outside the kernels (XLA, small) ------------------------------------
-
-
-def _block_diagonal(weights: jax.Array, s: int) -> jax.Array:
-  """`weights [S, T, P]` -> `[T, s*P, s*S]`: per target t, `kron(I_s, weights[:, t, :]^T)`
-  (rows (n, p), columns (n', m): the products that map a group's source rows to its
-  pseudo rows)."""
-  eye = jnp.eye(s, dtype=weights.dtype)
-  out = jnp.einsum("nN,mtp->tnpNm", eye, weights)
-  t, _, p, _, m = out.shape
-  return out.reshape(t, s * p, s * m)
 
 
 def _collapse_blocks(collapse: jax.Array, plan: Plan) -> jax.Array:
   """`collapse` -> `[Ht, s*Ho, s*P]`: per target head h', rows (n, ho), columns (n', p),
   `delta(n, n') collapse[ho, h', p]` (per head: only ho = h')."""
-  if plan.per_head:
-    eye = jnp.eye(plan.targets, dtype=collapse.dtype)
-    collapse = jnp.einsum("hp,hg->hgp", collapse, eye)  # [Ho = Ht, Ht, P]
-  # [Ho, Ht, P] as weights [S=Ho, T=Ht, P]: kron gives rows (n, p), columns (n', ho); transpose.
-  return jnp.swapaxes(_block_diagonal(collapse, plan.group), 1, 2)
+  collapse = full_collapse(collapse, plan)  # [Ho, Ht, P]
+  # As weights [S=Ho, T=Ht, P]: kron gives rows (n, p), columns (n', ho); transpose.
+  return jnp.swapaxes(block_diagonal(collapse, plan.group), 1, 2)
 
 
 def _group_table(plan: Plan, theta: float) -> jax.Array:
   """`[s*P, 2d]` float32 `cos | sin` of `R(p)` for the rows (n, p) of a token group, in
   the kernels' rotate-half form (`cos = [c, c]`, `sin = [-s, s]`)."""
-  p, d = plan.num_pseudo, plan.head_dim
-  angles = jnp.arange(p, dtype=jnp.float32)[:, None] * rope_frequencies(d, theta)
+  angles = pseudo_angles(jnp.arange(plan.num_pseudo, dtype=jnp.float32), plan.head_dim, theta)
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   table = jnp.concatenate([cos, cos, -sin, sin], axis=-1)  # [P, 2d]
   # As many token groups as the longest stacked mixing product's rows.
@@ -108,11 +89,10 @@ def _group_table(plan: Plan, theta: float) -> jax.Array:
 
 def _band_bias(plan: Plan) -> jax.Array:
   """`[cq, kb]` float32: 0 where a block's query row sees the key column by the window
-  and causality, MASK_VALUE elsewhere (the same for every block)."""
+  and causality (`in_band`), HALF_MASK elsewhere (the same for every block)."""
   rows = np.arange(plan.block_rows)[:, None] + plan.lo_rows
   cols = np.arange(plan.key_rows)[None, :] + plan.base
-  diff = rows - cols  # t - s
-  ok = (diff < plan.window) & (diff >= 0 if plan.causal else diff > -plan.window)
+  ok = in_band(rows - cols, plan.window, plan.causal)
   return jnp.asarray(np.where(ok, 0.0, HALF_MASK), jnp.float32)
 
 
@@ -144,7 +124,7 @@ def _whole(shape):
 class Constants(NamedTuple):
   """The kernels' small operands, built in XLA (`prepare`)."""
 
-  aq: jax.Array  # [Ht, s*P, s*H]: `_block_diagonal(alpha_q * scale)`
+  aq: jax.Array  # [Ht, s*P, s*H]: `block_diagonal(alpha_q * scale)`
   ak: jax.Array  # [Gt, s*P, s*G]
   av: jax.Array  # [Gt, s*P, s*G]
   cm: jax.Array  # [Ht, s*Ho, s*P]: `_collapse_blocks(collapse)`
@@ -193,15 +173,6 @@ def _constant_specs(plan: Plan, operands: list[jax.Array]):
     rows = plan.tile * plan.num_pseudo
     specs[-1] = pl.BlockSpec((None, rows, 1), lambda b, i: (b, i, 0))
   return specs
-
-
-def _on_tpu(call, *args):
-  """`call(*args, interpret=...)`: compiled by Mosaic when lowering for TPU, Pallas' TPU
-  interpreter anywhere else (CPU tests, under `pltpu.force_tpu_interpret_mode()`)."""
-  compiled = functools.partial(call, interpret=False)
-  return lax.platform_dependent(
-    *args, default=functools.partial(call, interpret=True), tpu=compiled
-  )
 
 
 def _compiler_params() -> pltpu.CompilerParams:
@@ -358,9 +329,9 @@ def prepare(q, k, v, alphas, collapse, options: AttentionOptions, plan: Plan):
   key_ids, query_ids = _ids(plan, b, n, nk, options)
   constants = Constants(
     # The softmax scale, and log2(e): the kernels take powers of two (`_softmax`).
-    aq=_block_diagonal(alpha_q * (math.log2(math.e) / math.sqrt(d)), plan.group).astype(dtype),
-    ak=_block_diagonal(alpha_k, plan.kv_group).astype(dtype),
-    av=_block_diagonal(alpha_v, plan.kv_group).astype(dtype),
+    aq=block_diagonal(alpha_q * (math.log2(math.e) / math.sqrt(d)), plan.group).astype(dtype),
+    ak=block_diagonal(alpha_k, plan.kv_group).astype(dtype),
+    av=block_diagonal(alpha_v, plan.kv_group).astype(dtype),
     cm=_collapse_blocks(collapse.astype(jnp.float32), plan).astype(dtype),
     bias=_band_bias(plan),
     key_ids=key_ids,
@@ -377,28 +348,20 @@ def _kernel_inputs(plan: Plan, options: AttentionOptions, q, k, v, alphas, colla
   return (q, k, v, c.aq, c.ak, c.av, c.cm), (c.bias, c.key_ids, c.table, c.query_ids)
 
 
-def _forward(plan: Plan, operands, fixed):
+def _forward_rows(plan: Plan, options: AttentionOptions, q, k, v, alphas, collapse):
+  """y rows `[B, tiles * tile * Ho, d]` float32 of the source heads: the forward kernel."""
+  operands, fixed = _kernel_inputs(plan, options, q, k, v, alphas, collapse)
+
   def call(q, k, v, aq, ak, av, cm, fixed, *, interpret):
     return _forward_call(plan, q, k, v, Constants(aq, ak, av, cm, *fixed), interpret=interpret)
 
-  return _on_tpu(call, *operands, fixed)
+  return on_tpu(call, *operands, fixed)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(plan: Plan, options: AttentionOptions, q, k, v, alphas, collapse):
-  """y rows `[B, tiles * tile * Ho, d]` float32 of the source heads."""
-  return _forward(plan, *_kernel_inputs(plan, options, q, k, v, alphas, collapse))
-
-
-def _attend_fwd(plan, options, q, k, v, alphas, collapse):
-  y = _forward(plan, *_kernel_inputs(plan, options, q, k, v, alphas, collapse))
-  # The layer's own arrays: nothing P-sized, nor the padded and rotated copies (remade in
-  # the backward: source-sized XLA work).
-  return y, (options, q, k, v, alphas, collapse)
-
-
-def _attend_bwd(plan, residuals, dy):
-  options, *primals = residuals
+def _backward_rows(plan: Plan, options: AttentionOptions, q, k, v, alphas, collapse, dy):
+  """The cotangents of q, k, v, alphas, collapse: the backward kernel on the operands made
+  again in XLA, then `prepare`'s transpose."""
+  primals = (q, k, v, alphas, collapse)
   operands, prepare_vjp = jax.vjp(lambda *x: _kernel_inputs(plan, options, *x)[0], *primals)
   fixed = _kernel_inputs(plan, options, *primals)[1]
 
@@ -407,12 +370,19 @@ def _attend_bwd(plan, residuals, dy):
     return _backward_call(plan, q, k, v, dy, constants, interpret=interpret)
 
   q, k, v, aq, ak, av, cm = operands
-  grads = _on_tpu(call, q, k, v, dy.astype(q.dtype), aq, ak, av, cm, fixed)
+  grads = on_tpu(call, q, k, v, dy.astype(q.dtype), aq, ak, av, cm, fixed)
   grads = tuple(g.astype(x.dtype) for g, x in zip(grads, operands))
-  return (jax.tree.map(lambda _: None, options), *prepare_vjp(grads))
+  return prepare_vjp(grads)
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_rows = common.saving_the_call(_forward_rows, _backward_rows)
+
+
+def _output(plan: Plan, options: AttentionOptions, q, k, v, alphas, collapse):
+  """y `[B, N, Ho, d]` float32 (the kernels' rows, past the call's tokens dropped)."""
+  b, n, _, d = q.shape
+  y = _rows(plan, options, q, k, v, alphas, collapse)
+  return y.reshape(b, -1, plan.out_heads, d)[:, :n]
 
 
 def window_iha(
@@ -423,53 +393,19 @@ def window_iha(
   collapse: jax.Array,
   options: AttentionOptions,
 ) -> jax.Array:
-  """Sliding-window IHA (docs/design.md §8, the on-chip window path) -> `[B, N, Ho, d]`
-  float32: Ho = H for a full collapse `[H, Ht, P]` (a partial sum over the Ht local target
-  heads), Ht for per_head `[Ht, P]`.
-
-  q `[B, N, H, d]`, k and v `[B, Nk, G, d]` source heads (Nk = N unless a sequence shard,
-  whose query offset must be static); `alphas = (alpha_q [H, Ht, P], alpha_k [G, Gt, P],
-  alpha_v [G, Gt, P])`; `options`: a window (virtual rows), causal or not, segment ids,
-  positions, RoPE, and `block_sizes`: `block_q` the virtual rows per target head of a grid
-  step (rounded to whole tokens), `block_k` the query rows of a score tile. Raises
-  `UnsupportedShape` (one line, naming the limit) for calls this path cannot take. The
-  backward saves the call's own arrays only (nothing P-sized, no padded or rotated copy)."""
-  b, n, _, d = q.shape
-  the_plan = plan_for(q, k, alphas, collapse, options)
-  y = _attend(the_plan, options, q, k, v, tuple(alphas), collapse)
-  y = y.reshape(b, -1, the_plan.out_heads, d)[:, :n]
-  if options.segment_ids is not None:  # padding queries output zeros
-    y = jnp.where((options.segment_ids != 0)[:, :, None, None], y, 0.0)
-  return y
+  """Sliding-window IHA on TPU (`common.window_iha`'s arguments and result): `block_sizes`'
+  `block_q` the virtual rows per target head of a grid step (rounded to whole tokens),
+  `block_k` the query rows of a score tile; refuses with `TpuUnsupportedShape`."""
+  return common.window_iha(_output, plan_for, q, k, v, alphas, collapse, options)
 
 
 def plan_for(q, k, alphas, collapse, options: AttentionOptions) -> Plan:
   """The `Plan` of a call (arrays or ShapeDtypeStructs)."""
-  n = q.shape[1]
-  offset = options.query_offset if (options.sliced or k.shape[1] != n) else 0
-  blocks = options.block_sizes
-  return plan(
-    q.shape,
-    k.shape[1],
-    k.shape[2],
-    tuple(a.shape for a in alphas),
-    collapse.shape,
-    options,
-    offset,
-    jnp.dtype(q.dtype).itemsize <= 2,
-    blocks and blocks.block_q,
-    blocks and blocks.block_k,
-  )
+  low_precision = jnp.dtype(q.dtype).itemsize <= 2
+  return common.plan_for(tiling, q, k, alphas, collapse, options, low_precision=low_precision)
 
 
 def unsupported(q, v, num_pseudo: int, options: AttentionOptions) -> str | None:
-  """Why the on-chip window path cannot take a call of q `[B, N, H, d]` and v `[B, Nk, G,
-  d]` at P pseudo-heads (full mixing and collapse), or None."""
-  h, g = q.shape[2], v.shape[2]
-  alphas = ((h, h, num_pseudo), (g, g, num_pseudo), (g, g, num_pseudo))
-  shape = lambda s: jax.ShapeDtypeStruct(s, jnp.float32)
-  try:
-    plan_for(q, v, tuple(shape(a) for a in alphas), shape((h, h, num_pseudo)), options)
-  except UnsupportedShape as error:
-    return str(error)
-  return None
+  """Why the on-chip TPU window path cannot take a call of q `[B, N, H, d]` and v `[B, Nk,
+  G, d]` at P pseudo-heads (full mixing and collapse), or None."""
+  return common.unsupported(plan_for, q, v, num_pseudo, options)
