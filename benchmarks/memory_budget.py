@@ -38,6 +38,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=wrong-import-position
 
+from iha_jax.kinds import effective_num_pseudo  # pylint: disable=wrong-import-position
 from iha_jax.models import (
   FunctionalTransformerLM,  # pylint: disable=wrong-import-position
   count_params,  # pylint: disable=wrong-import-position
@@ -123,7 +124,7 @@ def main() -> None:
   print(
     f"{args.config}: {n_params / 1e9:.3f} B parameters, {base.num_layers} layers "
     f"'{schedule}', D={base.model_dim}, H={base.num_heads}, d={base.head_dim}, "
-    f"P={base.num_pseudo or base.num_heads}, V={base.vocab_size}, N={seq_len}, "
+    f"P={effective_num_pseudo(base.num_pseudo, base.num_heads)}, V={base.vocab_size}, N={seq_len}, "
     f"loss chunk {chunk}, compute {jnp.dtype(base.dtype).name}, params float32\n"
   )
 

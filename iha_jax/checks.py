@@ -3,6 +3,7 @@ of iha_jax), so a bad number fails in one line naming the argument, wherever it 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -39,3 +40,15 @@ def check_positive(name: str, value: Any, *, optional: bool = False) -> None:
     raise ValueError(
       f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}"
     )
+
+
+_DEPRECATIONS_WARNED: set[str] = set()
+
+
+def warn_deprecated(old: str, new: str) -> None:
+  """Warns once per process (DeprecationWarning) that `old`, a name kept so that callers
+  can move, is replaced by `new`."""
+  if old in _DEPRECATIONS_WARNED:
+    return
+  _DEPRECATIONS_WARNED.add(old)
+  warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)

@@ -171,6 +171,35 @@ def test_registry_entries_resolve_and_auto_falls_back_to_xla():
   assert set(registry.implementations("diff")) == set(registry.implementations("mha")) - {"cudnn"}
 
 
+def test_resolve_keeps_a_cached_call_of_one_token_on_xla():
+  """The layer never picks an implementation: a cached call hands its new tokens, and
+  "auto" runs one token on the XLA core (no kernel tiles for its P query rows), more on
+  the platform's kernels; a named implementation stays as named."""
+  q = jnp.ones((1, 1, 2, 8))
+  for backend, kernel in (("tpu", "pallas_tpu"), ("gpu", "pallas_gpu")):
+    with registry.auto_backend(backend):
+      assert registry.resolve("mha", "auto", q, q, ops.AttentionOptions(), new_tokens=1) == "xla"
+      assert registry.resolve("iha", "auto", new_tokens=1) == "xla"
+      assert registry.resolve("iha", "auto", new_tokens=2) == kernel
+      assert registry.resolve("iha", kernel, new_tokens=1) == kernel
+
+
+def test_probabilities_come_through_the_registry_on_xla():
+  """`attend(..., probabilities=True)`: every implementation name resolves to the kind's
+  XLA probabilities; rows sum to one; kinds without them, and sliced calls, are refused."""
+  q, k, v, *mixing = random_iha_inputs(jax.random.key(0), 2, 6, 2, 8, 3)
+  for implementation in ("auto", "reference", "pallas_tpu"):
+    assert registry.resolve("iha", implementation, probabilities=True) == "xla"
+  probs = registry.attend("iha", q, k, v, *mixing, probabilities=True, implementation="reference")
+  assert probs.shape == (2, 2, 18, 18) and probs.dtype == jnp.float32
+  np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+  assert float(jnp.triu(probs[0, 0], 1).max()) == 0.0  # causal
+  with pytest.raises(ValueError, match="talking_heads attention has no attention probabilities"):
+    registry.resolve("talking_heads", "auto", probabilities=True)
+  with pytest.raises(ValueError, match="iha attention probabilities take the keys of its"):
+    registry.attend("iha", q, k, v, *mixing, probabilities=True, query_offset=1)
+
+
 # --- special cases tying the kinds together -------------------------------------------------
 
 

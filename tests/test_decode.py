@@ -15,7 +15,7 @@ from iha_jax.kinds import registry
 from iha_jax.models import TransformerConfig, TransformerLM
 from iha_jax.models import generate as generate_module
 from iha_jax.models.generate import decode_step, generate, prefill
-from iha_jax.models.kv_cache import window_tokens
+from iha_jax.models.kv_cache import ring_slots
 from iha_jax.nn import AttentionConfig
 
 B, N, V, D, H, HEAD_DIM, F, P = 2, 14, 37, 32, 2, 8, 48, 2
@@ -162,9 +162,20 @@ def test_cache_layouts_and_sizes():
     (500, "iha", 2, 40),
   ],
 )
-def test_window_tokens(window, kind, num_pseudo, expected):
+def test_ring_slots(window, kind, num_pseudo, expected):
   cfg = AttentionConfig(8, 2, 4, kind=kind, num_pseudo=num_pseudo, window=window)
-  assert window_tokens(cfg, 40) == expected
+  assert ring_slots(cfg, 40) == expected
+
+
+def test_the_ring_slots_old_name_still_works_and_warns(monkeypatch):
+  from iha_jax import checks
+  from iha_jax.models import kv_cache
+  from iha_jax.nn import cache
+
+  monkeypatch.setattr(checks, "_DEPRECATIONS_WARNED", set())
+  for module in (kv_cache, cache):
+    with pytest.deprecated_call(match="window_tokens is deprecated; use ring_slots"):
+      assert module.window_tokens is ring_slots
 
 
 @pytest.mark.parametrize("cache_mode", ["source", pytest.param("pseudo", marks=FULL)])

@@ -30,7 +30,7 @@ from iha_jax.kernels.sharded import sharded_mha_attention
 from iha_jax.kinds import AttentionConfig
 from iha_jax.models import FunctionalTransformerLM, TransformerConfig, TransformerLM, count_params
 from iha_jax.models.generate import decode_step, prefill
-from iha_jax.nn import InterleavedHeadAttention, InterleavedHeadAttentionLinen, MultiHeadAttention
+from iha_jax.nn import AttentionLinen, InterleavedHeadAttention, MultiHeadAttention
 from iha_jax.train import flops
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
@@ -322,7 +322,7 @@ def test_layer_parameters_and_nnx_equals_linen():
   eye = np.eye(2)[:, :, None] + 0 * np.asarray(params["alpha_k"])  # identity per axis
   assert np.abs(np.asarray(params["alpha_k"]) - eye).max() > 0  # (noise on)
   x = jax.random.normal(jax.random.key(2), (B, N, 32))
-  linen = InterleavedHeadAttentionLinen(32, 4, 8, **kw)
+  linen = AttentionLinen(layer.config, mixing_noise_std=0.1)
   boxed = linen.init(jax.random.key(1), x)["params"]
   assert {k: v.value.shape for k, v in boxed.items()} == {k: v.shape for k, v in params.items()}
   chex.assert_trees_all_equal(linen.apply({"params": params}, x), layer(x))

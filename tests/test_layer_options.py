@@ -12,9 +12,9 @@ from flax import nnx
 
 from iha_jax.nn import (
   Attention,
+  AttentionLinen,
   DifferentialAttention,
   InterleavedHeadAttention,
-  InterleavedHeadAttentionLinen,
   MultiHeadAttention,
   SimplicialAttention,
 )
@@ -140,7 +140,7 @@ def test_linen_and_nnx_share_the_options_parameter_tree():
   kw = dict(num_pseudo=P, num_kv_heads=G, qk_norm=True, use_bias=True, out_features=9)
   nnx_layer = InterleavedHeadAttention(D, H, d, rngs=nnx.Rngs(0), **kw)
   p = _randomised(nnx_layer)
-  linen_layer = InterleavedHeadAttentionLinen(D, H, qkv_features=H * d, **kw)
+  linen_layer = AttentionLinen(nnx_layer.config)
   x = _normal(3, (B, N, D))
   boxed = linen_layer.init(jax.random.key(0), x)["params"]
   assert {k: v.value.shape for k, v in boxed.items()} == {k: v.shape for k, v in p.items()}
@@ -250,7 +250,7 @@ def test_cross_attention_under_jit_and_on_the_linen_layer():
   nnx_layer = InterleavedHeadAttention(D, H, d, rngs=nnx.Rngs(0), **kw)
   p = _randomised(nnx_layer)
   x, context = _normal(1, (B, N, D)), _normal(2, (B, M, D))
-  linen = InterleavedHeadAttentionLinen(D, H, d, **kw)
+  linen = AttentionLinen(nnx_layer.config)
   y_linen = jax.jit(lambda p, x, c: linen.apply({"params": p}, x, context=c))(p, x, context)
   y_nnx = nnx.jit(lambda m, x, c: m(x, context=c))(nnx_layer, x, context)
   chex.assert_trees_all_close(y_linen, y_nnx, atol=1e-6, rtol=1e-6)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import chex
 import flax.linen as nn
 import jax
@@ -10,21 +12,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from iha_jax import checks
+from iha_jax import nn as iha_nn
 from iha_jax.models import count_params
 from iha_jax.nn import (
+  AttentionConfig,
+  AttentionLinen,
   DifferentialAttention,
-  DifferentialAttentionLinen,
   InterleavedHeadAttention,
-  InterleavedHeadAttentionLinen,
   MultiHeadAttention,
-  MultiHeadAttentionLinen,
   SimplicialAttention,
-  SimplicialAttentionLinen,
   TalkingHeadsAttention,
-  TalkingHeadsAttentionLinen,
   identity_collapse_init,
   identity_mixing_init,
 )
+from iha_jax.nn.config import layer_config
 from iha_jax.ops import diff_attention, iha_attention
 from iha_jax.parallel.rules import logical_to_mesh_spec
 
@@ -106,10 +108,10 @@ def test_mha_param_tree():
   assert all(v.dtype == jnp.bfloat16 for v in _params(m).values())
 
 
-BASELINES = {  # kind -> (NNX class, Linen class, extra constructor arguments)
-  "talking_heads": (TalkingHeadsAttention, TalkingHeadsAttentionLinen, {}),
-  "diff": (DifferentialAttention, DifferentialAttentionLinen, {"layer": 3}),
-  "simplicial": (SimplicialAttention, SimplicialAttentionLinen, {}),
+BASELINES = {  # kind -> (NNX class, extra constructor arguments)
+  "talking_heads": (TalkingHeadsAttention, {}),
+  "diff": (DifferentialAttention, {"layer": 3}),
+  "simplicial": (SimplicialAttention, {}),
 }
 
 
@@ -139,7 +141,7 @@ def test_baseline_param_trees():
       "wo": ((H, HEAD_DIM, D), out_proj),
     },
   }
-  for kind, (cls, _, extra) in BASELINES.items():
+  for kind, (cls, extra) in BASELINES.items():
     m = cls(D, H, HEAD_DIM, rngs=nnx.Rngs(0), **extra)
     got = {k: (v.shape, _axes(m)[k]) for k, v in _params(m).items()}
     assert got == expected[kind], kind
@@ -311,10 +313,10 @@ def test_projection_outputs_are_named_for_remat():
 # --- Linen <-> NNX -----------------------------------------------------------------------
 
 
-LINEN_PAIRS = {
-  "iha": (InterleavedHeadAttention, InterleavedHeadAttentionLinen),
-  "mha": (MultiHeadAttention, MultiHeadAttentionLinen),
-  **{kind: classes[:2] for kind, classes in BASELINES.items()},
+NNX_CLASSES = {
+  "iha": InterleavedHeadAttention,
+  "mha": MultiHeadAttention,
+  **{kind: classes[0] for kind, classes in BASELINES.items()},
 }
 
 
@@ -331,11 +333,9 @@ LINEN_PAIRS = {
 )
 def test_linen_nnx_transplant(kind, kwargs):
   kwargs = dict(kwargs, implementation="reference")
-  nnx_cls, linen_cls = LINEN_PAIRS[kind]
-  if kind in ("iha", "talking_heads"):
-    kwargs["mixing_noise_std"] = 0.1  # non-trivial mixing, so a transposed axis would show
-  nnx_model = nnx_cls(D, H, HEAD_DIM, rngs=nnx.Rngs(0), **kwargs)
-  linen_model = linen_cls(D, H, HEAD_DIM, **kwargs)
+  noise = 0.1 if kind in ("iha", "talking_heads") else 0.0  # a transposed axis would show
+  nnx_model = NNX_CLASSES[kind](D, H, HEAD_DIM, rngs=nnx.Rngs(0), mixing_noise_std=noise, **kwargs)
+  linen_model = AttentionLinen(nnx_model.config, mixing_noise_std=noise)
   x = _x(4)
   boxed = linen_model.init(jax.random.key(1), x)["params"]
   # Same names, shapes and logical axes in both trees.
@@ -389,7 +389,9 @@ def test_rejects_bad_dims(dims, match):
     with pytest.raises(ValueError, match=match):
       cls(*dims, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=match):
-    InterleavedHeadAttentionLinen(*dims).init(jax.random.key(0), _x(shape=(B, N, max(dims[0], 1))))
+    AttentionLinen(AttentionConfig(*dims)).init(
+      jax.random.key(0), _x(shape=(B, N, max(dims[0], 1)))
+    )
 
 
 def test_odd_head_dim_allowed_without_rope():
@@ -432,8 +434,7 @@ def test_window_in_tokens_at_the_layer():
   assert _iha(num_pseudo=2, window_tokens=3).config.window == 6
   assert _iha(window_tokens=2).config.window == 2 * H  # P = H when num_pseudo is None
   assert _mha(window_tokens=3).config.window == 3
-  linen = InterleavedHeadAttentionLinen(D, H, HEAD_DIM, num_pseudo=2, window_tokens=3)
-  assert linen.config.window == 6
+  assert layer_config(model_dim=D, num_heads=H, head_dim=HEAD_DIM, window_tokens=2).window == 2 * H
   with pytest.raises(ValueError, match="window.*or window_tokens.*not both"):
     _iha(window=4, window_tokens=2)
   with pytest.raises(ValueError, match="window_tokens must be a positive integer"):
@@ -441,12 +442,77 @@ def test_window_in_tokens_at_the_layer():
 
 
 def test_linen_validates_at_construction():
-  with pytest.raises(ValueError, match="num_pseudo"):
-    InterleavedHeadAttentionLinen(D, H, HEAD_DIM, num_pseudo=0)
-  with pytest.raises(ValueError, match="dropout_rate"):
-    MultiHeadAttentionLinen(D, H, HEAD_DIM, dropout_rate=1.5)
+  with pytest.raises(TypeError, match="config must be an AttentionConfig"):
+    AttentionLinen(dict(model_dim=D, num_heads=H, head_dim=HEAD_DIM))
+  with pytest.raises(ValueError, match="deterministic must be None or a bool"):
+    AttentionLinen(_iha().config, deterministic="yes")
   with pytest.raises(TypeError, match="unexpected keyword"):  # explicit keywords, NNX too
     InterleavedHeadAttention(D, H, HEAD_DIM, num_pseudos=2, rngs=nnx.Rngs(0))
+
+
+def test_an_nnx_layer_takes_its_config_as_it_is():
+  config = AttentionConfig(D, H, HEAD_DIM, num_pseudo=2, window=4)
+  layer = InterleavedHeadAttention(config=config, rngs=nnx.Rngs(0))
+  assert layer.config is config  # no keyword round trip
+  assert type(iha_nn.Attention.from_config(config, rngs=nnx.Rngs(0))) is InterleavedHeadAttention
+  with pytest.raises(ValueError, match="config= holds every field of the layer; got num_pseudo"):
+    iha_nn.Attention(config=config, num_pseudo=3, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="MultiHeadAttention is kind 'mha', got kind='iha'"):
+    MultiHeadAttention(config=config, rngs=nnx.Rngs(0))
+
+
+# Each deprecated Linen name, its kind and a kind-specific field of its old constructor.
+DEPRECATED_LINEN = {
+  "InterleavedHeadAttentionLinen": ("iha", dict(num_pseudo=2, collapse_mode="per_head")),
+  "MultiHeadAttentionLinen": ("mha", dict(rope_theta=None)),
+  "TalkingHeadsAttentionLinen": ("talking_heads", dict(mixing_noise_std=0.1)),
+  "DifferentialAttentionLinen": ("diff", dict(layer=3)),
+  "SimplicialAttentionLinen": ("simplicial", {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEPRECATED_LINEN))
+def test_deprecated_linen_names_warn_once_and_build_the_one_linen_class(name, monkeypatch):
+  monkeypatch.setattr(checks, "_DEPRECATIONS_WARNED", set())
+  kind, own = DEPRECATED_LINEN[name]
+  own = dict(own)
+  build = getattr(iha_nn, name)
+  with pytest.deprecated_call(match=f"{name} is deprecated; use AttentionLinen"):
+    old = build(D, H, HEAD_DIM, None, 4, **own)  # positional fields in the old order
+  noise = own.pop("mixing_noise_std", 0.0)
+  config = AttentionConfig(D, H, HEAD_DIM, kind=kind, window=4, **own)
+  assert isinstance(old, AttentionLinen) and old.config == config
+  assert old.mixing_noise_std == noise
+  x = _x()
+  new = AttentionLinen(config, mixing_noise_std=noise)
+  chex.assert_trees_all_equal(old.init(jax.random.key(0), x), new.init(jax.random.key(0), x))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    build(D, H, HEAD_DIM)  # once per process
+
+
+def test_deprecated_linen_names_keep_flax_names_window_tokens_and_automatic_names():
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    linen = iha_nn.InterleavedHeadAttentionLinen(
+      D, H, qkv_features=H * HEAD_DIM, num_pseudo=2, window_tokens=3, kernel_init=jnp.ones
+    )
+    with pytest.raises(ValueError, match="num_pseudo"):
+      iha_nn.InterleavedHeadAttentionLinen(D, H, HEAD_DIM, num_pseudo=0)
+    with pytest.raises(ValueError, match="dropout_rate"):
+      iha_nn.MultiHeadAttentionLinen(D, H, HEAD_DIM, dropout_rate=1.5)
+    with pytest.raises(TypeError, match="num_pseudo"):  # not a field of the old MHA class
+      iha_nn.MultiHeadAttentionLinen(D, H, HEAD_DIM, num_pseudo=2)
+
+    class Block(nn.Module):  # an unnamed submodule: Linen names it after its class
+      @nn.compact
+      def __call__(self, x):
+        return iha_nn.MultiHeadAttentionLinen(D, H, HEAD_DIM)(x)
+
+  assert linen.config == AttentionConfig(D, H, HEAD_DIM, num_pseudo=2, window=6)
+  assert linen.kernel_init is jnp.ones
+  params = Block().init(jax.random.key(0), _x())["params"]
+  assert list(params) == ["MultiHeadAttentionLinen_0"]
 
 
 @pytest.mark.full
@@ -462,7 +528,7 @@ def test_attention_dropout_nnx_and_linen():
   assert not np.allclose(y1, plain(x)) and not np.allclose(y1, y2)  # a fresh mask per call
   grads = nnx.grad(lambda m: jnp.sum(m(x, deterministic=False) ** 2))(drop)
   assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
-  linen = InterleavedHeadAttentionLinen(D, H, HEAD_DIM, **kw, dropout_rate=0.5)
+  linen = AttentionLinen(drop.config)
   params = linen.init(jax.random.key(0), x, deterministic=True)
   rngs = {"dropout": jax.random.key(3)}
   a = linen.apply(params, x, deterministic=False, rngs=rngs)
@@ -483,7 +549,7 @@ def test_attention_dropout_nnx_and_linen():
 def test_unbox_and_logical_specs():
   from iha_jax.nn import logical_specs, unbox  # pylint: disable=import-outside-toplevel
 
-  linen = InterleavedHeadAttentionLinen(D, H, HEAD_DIM, num_pseudo=2)
+  linen = AttentionLinen(_iha(num_pseudo=2).config)
   variables = linen.init(jax.random.key(0), _x())
   params = unbox(variables)["params"]
   assert params["wq"].shape == (D, H, HEAD_DIM)

@@ -189,3 +189,31 @@ def test_queries_at_an_offset_into_longer_keys():
   )
   with pytest.raises(ValueError, match="talking_heads attention takes the keys of its queries"):
     ops.talking_heads_attention(t_q, t_k, t_v, logits, weights, query_offset=1)
+
+
+def test_option_keywords_are_typed_by_one_typed_dict_of_the_options_fields():
+  """The entry points take `AttentionOptions`' fields as keywords, typed by `OptionFields`:
+  one set of names, so that a field added to one is added to the other."""
+  import dataclasses
+  import inspect
+
+  from iha_jax.kinds import registry
+
+  fields = {f.name for f in dataclasses.fields(ops.AttentionOptions)}
+  assert set(ops.OptionFields.__optional_keys__) == fields == set(ops.OptionFields.__annotations__)
+  entries = (
+    ops.iha_attention,
+    ops.mha_attention,
+    ops.talking_heads_attention,
+    ops.diff_attention,
+    ops.simplicial_attention,
+    registry.attend,
+    ops.AttentionOptions.replace,
+  )
+  for entry in entries:  # annotations are strings (`from __future__ import annotations`)
+    (keywords,) = [
+      p for p in inspect.signature(entry).parameters.values() if p.kind is p.VAR_KEYWORD
+    ]
+    assert keywords.annotation == "Unpack[OptionFields]", entry
+  with pytest.raises(TypeError, match=r"unknown attention option\(s\) \['windows'\]"):
+    ops.AttentionOptions().replace(windows=4)

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from iha_jax.core.grouped import grouped_attention_heads_major
+from iha_jax.core.grouped import grouped_attention_heads_major, grouped_attention_probabilities
 from iha_jax.core.interleave import deinterleave, interleave, virtual_positions, virtual_segment_ids
 from iha_jax.core.masking import Mask
 from iha_jax.core.mixing import collapse_from_virtual, collapse_heads, mix_to_virtual, pseudo_mix
@@ -175,3 +175,31 @@ def mha_xla(q, k, v, options: AttentionOptions):
   heads_major = lambda x: jnp.swapaxes(x, 1, 2)
   out = _xla_core(*(heads_major(x) for x in (q, k, v)), options, _sequences(options))
   return heads_major(out)
+
+
+# --- Attention probabilities (pictures): the XLA core's weights, dense in keys. --------
+
+
+def _probabilities(q, k, options: AttentionOptions, seq: _Sequences) -> jax.Array:
+  """Rotate `[B, T, H, d]` queries and keys, then the weights of the XLA core over them,
+  float32 `[B, H, T, T]` at highest precision."""
+  q, k = _rotate_pair(q, k, options, seq, head_axis=2)
+  heads_major = lambda x: jnp.swapaxes(x, 1, 2)
+  mask = _mask(options, seq, q.shape[1])
+  return grouped_attention_probabilities(heads_major(q), heads_major(k), mask, precision=_HIGHEST)
+
+
+def iha_probabilities(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: AttentionOptions):
+  """IHA's attention probabilities over its `T = N * P` virtual tokens, float32
+  `[B, H, T, T]`: `probs[b, h, t, s]` is the weight of pseudo-key s in pseudo-query t of
+  head h (`iha_xla`'s core under the same mask; padding rows zeros). v, alpha_v and
+  collapse are unused: arguments as every IHA implementation's."""
+  num_pseudo = alpha_q.shape[2]
+  qv, kv = (interleave(pseudo_mix(x, a)) for x, a in ((q, alpha_q), (k, alpha_k)))
+  return _probabilities(qv, kv, options, _sequences(options, num_pseudo))
+
+
+def mha_probabilities(q, k, v, options: AttentionOptions):
+  """MHA's attention probabilities, float32 `[B, H, N, N]` (`iha_probabilities` at P = 1;
+  v unused)."""
+  return _probabilities(q, k, options, _sequences(options))

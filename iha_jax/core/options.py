@@ -9,7 +9,7 @@ the implementations, the Pallas kernels and their shard_map wrappers receive it 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import jax
 
@@ -100,17 +100,38 @@ class AttentionOptions:
       and self.kv_positions is None
     )
 
-  def replace(self, **changes: Any) -> AttentionOptions:
+  def replace(self, **changes: Unpack[OptionFields]) -> AttentionOptions:
     """A copy with `changes` (keyword names checked)."""
     return with_overrides(self, changes)
+
+
+class OptionFields(TypedDict, total=False):
+  """`AttentionOptions`' fields as keywords, typed: what the entry points
+  (`iha_attention(..., window=8, implementation="xla")`, ...), `registry.attend` and
+  `AttentionOptions.replace` take beside an `AttentionOptions` (the same names and
+  meanings; tests/test_ops_validation.py holds the two to one set of names)."""
+
+  window: int | None
+  causal: bool
+  rope_theta: float | None
+  segment_ids: jax.Array | None
+  positions: jax.Array | None
+  block_sizes: BlockSizes | None
+  implementation: str
+  query_offset: int | jax.Array
+  kv_segment_ids: jax.Array | None
+  kv_positions: jax.Array | None
+  dropout_rate: float
+  dropout_rng: jax.Array | None
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(AttentionOptions))
 
 
-def with_overrides(options: AttentionOptions | None, overrides: dict[str, Any]) -> AttentionOptions:
+def with_overrides(options: AttentionOptions | None, overrides: OptionFields) -> AttentionOptions:
   """`options` (default `AttentionOptions()`) with the keyword `overrides` applied; an
-  unknown keyword is refused naming the known ones."""
+  unknown keyword is refused naming the known ones (at run time too: `**overrides` may
+  come from an untyped dict)."""
   unknown = sorted(set(overrides) - set(OPTION_NAMES))
   if unknown:
     raise TypeError(f"unknown attention option(s) {unknown}; the options are {OPTION_NAMES}")

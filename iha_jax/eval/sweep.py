@@ -21,6 +21,7 @@ from iha_jax import storage
 from iha_jax.checks import is_int
 from iha_jax.eval.runs import EvalError, chance_exact_match, restore_run
 from iha_jax.extras import require
+from iha_jax.kinds import effective_num_pseudo
 
 if TYPE_CHECKING:
   from matplotlib.figure import Figure
@@ -65,7 +66,7 @@ def run_label(name: str, config: ml_collections.ConfigDict) -> str:
   schedule = config.model.attention_schedule
   if not set(schedule) & {"I", "L"}:
     return f"{name} ({schedule})"
-  p = config.model.num_pseudo or config.model.num_heads
+  p = effective_num_pseudo(config.model.num_pseudo, config.model.num_heads)
   return f"{name} ({schedule}, P={p})"
 
 

@@ -5,7 +5,8 @@ A record holds a kind's schedule letters, parameter layout, layer core, implemen
 (callables), entry-point checks, FLOP count and decoding support (`iha_jax.kinds.base`);
 the NNX and Linen layers, `TransformerLM`, KV-cache decoding and the budgets read it. A
 new kind is a subclass of `AttentionKind` in its own file plus `register(NewKind())`
-(below for the built-ins); its layer core calls `attend(record, *arrays, options=...)`.
+(below for the built-ins); its layer core calls `attend(record, *arrays, options=...)`, the
+one checked call every entry point and layer makes.
 Each built-in kind's file also holds its checked entry point (`iha_attention`, ...),
 which `iha_jax.ops` re-exports.
 
@@ -26,7 +27,7 @@ from iha_jax.kinds.base import (
   project_out,
   project_qkv,
 )
-from iha_jax.kinds.config import AttentionConfig
+from iha_jax.kinds.config import AttentionConfig, effective_num_pseudo
 from iha_jax.kinds.differential import DIFFERENTIAL, diff_attention
 from iha_jax.kinds.iha import IHA, iha_attention
 from iha_jax.kinds.mha import MHA, mha_attention
@@ -64,6 +65,7 @@ __all__ = [
   "attend",
   "auto_backend",
   "diff_attention",
+  "effective_num_pseudo",
   "for_letter",
   "get",
   "iha_attention",

@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from iha_jax.checks import warn_deprecated
 from iha_jax.core.masking import visible_pairs
 from iha_jax.core.norm import rms_norm
 from iha_jax.core.options import AttentionOptions
 from iha_jax.kinds.initializers import fold_fan_in
 from iha_jax.parallel.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS
-
-if TYPE_CHECKING:
-  from iha_jax.kinds.config import AttentionConfig
 
 Initializer = jax.nn.initializers.Initializer
 Params = Mapping[str, jax.Array]
@@ -48,6 +46,36 @@ QK_NORM_EPS = 1e-6
 PROJECTION_OPTIONS = ("qk_norm", "use_bias")
 
 
+class LayerConfig(Protocol):
+  """What the records read of a layer's configuration: `iha_jax.kinds.config.AttentionConfig`
+  is one (it validates itself through the records, so this module cannot import it)."""
+
+  @property
+  def model_dim(self) -> int: ...
+  @property
+  def num_heads(self) -> int: ...
+  @property
+  def head_dim(self) -> int: ...
+  @property
+  def kind(self) -> str: ...
+  @property
+  def num_kv_heads(self) -> int | None: ...
+  @property
+  def kv_heads(self) -> int: ...
+  @property
+  def value_dim(self) -> int: ...
+  @property
+  def output_dim(self) -> int: ...
+  @property
+  def window(self) -> int | None: ...
+  @property
+  def causal(self) -> bool: ...
+  @property
+  def qk_norm(self) -> bool: ...
+  @property
+  def use_bias(self) -> bool: ...
+
+
 class ParamSpec(NamedTuple):
   """Shape, logical axis names and initializer of one parameter."""
 
@@ -66,7 +94,7 @@ class Letter:
 
 
 def projection_spec(
-  cfg: AttentionConfig,
+  cfg: LayerConfig,
   kernel_init: Initializer,
   width: int | None = None,
   heads: int | None = None,
@@ -78,7 +106,7 @@ def projection_spec(
   return ParamSpec(shape, (EMBED, axis, HEAD_DIM), fold_fan_in(kernel_init, 1))
 
 
-def check_no_groups(cfg: AttentionConfig, why: str) -> None:
+def check_no_groups(cfg: LayerConfig, why: str) -> None:
   """Raises ValueError for `num_kv_heads` < `num_heads` in a kind without a grouped-query
   form (`why`: what it does with whole heads)."""
   if cfg.kv_heads != cfg.num_heads:
@@ -88,13 +116,13 @@ def check_no_groups(cfg: AttentionConfig, why: str) -> None:
     )
 
 
-def output_spec(cfg: AttentionConfig, kernel_init: Initializer) -> ParamSpec:
+def output_spec(cfg: LayerConfig, kernel_init: Initializer) -> ParamSpec:
   """The output projection `wo: [H, dv, out]` (out: `cfg.output_dim`), fan-in H*dv."""
   shape = (cfg.num_heads, cfg.value_dim, cfg.output_dim)
   return ParamSpec(shape, (HEADS, HEAD_DIM, EMBED), fold_fan_in(kernel_init, 2))
 
 
-def projection_option_specs(cfg: AttentionConfig) -> dict[str, ParamSpec]:
+def projection_option_specs(cfg: LayerConfig) -> dict[str, ParamSpec]:
   """The parameters of `qk_norm` (`q_norm, k_norm: [d]`, ones) and `use_bias` (`bq:
   [H, d]`, `bk, bv: [G, d]`, `bo: [out]`, zeros) for the kinds whose projections are
   `project_qkv`'s; none when both are off."""
@@ -117,32 +145,32 @@ def project(x: jax.Array, w: jax.Array, name: str | None = None) -> jax.Array:
   return y if name is None else checkpoint_name(y, name)
 
 
-def _source_heads(p: Params, x: jax.Array, which: str, name: str) -> jax.Array:
+def _source_heads(params: Params, x: jax.Array, which: str, name: str) -> jax.Array:
   """Projection `w{which}` of `x`, plus its bias and RMSNorm where the layer has them."""
-  y = project(x, p[f"w{which}"])
-  if f"b{which}" in p:
-    y = y + p[f"b{which}"]
-  if f"{which}_norm" in p:
-    y = rms_norm(y, p[f"{which}_norm"], QK_NORM_EPS)
+  y = project(x, params[f"w{which}"])
+  if f"b{which}" in params:
+    y = y + params[f"b{which}"]
+  if f"{which}_norm" in params:
+    y = rms_norm(y, params[f"{which}_norm"], QK_NORM_EPS)
   return checkpoint_name(y, name)
 
 
-def project_qkv(p: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def project_qkv(params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Source-head projections `x: [B, N, D]` -> q `[B, N, H, d]`, k, v `[B, N, G, d]`,
-  with the layer's biases and query/key RMSNorm where `p` has them (`qk_norm`,
+  with the layer's biases and query/key RMSNorm where `params` has them (`qk_norm`,
   `use_bias`), tagged for remat."""
   return (
-    _source_heads(p, x, "q", QUERY_PROJ),
-    _source_heads(p, x, "k", KEY_PROJ),
-    _source_heads(p, x, "v", VALUE_PROJ),
+    _source_heads(params, x, "q", QUERY_PROJ),
+    _source_heads(params, x, "k", KEY_PROJ),
+    _source_heads(params, x, "v", VALUE_PROJ),
   )
 
 
-def project_out(p: Params, y: jax.Array) -> jax.Array:
+def project_out(params: Params, y: jax.Array) -> jax.Array:
   """Per-head outputs `y: [B, N, H, dv]` through `wo` (and `bo` where the layer has it)
   -> `[B, N, out]`."""
-  out = jnp.einsum("bnhd,hdD->bnD", y, p["wo"])
-  return out + p["bo"] if "bo" in p else out
+  out = jnp.einsum("bnhd,hdD->bnD", y, params["wo"])
+  return out + params["bo"] if "bo" in params else out
 
 
 class AttentionKind:
@@ -163,8 +191,13 @@ class AttentionKind:
     mixing_params: its identity-initialised head mixings (weight decay switch, noise).
     dropout_implementations: its implementations that apply attention dropout
       (`AttentionOptions.dropout_rate`); the others refuse a rate > 0 in one line.
-    decodes: KV-cache decoding and attention maps read the kind as pseudo-head
-      attention (`pseudo_heads`, `collapse`; wq, wk, wv and wo projections).
+    probability_implementations: `{name: callable}` taking the same arrays and options
+      as `implementations` and returning the attention probabilities, float32
+      `[B, H, T, T]` over the kind's T virtual tokens (attention maps); "xla" where the
+      kind has them (IHA, MHA), none otherwise (`registry.resolve` picks it).
+    decodes: the layer's cached call and cross-attention read the kind as pseudo-head
+      attention (`entry_arrays`, `pseudo_heads`, `collapse`; wq, wk, wv and wo
+      projections).
     sequence_roles: one per array argument of its implementations: "q" (query side,
       `[B, N, ...]`), "kv" (key side, `[B, N, ...]`), "-" (anything else): how a
       `context` mesh axis splits them (`iha_jax.parallel.context`); None: it cannot run
@@ -182,15 +215,21 @@ class AttentionKind:
   uses_rope: ClassVar[bool] = True
   mixing_params: ClassVar[tuple[str, ...]] = ()
   dropout_implementations: ClassVar[frozenset[str]] = frozenset()
+  probability_implementations: ClassVar[Mapping[str, Implementation]] = {}
   decodes: ClassVar[bool] = False
   sequence_roles: ClassVar[tuple[str, ...] | None] = None
+
+  def __init_subclass__(cls, **kwargs: Any):
+    super().__init_subclass__(**kwargs)
+    if "attend" in vars(cls):  # the layer method's old name: the layers no longer call it
+      warn_deprecated(f"{cls.__name__}.attend", "entry_arrays (its arrays for registry.attend)")
 
   def __repr__(self) -> str:
     return f"<attention kind {self.name!r}>"
 
   # --- configuration ---------------------------------------------------------------
 
-  def validate(self, cfg: AttentionConfig) -> None:
+  def validate(self, cfg: LayerConfig) -> None:
     """Raises ValueError naming the field for a configuration this kind cannot run."""
 
   def layer_heads(self, num_heads: int) -> int:
@@ -201,11 +240,11 @@ class AttentionKind:
     """Key/value heads of this kind's layer in a model of `num_kv_heads` of them."""
     return self.layer_heads(num_kv_heads)
 
-  def value_dim(self, cfg: AttentionConfig) -> int:
+  def value_dim(self, cfg: LayerConfig) -> int:
     """Width of each head's value and output."""
     return cfg.head_dim
 
-  def num_pseudo(self, cfg: AttentionConfig) -> int:
+  def num_pseudo(self, cfg: LayerConfig) -> int:
     """P, the pseudo-heads per head: the virtual tokens per token (1 for kinds without)."""
     return 1
 
@@ -226,7 +265,7 @@ class AttentionKind:
   # --- parameters and the layer's core ---------------------------------------------
 
   def param_specs(
-    self, cfg: AttentionConfig, kernel_init: Initializer, mixing_noise_std: float
+    self, cfg: LayerConfig, kernel_init: Initializer, mixing_noise_std: float
   ) -> dict[str, ParamSpec]:
     """Every parameter of the layer, in creation order: `wq: [D, H, d]`, `wk, wv:
     [D, G, d]` (G = `cfg.kv_heads`), `wo: [H, d, out]`, then those of `qk_norm` and
@@ -244,7 +283,7 @@ class AttentionKind:
     self,
     params: Params,
     x: jax.Array,
-    cfg: AttentionConfig,
+    cfg: LayerConfig,
     options: AttentionOptions,
     layer: int | jax.Array,
   ) -> jax.Array:
@@ -252,24 +291,40 @@ class AttentionKind:
     the output projection `wo`. `layer` counts from 1 (may be traced)."""
     raise NotImplementedError
 
+  def entry_arrays(
+    self, params: Params, q: jax.Array, k: jax.Array, v: jax.Array, cfg: LayerConfig
+  ) -> tuple[jax.Array, ...]:
+    """The arrays of the kind's entry point (`registry.attend`) on projected source heads
+    q `[B, N, H, d]` and k, v `[B, Nk, G, d]`: those and the kind's mixings from `params`
+    (IHA: `(q, k, v, alpha_q, alpha_k, alpha_v, collapse)`). Kinds that decode define it:
+    the layer hands them to the registry for its cached call (keys the cache holds and
+    the new ones, queries at `options.query_offset`), cross-attention and probabilities,
+    and their `core` is the projections and then their entry point on these."""
+    raise ValueError(
+      f"{self.name} attention has no cached call, cross-attention or attention "
+      "probabilities (its kind does not read as pseudo-head attention: "
+      "AttentionKind.decodes); IHA and MHA layers have them"
+    )
+
   def attend(
     self,
     params: Params,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    cfg: AttentionConfig,
+    cfg: LayerConfig,
     options: AttentionOptions,
   ) -> jax.Array:
-    """The kind's entry point on projected source heads, q `[B, N, H, d]` and k, v
-    `[B, Nk, G, d]` (a cached call: the keys the cache holds and the new ones, the
-    queries at `options.query_offset`) -> `[B, N, H, dv]`. Kinds that decode (`decodes`)
-    define it; their `core` is the projections and then this."""
-    raise NotImplementedError(f"{self.name} attention has no cached call")
+    """Deprecated: `registry.attend(record, *record.entry_arrays(params, q, k, v, cfg),
+    options=options)`."""
+    warn_deprecated("AttentionKind.attend", "registry.attend(record, *record.entry_arrays(...))")
+    from iha_jax.kinds import registry  # a deprecated path: the registry imports this module
+
+    return registry.attend(self, *self.entry_arrays(params, q, k, v, cfg), options=options)
 
   # --- budgets (forward FLOPs; docs/design.md §2) ----------------------------------
 
-  def core_flops(self, cfg: AttentionConfig, seq_len: int) -> int:
+  def core_flops(self, cfg: LayerConfig, seq_len: int) -> int:
     """Forward FLOPs of the attention core over one sequence of `seq_len` tokens, all
     heads: `4d` per visible (query, key) pair and head (QK and PV), counted over the
     kind's `seq_len * num_pseudo` positions with its window."""
@@ -277,18 +332,18 @@ class AttentionKind:
     pairs = visible_pairs(length, cfg.window, cfg.causal)
     return cfg.num_heads * pairs * (2 * cfg.head_dim + 2 * self.value_dim(cfg))
 
-  def mixing_flops(self, cfg: AttentionConfig) -> int:
+  def mixing_flops(self, cfg: LayerConfig) -> int:
     """Forward FLOPs per token of head mixings outside the core (IHA's mix, collapse)."""
     return 0
 
-  # --- pseudo-head view (decoding, attention maps; kinds with `decodes`) -------------
+  # --- pseudo-head view (a "pseudo" KV cache; kinds with `decodes`) -----------------
 
-  def pseudo_heads(self, params: Params, cfg: AttentionConfig, which: str, x: jax.Array):
+  def pseudo_heads(self, params: Params, cfg: LayerConfig, which: str, x: jax.Array):
     """Source heads `x: [B, N, H', d]` of projection `which` ("q": H' = H; "k", "v": H' =
     G) -> the heads the core attends with over virtual tokens, `[B, N * P, H', d]` (before
     RoPE)."""
     return x
 
-  def collapse(self, params: Params, cfg: AttentionConfig, out: jax.Array) -> jax.Array:
+  def collapse(self, params: Params, cfg: LayerConfig, out: jax.Array) -> jax.Array:
     """Attention outputs over virtual tokens `[B, N * P, H, d]` -> `[B, N, H, d]`."""
     return out

@@ -112,8 +112,8 @@ class AttentionConfig:
     if not record.uses_rope:
       object.__setattr__(self, "rope_theta", None)  # documented as ignored: stored as such
     record.validate(self)
-    if "num_pseudo" in record.config_fields and self.num_pseudo is None:
-      object.__setattr__(self, "num_pseudo", self.num_heads)  # P = H, the paper's default
+    if "num_pseudo" in record.config_fields:  # stored resolved: P = H when None
+      object.__setattr__(self, "num_pseudo", effective_num_pseudo(self.num_pseudo, self.num_heads))
     if self.implementation != "auto":
       registry.resolve(self.kind, self.implementation)  # e.g. no kernel for talking_heads
     check_dropout(record, self.dropout_rate, self.implementation)
@@ -161,6 +161,14 @@ class AttentionConfig:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AttentionConfig)}
+
+
+def effective_num_pseudo(num_pseudo: int | None, num_heads: int) -> int:
+  """IHA's P: `num_pseudo`, or H (`num_heads`) when None, the paper's default. The one
+  place that reads None as H (`AttentionConfig`, the trainer's "auto" window, labels);
+  ValueError naming `num_pseudo` unless it is None or a positive integer."""
+  check_positive("num_pseudo", num_pseudo, optional=True)
+  return num_heads if num_pseudo is None else num_pseudo
 
 
 def check_dropout(record: AttentionKind, rate: Any, implementation: str) -> None:

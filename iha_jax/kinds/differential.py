@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 from iha_jax.core import validation
 from iha_jax.core.differential import diff_lambda_init, diff_via_mha
-from iha_jax.core.options import AttentionOptions
+from iha_jax.core.options import AttentionOptions, OptionFields
 from iha_jax.kinds import registry
 from iha_jax.kinds.base import (
   KEY_PROJ,
@@ -156,7 +156,7 @@ def diff_attention(
   v: jax.Array,
   lam: jax.Array | float,
   options: AttentionOptions | None = None,
-  **overrides: Any,
+  **overrides: Unpack[OptionFields],
 ) -> jax.Array:
   """Differential attention `A1 v - lam * A2 v` (before the layer's norm and scale).
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +11,11 @@ from flax.linen import with_logical_constraint
 
 from iha_jax.checks import check_positive
 from iha_jax.core import validation
-from iha_jax.core.attention import iha_reference, iha_via_mha, iha_xla
+from iha_jax.core.attention import iha_probabilities, iha_reference, iha_via_mha, iha_xla
 from iha_jax.core.cudnn_attention import mha_cudnn
 from iha_jax.core.interleave import deinterleave, interleave
 from iha_jax.core.mixing import collapse_heads, pseudo_mix
-from iha_jax.core.options import AttentionOptions
+from iha_jax.core.options import AttentionOptions, OptionFields
 from iha_jax.kernels.sharded import (
   iha_gpu_window_on_current_mesh,
   iha_on_current_mesh,
@@ -62,6 +62,7 @@ class Interleaved(AttentionKind):
   virtual_tokens = True
   mixing_params = ("alpha_q", "alpha_k", "alpha_v", "collapse")
   dropout_implementations = frozenset({"xla"})
+  probability_implementations = {"xla": iha_probabilities}
   decodes = True
   sequence_roles = ("q", "kv", "kv", "-", "-", "-", "-")
 
@@ -100,11 +101,10 @@ class Interleaved(AttentionKind):
     # Gather the small source-head q/k/v over the head axis rather than communicate
     # P-times larger pseudo-heads (a no-op unless a mesh and logical rules are active).
     q, k, v = (with_logical_constraint(t, SOURCE_HEADS_AXES) for t in project_qkv(params, x))
-    return self.attend(params, q, k, v, cfg, options)
+    return iha_attention(*self.entry_arrays(params, q, k, v, cfg), options)
 
-  def attend(self, params, q, k, v, cfg, options):
-    mixing = (params["alpha_q"], params["alpha_k"], params["alpha_v"], params["collapse"])
-    return iha_attention(q, k, v, *mixing, options)
+  def entry_arrays(self, params, q, k, v, cfg):
+    return q, k, v, params["alpha_q"], params["alpha_k"], params["alpha_v"], params["collapse"]
 
   def mixing_flops(self, cfg):
     h, g, p, d = cfg.num_heads, cfg.kv_heads, self.num_pseudo(cfg), cfg.head_dim
@@ -130,7 +130,7 @@ def iha_attention(
   alpha_v: jax.Array,
   collapse: jax.Array,
   options: AttentionOptions | None = None,
-  **overrides: Any,
+  **overrides: Unpack[OptionFields],
 ) -> jax.Array:
   """Interleaved Head Attention core (docs/design.md, "The math").
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Unpack
 
 import jax
 
 from iha_jax.core import validation
-from iha_jax.core.attention import mha_reference, mha_xla
+from iha_jax.core.attention import mha_probabilities, mha_reference, mha_xla
 from iha_jax.core.cudnn_attention import mha_cudnn
-from iha_jax.core.options import AttentionOptions
+from iha_jax.core.options import AttentionOptions, OptionFields
 from iha_jax.kernels.sharded import mha_on_current_mesh, splash_on_current_mesh
 from iha_jax.kinds import registry
 from iha_jax.kinds.base import PROJECTION_OPTIONS, AttentionKind, Letter, project_qkv
@@ -43,6 +43,7 @@ class MultiHead(AttentionKind):
   }
   config_fields = PROJECTION_OPTIONS
   dropout_implementations = frozenset({"xla"})
+  probability_implementations = {"xla": mha_probabilities}
   decodes = True
   sequence_roles = ("q", "kv", "kv")
 
@@ -53,11 +54,10 @@ class MultiHead(AttentionKind):
     return q, v, 1
 
   def core(self, params, x, cfg, options, layer):
-    q, k, v = project_qkv(params, x)
-    return self.attend(params, q, k, v, cfg, options)
+    return mha_attention(*project_qkv(params, x), options)
 
-  def attend(self, params, q, k, v, cfg, options):
-    return mha_attention(q, k, v, options)
+  def entry_arrays(self, params, q, k, v, cfg):
+    return q, k, v
 
 
 MHA = MultiHead()
@@ -68,7 +68,7 @@ def mha_attention(
   k: jax.Array,
   v: jax.Array,
   options: AttentionOptions | None = None,
-  **overrides: Any,
+  **overrides: Unpack[OptionFields],
 ) -> jax.Array:
   """Standard multi-head attention with the same conventions as `iha_attention`.
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Unpack
 
 import jax
 
 from iha_jax.core import validation
 from iha_jax.core.masking import visible_pairs, visible_triples
-from iha_jax.core.options import AttentionOptions
+from iha_jax.core.options import AttentionOptions, OptionFields
 from iha_jax.core.simplicial import simplicial_reference, simplicial_xla
 from iha_jax.kinds import registry
 from iha_jax.kinds.base import (
@@ -64,7 +64,7 @@ def simplicial_attention(
   v1: jax.Array,
   v2: jax.Array,
   options: AttentionOptions | None = None,
-  **overrides: Any,
+  **overrides: Unpack[OptionFields],
 ) -> jax.Array:
   """2-simplicial attention over `[B, N, H, d]` inputs.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from flax.linen import with_logical_constraint
 
 from iha_jax.core import validation
 from iha_jax.core.masking import visible_pairs
-from iha_jax.core.options import AttentionOptions
+from iha_jax.core.options import AttentionOptions, OptionFields
 from iha_jax.core.talking_heads import talking_heads_reference, talking_heads_xla
 from iha_jax.kinds import registry
 from iha_jax.kinds.base import (
@@ -83,7 +83,7 @@ def talking_heads_attention(
   talk_logits: jax.Array,
   talk_weights: jax.Array,
   options: AttentionOptions | None = None,
-  **overrides: Any,
+  **overrides: Unpack[OptionFields],
 ) -> jax.Array:
   """Talking-Heads attention over `[B, N, H, ·]` inputs.
 

@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from iha_jax.kernels.flash.attention import ATTENTION_RESIDUALS
+from iha_jax.kinds import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ
 from iha_jax.models.config import TransformerConfig
 from iha_jax.models.transformer import (
   TransformerLM,
@@ -36,7 +37,6 @@ from iha_jax.models.transformer import (
   embed_tokens,
   output_logits,
 )
-from iha_jax.nn.functional import ATTENTION_OUT, KEY_PROJ, QUERY_PROJ, VALUE_PROJ
 
 Params = dict[str, Any]
 

@@ -13,14 +13,15 @@ import jax
 from flax import struct
 
 from iha_jax import kinds
+from iha_jax.checks import warn_deprecated
 from iha_jax.models.config import TransformerConfig
 from iha_jax.nn.cache import (
   CACHE_MODES,
   LayerCache,
   check_cache_mode,
   init_layer_cache,
+  ring_slots,
   slot_tokens,
-  window_tokens,
 )
 
 __all__ = [
@@ -32,8 +33,8 @@ __all__ = [
   "decodable_letters",
   "init_cache",
   "init_layer_cache",
+  "ring_slots",
   "slot_tokens",
-  "window_tokens",
 ]
 
 
@@ -96,8 +97,16 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int, mode: str) -
   """Empty caches for every layer of a model with `config` (computation dtype)."""
   check_decodable(config)
   check_cache_mode(mode)
+  letters = {letter: config.attention_config(letter) for letter in set(config.schedule)}
   layers = tuple(
-    init_layer_cache(config.attention_config(letter), batch, max_len, mode, config.dtype)
+    init_layer_cache(letters[letter], batch, max_len, mode, config.dtype)
     for letter in config.schedule
   )
   return KVCache(layers=layers, mode=mode, max_len=max_len)
+
+
+def __getattr__(name: str) -> object:
+  if name == "window_tokens":  # renamed: `window_tokens` is a window in tokens (the layers')
+    warn_deprecated("iha_jax.models.kv_cache.window_tokens", "ring_slots (the ring's token slots)")
+    return ring_slots
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,13 @@
 """Flax layers of every attention kind (IHA, MHA and the paper's baselines): NNX and Linen.
 
-One call per layer serves training, prefill and decoding with a KV cache (`cache=`,
-`iha_jax.nn.cache`) and attention probabilities (`return_probabilities=True`);
+NNX: `Attention` (any kind, from its fields or `config=AttentionConfig(...)`) and its
+named classes (`InterleavedHeadAttention`, ...); Linen: `AttentionLinen(config)` (the
+per-kind Linen names still build it, deprecated). One call per layer serves training,
+prefill and decoding with a KV cache (`cache=`, `iha_jax.nn.cache`), cross-attention
+(`context=`) and attention probabilities (`return_probabilities=True`);
 docs/your_model.md puts them in a model of your own and lists this public API. The
-functions behind the layers (`iha_jax.nn.functional`, `.cache`, `.call`) are internal.
+functions behind the layers (`iha_jax.nn.call`, `.functional`, `.cache`, `.cross`) are
+internal.
 """
 
 from iha_jax.nn.attention import (

@@ -1,17 +1,18 @@
 """Flax NNX attention layers: `InterleavedHeadAttention`, `MultiHeadAttention` and the
 paper's baselines `TalkingHeadsAttention`, `DifferentialAttention`, `SimplicialAttention`.
 
-One module, `Attention`, builds the parameters of any kind (`iha_jax.kinds`) and applies
-`iha_jax.nn.call.apply_layer`; the named classes fix the kind. Parameters are `nnx.Param`
-attributes named as the kind lays them out (`wq, wk, wv, wo`, plus `alpha_q, alpha_k,
-alpha_v, collapse` for IHA, ...), so `nnx.state(m, nnx.Param)` is a flat dict of exactly
-those keys. Each carries its logical axis names as metadata only
-(`iha_jax.nn.partitioning.logical_param`), so the modules build without a mesh.
+One module, `Attention`, builds the parameters of any kind (`iha_jax.kinds`) from one
+`AttentionConfig` and applies `iha_jax.nn.call.apply_layer`; the named classes fix the
+kind. Parameters are `nnx.Param` attributes named as the kind lays them out (`wq, wk, wv,
+wo`, plus `alpha_q, alpha_k, alpha_v, collapse` for IHA, ...), so `nnx.state(m,
+nnx.Param)` is a flat dict of exactly those keys. Each carries its logical axis names as
+metadata only (`iha_jax.nn.partitioning.logical_param`), so the modules build without a
+mesh.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 from typing import Any, ClassVar
 
 import jax
@@ -31,8 +32,9 @@ class Attention(nnx.Module):
   """An attention layer of any registered kind: `x: [B, N, D]` -> `[B, N, out_features]`
   (D unless set); with `context: [B, M, D]`, cross-attention (IHA, MHA).
 
-  `Attention(model_dim, num_heads, head_dim, kind=..., <options>, rngs=...)`, or
-  `Attention.from_config(AttentionConfig(...), rngs=...)`; the named subclasses
+  `Attention(model_dim, num_heads, head_dim, kind=..., <options>, rngs=...)`, or from a
+  configuration as it is, `Attention(config=AttentionConfig(...), rngs=...)` (or
+  `Attention.from_config(...)`: the kind's named class); the named subclasses
   (`InterleavedHeadAttention`, `MultiHeadAttention`, ...) fix `kind`. Every option is
   checked on construction, naming the option.
 
@@ -81,6 +83,8 @@ class Attention(nnx.Module):
     out_features: output width (`wo: [H, d, out_features]`); None: model_dim.
     in_features: flax's name for model_dim (give one of them).
     qkv_features: flax's name for `num_heads * head_dim` (give it or head_dim).
+    config: the layer's `AttentionConfig`, taken as it is, instead of the fields above
+      (model_dim ... qkv_features, which then stay unset).
     rngs: `nnx.Rngs` with a `params` stream (and `dropout` when dropping out).
   """
 
@@ -120,11 +124,10 @@ class Attention(nnx.Module):
     out_features: int | None = None,
     in_features: int | None = None,
     qkv_features: int | None = None,
+    config: AttentionConfig | None = None,
     rngs: nnx.Rngs,
   ):
-    if self.kind is not None and kind not in (None, self.kind):
-      raise ValueError(f"{type(self).__name__} is kind {self.kind!r}, got kind={kind!r}")
-    config = layer_config(
+    fields = dict(
       window_tokens=window_tokens,
       in_features=in_features,
       qkv_features=qkv_features,
@@ -134,7 +137,7 @@ class Attention(nnx.Module):
       model_dim=model_dim,
       num_heads=num_heads,
       head_dim=head_dim,
-      kind=kind or self.kind or "iha",
+      kind=kind,
       num_kv_heads=num_kv_heads,
       num_pseudo=num_pseudo,
       window=window,
@@ -146,6 +149,7 @@ class Attention(nnx.Module):
       implementation=implementation,
       dropout_rate=dropout_rate,
     )
+    config = self._layer_config(config, fields)
     if deterministic not in (None, True, False):
       raise ValueError(f"deterministic must be None or a bool, got {deterministic!r}")
     self.config = config
@@ -160,6 +164,26 @@ class Attention(nnx.Module):
     # layers are unchanged).
     self.rngs = rngs.dropout.fork() if keep_rngs and config.dropout_rate > 0 else None
 
+  def _layer_config(
+    self, config: AttentionConfig | None, fields: dict[str, Any]
+  ) -> AttentionConfig:
+    """`config` as it is, or the one `fields` (the constructor's) describe; ValueError
+    for both, or for a kind other than the class's."""
+    if config is not None and not isinstance(config, AttentionConfig):
+      raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
+    kind = fields["kind"] if config is None else config.kind
+    if self.kind is not None and kind not in (None, self.kind):
+      raise ValueError(f"{type(self).__name__} is kind {self.kind!r}, got kind={kind!r}")
+    if config is None:
+      return layer_config(**{**fields, "kind": kind or self.kind or "iha"})
+    given = [name for name, value in fields.items() if value != _FIELD_DEFAULTS[name]]
+    if given:
+      raise ValueError(
+        f"config= holds every field of the layer; got {', '.join(given)} beside it: set "
+        "them in the AttentionConfig (dataclasses.replace(config, ...))"
+      )
+    return config
+
   @classmethod
   def from_config(
     cls,
@@ -171,20 +195,17 @@ class Attention(nnx.Module):
     mixing_noise_std: float = 0.0,
     deterministic: bool | None = None,
   ) -> Attention:
-    """The layer of `config`: on `Attention` itself, the kind's named class where one
-    exists (e.g. `InterleavedHeadAttention` for "iha"), else `Attention`."""
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    dims = (fields.pop("model_dim"), fields.pop("num_heads"), fields.pop("head_dim"))
+    """The layer of `config` (taken as it is): on `Attention` itself, the kind's named
+    class where one exists (e.g. `InterleavedHeadAttention` for "iha"), else `Attention`."""
     if cls is Attention:
       cls = Attention._named.get(config.kind, Attention)
     return cls(
-      *dims,
+      config=config,
       rngs=rngs,
       param_dtype=param_dtype,
       kernel_init=kernel_init,
       mixing_noise_std=mixing_noise_std,
       deterministic=deterministic,
-      **fields,
     )
 
   def __call__(
@@ -266,8 +287,18 @@ class Attention(nnx.Module):
     return init_layer_cache(self.config, batch, max_len, mode, dtype)
 
   def param_values(self) -> dict[str, jax.Array]:
-    """`{name: array}` of the layer's parameters, as `attention_forward` takes them."""
+    """`{name: array}` of the layer's parameters, as `iha_jax.nn.call.apply_layer` takes
+    them."""
     return {name: getattr(self, name)[...] for name in self._param_names}
+
+
+# The constructor's defaults of the layer's fields: `config=` refuses any other value.
+_FIELD_DEFAULTS = {
+  name: parameter.default
+  for name, parameter in inspect.signature(Attention.__init__).parameters.items()
+  if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+  or name in ("model_dim", "num_heads", "head_dim")
+}
 
 
 class InterleavedHeadAttention(Attention):

@@ -2,13 +2,13 @@
 
 `LayerCache` is a ring buffer over token slots (token `n` in slot `n % C`) plus the number
 of tokens written. Global layers hold `C = max_len` slots (the ring never wraps); window
-layers only the tokens their window can see (`window_tokens`). The layer's call with a
-cache (`Attention.__call__(x, cache=...)`, or `cached_attention` on a parameter dict) takes
-the next `n >= 1` tokens of every row (a prompt, a chunk of one, or one token), attends
-with them over what the cache holds plus themselves, writes them, and returns the output
-and the new cache: prefill and one-token decoding are the same call, the layer's entry
-point with its queries at an offset into longer keys (`cached_attention`). Its output
-equals the full forward's at those positions.
+layers only the tokens their window can see (`ring_slots`). The layer's call with a cache
+(`Attention.__call__(x, cache=...)`, `iha_jax.nn.call.run_layer`) takes the next `n >= 1`
+tokens of every row (a prompt, a chunk of one, or one token), attends with them over what
+the cache holds plus themselves, writes them, and returns the output and the new cache:
+prefill and one-token decoding are the same call, the layer's entry point with its
+queries at an offset into longer keys (`cached_heads`). Its output equals the full
+forward's at those positions.
 
 Layouts (head-major), G the layer's key/value heads (`num_kv_heads`):
 - "source": the SOURCE-head k and v before mixing and RoPE, `[B, G, C, d]`, the size of
@@ -19,7 +19,7 @@ Layouts (head-major), G the layer's key/value heads (`num_kv_heads`):
   times larger; slot c holds virtual tokens `c*P .. c*P+P-1`): a call mixes and rotates
   only its new tokens. For MHA (P = 1) "pseudo" is a cache of rotated keys.
 A kind decodes when its record says so (`AttentionKind.decodes`: it reads as pseudo-head
-attention, `attend`, `pseudo_heads` and `collapse`; IHA and MHA built in).
+attention, `entry_arrays`, `pseudo_heads` and `collapse`; IHA and MHA built in).
 
 Every row of a batch is at the same position (`length`): equal-length prompts, no
 padding; positions are `length + arange(n)`, as the full forward's default.
@@ -43,18 +43,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from iha_jax.checks import is_int, is_traced
+from iha_jax.checks import is_int, is_traced, warn_deprecated
 from iha_jax.core.options import AttentionOptions
-from iha_jax.kinds import project_out
+from iha_jax.kinds import project_qkv
 from iha_jax.kinds.config import AttentionConfig
-from iha_jax.kinds.mha import mha_attention
-from iha_jax.nn.functional import (
-  check_input,
-  project_qkv,
-  pseudo_heads,
-  rotated_pseudo_heads,
-  to_compute_dtype,
-)
+from iha_jax.nn.functional import Handed, rotated_pseudo_heads
 
 CACHE_MODES = ("source", "pseudo")
 
@@ -96,7 +89,7 @@ def spec_for(cfg: AttentionConfig, max_len: int, mode: str) -> CacheSpec:
     head_dim=cfg.head_dim,
     window=cfg.window,
     mode=mode,
-    capacity=window_tokens(cfg, max_len),
+    capacity=ring_slots(cfg, max_len),
     max_len=max_len,
   )
 
@@ -158,7 +151,7 @@ def _slots_per_token(cfg: AttentionConfig, mode: str) -> int:
   return 1 if _stores_source(cfg, mode) else cfg.record.num_pseudo(cfg)
 
 
-def window_tokens(cfg: AttentionConfig, max_len: int) -> int:
+def ring_slots(cfg: AttentionConfig, max_len: int) -> int:
   """Token slots C of a layer's ring buffer.
 
   A window of `w` virtual tokens lets query `n*P + p` see keys down to `n*P - w + 1`,
@@ -188,7 +181,7 @@ def init_layer_cache(
     cfg: the layer's configuration (a kind that decodes, causal).
     batch: B, rows decoded together.
     max_len: tokens each row may hold in all (prompt plus every token fed later); window
-      layers keep only `window_tokens(cfg, max_len)` of them.
+      layers keep only `ring_slots(cfg, max_len)` of them.
     mode: "source" or "pseudo" (module docstring).
     dtype: of the cached keys and values (None: `cfg.dtype`, else float32).
   """
@@ -222,9 +215,12 @@ def _write(buf: jax.Array, new: jax.Array, start: jax.Array, slots_per_token: in
   return ring.at[:, :, slots].set(new).reshape(buf.shape)
 
 
-def _check_cache(cfg: AttentionConfig, cache: LayerCache, batch: int, tokens: int) -> None:
-  """One line naming what differs between the cache and this layer, or the overflow of a
-  concrete length (a traced one poisons the output instead: `cached_attention`)."""
+def check_cache(cfg: AttentionConfig, cache: LayerCache, x: jax.Array) -> None:
+  """Raises ValueError unless a layer of `cfg` can take its next tokens `x: [B, n, D]`
+  with `cache` (`check_decodes`): one line naming what differs between the cache and this
+  layer, or the overflow of a concrete length (a traced one poisons the output instead:
+  `write_cache`)."""
+  check_decodes(cfg)
   if not isinstance(cache, LayerCache):
     raise TypeError(f"cache must be a LayerCache (init_layer_cache), got {type(cache).__name__}")
   check_cache_mode(cache.mode)
@@ -234,6 +230,7 @@ def _check_cache(cfg: AttentionConfig, cache: LayerCache, batch: int, tokens: in
       f"this cache was made for another layer: its {'; '.join(differ)}. Make one with "
       "this layer's init_cache (every layer keeps its own cache)."
     )
+  batch, tokens = x.shape[:2]
   if not cache.spec.unbounded and not is_traced(cache.length):
     length = int(cache.length)
     if length + tokens > cache.spec.max_len:
@@ -253,90 +250,90 @@ def _check_cache(cfg: AttentionConfig, cache: LayerCache, batch: int, tokens: in
     )
 
 
-def cached_attention(
+def cached_heads(
   params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig, cache: LayerCache
-) -> tuple[jax.Array, LayerCache]:
-  """The layer on the next `n` tokens of every row, with a KV cache.
+) -> tuple[Handed, tuple[jax.Array, jax.Array]]:
+  """What a cached call hands the kind, and the keys and values it writes.
 
   The call is the layer's own entry point with its queries at an offset into longer keys,
   as a sequence shard runs under context parallelism: the keys are the C tokens the cache
   held before this call, in position order (the ring rotated; slots before token 0 are
-  padding), then the n new ones, and the queries sit at offset C. A "source" cache runs
-  the kind's entry point on them (`AttentionKind.attend`: IHA mixes and rotates the
-  cached source heads as it does the new ones); a "pseudo" cache holds rotated
-  pseudo-keys and pseudo-values and runs MHA's entry point over the virtual rows, then
-  the kind's collapse. The registry picks the implementation (`cfg.implementation`), so
-  a prompt runs the Pallas kernels on TPU and GPU under "auto"; one token (n = 1) stays
-  on the XLA core, which needs no tiles for P query rows.
+  padding), then the n new ones, and the queries sit at offset C. A "source" cache hands
+  the source heads (IHA mixes and rotates the cached ones as it does the new ones); a
+  "pseudo" cache its rotated pseudo-keys and pseudo-values, which MHA's entry point
+  attends with over the virtual rows before the kind's collapse. The registry picks the
+  implementation (`cfg.implementation`; one new token: `registry.resolve`'s rule).
 
   Args:
-    params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`.
-    x: the layer's input for tokens `cache.length .. cache.length + n - 1`, `[B, n, D]`.
+    params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`, in the
+      computation dtype.
+    x: the layer's input for tokens `cache.length .. cache.length + n - 1`, `[B, n, D]`,
+      in the computation dtype.
     cfg: the layer configuration (a kind that decodes, causal).
-    cache: the layer's cache holding the tokens before them.
-
-  Returns:
-    `([B, n, D], cache)`: the output, equal to the full forward's at those positions, and
-    the cache with the n tokens written and `length` advanced by n. Past the cache's
-    `max_len` (a global layer, or a window longer than it): a ValueError when the length
-    is concrete, else NaN outputs (never a wrapped ring's wrong ones).
+    cache: the layer's cache holding the tokens before them (`check_cache`).
   """
-  check_input(x, cfg)
-  check_decodes(cfg)
-  _check_cache(cfg, cache, x.shape[0], x.shape[1])
-  p, x = to_compute_dtype(params, x, cfg)
   b, n = x.shape[:2]
-  capacity = cache.spec.capacity
-  slots_per_token = _slots_per_token(cfg, cache.mode)
+  capacity, num_pseudo = cache.spec.capacity, cache.spec.num_pseudo
   start = jnp.asarray(cache.length, jnp.int32)
-  q, k, v = project_qkv(p, x)  # [B, n, H, d], [B, n, G, d]
-  new_tokens = start + jnp.arange(n, dtype=jnp.int32)  # [n]
-  positions = jnp.broadcast_to(new_tokens, (b, n))
+  q, k, v = project_qkv(params, x)  # [B, n, H, d], [B, n, G, d]
+  positions = jnp.broadcast_to(start + jnp.arange(n, dtype=jnp.int32), (b, n))
   # The ring in position order: row r holds token start - C + r (padding before token 0).
   key_tokens = start - capacity + jnp.arange(capacity + n, dtype=jnp.int32)  # [C + n]
-  shift = -jnp.mod(start, capacity) * slots_per_token
+  shift = -jnp.mod(start, capacity) * _slots_per_token(cfg, cache.mode)
   old_k, old_v = (
     jnp.swapaxes(jnp.roll(c, shift, axis=2), 1, 2).astype(x.dtype) for c in (cache.k, cache.v)
   )  # [B, C*S, G, d]
-  implementation = "xla" if n == 1 and cfg.implementation == "auto" else cfg.implementation
   if cache.mode == "source":
     options = cfg.options(positions=positions).replace(
-      implementation=implementation,
       query_offset=capacity,
       kv_positions=jnp.broadcast_to(key_tokens, (b, capacity + n)),
       kv_segment_ids=jnp.broadcast_to((key_tokens >= 0).astype(jnp.int32), (b, capacity + n)),
     )
-    keys, values = (jnp.concatenate([old, new], axis=1) for old, new in ((old_k, k), (old_v, v)))
-    out = cfg.record.attend(p, q, keys, values, cfg, options)  # [B, n, H, d]
-    written = (k, v)
   else:
-    num_pseudo = cfg.record.num_pseudo(cfg)
-    new_k = rotated_pseudo_heads(p, cfg, "k", k, positions)  # [B, n*P, G, d]
-    new_v = pseudo_heads(p, cfg, "v", v)
-    queries = rotated_pseudo_heads(p, cfg, "q", q, positions)  # [B, n*P, H, d]
+    q, k = (rotated_pseudo_heads(params, cfg, w, t, positions) for w, t in (("q", q), ("k", k)))
+    v = cfg.record.pseudo_heads(params, cfg, "v", v)  # [B, n*P, G, d]; values: no RoPE
     virtual = jnp.repeat(key_tokens >= 0, num_pseudo).astype(jnp.int32)  # [(C + n)*P]
     options = AttentionOptions(
       window=cfg.window,
       causal=True,
       rope_theta=None,  # rotated already, at the virtual positions
-      implementation=implementation,
+      implementation=cfg.implementation,
       query_offset=capacity * num_pseudo,
       kv_segment_ids=jnp.broadcast_to(virtual, (b, virtual.shape[0])),
     )
-    keys, values = (
-      jnp.concatenate([old, new], axis=1) for old, new in ((old_k, new_k), (old_v, new_v))
-    )
-    out = cfg.record.collapse(p, cfg, mha_attention(queries, keys, values, options))
-    written = (new_k, new_v)
-  y = project_out(p, out)
+  keys, values = (jnp.concatenate([old, new], axis=1) for old, new in ((old_k, k), (old_v, v)))
+  return Handed(options, (q, keys, values), cache.mode == "pseudo", new_tokens=n), (k, v)
+
+
+def write_cache(
+  y: jax.Array, cache: LayerCache, written: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, LayerCache]:
+  """The cached call's output `y: [B, n, out]` and the cache with the `written` keys and
+  values of its n tokens (`cached_heads`) in their slots and `length` advanced by n.
+
+  Past the cache's `max_len` (a global layer, or a window longer than it) the outputs are
+  NaN, never a wrapped ring's wrong ones (a concrete length is refused before:
+  `check_cache`).
+  """
+  n = y.shape[1]
+  start = jnp.asarray(cache.length, jnp.int32)
   if not cache.spec.unbounded:
     # Tokens past max_len: NaN, not a wrapped ring's output; made by an operation (the
     # square root of -1), so checkify's float checks report where it arose.
+    new_tokens = start + jnp.arange(n, dtype=jnp.int32)
     fits = (new_tokens < cache.spec.max_len).astype(y.dtype)
     y = y * jnp.sqrt(2 * fits - 1)[None, :, None]
+  slots_per_token = cache.k.shape[2] // cache.spec.capacity  # 1, or P for pseudo-heads
   cache = cache.replace(
     k=_write(cache.k, written[0], start, slots_per_token),
     v=_write(cache.v, written[1], start, slots_per_token),
     length=start + n,
   )
   return y, cache
+
+
+def __getattr__(name: str) -> object:
+  if name == "window_tokens":  # renamed: `window_tokens` is a window in tokens (the layers')
+    warn_deprecated("iha_jax.nn.cache.window_tokens", "ring_slots (the ring's token slots)")
+    return ring_slots
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

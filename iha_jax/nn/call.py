@@ -1,51 +1,41 @@
 """The one call of an attention layer, shared by the NNX and Linen modules.
 
-`apply_layer` serves every use of a layer: the full forward (training, encoding), the
-full forward plus its attention probabilities (pictures), and the cached call (prefill
-and decoding, `iha_jax.nn.cache`). Under a mesh with Explicit axes (the default of
-`jax.make_mesh`) the layer runs in `jax.sharding.auto_axes`: inside, the compiler places
-the activations by the logical-axis rules' constraints, as on an Auto mesh, and the
-outputs leave with the input's sharding.
+Every use of a layer runs one body (`run_layer`): check the input, cast it and the
+parameters to the computation dtype, hand the kind what this use attends with
+(`iha_jax.nn.functional.Handed`: projections and options), make the one call into the
+kind (`_attend`: the registry picks the implementation), project out. The uses differ
+only in what they hand it:
+- the full forward (training, encoding): x itself, to the kind's forward
+  (`AttentionKind.core`: its own projections, then its entry point), with key validity,
+  packed segments, positions and attention dropout;
+- attention probabilities (pictures): the forward, and the same call's weights from the
+  kind's entry point asked for them (`registry.attend(..., probabilities=True)`);
+- cross-attention (`iha_jax.nn.cross`): queries from x, keys and values from a context;
+- the cached call (prefill and decoding, `iha_jax.nn.cache`): queries from x, keys and
+  values from the cache's ring and x, then the new tokens written.
+Under a mesh with Explicit axes (the default of `jax.make_mesh`) the layer runs in
+`jax.sharding.auto_axes`: inside, the compiler places the activations by the logical-axis
+rules' constraints, as on an Auto mesh, and the outputs leave with the input's sharding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+from flax.linen import with_logical_constraint
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, PartitionSpec
 
+from iha_jax.kinds import ATTENTION_OUT, project_out, project_qkv, registry
 from iha_jax.kinds.config import AttentionConfig
-from iha_jax.nn.cache import LayerCache, cached_attention
-from iha_jax.nn.cross import cross_attention
-from iha_jax.nn.functional import attention_forward, layer_attention_probabilities
-
-
-def explicit_mesh() -> bool:
-  """Whether the current mesh (`jax.set_mesh`) has an Explicit axis."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return not mesh.empty and AxisType.Explicit in mesh.axis_types
-
-
-def _on_auto_axes(fn: Callable[..., Any], out_sharding: Callable[[], Any], *args: Any) -> Any:
-  """`fn(*args)`, inside `auto_axes` on a mesh with Explicit axes (module docstring), its
-  outputs sharded as `out_sharding()` says."""
-  if not explicit_mesh():
-    return fn(*args)
-  return jax.sharding.auto_axes(fn, out_sharding=out_sharding())(*args)
-
-
-def _sharding(x: Any) -> Any:
-  return jax.typeof(x).sharding
-
-
-def _refuse(message: str, **arguments: Any) -> None:
-  """Raises ValueError, `message` naming the given ones, if any of `arguments` is not
-  None."""
-  given = [name for name, value in arguments.items() if value is not None]
-  if given:
-    raise ValueError(message.format(", ".join(given)))
+from iha_jax.kinds.mha import MHA
+from iha_jax.nn.cache import LayerCache, cached_heads, check_cache, write_cache
+from iha_jax.nn.cross import check_context, cross_heads
+from iha_jax.nn.functional import Handed, check_input, mask_segments, to_compute_dtype
+from iha_jax.parallel.axes import HEADS_AXES
 
 
 def apply_layer(
@@ -62,22 +52,142 @@ def apply_layer(
   return_probabilities: bool = False,
   context: jax.Array | None = None,
 ) -> Any:
-  """One call of the layer of `cfg` with parameters `params` on `x: [B, N, D]`.
+  """One call of the layer of `cfg` with parameters `params` on `x: [B, N, D]`
+  (`run_layer`, under `auto_axes` on a mesh with Explicit axes), after refusing the
+  arguments of another use.
 
   `dropout_rng`: called, only for a full forward of a layer with `cfg.dropout_rate > 0`,
   for the dropout key (None: deterministic); cached and probability calls never drop out.
 
   Returns:
-    - `y: [B, N, out]` with a `context: [B, M, D]` (`iha_jax.nn.cross.cross_attention`):
-      queries from x, keys and values from the context, `mask` over the context;
-    - `y: [B, N, out]` (no cache, no probabilities): the full forward
-      (`attention_forward`), with key-validity `mask` and attention dropout;
-    - `(y, cache)` with a `cache` (`iha_jax.nn.cache.cached_attention`): the next N
-      tokens of every row after the `cache.length` it holds;
-    - `(y, probabilities [B, H, T, T])` with `return_probabilities`
-      (`layer_attention_probabilities`).
+    - `y: [B, N, out]` with a `context: [B, M, D]`: queries from x, keys and values from
+      the context, `mask` over the context;
+    - `y: [B, N, out]` (no cache, no probabilities): the full forward, with key-validity
+      `mask` and attention dropout;
+    - `(y, cache)` with a `cache`: the next N tokens of every row after the
+      `cache.length` it holds;
+    - `(y, probabilities [B, H, T, T])` with `return_probabilities`.
   """
   probabilities = return_probabilities or None
+  _refuse_other_uses(mask, segment_ids, positions, layer, cache, probabilities, context)
+  dropout_key = None
+  if (
+    cache is None and not return_probabilities and cfg.dropout_rate > 0 and dropout_rng is not None
+  ):
+    dropout_key = dropout_rng()
+    if context is not None and dropout_key is not None:
+      raise ValueError(
+        f"context= (cross-attention) has no attention dropout (dropout_rate="
+        f"{cfg.dropout_rate}): call it with deterministic=True, or use a layer with "
+        "dropout_rate=0"
+      )
+  inputs = CallInputs(mask, segment_ids, positions, dropout_key, context, cache)
+  body = lambda params, x, inputs: run_layer(
+    params, x, cfg, inputs, layer=layer, probabilities=return_probabilities
+  )
+  if not _explicit_mesh():
+    return body(params, x, inputs)
+  out_sharding = jax.typeof(x).sharding
+  if cache is not None:
+    out_sharding = (out_sharding, jax.tree.map(lambda a: jax.typeof(a).sharding, cache))
+  elif return_probabilities:
+    out_sharding = (out_sharding, PartitionSpec(out_sharding.spec[0]))
+  return jax.sharding.auto_axes(body, out_sharding=out_sharding)(params, x, inputs)
+
+
+class CallInputs(NamedTuple):
+  """The arrays of one call of the layer besides x (`apply_layer`'s; None where the call
+  has none), `dropout_key` the dropout key drawn for a full forward."""
+
+  mask: jax.Array | None = None
+  segment_ids: jax.Array | None = None
+  positions: jax.Array | None = None
+  dropout_key: jax.Array | None = None
+  context: jax.Array | None = None
+  cache: LayerCache | None = None
+
+
+def run_layer(
+  params: Mapping[str, jax.Array],
+  x: jax.Array,
+  cfg: AttentionConfig,
+  inputs: CallInputs,
+  *,
+  layer: int | jax.Array | None = None,
+  probabilities: bool = False,
+) -> Any:
+  """The body of every use of the layer (module docstring; arguments as `apply_layer`'s):
+  `y: [B, N, out]`, `(y, cache)` or `(y, probabilities)`."""
+  mask, segment_ids, positions, dropout_key, context, cache = inputs
+  check_input(x, cfg)
+  if context is not None:
+    check_context(context, x, cfg)
+  if cache is not None:
+    check_cache(cfg, cache, x)
+  params, x = to_compute_dtype(params, x, cfg)
+  if cache is not None:
+    handed, written = cached_heads(params, x, cfg, cache)
+  elif context is not None:
+    handed = cross_heads(params, x, jnp.asarray(context, x.dtype), cfg, mask)
+  else:
+    if mask is not None:
+      segment_ids = mask_segments(mask, segment_ids, x)
+    options = cfg.options(segment_ids=segment_ids, positions=positions, dropout_rng=dropout_key)
+    handed = Handed(options)
+  y = project_out(params, _attend(params, x, cfg, handed, layer))
+  if cache is not None:
+    return write_cache(y, cache, written)
+  if probabilities:
+    weights = Handed(handed.options, project_qkv(params, x))
+    return y, _attend(params, x, cfg, weights, layer, probabilities=True)
+  return y
+
+
+def _attend(
+  params: Mapping[str, jax.Array],
+  x: jax.Array,
+  cfg: AttentionConfig,
+  handed: Handed,
+  layer: int | jax.Array | None,
+  *,
+  probabilities: bool = False,
+) -> jax.Array:
+  """The one call into the kind: its forward on x (`handed.heads` None), tagged for remat,
+  or its entry point on the handed heads through the registry (MHA's over a "pseudo"
+  cache's virtual rows, then the kind's collapse). Per-head outputs `[B, N, H, dv]`, or
+  with `probabilities` the attention probabilities `[B, H, T, T]`."""
+  record = cfg.record
+  if handed.heads is None:
+    out = record.core(params, x, cfg, handed.options, cfg.layer if layer is None else layer)
+    return checkpoint_name(with_logical_constraint(out, HEADS_AXES), ATTENTION_OUT)
+  kind = MHA if handed.pseudo else record
+  out = registry.attend(
+    kind,
+    *kind.entry_arrays(params, *handed.heads, cfg),
+    options=handed.options,
+    new_tokens=handed.new_tokens,
+    probabilities=probabilities,
+  )
+  return record.collapse(params, cfg, out) if handed.pseudo else out
+
+
+def _explicit_mesh() -> bool:
+  """Whether the current mesh (`jax.set_mesh`) has an Explicit axis."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and AxisType.Explicit in mesh.axis_types
+
+
+def _refuse_other_uses(
+  mask: Any,
+  segment_ids: Any,
+  positions: Any,
+  layer: Any,
+  cache: Any,
+  probabilities: Any,
+  context: Any,
+) -> None:
+  """Raises ValueError naming the given arguments that belong to another use of the layer
+  than the one `context` (cross-attention) or `cache` (a cached call) asks for."""
   if context is not None:
     _refuse(
       "context= (cross-attention) takes x, the context and a mask over the context; {} "
@@ -88,14 +198,6 @@ def apply_layer(
       cache=cache,
       return_probabilities=probabilities,
     )
-    if cfg.dropout_rate > 0 and dropout_rng is not None and dropout_rng() is not None:
-      raise ValueError(
-        f"context= (cross-attention) has no attention dropout (dropout_rate="
-        f"{cfg.dropout_rate}): call it with deterministic=True, or use a layer with "
-        "dropout_rate=0"
-      )
-    fn = lambda p, x, c, m: cross_attention(p, x, c, cfg, mask=m)
-    return _on_auto_axes(fn, lambda: _sharding(x), params, x, context, mask)
   if cache is not None:
     _refuse(
       "cache= takes the next tokens of one unpadded sequence per row, at positions "
@@ -105,17 +207,11 @@ def apply_layer(
       positions=positions,
       return_probabilities=probabilities,
     )
-    out_sharding = lambda: (_sharding(x), jax.tree.map(_sharding, cache))
-    fn = lambda p, x, c: cached_attention(p, x, cfg, c)
-    return _on_auto_axes(fn, out_sharding, params, x, cache)
-  arrays = dict(mask=mask, segment_ids=segment_ids, positions=positions)
-  forward = lambda p, x, a, rng: attention_forward(p, x, cfg, layer=layer, dropout_rng=rng, **a)
-  if not return_probabilities:
-    key = dropout_rng() if dropout_rng is not None and cfg.dropout_rate > 0 else None
-    return _on_auto_axes(forward, lambda: _sharding(x), params, x, arrays, key)
 
-  def with_probabilities(p, x, a):
-    return forward(p, x, a, None), layer_attention_probabilities(p, x, cfg, **a)
 
-  out_sharding = lambda: (_sharding(x), PartitionSpec(_sharding(x).spec[0]))
-  return _on_auto_axes(with_probabilities, out_sharding, params, x, arrays)
+def _refuse(message: str, **arguments: Any) -> None:
+  """Raises ValueError, `message` naming the given ones, if any of `arguments` is not
+  None."""
+  given = [name for name, value in arguments.items() if value is not None]
+  if given:
+    raise ValueError(message.format(", ".join(given)))

@@ -9,9 +9,9 @@ are exactly its self-attention ones, so one IHA layer may serve both; MHA is the
 case. No RoPE and no window: queries and keys are on two different sequences, with no
 shared axis of positions (as the cross-attention of encoder-decoder models).
 
-The call is the kind's own entry point (`AttentionKind.attend`) with keys of another
-length, as a cached call makes it: the registry picks the implementation, so the Pallas
-kernels run on TPU and GPU under "auto".
+The call is the kind's own entry point (`AttentionKind.entry_arrays`, `registry.attend`)
+with keys of another length, as a cached call makes it (`iha_jax.nn.call.run_layer`): the
+registry picks the implementation, so the Pallas kernels run on TPU and GPU under "auto".
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from iha_jax.kinds import project_out, project_qkv
+from iha_jax.kinds import project_qkv
 from iha_jax.kinds.config import AttentionConfig
-from iha_jax.nn.functional import check_input, to_compute_dtype
+from iha_jax.nn.functional import Handed, key_validity
 
 
 def check_cross(cfg: AttentionConfig) -> None:
@@ -53,7 +53,10 @@ def check_cross(cfg: AttentionConfig) -> None:
     )
 
 
-def _check_context(context: jax.Array, x: jax.Array, cfg: AttentionConfig) -> None:
+def check_context(context: jax.Array, x: jax.Array, cfg: AttentionConfig) -> None:
+  """Raises ValueError, naming the field or `context`, unless a layer of `cfg` can attend
+  over `context` (`check_cross`), a floating `[B, M, model_dim]` with x's B."""
+  check_cross(cfg)
   shape = tuple(jnp.shape(context))
   if len(shape) != 3 or shape[0] != x.shape[0] or shape[2] != cfg.model_dim or shape[1] < 1:
     raise ValueError(
@@ -64,57 +67,32 @@ def _check_context(context: jax.Array, x: jax.Array, cfg: AttentionConfig) -> No
     raise ValueError(f"context must be a floating array, got dtype {jnp.result_type(context)}")
 
 
-def _context_segments(mask: jax.Array | None, b: int, m: int) -> jax.Array:
-  """Key validity over the context, `[B, M]` int32 (1: attend, 0: padding), from flax's
-  `mask: [B, 1, 1, M]` (True = attend)."""
-  if mask is None:
-    return jnp.ones((b, m), jnp.int32)
-  shape = tuple(jnp.shape(mask))
-  if len(shape) != 4 or shape[0] not in (1, b) or shape[1:] != (1, 1, m):
-    raise ValueError(
-      f"mask of shape {shape}: with context=, mask says which context tokens are valid, "
-      f"[B, 1, 1, M] = [{b}, 1, 1, {m}] (valid[:, None, None, :])"
-    )
-  dtype = jnp.result_type(mask)
-  if not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)):
-    raise ValueError(f"mask must be bool (True = attend) or integer, got dtype {dtype}")
-  return jnp.broadcast_to(jnp.asarray(mask)[:, 0, 0, :] != 0, (b, m)).astype(jnp.int32)
-
-
-def cross_attention(
+def cross_heads(
   params: Mapping[str, jax.Array],
   x: jax.Array,
   context: jax.Array,
   cfg: AttentionConfig,
-  *,
-  mask: jax.Array | None = None,
-) -> jax.Array:
-  """The layer's queries from `x: [B, N, D]` over keys and values from `context:
-  [B, M, D]` (module docstring).
+  mask: jax.Array | None,
+) -> Handed:
+  """What cross-attention hands the kind (module docstring): queries projected from
+  `x: [B, N, D]`, keys and values from `context: [B, M, D]` (both in the computation
+  dtype), the context's padding as the keys' segment ids.
 
-  Args:
-    params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`.
-    x: the queries' input `[B, N, D]`.
-    context: the keys' and values' input `[B, M, D]` (e.g. an encoder's output).
-    cfg: the layer (IHA or MHA; causal=False, window=None, rope_theta=None).
-    mask: which context tokens are valid, flax's `[B, 1, 1, M]` (True = attend); a row
-      with no valid context token gets zero attention outputs (then `bo` alone).
-
-  Returns:
-    `[B, N, out_features]` in the computation dtype.
+  `mask`: which context tokens are valid, flax's `[B, 1, 1, M]` (True = attend); a row
+  with no valid context token gets zero attention outputs (then `bo` alone).
   """
-  check_input(x, cfg)
-  check_cross(cfg)
-  _check_context(context, x, cfg)
   b, n = x.shape[:2]
   m = context.shape[1]
-  kv_valid = _context_segments(mask, b, m)
-  p, x = to_compute_dtype(params, x, cfg)
-  context = jnp.asarray(context, x.dtype)
-  q, _, _ = project_qkv(p, x)  # the unused k, v of x are dead code to XLA
-  _, k, v = project_qkv(p, context)
+  kv_valid = jnp.ones((b, m), jnp.int32)
+  if mask is not None:
+    meaning = (
+      f"with context=, mask says which context tokens are valid, [B, 1, 1, M] = [{b}, 1, 1, "
+      f"{m}] (valid[:, None, None, :])"
+    )
+    kv_valid = key_validity(mask, b, m, meaning).astype(jnp.int32)
+  q, _, _ = project_qkv(params, x)  # the unused k, v of x are dead code to XLA
+  _, k, v = project_qkv(params, context)
   # A row whose context is all padding: its queries are padding too (zero outputs).
   query_ids = jnp.broadcast_to(kv_valid.max(axis=1, keepdims=True), (b, n))
   options = cfg.options(segment_ids=query_ids).replace(kv_segment_ids=kv_valid)
-  out = cfg.record.attend(p, q, k, v, cfg, options)  # [B, N, H, d]
-  return project_out(p, out)
+  return Handed(options, (q, k, v))

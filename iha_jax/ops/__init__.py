@@ -4,8 +4,9 @@ functions a user calls beside them.
 Entry points: `iha_attention`, `mha_attention`, `talking_heads_attention`,
 `diff_attention`, `simplicial_attention`. Each takes its arrays, then one
 `AttentionOptions` (window, causal, RoPE, segment ids, positions, tiles, implementation)
-and/or the same options as keywords, checks them and runs the implementation its kind's
-record names (`iha_jax.kinds.registry.attend`; "auto" per backend and call).
+and/or the same options as keywords (typed: `OptionFields`), checks them and runs the
+implementation its kind's record names (`iha_jax.kinds.registry.attend`; "auto" per
+backend and call).
 
 This package only gathers names: the entry points live with their kinds' records
 (`iha_jax.kinds`), the math in `iha_jax.core`. It sits above both (docs/design.md §8), so
@@ -17,7 +18,7 @@ from iha_jax.core.interleave import deinterleave, interleave, virtual_positions,
 from iha_jax.core.masking import Mask, visible
 from iha_jax.core.mixing import collapse_heads, pseudo_mix
 from iha_jax.core.norm import rms_norm
-from iha_jax.core.options import AttentionOptions, BlockSizes
+from iha_jax.core.options import AttentionOptions, BlockSizes, OptionFields
 from iha_jax.core.reference import dense_attention, dense_attention_probabilities
 from iha_jax.core.rope import apply_rope, rope_frequencies
 from iha_jax.core.xla_attention import attention_probabilities, flash_attention_heads_major
@@ -33,6 +34,7 @@ __all__ = [
   "AttentionOptions",
   "BlockSizes",
   "Mask",
+  "OptionFields",
   "apply_rope",
   "attention_probabilities",
   "collapse_heads",

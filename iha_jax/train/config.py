@@ -32,6 +32,7 @@ from iha_jax import data as data_lib
 from iha_jax.checks import is_int
 from iha_jax.core.options import round_up
 from iha_jax.errors import UserError
+from iha_jax.kinds import effective_num_pseudo
 from iha_jax.models import TransformerConfig
 from iha_jax.parallel import resolve_mesh_shape
 from iha_jax.train.losses import LOSSES, chunk_tokens_problem
@@ -92,7 +93,7 @@ def resolve_window(config: ml_collections.ConfigDict) -> int | None:
   window = _window(config)
   if window != "auto":
     return window
-  p = config.model.num_pseudo or config.model.num_heads
+  p = effective_num_pseudo(config.model.num_pseudo, config.model.num_heads)
   return max(1, config.data.seq_len // (2 * p))
 
 
@@ -204,6 +205,41 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
   for section in ("model", "data", "train", "mesh", "checkpoint"):
     if section not in config:
       raise ConfigError(f"config has no section {section!r}")
+  _check_model_keys(config)
+  model = model_config(config)
+  _check_counts(config)
+  _check_train(config.train, model)
+  try:
+    data, fsdp, context, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  problem = tensor_axis_problem(model, tensor) or context_axis_problem(config, context)
+  if problem:
+    raise ConfigError(problem)
+  t = config.train
+  if t.batch_size % t.grad_accum_steps:
+    raise ConfigError(
+      f"train.grad_accum_steps={t.grad_accum_steps} does not divide train.batch_size={t.batch_size}"
+    )
+  micro = t.batch_size // t.grad_accum_steps
+  if micro % (data * fsdp):
+    raise ConfigError(
+      f"train.batch_size / train.grad_accum_steps = {micro} rows per "
+      f"microbatch are not divisible by mesh.data * mesh.fsdp = {data * fsdp}"
+    )
+  if config.model.scan_layers:
+    period = len(config.model.attention_schedule)
+    if model.num_layers < period:
+      raise ConfigError(
+        f"model.scan_layers needs model.num_layers >= the schedule period "
+        f"{period} (model.attention_schedule={config.model.attention_schedule!r})"
+      )
+  return model
+
+
+def _check_model_keys(config: ml_collections.ConfigDict) -> None:
+  """The `model.` keys `validate` reads before building the model: no unknown key (with
+  the closest known one), the remat policy, the window's type."""
   unknown = sorted(set(config.model) - set(MODEL_KEYS))
   if unknown:
     guesses = [
@@ -225,7 +261,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
     raise ConfigError(
       f"model.iha_window must be a positive integer, 'auto' or None, got {window!r}"
     )
-  model = model_config(config)
+
+
+def _check_counts(config: ml_collections.ConfigDict) -> None:
+  """The sizes, step counts and intervals: integers in range, each named."""
   for key in (
     "train.batch_size",
     "train.total_steps",
@@ -240,7 +279,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
     value = config[key]
     if not is_int(value, 0):
       raise ConfigError(f"{key} must be an integer >= 0 (0 disables), got {value!r}")
-  t = config.train
+
+
+def _check_train(t: ml_collections.ConfigDict, model: TransformerConfig) -> None:
+  """The `train.` section: schedule, optimizer numbers, the loss and what it needs of the
+  model."""
   if t.warmup_steps >= t.total_steps:  # the cosine decay needs at least one step
     raise ConfigError(
       f"train.warmup_steps={t.warmup_steps} must be below train.total_steps={t.total_steps} "
@@ -267,31 +310,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> Transformer
   problem = chunk_tokens_problem(t.get("loss_chunk_tokens"))
   if problem:
     raise ConfigError(problem)
-  try:
-    data, fsdp, context, tensor = resolve_mesh_shape(dict(config.mesh), num_devices)
-  except ValueError as e:
-    raise ConfigError(str(e)) from e
-  problem = tensor_axis_problem(model, tensor) or context_axis_problem(config, context)
-  if problem:
-    raise ConfigError(problem)
-  if t.batch_size % t.grad_accum_steps:
-    raise ConfigError(
-      f"train.grad_accum_steps={t.grad_accum_steps} does not divide train.batch_size={t.batch_size}"
-    )
-  micro = t.batch_size // t.grad_accum_steps
-  if micro % (data * fsdp):
-    raise ConfigError(
-      f"train.batch_size / train.grad_accum_steps = {micro} rows per "
-      f"microbatch are not divisible by mesh.data * mesh.fsdp = {data * fsdp}"
-    )
-  if config.model.scan_layers:
-    period = len(config.model.attention_schedule)
-    if model.num_layers < period:
-      raise ConfigError(
-        f"model.scan_layers needs model.num_layers >= the schedule period "
-        f"{period} (model.attention_schedule={config.model.attention_schedule!r})"
-      )
-  return model
 
 
 def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
