@@ -74,7 +74,7 @@ def shard_tiles(n: int, shards: int, window: int | None, num_pseudo: int, balanc
       pad_k = -len(k_index) % bk
       qi = np.pad(q_index, (0, pad_q), mode="edge")
       ki = np.pad(k_index, (0, pad_k), constant_values=2**30)
-      lo, hi, _, _ = xla_attention._block_ranges(qi, ki, block, bk, window, True)
+      lo, hi, _, _ = xla_attention.block_ranges(qi, ki, block, bk, window, True)
       total += int(np.sum(np.asarray(hi) - np.asarray(lo)))
     out.append(total)
   return np.asarray(out)
