@@ -41,7 +41,7 @@ def _fwd_bwd(fn):
 
 def _rows(a: argparse.Namespace) -> dict[str, tuple]:
   """name -> (AttentionConfig for the FLOP count, function, args)."""
-  b, n, h, d, p = a.batch, a.seq_len, a.heads, a.head_dim, a.pseudo
+  b, n, h, d, p = a.batch, a.seq_len, a.heads, a.head_dim, a.num_pseudo
   dtype = jnp.dtype(a.dtype)
   keys = iter(jax.random.split(jax.random.key(0), 32))
   normal = lambda *shape, scale=1.0: (scale * jax.random.normal(next(keys), shape)).astype(dtype)
@@ -135,7 +135,7 @@ def main() -> None:
   parser.add_argument("--seq_len", type=int, default=1024)
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--head_dim", type=int, default=64)
-  parser.add_argument("--pseudo", type=int, default=4)
+  parser.add_argument("--num_pseudo", type=int, default=4)
   parser.add_argument("--kv_heads", type=int, default=0, help="G of the *_gqa rows; 0: H/4")
   parser.add_argument("--mha_window", type=int, default=0, help="0: N / 16")
   parser.add_argument("--simplicial_window", type=int, default=64, help="0: global")

@@ -39,56 +39,56 @@ KERNELS = ("iha_flash_forward", "iha_flash_dq", "iha_flash_dkv")
 
 # (name, case). 2.4B: H = 20, d = 128, N = 8192 (configs/iha_2p4b.py and its baselines).
 CASES = [
-  ("2.4B L layer as shipped (P = H = 20)", Case(heads=20, pseudo=20, window=204, tokens=8192)),
-  ("2.4B L layer at P = 4", Case(heads=20, pseudo=4, window=1024, tokens=8192)),
+  ("2.4B L layer as shipped (P = H = 20)", Case(heads=20, num_pseudo=20, window=204, tokens=8192)),
+  ("2.4B L layer at P = 4", Case(heads=20, num_pseudo=4, window=1024, tokens=8192)),
   (
     "2.4B L layer as shipped, on-chip (P = H = 20)",
-    Case(heads=20, pseudo=20, window=204, tokens=8192, onchip=True),
+    Case(heads=20, num_pseudo=20, window=204, tokens=8192, onchip=True),
   ),
   (
     "2.4B L layer at P = 4, on-chip",
-    Case(heads=20, pseudo=4, window=1024, tokens=8192, onchip=True),
+    Case(heads=20, num_pseudo=4, window=1024, tokens=8192, onchip=True),
   ),
   (
     "350M L layer, on-chip (H = 16, d = 64, P = 4)",
-    Case(heads=16, head_dim=64, pseudo=4, window=512, tokens=4096, onchip=True),
+    Case(heads=16, head_dim=64, num_pseudo=4, window=512, tokens=4096, onchip=True),
   ),
   (
     "64k stage L layer, on-chip: one of 4 sequence shards (P = H = 20)",
-    Case(heads=20, pseudo=20, window=1638, tokens=65536, shards=4, onchip=True),
+    Case(heads=20, num_pseudo=20, window=1638, tokens=65536, shards=4, onchip=True),
   ),
-  ("2.4B global IHA, P = H = 20", Case(heads=20, pseudo=20, tokens=8192)),
+  ("2.4B global IHA, P = H = 20", Case(heads=20, num_pseudo=20, tokens=8192)),
   ("2.4B M layer (global MHA)", Case(kind="mha", heads=20, tokens=8192)),
   ("2.4B S layer (window 512 MHA)", Case(kind="mha", heads=20, tokens=8192, window=512)),
   ("2.4B D layer (diff: MHA, dv = 2d)", Case(kind="mha", heads=20, value_dim=256, tokens=8192)),
-  ("P = 1", Case(pseudo=1, window=2048)),
-  ("P = 2", Case(pseudo=2, window=1024)),
-  ("P = 4", Case(pseudo=4, window=512)),
-  ("P = 8", Case(pseudo=8, window=256)),
-  ("P = 2, d = 64", Case(pseudo=2, head_dim=64, window=1024)),
-  ("P = 4, d = 64", Case(pseudo=4, head_dim=64, window=512)),
-  ("P = 8, d = 64", Case(pseudo=8, head_dim=64)),
-  ("P = 4, d = 256", Case(pseudo=4, head_dim=256, window=512)),
-  ("P = H = 32", Case(heads=32, pseudo=32, tokens=2048)),
-  ("P = 2, bidirectional, segments", Case(pseudo=2, causal=False, segments=True)),
+  ("P = 1", Case(num_pseudo=1, window=2048)),
+  ("P = 2", Case(num_pseudo=2, window=1024)),
+  ("P = 4", Case(num_pseudo=4, window=512)),
+  ("P = 8", Case(num_pseudo=8, window=256)),
+  ("P = 2, d = 64", Case(num_pseudo=2, head_dim=64, window=1024)),
+  ("P = 4, d = 64", Case(num_pseudo=4, head_dim=64, window=512)),
+  ("P = 8, d = 64", Case(num_pseudo=8, head_dim=64)),
+  ("P = 4, d = 256", Case(num_pseudo=4, head_dim=256, window=512)),
+  ("P = H = 32", Case(heads=32, num_pseudo=32, tokens=2048)),
+  ("P = 2, bidirectional, segments", Case(num_pseudo=2, causal=False, segments=True)),
   (
     "P = 4, bidirectional window, segments",
-    Case(pseudo=4, causal=False, window=512, segments=True),
+    Case(num_pseudo=4, causal=False, window=512, segments=True),
   ),
   (
     "P = 4, per-head collapse, segments",
-    Case(pseudo=4, window=512, segments=True, collapse="per_head"),
+    Case(num_pseudo=4, window=512, segments=True, collapse="per_head"),
   ),
-  ("P = 2, float32", Case(pseudo=2, window=1024, dtype="float32")),
-  ("P = 4, d = 64, float32", Case(pseudo=4, head_dim=64, dtype="float32")),
+  ("P = 2, float32", Case(num_pseudo=2, window=1024, dtype="float32")),
+  ("P = 4, d = 64, float32", Case(num_pseudo=4, head_dim=64, dtype="float32")),
   ("MHA, float32, bidirectional", Case(kind="mha", causal=False, dtype="float32")),
   ("MHA, d = 64", Case(kind="mha", head_dim=64, window=1024)),
-  ("P = 4, forward only", Case(pseudo=4, window=512, backward=False)),
-  ("long context: P = 4, N = 65536, window 8192", Case(pseudo=4, tokens=65536, window=8192)),
+  ("P = 4, forward only", Case(num_pseudo=4, window=512, backward=False)),
+  ("long context: P = 4, N = 65536, window 8192", Case(num_pseudo=4, tokens=65536, window=8192)),
   ("long context: MHA, N = 65536", Case(kind="mha", tokens=65536)),
   (
     "demo (configs/default.py): P = 2, H = 4, d = 16",
-    Case(heads=4, pseudo=2, head_dim=16, tokens=64, window=16, dtype="float32"),
+    Case(heads=4, num_pseudo=2, head_dim=16, tokens=64, window=16, dtype="float32"),
   ),
 ]
 
@@ -97,15 +97,15 @@ CASES = [
 GQA_CASES = [
   (
     "GQA: 2.4B L layer (P = H = 20, G = 5)",
-    Case(heads=20, kv_heads=5, pseudo=20, window=204, tokens=8192),
+    Case(heads=20, kv_heads=5, num_pseudo=20, window=204, tokens=8192),
   ),
   ("GQA: 2.4B M layer (MHA, G = 5)", Case(kind="mha", heads=20, kv_heads=5, tokens=8192)),
   (
     "GQA: Llama 3 8B shapes, IHA P = 4",
-    Case(heads=32, kv_heads=8, pseudo=4, window=1024, tokens=8192),
+    Case(heads=32, kv_heads=8, num_pseudo=4, window=1024, tokens=8192),
   ),
   ("GQA: Llama 3 8B shapes, MHA", Case(kind="mha", heads=32, kv_heads=8, tokens=8192)),
-  ("MQA: P = 2, G = 1", Case(pseudo=2, kv_heads=1, window=1024)),
+  ("MQA: P = 2, G = 1", Case(num_pseudo=2, kv_heads=1, window=1024)),
   (
     "MQA: MHA, G = 1, bidirectional, segments",
     Case(kind="mha", kv_heads=1, causal=False, segments=True),
@@ -131,15 +131,15 @@ SMOKE = {
     ("2.4B D layer (diff: MHA, dv = 2d)", _case("2.4B D layer (diff: MHA, dv = 2d)")),
     (
       "on-chip: 2.4B L layer (P = H = 20)",
-      Case(heads=20, pseudo=20, window=204, tokens=2048, onchip=True),
+      Case(heads=20, num_pseudo=20, window=204, tokens=2048, onchip=True),
     ),
     (
       "on-chip GQA: 2.4B L layer (G = 5), one of 4 sequence shards",
-      Case(heads=20, kv_heads=5, pseudo=20, window=204, tokens=2048, shards=4, onchip=True),
+      Case(heads=20, kv_heads=5, num_pseudo=20, window=204, tokens=2048, shards=4, onchip=True),
     ),
     (
       "control: 2048-row tiles at P = 4, forward",
-      Case(pseudo=4, tokens=2048, window=512, blocks=(2048, 2048), backward=False),
+      Case(num_pseudo=4, tokens=2048, window=512, blocks=(2048, 2048), backward=False),
     ),
   ],
   "cuda": [
@@ -154,21 +154,21 @@ SMOKE = {
     # statistics, dQ and dK/dV kernels.
     (
       "on-chip: 2.4B L layer (P = H = 20)",
-      Case(heads=20, pseudo=20, window=204, tokens=2048, onchip=True),
+      Case(heads=20, num_pseudo=20, window=204, tokens=2048, onchip=True),
     ),
     (
       "on-chip: 2.4B L layer at P = 4",
-      Case(heads=20, pseudo=4, window=1024, tokens=2048, onchip=True),
+      Case(heads=20, num_pseudo=4, window=1024, tokens=2048, onchip=True),
     ),
     # The same at the shipped N = 8192: more query tiles per backward program, which
     # ptxas allocates differently.
     (
       "on-chip: 2.4B L layer (P = H = 20), N = 8192",
-      Case(heads=20, pseudo=20, window=204, tokens=8192, onchip=True),
+      Case(heads=20, num_pseudo=20, window=204, tokens=8192, onchip=True),
     ),
     (
       "on-chip: 2.4B L layer at P = 4, N = 8192",
-      Case(heads=20, pseudo=4, window=1024, tokens=8192, onchip=True),
+      Case(heads=20, num_pseudo=4, window=1024, tokens=8192, onchip=True),
     ),
   ],
 }
@@ -177,9 +177,9 @@ SMOKE = {
 # The shapes benchmarks/kernels.py times (B = 1, N = 8192, H = 20, d = 128, bf16,
 # forward+backward): what a GPU compiles them to, beside its timings (`--cases timed`).
 TIMED = [
-  ("timed: window IHA, P = 2", Case(heads=20, pseudo=2, window=2048, tokens=8192)),
-  ("timed: window IHA, P = 4", Case(heads=20, pseudo=4, window=1024, tokens=8192)),
-  ("timed: global IHA, P = 4", Case(heads=20, pseudo=4, tokens=8192)),
+  ("timed: window IHA, P = 2", Case(heads=20, num_pseudo=2, window=2048, tokens=8192)),
+  ("timed: window IHA, P = 4", Case(heads=20, num_pseudo=4, window=1024, tokens=8192)),
+  ("timed: global IHA, P = 4", Case(heads=20, num_pseudo=4, tokens=8192)),
   ("timed: global MHA", Case(kind="mha", heads=20, tokens=8192)),
 ]
 

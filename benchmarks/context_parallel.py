@@ -1,7 +1,7 @@
 """Context parallelism: attention work per sequence shard, contiguous vs balanced layout,
 the source key/value traffic per layer, and the step time on fake CPU devices.
 
-    python benchmarks/context_parallel.py [--seq_len 65536] [--shards 8] [--pseudo 4]
+    python benchmarks/context_parallel.py [--seq_len 65536] [--shards 8] [--num_pseudo 4]
         [--time_seq_len 512] [--time_shards 8]
 
 Work per shard counts the query-key pairs of one head that the shard's queries see (a
@@ -74,7 +74,7 @@ def shard_tiles(n: int, shards: int, window: int | None, num_pseudo: int, balanc
       pad_k = -len(k_index) % bk
       qi = np.pad(q_index, (0, pad_q), mode="edge")
       ki = np.pad(k_index, (0, pad_k), constant_values=2**30)
-      lo, hi, _, _ = xla_attention._block_ranges(qi, ki, block, bk, window, True)
+      lo, hi, _, _ = xla_attention.block_ranges(qi, ki, block, bk, window, True)
       total += int(np.sum(np.asarray(hi) - np.asarray(lo)))
     out.append(total)
   return np.asarray(out)
@@ -160,12 +160,12 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--seq_len", type=int, default=65536)
   parser.add_argument("--shards", type=int, default=8)
-  parser.add_argument("--pseudo", type=int, default=4)
+  parser.add_argument("--num_pseudo", type=int, default=4)
   parser.add_argument("--time_seq_len", type=int, default=512)
   parser.add_argument("--time_shards", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
-  work_tables(args.seq_len, args.shards, args.pseudo)
+  work_tables(args.seq_len, args.shards, args.num_pseudo)
   if args.time_seq_len:
     time_steps(args.time_seq_len, args.time_shards, args.repeats)
 

@@ -8,7 +8,7 @@ cache bytes and the decode throughput (prefill time subtracted), best of `--repe
 one process.
 
   python benchmarks/decode.py                           # B=4, prompt 64, 448 new tokens
-  python benchmarks/decode.py --iha_schedule I --pseudo 2   # global IHA: source vs pseudo
+  python benchmarks/decode.py --iha_schedule I --num_pseudo 2   # global IHA: source vs pseudo
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
   parser.add_argument("--model_dim", type=int, default=256)
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--head_dim", type=int, default=64)
-  parser.add_argument("--pseudo", type=int, default=4)
+  parser.add_argument("--num_pseudo", type=int, default=4)
   parser.add_argument("--kv_heads", type=int, default=0, help="G of the GQA rows; 0: H/4")
   parser.add_argument("--vocab", type=int, default=1024)
   parser.add_argument("--iha_schedule", default="LLLLM", help="schedule of the IHA model")
@@ -42,7 +42,7 @@ def main() -> None:
   args = parser.parse_args()
 
   max_len = args.prompt_len + args.new_tokens
-  iha_window = max(1, max_len // (2 * args.pseudo))
+  iha_window = max(1, max_len // (2 * args.num_pseudo))
   common = dict(
     vocab_size=args.vocab,
     num_layers=args.layers,
@@ -58,7 +58,7 @@ def main() -> None:
   # S layers of a custom --iha_schedule get the same window, in tokens.
   iha = dict(
     attention_schedule=args.iha_schedule,
-    num_pseudo=args.pseudo,
+    num_pseudo=args.num_pseudo,
     iha_window=iha_window,
     mha_window=iha_window,
   )
@@ -76,7 +76,7 @@ def main() -> None:
   print(
     f"backend={jax.default_backend()} B={args.batch} prompt={args.prompt_len} "
     f"new={args.new_tokens} layers={args.layers} D={args.model_dim} H={args.heads} "
-    f"d={args.head_dim} P={args.pseudo} iha_window={iha_window} virtual tokens"
+    f"d={args.head_dim} P={args.num_pseudo} iha_window={iha_window} virtual tokens"
   )
   print(f"{'model':<18} {'cache':<7} {'cache bytes':>12} {'prefill ms':>11} {'decode tok/s':>13}")
   for name, cache_mode, schedule in runs:

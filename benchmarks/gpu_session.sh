@@ -72,11 +72,11 @@ print(jax.devices()); import iha_jax.train, iha_jax.data; print('iha_jax imports
       timeout "$seconds" python3 benchmarks/compile_matrix.py --on_device --cases timed ;;
     window)  # not in DEFAULT_PLAN until a GPU has timed it: name it (e.g. window:120)
       for p in 4 20; do
-        timeout "$((seconds / 2))" python3 benchmarks/kernels.py --pseudo "$p" --layers window_iha \
+        timeout "$((seconds / 2))" python3 benchmarks/kernels.py --num_pseudo "$p" --layers window_iha \
           --impls pallas_gpu_window,pallas_gpu,cudnn
       done ;;
     kernels*)
-      timeout "$seconds" python3 benchmarks/kernels.py --pseudo "${stage#kernels}" ;;
+      timeout "$seconds" python3 benchmarks/kernels.py --num_pseudo "${stage#kernels}" ;;
     train|train_nosegs)
       timeout "$seconds" python3 benchmarks/train_step.py --steps 10 \
         --configs configs/iha_350m.py,configs/mha_350m.py \

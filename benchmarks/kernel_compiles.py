@@ -37,7 +37,7 @@ class Case:
   kind: str = "iha"
   heads: int = 8
   kv_heads: int | None = None  # G key/value heads; None = heads
-  pseudo: int = 2
+  num_pseudo: int = 2
   head_dim: int = 128
   value_dim: int | None = None  # MHA only; None = head_dim
   tokens: int = 4096
@@ -56,7 +56,7 @@ class Case:
     """Keys of the call: all tokens, or a shard's own and its halo (one side if causal)."""
     if self.shards == 1:
       return self.tokens
-    reach = context.reach_tokens(self.window, self.pseudo if self.kind == "iha" else 1)
+    reach = context.reach_tokens(self.window, self.num_pseudo if self.kind == "iha" else 1)
     local = self.tokens // self.shards
     if reach is None or reach >= local:
       return self.tokens
@@ -67,7 +67,7 @@ class Case:
     reach = f"w{self.window}" if self.window else "global"
     mask = f"{'causal' if self.causal else 'bidir'}/{reach}"
     p = (
-      f"P={self.pseudo}"
+      f"P={self.num_pseudo}"
       if self.kind == "iha"
       else "MHA" + (f" dv={self.value_dim}" if self.value_dim else "")
     )
@@ -106,9 +106,9 @@ def _inputs(case: Case, device: jax.Device) -> tuple[jax.ShapeDtypeStruct, ...]:
     tokens += () if case.onchip else (spec((), jnp.int32),)
   if case.kind == "mha":
     return q, k, spec((b, nk, g, case.value_dim or d), dtype), *tokens
-  alpha_q, alpha_kv = (spec((x, x, case.pseudo), jnp.float32) for x in (h, g))
+  alpha_q, alpha_kv = (spec((x, x, case.num_pseudo), jnp.float32) for x in (h, g))
   collapse = spec(
-    (h, case.pseudo) if case.collapse == "per_head" else (h, h, case.pseudo), jnp.float32
+    (h, case.num_pseudo) if case.collapse == "per_head" else (h, h, case.num_pseudo), jnp.float32
   )
   return q, k, k, alpha_q, alpha_kv, alpha_kv, collapse, *tokens
 

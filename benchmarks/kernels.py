@@ -24,9 +24,9 @@ tiny shape on any backend (Pallas rows in interpret mode off their platform).
 
   python benchmarks/kernels.py            # paper shape: B=1, N=8192, H=20, d=128, P=4
   python benchmarks/kernels.py --small    # CPU smoke test
-  python benchmarks/kernels.py --pseudo 20  # the paper's default P = H = 20
+  python benchmarks/kernels.py --num_pseudo 20  # the paper's default P = H = 20
   python benchmarks/kernels.py --kv_heads 5  # grouped-query: 20 query heads over 5 key/value
-  python benchmarks/kernels.py --pseudo 20 --layers window_iha \
+  python benchmarks/kernels.py --num_pseudo 20 --layers window_iha \
     --impls pallas_gpu_window,pallas_gpu,cudnn  # the on-chip window path against both
 
 The first line is the device's measured dense matmul rate (a square matmul in the
@@ -119,13 +119,15 @@ def main() -> None:
   parser.add_argument("--small", action="store_true", help="tiny shape (CPU smoke test)")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--pseudo", type=int, default=4, help="P (docs/design.md §4: 4 or H = 20)")
+  parser.add_argument(
+    "--num_pseudo", type=int, default=4, help="P (docs/design.md §4: 4 or H = 20)"
+  )
   parser.add_argument("--kv_heads", type=int, default=0, help="G key/value heads (0: G = H)")
   parser.add_argument("--layers", default="window_iha,global_iha,global_mha")
   parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
   cli = parser.parse_args()
   b, n, h, d, p = (
-    (1, 64, 2, 32, min(cli.pseudo, 4)) if cli.small else (1, 8192, 20, 128, cli.pseudo)
+    (1, 64, 2, 32, min(cli.num_pseudo, 4)) if cli.small else (1, 8192, 20, 128, cli.num_pseudo)
   )
   iters = 2 if cli.small else cli.iters
   dtype = jnp.dtype(cli.dtype)

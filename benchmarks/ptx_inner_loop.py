@@ -38,10 +38,10 @@ if TYPE_CHECKING:  # imported when compiling: the parser (and its tests) need no
 
 N, HEADS = 8192, 20  # benchmarks/kernels.py's timed shape (d = 128)
 CASES = {  # kernel_compiles.Case fields
-  "window_iha": dict(heads=HEADS, pseudo=4, window=N // (2 * 4), tokens=N),
-  "global_iha": dict(heads=HEADS, pseudo=4, tokens=N),
+  "window_iha": dict(heads=HEADS, num_pseudo=4, window=N // (2 * 4), tokens=N),
+  "global_iha": dict(heads=HEADS, num_pseudo=4, tokens=N),
   "global_mha": dict(kind="mha", heads=HEADS, tokens=N),
-  "window_iha_p2": dict(heads=HEADS, pseudo=2, window=N // (2 * 2), tokens=N),
+  "window_iha_p2": dict(heads=HEADS, num_pseudo=2, window=N // (2 * 2), tokens=N),
 }
 DEFAULT_CASES = "window_iha,global_iha,global_mha"
 SMALL = dict(heads=4, head_dim=64, tokens=256)
@@ -267,7 +267,7 @@ def main() -> int:
   for name in args.cases.split(","):
     case = Case(**CASES[name])
     if args.small:
-      window = case.window and SMALL["tokens"] // (2 * case.pseudo)
+      window = case.window and SMALL["tokens"] // (2 * case.num_pseudo)
       case = dataclasses.replace(case, window=window, **SMALL)
     began = time.perf_counter()
     try:

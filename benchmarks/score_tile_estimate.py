@@ -30,7 +30,7 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from iha_jax.estimate import tpu  # noqa: E402
+from iha_jax.estimate import chips, tpu  # noqa: E402
 from iha_jax.kernels.tpu import NN, NT, TN  # noqa: E402
 from iha_jax.kernels.window.tpu_kernel import reciprocal, unnormalised_softmax  # noqa: E402
 from iha_jax.parallel import targets  # noqa: E402
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
   estimate = tpu.estimate(jitted, *shapes, target="v5p")
   kernel = max(estimate.ops, key=lambda op: op.total_s)
   rows = HEADS * blocks * args.rows
-  cores = tpu.chip("v5p").cores
+  cores = chips.chip("v5p").cores
   print(
     f"score tiles [{args.rows}, {args.keys}] ({args.layout}), {blocks} per head and step: "
     f"{kernel.seconds * 1e3:.4f} ms, {kernel.seconds * 1e9 * cores / rows:.3f} ns per query "

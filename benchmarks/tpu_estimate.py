@@ -48,6 +48,7 @@ _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
   sys.path.insert(0, str(_REPO))
 
+from iha_jax.estimate import chips  # noqa: E402
 from iha_jax.estimate import tpu as tpu_estimate  # noqa: E402
 from iha_jax.parallel import targets  # noqa: E402
 
@@ -139,7 +140,7 @@ def build(case: str, implementation: str, backward: bool, shape: Shape, device, 
   return jax.jit(grads), (*qkv, *mixing, spec((b, n, h, d), jnp.float32))
 
 
-def ideal_ms(case: str, backward: bool, shape: Shape, chip: tpu_estimate.Chip) -> float:
+def ideal_ms(case: str, backward: bool, shape: Shape, chip: chips.Chip) -> float:
   """Unmasked matmul FLOPs (docs/design.md §2) at the chip's bf16 peak, in ms."""
   kind, pseudo, window = case_setup(case, shape)
   if kind == "matmul":
@@ -201,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
   generation = args.target.split("-")[0]
-  if generation not in tpu_estimate.CHIPS:
-    return fail(f"unknown --target {args.target!r}; choose one of {', '.join(tpu_estimate.CHIPS)}")
+  if generation not in chips.CHIPS:
+    return fail(f"unknown --target {args.target!r}; choose one of {', '.join(chips.CHIPS)}")
   cases = [c for c in args.cases.split(",") if c]
   shape = Shape(args.batch, args.tokens, args.heads, args.head_dim, args.matmul)
   for case in cases:
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     return fail(str(error))
   from iha_jax.kinds import registry
 
-  chip = tpu_estimate.CHIPS[generation]
+  chip = chips.CHIPS[generation]
   if args.calibrate:
     rows = calibrate(chip, devices[0])
     if args.json:
@@ -384,7 +385,7 @@ def _pallas_matmul(edge: int, block: int = 512):
   return jax.jit(functools.partial(call))
 
 
-def calibrate(chip: tpu_estimate.Chip, device) -> list[dict]:
+def calibrate(chip: chips.Chip, device) -> list[dict]:
   """Estimates programs whose time is known from arithmetic (their FLOPs at the chip's
   peak, or their bytes at its HBM bandwidth) and compares (one row each)."""
   import jax

@@ -349,7 +349,7 @@ def _dense_window_attention(q, k, v, window: int, causal: bool) -> np.ndarray:
   "causal, windows", [(True, range(1, 8)), (False, range(2, 6))], ids=["causal", "bidirectional"]
 )
 def test_xla_band_reaches_the_window_edge_at_every_width(causal, windows):
-  """The XLA core's key band (`xla_attention._block_ranges`) includes the tile holding
+  """The XLA core's key band (`xla_attention.block_ranges`) includes the tile holding
   the window's first key for every width: with 4-query and 3-key tiles the window's edge
   falls on a key tile's last key for most widths (tests/mutants.py:
   `band_edge`)."""

@@ -155,20 +155,13 @@ def test_toy_kind_trains_through_the_trainer(toy):
     prefill(model_nnx, tokens[:1], max_len=12)
 
 
-def test_the_layer_method_attend_is_deprecated_for_entry_arrays(monkeypatch):
-  """`AttentionKind.attend` (a layer method) became `entry_arrays`: `attend` names the
-  registry's checked call alone. The old method still runs it, and a kind defining it is
-  told, once each."""
+def test_a_kind_defining_the_old_attend_hook_is_told_entry_arrays(monkeypatch):
+  """The record's layer hook `attend(params, q, k, v, cfg, options)` became `entry_arrays`
+  (`attend` names the registry's checked call alone): a kind still defining it is told
+  when it is defined, since the layers no longer call it."""
   from iha_jax import checks
-  from iha_jax.kinds import MHA
 
   monkeypatch.setattr(checks, "_DEPRECATIONS_WARNED", set())
-  q = jax.random.normal(jax.random.key(0), (1, 4, 2, 8))
-  cfg = AttentionConfig(16, 2, 8, kind="mha")
-  with pytest.deprecated_call(match="AttentionKind.attend is deprecated"):
-    out = MHA.attend({}, q, q, q, cfg, cfg.options())
-  expected = kinds.attend(MHA, *MHA.entry_arrays({}, q, q, q, cfg), options=cfg.options())
-  np.testing.assert_array_equal(out, expected)
   with pytest.deprecated_call(match="OldStyle.attend is deprecated; use entry_arrays"):
 
     class OldStyle(GatedHeads):

@@ -87,7 +87,7 @@ def test_mxu_work_per_region_and_the_floor(monkeypatch):
   """The products a kernel issues, per `pl.when` body and outside them (loops of static
   trips repeated), padded to the MXU's edge; an estimate adds to a region whose bundles
   take less than its MXU work at peak."""
-  from iha_jax.estimate import tpu as tpu_estimate
+  from iha_jax.estimate import chips, kernel_cost
 
   def kernel(a_ref, b_ref, o_ref):
     o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
@@ -120,15 +120,15 @@ def test_mxu_work_per_region_and_the_floor(monkeypatch):
   assert when.mxu_work.flops(128) == 3 * 2 * 256 * 128 * 128
   assert when.steps == (1,)
   # Bundles that take less than the MXU work: the region is charged its MXU time.
-  chip = tpu_estimate.CHIPS["v5p"]
+  chip = chips.CHIPS["v5p"]
   program = llo.parse(LISTING, "mxu_probe")
   floor = 4 * call.mxu_work.flops(128) / chip.flops_per_core_cycle
-  cycles, _ = tpu_estimate.kernel_cycles(program, call, chip)
+  cycles, _ = kernel_cost.kernel_cycles(program, call, chip)
   assert cycles >= floor
   # The floor per product shape, as the op table prints it: four steps of the 128-deep
   # product, one run of the pl.when's three 80-deep ones.
   rate = chip.flops_per_core_cycle * chip.clock_hz
-  products = dict(tpu_estimate.kernel_mxu_products(call, chip))
+  products = dict(kernel_cost.kernel_mxu_products(call, chip))
   one = 2 * 256 * 128 * 128 / rate  # one 256-row product, contraction padded to 128
   assert products == pytest.approx({(256, 128, 128): 4 * one, (256, 80, 128): 3 * one})
 

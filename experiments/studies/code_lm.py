@@ -49,7 +49,7 @@ _SIZES = {
     seq_len=64,
     width=32,
     heads=4,
-    pseudo=2,
+    num_pseudo=2,
     batch=8,
     warmup=10,
   ),
@@ -61,7 +61,7 @@ _SIZES = {
   # over the 3.2M tokens the train split scores (5% more are cut off by truncation).
   # ~460k parameters, 131k of them the embedding.
   "small": dict(
-    options={}, vocab=2048, seq_len=256, width=64, heads=4, pseudo=2, batch=16, warmup=100
+    options={}, vocab=2048, seq_len=256, width=64, heads=4, num_pseudo=2, batch=16, warmup=100
   ),
 }
 
@@ -109,7 +109,7 @@ def _config(scale: str) -> ml_collections.ConfigDict:
     attention_schedule="LLLLM",
     iha_window="auto",
   )
-  config.model.num_pseudo = size["pseudo"]
+  config.model.num_pseudo = size["num_pseudo"]
   return config
 
 

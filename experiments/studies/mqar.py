@@ -31,7 +31,7 @@ _SIZES = {  # length, pairs, keys/values, width, heads, P, batch, examples, warm
     vocab=8,
     width=16,
     heads=2,
-    pseudo=2,
+    num_pseudo=2,
     batch=16,
     examples=(512, 64, 64),
     warmup=10,
@@ -42,7 +42,7 @@ _SIZES = {  # length, pairs, keys/values, width, heads, P, batch, examples, warm
     vocab=64,
     width=64,
     heads=4,
-    pseudo=2,
+    num_pseudo=2,
     batch=32,
     examples=(32768, 512, 512),
     warmup=100,
@@ -53,7 +53,7 @@ _SIZES = {  # length, pairs, keys/values, width, heads, P, batch, examples, warm
     vocab=4096,
     width=256,
     heads=8,
-    pseudo=4,
+    num_pseudo=4,
     batch=64,
     examples=(100_000, 3_000, 3_000),
     warmup=500,
@@ -85,7 +85,7 @@ def _config(scale: str) -> ml_collections.ConfigDict:
     attention_schedule="LM",
     iha_window="auto",
   )
-  config.model.num_pseudo = size["pseudo"]
+  config.model.num_pseudo = size["num_pseudo"]
   return config
 
 

@@ -40,7 +40,7 @@ _SIZES = {
     vocab=8,
     width=16,
     heads=2,
-    pseudo=2,
+    num_pseudo=2,
     layers=5,
     batch=16,
     examples=(512, 64, 64),
@@ -59,7 +59,7 @@ _SIZES = {
     vocab=32,
     width=64,
     heads=4,
-    pseudo=2,
+    num_pseudo=2,
     layers=5,
     batch=64,
     examples=(65536, 256, 256),
@@ -75,7 +75,7 @@ _SIZES = {
     vocab=256,
     width=512,
     heads=8,
-    pseudo=4,
+    num_pseudo=4,
     layers=10,
     batch=32,
     examples=(50_000, 500, 500),
@@ -113,7 +113,7 @@ def _config(scale: str) -> ml_collections.ConfigDict:
     attention_schedule="LLLLM",
     iha_window="auto",
   )
-  config.model.num_pseudo = size["pseudo"]
+  config.model.num_pseudo = size["num_pseudo"]
   return config
 
 

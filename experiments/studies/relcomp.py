@@ -27,15 +27,21 @@ PAPER = (
 _SIZES = {
   # The control: 2 x 2 matrices, learned to 100% by every variant in ~100 steps.
   "tiny": dict(
-    sides=(2, 2), examples=(512, 64, 64), width=16, heads=2, pseudo=2, batch=16, warmup=10
+    sides=(2, 2), examples=(512, 64, 64), width=16, heads=2, num_pseudo=2, batch=16, warmup=10
   ),
   # A 2-core CPU budget: the paper's H and P, smaller matrices (m in 4..6: 2-simplicial
   # is O(m^6) per example), fewer examples and steps.
   "small": dict(
-    sides=(4, 6), examples=(8192, 512, 512), width=64, heads=8, pseudo=8, batch=16, warmup=100
+    sides=(4, 6), examples=(8192, 512, 512), width=64, heads=8, num_pseudo=8, batch=16, warmup=100
   ),
   "paper": dict(
-    sides=None, examples=(40_000, 5_000, 5_000), width=128, heads=8, pseudo=8, batch=64, warmup=500
+    sides=None,
+    examples=(40_000, 5_000, 5_000),
+    width=128,
+    heads=8,
+    num_pseudo=8,
+    batch=64,
+    warmup=500,
   ),
 }
 
@@ -64,7 +70,7 @@ def _config(hops: int, scale: str, decoder: bool = False) -> ml_collections.Conf
     causal=decoder,
     num_outputs=None if decoder else 1,
   )
-  config.model.num_pseudo = size["pseudo"]
+  config.model.num_pseudo = size["num_pseudo"]
   return config
 
 

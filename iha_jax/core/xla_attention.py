@@ -30,7 +30,7 @@ from iha_jax.core.options import round_up
 _PAD_INDEX = 2**30
 
 
-def _block_ranges(q_index, k_index, block_q: int, block_k: int, window, causal: bool):
+def block_ranges(q_index, k_index, block_q: int, block_k: int, window, causal: bool):
   """Which tiles meet: key blocks `[kv_lo[i], kv_hi[i])` for query block i and query
   blocks `[q_lo[j], q_hi[j])` for key block j, from the padded index vectors `[Tq]`,
   `[Tk]` (each block's first..last needed tile, so any index order is correct and a
@@ -119,7 +119,7 @@ def _forward(
   dv = v.shape[-1]
   num_q_blocks = tq // block_q
   scale = d**-0.5
-  kv_lo, kv_hi, _, _ = _block_ranges(q_index, k_index, block_q, block_k, window, causal)
+  kv_lo, kv_hi, _, _ = block_ranges(q_index, k_index, block_q, block_k, window, causal)
 
   def query_block(i):
     q_i = _slice(q, i * block_q, block_q, 2)
@@ -198,7 +198,7 @@ def _backward(
   tk = k.shape[2]
   num_k_blocks = tk // block_k
   scale = d**-0.5
-  _, _, q_lo, q_hi = _block_ranges(q_index, k_index, block_q, block_k, window, causal)
+  _, _, q_lo, q_hi = block_ranges(q_index, k_index, block_q, block_k, window, causal)
   if seg_q is not None:
     # Padding queries output constant zeros: nothing flows back through them.
     d_out = jnp.where((seg_q != 0)[:, None, :, None], d_out, 0)

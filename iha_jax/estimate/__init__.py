@@ -2,7 +2,8 @@
 
 A tool beside the stack, not part of it: nothing here imports the layers, kernels or
 models. `tpu` is the entry (`tpu.prepare()` before libtpu loads, then
-`tpu.estimate(jax.jit(f), *args)`); `llo` parses libtpu's schedule dump and `kernel_grid`
+`tpu.estimate(jax.jit(f), *args)`); `llo` parses libtpu's schedule dump, `kernel_grid`
 counts a Pallas kernel's grid steps, `pl.when` bodies, block copies and MXU work from its
-jaxpr. Every figure it gives is an estimate, never a measurement (docs/performance.md).
+jaxpr, `kernel_cost` turns both into a kernel's cycles, `chips` holds the chips' figures. Every
+figure it gives is an estimate, never a measurement (docs/performance.md).
 """

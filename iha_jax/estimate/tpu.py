@@ -27,7 +27,6 @@ Usage (a fresh process; libtpu must start with the schedule dump switched on):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import re
@@ -37,8 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from iha_jax.errors import UserError
 from iha_jax.estimate import kernel_grid, llo
+from iha_jax.estimate.chips import Chip, EstimateError, chip
+from iha_jax.estimate.kernel_cost import kernel_cycles, kernel_mxu_products, kernel_regions
 
 # `hlo_deduplication_all_unique`: by default libtpu compiles identical ops (a scanned
 # block's repeated layers, q/k/v projections of one shape) once and writes one schedule
@@ -53,47 +53,6 @@ _DUMP_FLAGS = (
 _COLLECTIVES = re.compile(
   r"^(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|send|recv)"
 )
-
-
-class EstimateError(UserError, RuntimeError):
-  """The schedule cannot be read (dump not enabled, libtpu missing, unknown chip)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """What turns bundles and bytes into seconds (public specifications)."""
-
-  name: str
-  cores: int  # TensorCores per chip that split a kernel's "parallel" grid dimension
-  clock_hz: float  # one bundle per cycle
-  hbm_bytes_per_s: float
-  peak_bf16_flops: float  # per chip, for MFU and the MXU floor
-  mxu_edge: int = 128  # an MXU pass's width (v6e: 256)
-  # How far the 8192^3 bf16 matmul's estimate is from its time at peak
-  # (`benchmarks/tpu_estimate.py --calibrate`); None: within 10%.
-  uncalibrated: str | None = None
-
-  @property
-  def flops_per_core_cycle(self) -> float:
-    return self.peak_bf16_flops / self.cores / self.clock_hz
-
-
-CHIPS = {
-  "v5p": Chip("v5p", 2, 1.75e9, 2.765e12, 459e12),
-  # v5e and v6e: clocks from their public peaks and MXU counts; their schedules put the
-  # calibration matmul 17% under (v5e) and 27% over (v6e) its time at peak, so compare
-  # implementations there, not absolute times.
-  "v5e": Chip("v5e", 1, 1.5e9, 8.19e11, 197e12, uncalibrated="matmul -17%"),
-  "v6e": Chip("v6e", 1, 1.75e9, 1.64e12, 918e12, mxu_edge=256, uncalibrated="matmul +27%"),
-}
-
-
-def chip(name: str) -> Chip:
-  """`v5p`, `v5e`, `v6e` (or a slice name such as `v5p-128`) -> its `Chip`."""
-  generation = name.split("-")[0]
-  if generation not in CHIPS:
-    raise EstimateError(f"unknown TPU {name!r}; choose one of {', '.join(CHIPS)}")
-  return CHIPS[generation]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,131 +308,3 @@ def _matching_call(name: str, program: llo.Program, calls: list):
   named = [c for c in calls if c.name == base] or [c for c in calls if c.name and c.name in base]
   found = [c for c in named if sorted(c.input_shapes) == shapes]
   return (found or named or [None])[0]
-
-
-def kernel_cycles(
-  program: llo.Program, call: kernel_grid.KernelCall, spec: Chip | None = None
-) -> tuple[float, bool]:
-  """The slowest core's cycles of one kernel run: its grid loop's bundles, with each
-  `pl.when` body (matched in source order to the branches the loop body holds) weighted
-  by the share of the core's steps that run it; with `spec`, each region (the bundles
-  outside every `pl.when`, and each top-level `pl.when` body with what nests in it) no
-  faster than its MXU work at the chip's peak (bundles count an MXU pass's instruction,
-  not the cycles it holds the MXU). Returns (cycles, matched)."""
-  loops = [n for n in program.root.children if n.kind == "loop"]
-  grid_loop = max(loops, key=lambda n: n.size * (n.trips or 1), default=program.root)
-  worst, matched = 0.0, True
-  for core, steps in enumerate(call.core_steps):
-    weights: dict[int, float] = {}
-    ok = _match(grid_loop.children, call.whens, steps, core, weights, top=grid_loop)
-    matched &= ok
-    cycles = program.cycles(span_weight=lambda node, w=weights: w.get(id(node), 1.0))
-    if spec is not None:
-      cycles += _mxu_shortfall(grid_loop, call, core, steps, weights, cycles, spec)
-    worst = max(worst, cycles)
-  return worst, matched
-
-
-def _mxu_shortfall(grid_loop, call, core: int, steps: int, weights, cycles: float, spec: Chip):
-  """Cycles to add so that every region takes at least its MXU work at peak."""
-  rate = spec.flops_per_core_cycle
-  found = [n for n in grid_loop.walk() if id(n) in weights]
-  matched = [n for n in found if _outermost(n, found)]
-  shortfall, bodies = 0.0, 0.0
-  for node, when in zip(matched, call.whens):
-    body = weights[id(node)] * steps * program_cycles(node, weights)
-    bodies += body
-    floor = _when_flops(when, core, spec.mxu_edge) / rate
-    shortfall += max(0.0, floor - body)
-  outside = cycles - bodies
-  floor = steps * call.mxu_work.flops(spec.mxu_edge) / rate
-  return shortfall + max(0.0, floor - outside)
-
-
-def _when_flops(when: kernel_grid.When, core: int, edge: int) -> float:
-  return sum(_when_products(when, core, edge).values())
-
-
-def _when_products(when: kernel_grid.When, core: int, edge: int) -> collections.Counter:
-  """FLOPs per product shape of a `pl.when` body and what nests in it, over `core`'s steps."""
-  own = when.mxu_work.flops_by_product(edge) if when.mxu_work is not None else {}
-  out = collections.Counter({shape: when.steps[core] * f for shape, f in own.items()})
-  for child in when.children:
-    out.update(_when_products(child, core, edge))
-  return out
-
-
-def kernel_mxu_products(
-  call: kernel_grid.KernelCall, spec: Chip
-) -> tuple[tuple[tuple[int, int, int], float], ...]:
-  """One kernel run's MXU work at the chip's peak per product shape (rows, contraction,
-  columns as issued; seconds, largest first) on the core with the most: the floor that
-  `kernel_cycles` holds each region to, summed."""
-  rate = spec.flops_per_core_cycle * spec.clock_hz
-  own = call.mxu_work.flops_by_product(spec.mxu_edge)
-  most = collections.Counter()
-  for core, steps in enumerate(call.core_steps):
-    flops = collections.Counter({shape: steps * f for shape, f in own.items()})
-    for when in call.whens:
-      flops.update(_when_products(when, core, spec.mxu_edge))
-    if flops.total() > most.total():
-      most = flops
-  return tuple((shape, f / rate) for shape, f in most.most_common())
-
-
-def kernel_regions(program: llo.Program, call: kernel_grid.KernelCall):
-  """(region, bundles per run, runs on the busiest core) of a kernel: its grid loop's
-  unconditional bundles, then each matched `pl.when` body (bundles including what nests
-  in it), for reading where a kernel's time goes."""
-  loops = [n for n in program.root.children if n.kind == "loop"]
-  grid_loop = max(loops, key=lambda n: n.size * (n.trips or 1), default=program.root)
-  core = max(range(len(call.core_steps)), key=lambda c: call.core_steps[c])
-  weights: dict[int, float] = {}
-  if not _match(
-    grid_loop.children, call.whens, call.core_steps[core], core, weights, top=grid_loop
-  ):
-    return ()
-  body = lambda node: program_cycles(node, weights)
-  matched = [n for n in grid_loop.walk() if id(n) in weights]
-  always = body(grid_loop) - sum(
-    weights[id(n)] * body(n) for n in matched if _outermost(n, matched)
-  )
-  steps = call.core_steps[core]
-  rows = [("every step", round(always), float(grid_loop.trips or 1))]
-  for index, node in enumerate(n for n in matched):
-    rows.append((f"pl.when #{index + 1}", round(body(node)), weights[id(node)] * steps))
-  return tuple(rows)
-
-
-def _outermost(node, matched) -> bool:
-  return not any(
-    other is not node and other.start <= node.start and node.end <= other.end for other in matched
-  )
-
-
-def program_cycles(node: llo.Node, weights: dict[int, float]) -> float:
-  """Bundles issued by one run of `node` (nested loops by trips, matched spans weighted)."""
-  total = float(node.own)
-  for child in node.children:
-    scale = (child.trips or 1) if child.kind == "loop" else weights.get(id(child), 1.0)
-    total += scale * program_cycles(child, weights)
-  return total
-
-
-def _match(nodes, whens, parent_steps: int, core: int, weights: dict[int, float], top=None) -> bool:
-  spans = [n for n in nodes if n.kind == "span"]
-  # A software-pipelined grid wraps the kernel body in a predicated stage spanning most of
-  # the loop body (beside smaller branches of the pipeline's copies): look inside it.
-  while top is not None and len(spans) != len(whens):
-    stage = [n for n in spans if n.size * 2 >= top.size]
-    if len(stage) != 1:
-      break
-    spans = [n for n in stage[0].children if n.kind == "span"]
-  if len(spans) != len(whens):
-    return not whens
-  ok = True
-  for node, when in zip(spans, whens):
-    steps = when.steps[core]
-    weights[id(node)] = steps / max(parent_steps, 1)
-    ok &= _match(node.children, when.children, steps, core, weights)
-  return ok

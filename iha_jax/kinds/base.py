@@ -306,22 +306,6 @@ class AttentionKind:
       "AttentionKind.decodes); IHA and MHA layers have them"
     )
 
-  def attend(
-    self,
-    params: Params,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    cfg: LayerConfig,
-    options: AttentionOptions,
-  ) -> jax.Array:
-    """Deprecated: `registry.attend(record, *record.entry_arrays(params, q, k, v, cfg),
-    options=options)`."""
-    warn_deprecated("AttentionKind.attend", "registry.attend(record, *record.entry_arrays(...))")
-    from iha_jax.kinds import registry  # a deprecated path: the registry imports this module
-
-    return registry.attend(self, *self.entry_arrays(params, q, k, v, cfg), options=options)
-
   # --- budgets (forward FLOPs; docs/design.md §2) ----------------------------------
 
   def core_flops(self, cfg: LayerConfig, seq_len: int) -> int:
