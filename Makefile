@@ -86,11 +86,11 @@ mutants: $(VENV)/.installed $(TARGETS_DIR)/.installed
 # interpreted and lowered, nn, models, train step, checkpoint restore, decoding, context
 # parallelism, and the TPU and H100 compile checks (227 tests, about 10 min on a 2-core
 # machine, plus installs from pip's cache). `make test-all SET=newest` runs the whole suite.
-BOUNDARY_TESTS ?= tests/test_dependencies.py tests/test_kernels.py tests/test_kernels_export.py \
-  tests/test_nn.py tests/test_models.py tests/test_train_step.py tests/test_decode.py \
-  tests/test_context.py tests/test_compile_targets.py \
-  tests/test_train.py::test_resume_reproduces_uninterrupted_run \
-  tests/test_train.py::test_restore_onto_another_mesh
+BOUNDARY_TESTS ?= tests/test_dependencies.py tests/kernels/test_kernels.py tests/kernels/test_export.py \
+  tests/nn/test_layers.py tests/models/test_models.py tests/train/test_step.py tests/models/test_decode.py \
+  tests/parallel/test_context.py tests/kernels/test_compile_targets.py \
+  tests/train/test_train.py::test_resume_reproduces_uninterrupted_run \
+  tests/train/test_train.py::test_restore_onto_another_mesh
 test-newest:
 	$(MAKE) --no-print-directory SET=newest test-boundaries
 

@@ -118,7 +118,7 @@ def _case(label: str) -> Case:
   return dict(CASES)[label]
 
 
-# The suite's fast subset (tests/test_compile_targets.py): the paper's P = H = 20 backward
+# The suite's fast subset (tests/kernels/test_compile_targets.py): the paper's P = H = 20 backward
 # on v5p, default H100 shapes, one sequence shard per platform (context parallelism: a
 # traced query offset), and controls the compilers must flag (names "control: ...").
 SMOKE = {

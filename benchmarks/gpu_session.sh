@@ -63,10 +63,10 @@ print(jax.devices()); import iha_jax.train, iha_jax.data; print('iha_jax imports
       which ptxas && ptxas --version | tail -1 ;;
     kernel_tests)  # the Pallas kernels alone, compiled (a quick check before timing them)
       timeout "$seconds" python3 -m pytest -q -n 4 -p no:cacheprovider \
-        tests/test_kernels.py tests/test_gqa.py -k "gpu and not sharded" ;;
+        tests/kernels/test_kernels.py tests/kinds/test_gqa.py -k "gpu and not sharded" ;;
     tests)
       timeout "$seconds" python3 -m pytest -q -n 4 -p no:cacheprovider \
-        tests/test_kernels.py tests/test_attention_kinds.py tests/test_gpu_paths.py \
+        tests/kernels/test_kernels.py tests/kinds/test_attention_kinds.py tests/kernels/test_gpu_paths.py \
         -k "not tpu" ;;
     static)
       timeout "$seconds" python3 benchmarks/compile_matrix.py --on_device --cases timed ;;

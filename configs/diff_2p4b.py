@@ -5,7 +5,7 @@ query/key maps of width d = 128 and value width 2d = 256: wq, wk `[2560, 10, 2, 
 wv `[2560, 10, 256]`, wo `[10, 256, 2560]` hold exactly the entries of MHA's projections.
 Parameters: the global MHA baseline (configs/global_2p4b.py) plus, per layer, the four
 lambda vectors `[d]` and the head output norm `[2d]`: 4 * 128 + 256 = 768 per layer,
-26 x 768 = 19,968 in all (checked by tests/test_train_config.py).
+26 x 768 = 19,968 in all (checked by tests/train/test_config.py).
 """
 
 import ml_collections

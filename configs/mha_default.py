@@ -9,7 +9,7 @@ w = N / (2P)); so "LM" and "MM" do about the same attention work. What is left:
   exactly: the twin keeps mlp_dim and is 128 parameters (0.09%) smaller;
 - FLOPs: the mixing and collapse, 8 H^2 P d per token (~1% of the demo's FLOPs), are not
   matched, and the window layer's core counts slightly fewer pairs than a causal layer.
-`tests/test_train_config.py` checks parameters within 1% and FLOPs within 5%; `train.py`
+`tests/train/test_config.py` checks parameters within 1% and FLOPs within 5%; `train.py`
 prints both budgets at start.
 """
 

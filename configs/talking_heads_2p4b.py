@@ -2,7 +2,7 @@
 
 Same recipe as configs/iha_2p4b.py. Parameters: the global MHA baseline
 (configs/global_2p4b.py) plus `talk_logits, talk_weights: [H, H]`, 2 H^2 = 800 per layer,
-26 x 800 = 20,800 in all (checked by tests/test_train_config.py).
+26 x 800 = 20,800 in all (checked by tests/train/test_config.py).
 """
 
 import ml_collections

@@ -1,8 +1,8 @@
 """The one conformance harness: any implementation of any attention kind against the
 kind's dense "reference" (float32, highest precision), forward and every gradient with a
-random cotangent. tests/test_attention_kinds.py runs it for the XLA paths,
-tests/test_kernels.py for the Pallas kernels (interpret mode on CPU), tests/test_gpu_paths.py
-for the materialised GPU paths (cuDNN, pallas_gpu_mha)."""
+random cotangent. tests/kinds/test_attention_kinds.py runs it for the XLA paths,
+tests/kernels/test_kernels.py for the Pallas kernels (interpret mode on CPU),
+tests/kernels/test_gpu_paths.py for the materialised GPU paths (cuDNN, pallas_gpu_mha)."""
 
 from __future__ import annotations
 

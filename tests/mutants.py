@@ -52,7 +52,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/core/masking.py",
     "mask = delta >= 0 if causal",
     "mask = delta >= -1 if causal",
-    "tests/test_ops_reference.py::test_reference_matches_naive_loop",
+    "tests/core/test_reference.py::test_reference_matches_naive_loop",
   ),
   Mutant(
     "rope_token_position",
@@ -60,7 +60,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/core/interleave.py",
     "(positions[:, :, None] * num_pseudo + offsets)",
     "(positions[:, :, None] + 0 * offsets)",
-    "tests/test_ops_reference.py::test_reference_matches_naive_loop",
+    "tests/core/test_reference.py::test_reference_matches_naive_loop",
   ),
   Mutant(
     "collapse_axes_swapped",
@@ -68,7 +68,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/core/mixing.py",
     'spec = "bgnpd,hgp->bnhd"',
     'spec = "bgnpd,ghp->bnhd"',
-    "tests/test_attention_kinds.py::test_xla_matches_reference",
+    "tests/kinds/test_attention_kinds.py::test_xla_matches_reference",
   ),
   Mutant(
     "gqa_group_shift",
@@ -76,7 +76,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/core/grouped.py",
     "out = flash_attention_heads_major(q, k, v, mask,",
     "out = flash_attention_heads_major(q, jnp.roll(k, -1, 1), jnp.roll(v, -1, 1), mask,",
-    "tests/test_gqa.py::test_every_implementation_matches_the_loop_reference",
+    "tests/kinds/test_gqa.py::test_every_implementation_matches_the_loop_reference",
   ),
   Mutant(
     "kernel_window_too_wide",
@@ -84,7 +84,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/kernels/flash/tpu_kernel.py",
     "ok = tiles.visible(t, s)\n",
     "ok = tiles.visible(t, s) | tiles.visible(t - 1, s)\n",
-    "tests/test_kernels.py::test_kernels_match_reference[tpu-p4-w9-g1]",
+    "tests/kernels/test_kernels.py::test_kernels_match_reference[tpu-p4-w9-g1]",
   ),
   Mutant(
     "onchip_keys_overwritten",
@@ -93,7 +93,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/kernels/window/tpu_kernel.py",
     "  shared = kb - cq\n",
     "  shared = kb - cq - 16\n",
-    "tests/test_kernels.py::test_kernels_match_reference[tpu-window-p2-packed]",
+    "tests/kernels/test_kernels.py::test_kernels_match_reference[tpu-window-p2-packed]",
   ),
   Mutant(
     "gpu_one_token_weight_rows",
@@ -102,7 +102,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/kernels/window/gpu_mixing.py",
     "pair = _first_rows(x, pa), ",
     "pair = _first_rows(x, pa - 1), ",
-    "tests/test_gpu_window.py::test_gpu_window_matches_reference[one-token-groups-p9]",
+    "tests/kernels/test_gpu_window.py::test_gpu_window_matches_reference[one-token-groups-p9]",
   ),
   Mutant(
     "band_edge",
@@ -111,7 +111,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/core/masking.py",
     "meet = meet & (s_last > t_first - window)\n",
     "meet = meet & (s_last > t_first - window + 1)\n",
-    "tests/test_attention_kinds.py::test_xla_band_reaches_the_window_edge_at_every_width",
+    "tests/kinds/test_attention_kinds.py::test_xla_band_reaches_the_window_edge_at_every_width",
   ),
   Mutant(
     "dropout_unscaled",
@@ -119,7 +119,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/core/xla_attention.py",
     "jnp.where(keep, p / (1 - rate), 0.0)",
     "jnp.where(keep, p, 0.0)",
-    "tests/test_attention_kinds.py::test_xla_attention_dropout_is_dense_attention_with_the_tile_masks",
+    "tests/kinds/test_attention_kinds.py::test_xla_attention_dropout_is_dense_attention_with_the_tile_masks",
   ),
   Mutant(
     "checkpoint_unverified",
@@ -127,7 +127,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/train/checkpoint.py",
     "    integrity.verify_tree(checksums, state)\n",
     "    pass  # checksums not verified\n",
-    "tests/test_train.py::test_corrupt_array_bytes_fail_their_checksums_then_a_full_disk_keeps_step_4",
+    "tests/train/test_train.py::test_corrupt_array_bytes_fail_their_checksums_then_a_full_disk_keeps_step_4",
   ),
   Mutant(
     "loss_ignores_padding",
@@ -135,7 +135,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/train/losses.py",
     'weights = batch["weights"].astype(jnp.float32)',
     'weights = jnp.ones_like(batch["weights"], jnp.float32)',
-    "tests/test_losses.py::test_padding_positions_add_nothing_to_the_loss",
+    "tests/train/test_losses.py::test_padding_positions_add_nothing_to_the_loss",
   ),
   Mutant(
     "cache_slot_late",
@@ -143,7 +143,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/nn/cache.py",
     "jnp.mod(start + n - kept + jnp.arange(",
     "jnp.mod(start + n - kept + 1 + jnp.arange(",
-    "tests/test_decode.py::test_cached_logits_equal_full_forward",
+    "tests/models/test_decode.py::test_cached_logits_equal_full_forward",
   ),
 ]
 

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fixtures import REPO_ROOT
+
+REPO = str(REPO_ROOT)
 
 
 def run(*args: str, **env: str) -> subprocess.CompletedProcess:

@@ -13,14 +13,15 @@ import subprocess
 import sys
 import textwrap
 import tomllib
-from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.fixtures import REPO_ROOT
+
+ROOT = REPO_ROOT
 SETS = ("requirements.txt", "requirements-newest.txt")
 TARGET_SETS = ("requirements-targets-tpu.txt", "requirements-targets-cuda.txt")
 # What `import iha_jax.nn` (and .ops, .models) needs: the only unconditional dependencies.

@@ -13,7 +13,9 @@ import shutil
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.fixtures import REPO_ROOT
+
+ROOT = REPO_ROOT
 # import-linter's own entry point, run by this interpreter (its console script may not be
 # on PATH when the tests run from a venv that is not activated).
 LINT = (

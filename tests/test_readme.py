@@ -1,5 +1,5 @@
 """Every Python block of README.md and of the docs pages is a complete program that runs
-outside the repository (docs/your_model.md's run in tests/test_your_model.py).
+outside the repository (docs/your_model.md's run in tests/nn/test_your_model.py).
 
 The blocks run in one interpreter (JAX is imported once) started in a temporary directory
 without PYTHONPATH, so `import iha_jax` must find the installed package (`pip install -e .`,
@@ -15,7 +15,9 @@ import re
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fixtures import REPO_ROOT
+
+REPO = str(REPO_ROOT)
 RUNNER = """
 import json, sys, traceback
 import iha_jax

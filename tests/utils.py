@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 # Worst element, relative to the largest magnitude of the expected value.
@@ -103,19 +102,3 @@ def decode_png(path, *, dpi: int | None = None, figure=None) -> np.ndarray:
       (height, width),
     )
   return image
-
-
-# The optimizer settings of the small train-step tests (AdamW, warm-up 1, cosine over 10).
-TRAIN = ml_collections.ConfigDict(
-  dict(
-    learning_rate=1e-2,
-    final_learning_rate=1e-4,
-    warmup_steps=1,
-    total_steps=10,
-    weight_decay=0.1,
-    b1=0.9,
-    b2=0.95,
-    eps=1e-8,
-    grad_clip=1.0,
-  )
-)

@@ -109,7 +109,7 @@ class OptionFields(TypedDict, total=False):
   """`AttentionOptions`' fields as keywords, typed: what the entry points
   (`iha_attention(..., window=8, implementation="xla")`, ...), `registry.attend` and
   `AttentionOptions.replace` take beside an `AttentionOptions` (the same names and
-  meanings; tests/test_ops_validation.py holds the two to one set of names)."""
+  meanings; tests/kinds/test_validation.py holds the two to one set of names)."""
 
   window: int | None
   causal: bool

@@ -16,7 +16,7 @@ Grids: forward and dQ `(query tiles, B, H)`, the longest causal bands first; dK/
 programs write the same rows (no atomics). The bands come from `Tiles.key_band` /
 `query_band` (a traced query offset of a sequence shard is a `[1]` int32 operand).
 Launches (warps, pipeline stages) are `flash_launch()`'s, checked spill-free for H100 by
-`tests/test_compile_targets.py`.
+`tests/kernels/test_compile_targets.py`.
 """
 
 from __future__ import annotations

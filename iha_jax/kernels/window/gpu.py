@@ -185,14 +185,14 @@ def forward_launch(plan: Plan) -> Launch:
   """Eight warps (two warpgroups share the 64-row tiles' products and hold the float32
   accumulators); two pipeline stages only for 16-row key groups, whose prefetched source
   rows are few: with 32- or 64-row groups a second stage spilled registers on H100
-  (tests/test_compile_targets.py)."""
+  (tests/kernels/test_compile_targets.py)."""
   return Launch(num_warps=8, num_stages=2 if plan.k_rows < 32 else 1)
 
 
 def backward_launch(plan: Plan) -> Launch:
   """Eight warps (two warpgroups share the 64-row products), one pipeline stage: a second
   one, or four or sixteen warps, spilled more registers on H100
-  (tests/test_compile_targets.py checks the spills)."""
+  (tests/kernels/test_compile_targets.py checks the spills)."""
   del plan
   return Launch(num_warps=8, num_stages=1)
 

@@ -21,7 +21,7 @@ out_rows, width]`, and remake every pseudo tile on chip (`window.gpu_mixing`):
   queries and dO^T are remade: `dV = sum P^T dO`, `dK = sum dS^T Q`; `R(p)^T`, `ak^T`,
   `av^T` give dk1, dk2, dv and the partials `[P', G']`.
 
-Register budget (H100: 255 per thread at eight warps; tests/test_compile_targets.py):
+Register budget (H100: 255 per thread at eight warps; tests/kernels/test_compile_targets.py):
 scores are transposed `[k_rows, q_rows]` in the query-side loops, so that what stays
 fixed across a loop (pseudo queries, dy, cm) is a product's second operand, kept in
 shared memory; the mixing's own budgets are `window.gpu_mixing`'s.

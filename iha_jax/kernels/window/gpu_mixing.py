@@ -4,7 +4,7 @@ block-diagonal product and rotated by `R(p)`, and the transposes the backward ta
 (un-mixing to source rows, `R(p)^T`, the collapse's dO, the weights' gradients folded to
 their shapes), in Triton registers.
 
-Register budget (H100: 255 per thread at eight warps; tests/test_compile_targets.py):
+Register budget (H100: 255 per thread at eight warps; tests/kernels/test_compile_targets.py):
 mixing products contract over `MIX_ROWS` source rows at a time; a constant is loaded at
 a loop-varying zero offset (`varying_zero`), else the compiler hoists it into registers
 for the whole loop; the weights' partials are added into the program's own output block
@@ -23,7 +23,7 @@ from iha_jax.kernels.window.gpu_plan import COLLAPSE_ROWS, Plan
 
 # Source rows per mixing product (its contraction: a bounded source tile in registers) and
 # per un-mixing product (its float32 result; 64: tall enough for wgmma), as compiled for
-# H100 (tests/test_compile_targets.py).
+# H100 (tests/kernels/test_compile_targets.py).
 MIX_ROWS = 32
 UNMIX_ROWS = 64
 

@@ -3,10 +3,10 @@ harness (tests/conformance.py), forward and every gradient, causal and bidirecti
 with windows, packed segments and padding; plus the registry, the special cases that
 tie the kinds together, causality probes and argument errors.
 
-The Pallas kernels go through the same harness in tests/test_kernels.py; differential
+The Pallas kernels go through the same harness in tests/kernels/test_kernels.py; differential
 attention through the kernels is checked here because it runs both maps as one MHA
 call. The references themselves are checked against float64 loops in
-tests/test_ops_reference.py.
+tests/core/test_reference.py.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_jit_and_eager_agree():
 def test_diff_through_mha_kernels():
   """Both differential maps as one Pallas MHA call (Triton, interpret mode), value width
   2d, over three 16-token tiles (GPU tiles are at least 16 rows). The MHA kernels
-  themselves, both backends, are checked in tests/test_kernels.py."""
+  themselves, both backends, are checked in tests/kernels/test_kernels.py."""
   mask = MASKS["bidirectional_window_packed"]
   blocks = ops.BlockSizes(16, 16)
   cf.check(cf.diff(H, D), "pallas_gpu", b=B, n=40, mask=mask, blocks=blocks, seed=5)

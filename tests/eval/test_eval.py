@@ -28,10 +28,10 @@ from iha_jax.train import checkpoint as ckpt
 from iha_jax.train import model_config, train
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
-from tests.test_train import make_config
+from tests.fixtures import REPO_ROOT, tiny_config
 from tests.utils import decode_png
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_ROOT)
 LENGTHS = [32, 48, 96]  # The tiny task trains at 48.
 
 
@@ -47,7 +47,7 @@ def runs(tmp_path_factory) -> dict[str, str]:
   ):
     workdirs[name] = str(root / name)
     train(
-      make_config(
+      tiny_config(
         data_dir,
         train__total_steps=4,
         checkpoint__every=4,
@@ -141,7 +141,7 @@ def test_mesh_choice(runs):
 def test_module_holds_the_parameters(scan_layers, remat):
   """`FunctionalTransformerLM.module` (used for the pictures) inverts the layout, and the trainer's
   scanned, rematerialised forward pass is `TransformerLM`'s."""
-  config = make_config("unused", model__num_layers=3)  # "IM" scanned: 1 period + 1 tail.
+  config = tiny_config("unused", model__num_layers=3)  # "IM" scanned: 1 period + 1 tail.
   model = FunctionalTransformerLM(model_config(config), remat=remat, scan_layers=scan_layers)
   params = model.init(3)
   tokens = np.arange(10, dtype=np.int32)[None] % 7

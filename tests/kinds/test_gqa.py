@@ -36,7 +36,8 @@ from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import make_train_step
 from tests import conformance as cf
-from tests.utils import TRAIN, assert_close, packed_positions, packed_segments
+from tests.fixtures import TRAIN, tiny_model
+from tests.utils import assert_close, packed_positions, packed_segments
 
 B, N, H, D, P = 2, 12, 4, 16, 2
 THETA = 10000.0
@@ -139,7 +140,7 @@ def _options(mask: dict, b: int, n: int) -> dict:
 
 
 # (implementation, kind, G, mask, dtype, block sizes). The kernels' grouped-query cases
-# against the project's reference, more masks and dtypes, are in tests/test_kernels.py.
+# against the project's reference, more masks and dtypes, are in tests/kernels/test_kernels.py.
 GPU_TILES = ops.BlockSizes(16, 16)
 CASES = [
   ("reference", "iha", 2, "causal-window-packed", jnp.float32, None),
@@ -166,7 +167,7 @@ def test_every_implementation_matches_the_loop_reference(case, monkeypatch):
   mask = MASKS[mask_name]
   if implementation == "cudnn":
     # Off-GPU the cuDNN pipeline runs with jax's XLA attention behind it, which takes
-    # grouped-query keys the same way (tests/test_gpu_paths.py).
+    # grouped-query keys the same way (tests/kernels/test_gpu_paths.py).
     if jax.default_backend() != "gpu":
       monkeypatch.setattr(cudnn_attention, "BACKEND", "xla")
   kind = cf.iha(H, D, P, kv_heads=g) if kind_name == "iha" else cf.mha(H, D, D, kv_heads=g)
@@ -286,23 +287,11 @@ def test_differential_attention_reads_each_groups_keys_in_both_maps():
 
 # --- Layers: parameter tree, NNX = Linen, decoding, budgets, training. --------------------
 
-MODEL = dict(
-  vocab_size=32,
-  num_layers=3,
-  model_dim=32,
-  num_heads=4,
-  head_dim=8,
-  mlp_dim=48,
-  num_pseudo=2,
-  attention_schedule="LMS",
-  iha_window=5,
-  mha_window=3,
-  implementation="xla",
-)
+MODEL = dict(vocab_size=32, mlp_dim=48, iha_window=5, mha_window=3)
 
 
 def _model_config(**kw) -> TransformerConfig:
-  return TransformerConfig(**{**MODEL, **kw})
+  return tiny_model("LMS", **{**MODEL, **kw})
 
 
 def test_layer_parameters_and_nnx_equals_linen():

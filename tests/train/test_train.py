@@ -19,7 +19,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from configs import tiny
 from iha_jax import parallel
 from iha_jax.eval import evaluate_workdir
 from iha_jax.models import FunctionalTransformerLM
@@ -31,24 +30,12 @@ from iha_jax.train.metrics import MetricsWriter
 from iha_jax.train.optimizer import make_optimizer
 from iha_jax.train.state import abstract_state
 from iha_jax.workdir_lock import WorkdirBusyError
+from tests.fixtures import REPO_ROOT, tiny_config
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("data"))
-
-
-def make_config(data_dir: str, **overrides):
-  """configs/tiny.py with `section.key=value` overrides (`mesh__fsdp=8`)."""
-  config = tiny.get_config()
-  config.data.data_dir = data_dir
-  for key, value in overrides.items():
-    section, _, name = key.partition("__")
-    if name:
-      config[section][name] = value
-    else:
-      config[section] = value
-  return config
 
 
 def losses(workdir: str) -> dict[int, float]:
@@ -65,14 +52,14 @@ def losses(workdir: str) -> dict[int, float]:
 def reference_run(data_dir, tmp_path_factory):
   """An uninterrupted 8-step run on one device, checkpoints every 4 steps."""
   workdir = str(tmp_path_factory.mktemp("reference"))
-  config = make_config(data_dir, train__total_steps=8, checkpoint__every=4, mesh__fsdp=1)
+  config = tiny_config(data_dir, train__total_steps=8, checkpoint__every=4, mesh__fsdp=1)
   train(config, workdir)
   return config, workdir
 
 
 @pytest.mark.full
 def test_loss_falls(data_dir, tmp_path):
-  config = make_config(
+  config = tiny_config(
     data_dir, train__total_steps=40, train__learning_rate=1e-2, checkpoint__every=40
   )
 
@@ -110,7 +97,7 @@ def test_loss_falls(data_dir, tmp_path):
 )
 def test_sharded_losses_match_one_device(reference_run, tmp_path, mesh):
   config, workdir = reference_run
-  config = make_config(config.data.data_dir, train__total_steps=8, checkpoint__every=8)
+  config = tiny_config(config.data.data_dir, train__total_steps=8, checkpoint__every=8)
   config.mesh.update(**mesh)
   train(config, str(tmp_path))
   expected, actual = losses(workdir), losses(str(tmp_path))
@@ -136,7 +123,7 @@ def test_resume_reproduces_uninterrupted_run(reference_run, tmp_path):
 def test_restore_onto_another_mesh(data_dir, tmp_path):
   """fsdp=8 -> data=2 x tensor=4: same values, new shardings, same continued losses."""
   # Vocabulary 88: the data's 86 padded, so that tensor=4 splits it.
-  config = make_config(
+  config = tiny_config(
     data_dir, train__total_steps=6, checkpoint__every=3, mesh__fsdp=8, model__vocab_size=88
   )
   first = str(tmp_path / "fsdp8")
@@ -172,7 +159,7 @@ def test_restore_onto_another_mesh(data_dir, tmp_path):
 def test_restore_with_incompatible_model_fails(reference_run, tmp_path):
   config, workdir = reference_run
   shutil.copytree(os.path.join(workdir, "checkpoints"), os.path.join(tmp_path, "checkpoints"))
-  config = make_config(
+  config = tiny_config(
     config.data.data_dir,
     train__total_steps=8,
     mesh__fsdp=1,
@@ -185,7 +172,7 @@ def test_restore_with_incompatible_model_fails(reference_run, tmp_path):
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
-  config = make_config(
+  config = tiny_config(
     data_dir,
     train__total_steps=20,
     train__learning_rate=1e38,
@@ -412,7 +399,7 @@ def test_ctrl_c_saves_current_step_and_exits_cleanly(data_dir, tmp_path):
   (preemption) does: both go through the same flag (test above). While it runs, a second
   train.py on its workdir refuses in one line naming it, and writes nothing there."""
   workdir = str(tmp_path / "preempted")
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  repo = str(REPO_ROOT)
   env = dict(os.environ, PYTHONPATH=repo, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   env.pop("IHA_DEBUG", None)
   command = [
@@ -472,7 +459,7 @@ def test_init_from_starts_a_longer_run_on_a_context_mesh(reference_run, data_dir
   from iha_jax.train.loop import Trainer  # pylint: disable=import-outside-toplevel
 
   _, source = reference_run
-  config = make_config(
+  config = tiny_config(
     data_dir,
     train__total_steps=2,
     train__warmup_steps=1,
@@ -495,6 +482,6 @@ def test_init_from_starts_a_longer_run_on_a_context_mesh(reference_run, data_dir
   assert moments and not any(np.any(np.asarray(m)) for m in moments)  # fresh: zeros
   record = trainer.run()
   assert np.isfinite(record["loss"]) and ckpt.complete_steps(str(tmp_path / "long")) == [2]
-  bad = make_config(data_dir, train__init_from=source, model__num_layers=3)
+  bad = tiny_config(data_dir, train__init_from=source, model__num_layers=3)
   with pytest.raises(ConfigError, match=r"model.num_layers: 2 \(checkpoint\) vs 3"):
     Trainer(bad, str(tmp_path / "bad"))

@@ -9,7 +9,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -26,6 +25,7 @@ from iha_jax.train import flops
 from iha_jax.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import make_train_step
+from tests.fixtures import train_settings
 
 
 def _gated(q, k, v, gain, options, *, inner: str):
@@ -116,19 +116,7 @@ def test_toy_kind_trains_through_the_trainer(toy):
   ]
   assert model_nnx.layers[1].attn.config.window == 3  # 'W' reads mha_window (tokens)
   model = FunctionalTransformerLM(config)
-  train = ml_collections.ConfigDict(
-    dict(
-      learning_rate=1e-2,
-      final_learning_rate=1e-3,
-      warmup_steps=1,
-      total_steps=4,
-      weight_decay=0.1,
-      b1=0.9,
-      b2=0.95,
-      eps=1e-8,
-      grad_clip=1.0,
-    )
-  )
+  train = train_settings(final_learning_rate=1e-3, total_steps=4)
   tx = make_optimizer(train)
   mesh = parallel.create_mesh(dict(data=1, fsdp=1, tensor=1))
   state, _ = create_state(model, tx, mesh, seed=0)

@@ -1,6 +1,6 @@
 """Nothing lost, nothing silently wrong: the workdir lock, checksums, and the one-line errors
 of bad inputs (each raised before anything is compiled). Checkpoint corruption, a full disk
-and a locked workdir during training: tests/test_train.py; two train.py at once and a
+and a locked workdir during training: tests/train/test_train.py; two train.py at once and a
 missing config file: tests/test_cli.py."""
 
 from __future__ import annotations

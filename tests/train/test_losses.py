@@ -12,26 +12,15 @@ import numpy as np
 import pytest
 
 from iha_jax import parallel
-from iha_jax.models import FunctionalTransformerLM, TransformerConfig
+from iha_jax.models import FunctionalTransformerLM
 from iha_jax.models.transformer import output_logits
 from iha_jax.train.losses import chunked_cross_entropy, loss_terms, position_losses
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import make_eval_step, make_train_step
-from tests.utils import TRAIN
+from tests.fixtures import TRAIN, tiny_model
 
-MODEL = TransformerConfig(
-  vocab_size=40,
-  num_layers=2,
-  model_dim=32,
-  num_heads=4,
-  head_dim=8,
-  mlp_dim=64,
-  num_pseudo=2,
-  attention_schedule="LM",
-  iha_window=12,
-  implementation="xla",
-)
+MODEL = tiny_model("LM")
 
 
 def _batch(b: int, n: int, vocab: int) -> dict[str, jax.Array]:

@@ -17,23 +17,12 @@ from iha_jax import parallel
 from iha_jax.models import FunctionalTransformerLM, TransformerConfig
 from iha_jax.parallel import context
 from iha_jax.train.losses import loss_terms
+from tests.fixtures import tiny_model
 
 B, N = 2, 32
 # Every letter; 'L' reaches ceil((12 - 1) / 2) = 6 tokens back (more than a shard of 4
 # at context 8: a two-hop halo), 'S' 4 tokens.
-MODEL = TransformerConfig(
-  vocab_size=40,
-  num_layers=7,
-  model_dim=32,
-  num_heads=4,
-  head_dim=8,
-  mlp_dim=32,
-  num_pseudo=2,
-  attention_schedule="LSIMTDX",
-  iha_window=12,
-  mha_window=5,
-  implementation="xla",
-)
+MODEL = tiny_model("LSIMTDX", mlp_dim=32, mha_window=5)
 
 
 def _batch() -> dict[str, np.ndarray]:

@@ -2,7 +2,7 @@
 seeds, the JSON / Markdown / PNG written from them, resumption, and controls that must
 learn (2 x 2 relation composition, MQAR with one pair), so a broken pipeline fails here.
 Each study runs a subset of its variants: a variant is a schedule letter of the same
-model (every letter trains in tests/test_train_step.py), so more variants add time, not
+model (every letter trains in tests/train/test_step.py), so more variants add time, not
 coverage."""
 
 from __future__ import annotations

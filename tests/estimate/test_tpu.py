@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +20,9 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from iha_jax.estimate import kernel_grid, llo
 from iha_jax.parallel import targets
+from tests.fixtures import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 # A made-up schedule in libtpu's format: a 10-trip loop whose body holds a two-bundle
 # span a branch may skip (after one empty delay-slot bundle), then a call of an XLA op.

@@ -13,15 +13,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import pytest
 
 from iha_jax.kernels.window import tpu_plan
 from iha_jax.parallel import targets
+from tests.fixtures import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 SCOPED_VMEM_LIMIT = 16 * 2**20
 
 

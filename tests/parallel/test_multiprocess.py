@@ -21,8 +21,9 @@ from iha_jax.train.inputs import prepare
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import make_train_step
+from tests.fixtures import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 STEPS = 4
 
 

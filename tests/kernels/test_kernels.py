@@ -127,7 +127,7 @@ KERNEL_CASES = [
   # P = H = 20 (the paper's default): 400 virtual rows in 128-row GPU tiles (padded to
   # 512). TPU: P = 5 > H = 3 (P not a power of two): 100 virtual rows in 32-row tiles, a
   # token's pseudo-heads straddling tiles (P = 20 is checked by the TPU compiler in
-  # tests/test_compile_targets.py).
+  # tests/kernels/test_compile_targets.py).
   _case(
     "gpu-p20-h20",
     cf.iha(20, 16, 20),

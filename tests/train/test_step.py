@@ -23,20 +23,9 @@ from iha_jax.train.losses import loss_terms
 from iha_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from iha_jax.train.state import create_state
 from iha_jax.train.step import make_train_step
-from tests.utils import TRAIN
+from tests.fixtures import TRAIN, tiny_model
 
-MODEL = TransformerConfig(
-  vocab_size=40,
-  num_layers=4,
-  model_dim=32,
-  num_heads=4,
-  head_dim=8,
-  mlp_dim=64,
-  num_pseudo=2,
-  attention_schedule="LIM",
-  iha_window=12,
-  implementation="xla",
-)
+MODEL = tiny_model("LIM", num_layers=4)  # LIML
 
 
 def _batch(b: int = 8, n: int = 16) -> dict[str, jax.Array]:
@@ -108,19 +97,7 @@ def test_scan_layout_stacks_schedule_periods():
 
 # --- every attention kind through the real trainer -----------------------------------------
 
-ALL_LETTERS = TransformerConfig(
-  vocab_size=40,
-  num_layers=7,
-  model_dim=32,
-  num_heads=4,
-  head_dim=8,
-  mlp_dim=64,
-  num_pseudo=2,
-  attention_schedule="ILMSTDX",
-  iha_window=12,
-  mha_window=5,
-  implementation="xla",
-)
+ALL_LETTERS = tiny_model("ILMSTDX", mha_window=5)
 
 
 def _train(

@@ -9,9 +9,10 @@ import os
 import subprocess
 import sys
 
+from tests.fixtures import REPO_ROOT
 from tests.test_readme import python_blocks
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_ROOT)
 
 
 def test_your_model_page_runs(tmp_path):

@@ -57,7 +57,7 @@ def test_iha_exports(shape, platform, grad):
   exported = _export(f, platform, x, x, x, a, a, a, a)
   assert target in _custom_calls(exported)
   # Both platforms mix pseudo q/k/v in HBM by design (iha_jax.kernels.flash.attention;
-  # tests/test_kernels.py checks the backward saves none of them).
+  # tests/kernels/test_kernels.py checks the backward saves none of them).
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))

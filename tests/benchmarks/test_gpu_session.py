@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
+from tests.fixtures import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "benchmarks" / "gpu_session.sh"
 
 
 def test_default_plan_fits_one_call_in_order_of_value():
