@@ -49,6 +49,7 @@ from iha_jax.kernels import splash
 from iha_jax.kernels.flash import attention
 from iha_jax.kernels.window import gpu as gpu_window
 from iha_jax.kernels.window import tpu as tpu_window
+from iha_jax.kernels.window.common import key_side
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
@@ -164,7 +165,7 @@ class _Tokens:
     self.sliced = options.sliced or k.shape[1] != q.shape[1]
     self.offset = options.query_offset
     if self.sliced:
-      self.arrays += list(attention.key_side(q, k, options))
+      self.arrays += list(key_side(q, k, options))
       self.specs += [P(batch, None)] * 2
       if not isinstance(self.offset, int):
         self.arrays.append(jnp.asarray(self.offset, jnp.int32))

@@ -323,25 +323,6 @@ def _pseudo_outputs(
   return o[:, :, : n * p].reshape(b, call.heads, n, p, v.shape[-1])
 
 
-def key_side(q: jax.Array, k: jax.Array, options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
-  """A sliced call's key segment ids and positions `[B, Nk]`: the options' own, else the
-  queries' (keys of the queries' length), else one unpadded sequence `arange(Nk)`."""
-  b, nk = k.shape[:2]
-  segment_ids, positions = options.key_segment_ids, options.key_positions
-  if nk != q.shape[1]:
-    if options.kv_segment_ids is None and options.segment_ids is not None:
-      raise ValueError(
-        f"keys of {nk} tokens for {q.shape[1]} queries need kv_segment_ids [B, {nk}] "
-        "when segment_ids are given"
-      )
-    segment_ids, positions = options.kv_segment_ids, options.kv_positions
-  if segment_ids is None:
-    segment_ids = jnp.ones((b, nk), jnp.int32)
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
-  return segment_ids, positions
-
-
 def _checked(platform: str) -> str:
   if platform not in PLATFORMS:
     raise ValueError(f"platform={platform!r}: the kernels' platforms are {PLATFORMS}")

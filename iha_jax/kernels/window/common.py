@@ -2,7 +2,8 @@
 
 Both take the same calls the same way: a plan of static shapes (`WindowShape`, and each
 path's tiling on top of it), refused in one line naming the limit (`UnsupportedShape`);
-the band a query sees in virtual rows (`in_band`, `core.masking.visible`'s rule); the
+the band a query sees in virtual rows (`in_band`, `core.masking.visible`'s rule), a
+sliced call's key ids and positions (`key_side`, also the sharded wrappers'); the
 mixing and collapse as products with block-diagonal constants (`block_diagonal`,
 `full_collapse`); RoPE's `R(p)` per pseudo row (`pseudo_angles`); and one skeleton of the
 entry (`plan_for`, `unsupported`, `window_iha`) and of the custom VJP, which saves the
@@ -102,6 +103,25 @@ def in_band(delta, window: int, causal: bool):
   ok = delta < window
   ok &= delta >= 0 if causal else delta > -window
   return ok
+
+
+def key_side(q: jax.Array, k: jax.Array, options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
+  """A sliced call's key segment ids and positions `[B, Nk]`: the options' own, else the
+  queries' (keys of the queries' length), else one unpadded sequence `arange(Nk)`."""
+  b, nk = k.shape[:2]
+  segment_ids, positions = options.key_segment_ids, options.key_positions
+  if nk != q.shape[1]:
+    if options.kv_segment_ids is None and options.segment_ids is not None:
+      raise ValueError(
+        f"keys of {nk} tokens for {q.shape[1]} queries need kv_segment_ids [B, {nk}] "
+        "when segment_ids are given"
+      )
+    segment_ids, positions = options.kv_segment_ids, options.kv_positions
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, nk), jnp.int32)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
+  return segment_ids, positions
 
 
 def block_diagonal(weights: jax.Array, s: int) -> jax.Array:

@@ -58,10 +58,9 @@ from jax.experimental import pallas as pl
 from iha_jax.core.options import AttentionOptions
 from iha_jax.core.rope import apply_rope
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels.flash.attention import key_side
 from iha_jax.kernels.gpu import Launch, block_pow2, on_gpu
 from iha_jax.kernels.window import common
-from iha_jax.kernels.window.common import block_diagonal, full_collapse, pseudo_angles
+from iha_jax.kernels.window.common import block_diagonal, full_collapse, key_side, pseudo_angles
 from iha_jax.kernels.window.gpu_backward_kernel import dkv_kernel, query_kernel
 from iha_jax.kernels.window.gpu_kernel import forward_kernel
 from iha_jax.kernels.window.gpu_plan import Plan, backward_plan, tiling
