@@ -1,13 +1,7 @@
-"""What IHA's two on-chip window paths share (TPU: `window.tpu`, GPU: `window.gpu`).
-
-Both take the same calls the same way: a plan of static shapes (`WindowShape`, and each
-path's tiling on top of it), refused in one line naming the limit (`UnsupportedShape`);
-the band a query sees in virtual rows (`in_band`, `core.masking.visible`'s rule), a
-sliced call's key ids and positions (`key_side`, also the sharded wrappers'); the
-mixing and collapse as products with block-diagonal constants (`block_diagonal`,
-`full_collapse`); RoPE's `R(p)` per pseudo row (`pseudo_angles`); and one skeleton of the
-entry (`plan_for`, `unsupported`, `window_iha`) and of the custom VJP, which saves the
-call's own arrays only (`saving_the_call`).
+"""What IHA's two on-chip window paths share (TPU: `window.tpu`, GPU: `window.gpu`): the
+call's static shape (`WindowShape`) and refusals (`UnsupportedShape`), the band
+(`in_band`), a sliced call's key side (`key_side`), the block-diagonal constants of mixing
+and collapse, RoPE's `R(p)` angles, and the skeleton of the entry and of its custom VJP.
 """
 
 from __future__ import annotations
@@ -149,26 +143,14 @@ def pseudo_angles(pseudo: jax.Array, head_dim: int, theta: float) -> jax.Array:
   return pseudo[:, None] * rope_frequencies(head_dim, theta)
 
 
-# --- the entry's skeleton ----------------------------------------------------------------
-
-
 def plan_for(tiling: Callable, q, k, alphas, collapse, options: AttentionOptions, **platform):
   """`tiling(...)`, a path's `Plan`, of a call (arrays or ShapeDtypeStructs): its shapes,
   static query offset and requested blocks; `platform`: the path's own arguments."""
   offset = options.query_offset if (options.sliced or k.shape[1] != q.shape[1]) else 0
   blocks = options.block_sizes
-  return tiling(
-    q.shape,
-    k.shape[1],
-    k.shape[2],
-    tuple(a.shape for a in alphas),
-    collapse.shape,
-    options,
-    offset,
-    blocks and blocks.block_q,
-    blocks and blocks.block_k,
-    **platform,
-  )
+  shapes = (q.shape, k.shape[1], k.shape[2], tuple(a.shape for a in alphas), collapse.shape)
+  requested = (blocks and blocks.block_q, blocks and blocks.block_k)
+  return tiling(*shapes, options, offset, *requested, **platform)
 
 
 def unsupported(plan_for: Callable, q, v, num_pseudo: int, options: AttentionOptions):
