@@ -1,10 +1,7 @@
 """What every GPU (Pallas Triton) kernel here shares: Triton's block shapes, the tensor
-cores' products, the online softmax over key tiles, a program's launch (warps, pipeline
-stages), and running a kernel compiled on cuda/rocm or interpreted elsewhere.
-
-The flash kernels (`iha_jax.kernels.flash.gpu_kernel`) and the on-chip window kernels
-(`iha_jax.kernels.window.gpu_kernel`, `gpu_backward_kernel`) take these; each family's
-own layouts stay with it.
+cores' products, the online softmax over key tiles, a program's launch, and running a
+kernel compiled on cuda/rocm or interpreted elsewhere. Each family's own layouts stay
+with it.
 """
 
 from __future__ import annotations
@@ -28,13 +25,9 @@ NN = (((1,), (0,)), ((), ()))  # a @ b
 TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
-def next_pow2(x: int) -> int:
-  return 1 << max(0, x - 1).bit_length()
-
-
 def block_pow2(x: int) -> int:
   """`x` rows or lanes as a Triton block: a power of two >= `MIN_BLOCK`."""
-  return max(MIN_BLOCK, next_pow2(x))
+  return max(MIN_BLOCK, 1 << max(0, x - 1).bit_length())
 
 
 def dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
@@ -69,9 +62,6 @@ def on_gpu(call: Callable[..., jax.Array], *args):
   return lax.platform_dependent(
     *args, default=functools.partial(call, interpret=True), cuda=compiled, rocm=compiled
   )
-
-
-# --- the online softmax over key tiles, in float32 registers ------------------------------
 
 
 def softmax_init(rows: int, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:

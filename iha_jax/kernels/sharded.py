@@ -1,33 +1,20 @@
 """The Pallas kernels under a mesh: batch over data axes, heads over a tensor axis.
 
-A `pallas_call` has no partitioning rule: called on sharded operands, XLA would gather
-them whole onto every device. These wrappers run the kernels inside `jax.shard_map`,
-so each device attends over its own rows (and heads) only.
-
+A `pallas_call` has no partitioning rule (on sharded operands XLA would gather them whole
+onto every device), so these wrappers run the kernels inside `jax.shard_map`:
 - MHA (`sharded_mha_attention`): q, k, v and the output are split over batch and heads.
-- IHA (`sharded_iha_attention`): mixing contracts over SOURCE heads, so every shard
-  needs all H source heads of q, k, v: their in_specs replicate the head axis
-  (shard_map all-gathers a head-sharded q/k/v across `head_axis`, `[B, N, H, d]`: the
-  small tensors), while alpha_* are split along their target axis, so a shard computes
-  only its target heads' pseudo-heads. Full collapse then sums over every target head
-  (a psum over `head_axis`); per_head collapse stays local and keeps the head sharding.
-- Sliced calls (a sequence shard inside `iha_jax.parallel.context`'s shard_map over
-  `context`: keys `[B, Nk, G, d]` longer than the queries, `query_offset`,
-  `kv_segment_ids`, `kv_positions`): the key-side ids and positions are split over the
-  batch axes like q's, a traced query offset (a scalar) is replicated to every shard.
-- Grouped-query (k, v with G < H heads): MHA splits k and v over `head_axis` like q, IHA
-  splits alpha_k, alpha_v along their key/value target axis like alpha_q; with G divisible
-  by the axis size, shard s holds query heads `[s H/t, (s+1) H/t)` and exactly the key/value
-  heads they read, so groups never straddle shards.
-
-`mesh=None` takes the mesh made current by `jax.set_mesh` (`iha_jax.parallel.activate`);
-`batch_axes` / `head_axis` name its axes (`()` / None: not split; by default the ones the
-logical-axis rules give the batch and the heads, `iha_jax.parallel.sharding.kernel_axes`).
-
-`iha_on_current_mesh` / `mha_on_current_mesh` are what the kind records name for
-"pallas_tpu" / "pallas_gpu": under a mesh they run the wrappers with the axes the
-logical-axis rules give (`iha_jax.parallel.sharding.kernel_axes`), else the kernels
-directly, so a layer makes one call whatever the mesh.
+- IHA (`sharded_iha_attention`): mixing contracts over the SOURCE heads, so every shard
+  takes all H source heads of q, k, v (replicated in_specs: shard_map all-gathers the
+  small `[B, N, H, d]` tensors), while alpha_* are split along their target axis, so a
+  shard computes only its target heads' pseudo-heads; a full collapse then sums over
+  every target head (a psum over `head_axis`), per_head stays local and head-sharded.
+- Grouped-query (G < H key/value heads): split over `head_axis` with their query heads
+  when the axis divides G, else kept whole, each shard taking the one its heads read.
+- Sliced calls (a sequence shard, `iha_jax.parallel.context`): the key-side ids and
+  positions are split over the batch axes like q's, a traced query offset replicated.
+`iha_on_current_mesh` and its siblings are what the kind records name: the wrappers under
+a mesh (with the logical-axis rules' axes, `iha_jax.parallel.sharding.kernel_axes`), the
+kernels directly without one, so a layer makes one call whatever the mesh.
 """
 
 from __future__ import annotations
@@ -49,6 +36,7 @@ from iha_jax.kernels import splash
 from iha_jax.kernels.flash import attention
 from iha_jax.kernels.window import gpu as gpu_window
 from iha_jax.kernels.window import tpu as tpu_window
+from iha_jax.kernels.window.common import key_side
 from iha_jax.parallel import sharding
 
 MeshLike = Mesh | AbstractMesh
@@ -114,20 +102,6 @@ def _kv_split(kv_heads: int, shards: int) -> bool | None:
   return None
 
 
-def _kv_placement(k: jax.Array, mesh: MeshLike, head_axis: str | None) -> tuple[int, int, bool]:
-  """`(G, shards of the head axis, whether they split the G key/value heads)` for
-  `k: [B, N, G, d]` (`_kv_split`; `check_divisible` has refused a G it cannot place)."""
-  shards = dict(zip(mesh.axis_names, mesh.axis_sizes))[head_axis] if head_axis else 1
-  return k.shape[2], shards, bool(_kv_split(k.shape[2], shards))
-
-
-def _local_kv(x: jax.Array, axis: int, head_axis: str, kv_heads: int, shards: int) -> jax.Array:
-  """The one key/value head (along `axis` of `x`) this shard's query heads read, when the
-  G heads are kept whole on a head axis of `shards` > G (consecutive shards share one)."""
-  index = jax.lax.axis_index(head_axis) // (shards // kv_heads)
-  return jax.lax.dynamic_slice_in_dim(x, index, 1, axis=axis)
-
-
 def _shard_map(
   local: Callable, mesh: MeshLike, in_specs: tuple, out_specs: P, args: Sequence[jax.Array]
 ) -> jax.Array:
@@ -164,7 +138,7 @@ class _Tokens:
     self.sliced = options.sliced or k.shape[1] != q.shape[1]
     self.offset = options.query_offset
     if self.sliced:
-      self.arrays += list(attention.key_side(q, k, options))
+      self.arrays += list(key_side(q, k, options))
       self.specs += [P(batch, None)] * 2
       if not isinstance(self.offset, int):
         self.arrays.append(jnp.asarray(self.offset, jnp.int32))
@@ -179,24 +153,26 @@ class _Tokens:
     return options.replace(**local)
 
 
-def _prepare(
-  q: jax.Array,
-  k: jax.Array,
-  mesh: MeshLike | None,
-  batch_axes: Sequence[str] | _Axes,
-  head_axis: str | None | _Axes,
-  options: AttentionOptions,
-) -> tuple[MeshLike, tuple[str, ...], str | None, _Tokens]:
-  """The mesh, batch axes, head axis (`FROM_RULES`: the rules') and token arrays of a
-  sharded call."""
+def _prepare(q, k, mesh: MeshLike | None, batch_axes, head_axis, options: AttentionOptions):
+  """(mesh, batch axes, head axis (`FROM_RULES`: the rules'), token arrays, whether the
+  head axis splits the G key/value heads (`_kv_split`), and else `local_kv(x, axis)`: the
+  one of x's key/value heads this shard's query heads read) of a sharded call."""
   mesh = _current(mesh)
   if batch_axes is FROM_RULES or head_axis is FROM_RULES:
     rules = sharding.kernel_axes(mesh) or dict(batch_axes=(), head_axis=None)
     batch_axes = rules["batch_axes"] if batch_axes is FROM_RULES else batch_axes
     head_axis = rules["head_axis"] if head_axis is FROM_RULES else head_axis
   batch = tuple(batch_axes)
-  check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis, kv_heads=k.shape[2])
-  return mesh, batch, head_axis, _Tokens(q, k, options, batch)
+  g = k.shape[2]
+  check_divisible(mesh, q.shape[0], q.shape[2], batch, head_axis, kv_heads=g)
+  shards = dict(zip(mesh.axis_names, mesh.axis_sizes))[head_axis] if head_axis else 1
+
+  def local_kv(x, axis):  # G < shards: consecutive shards share a key/value head
+    index = jax.lax.axis_index(head_axis) // (shards // g)
+    return jax.lax.dynamic_slice_in_dim(x, index, 1, axis=axis)
+
+  tokens = _Tokens(q, k, options, batch)
+  return mesh, batch, head_axis, tokens, bool(_kv_split(g, shards)), local_kv
 
 
 def sharded_iha_attention(
@@ -216,35 +192,25 @@ def sharded_iha_attention(
   kernel: Callable[..., jax.Array] | None = None,
   **overrides: Any,
 ) -> jax.Array:
-  """IHA's kernels via `jax.shard_map` over `mesh`: `kernel` (default
-  `flash.attention.iha`; e.g. the on-chip window path's) on each shard.
+  """IHA's kernels via `jax.shard_map` over `mesh` (None: the current mesh): `kernel`
+  (default `flash.attention.iha`; e.g. an on-chip window path's) on each shard, with the
+  kernels of `platform` (`options.implementation` is not read).
 
-  Args:
-    q: `[B, N, H, d]`, k, v: `[B, N, G, d]` (`[B, Nk, G, d]` for a sliced call); B
-      divisible by the product of `batch_axes` sizes.
-    alpha_q: `[H, H, P]`, alpha_k, alpha_v: `[G, G, P]`; H and G divisible by the
-      `head_axis` size (each shard computes its query targets and their key/value
-      targets: grouped-query groups never straddle shards).
-    collapse: `[H, H, P]` (full) or `[H, P]` (per_head).
-    options, **overrides: `AttentionOptions` (ids / positions `[B, N]`, a sliced call's
-      `kv_*` `[B, Nk]` and `query_offset`; defaults filled here); `implementation` is
-      not read: the kernels of `platform` run.
-    mesh: device mesh holding `batch_axes` and `head_axis` (None: the current mesh).
-    batch_axes, head_axis: the mesh axes the batch and the heads split over (`()` / None:
-      not split); `FROM_RULES`: those the logical-axis rules give them.
-
-  Returns:
-    `[B, N, H, d]`: batch-sharded; per_head collapse also head-sharded.
-  """
+  q `[B, N, H, d]`, k, v `[B, Nk, G, d]`, alpha_q `[H, H, P]`, alpha_k, alpha_v `[G, G,
+  P]`, collapse `[H, H, P]` (full) or `[H, P]` (per_head); B divisible by the product of
+  the `batch_axes` sizes, H by the `head_axis` size (`check_divisible`); `options` and
+  `**overrides`: `AttentionOptions`, defaults filled here; `batch_axes`, `head_axis`: the
+  mesh axes the batch and the heads split over (`()` / None: not split; `FROM_RULES`: the
+  logical-axis rules'). -> `[B, N, H, d]`, batch-sharded (per_head: also head-sharded)."""
   options = with_overrides(options, overrides)
-  mesh, batch, head_axis, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
+  prepared = _prepare(q, k, mesh, batch_axes, head_axis, options)
+  mesh, batch, head_axis, tokens, split_kv, local_kv = prepared
   full = collapse.ndim == 3
-  g, shards, split_kv = _kv_placement(k, mesh, head_axis)
 
   def local(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *token_arrays):
     local_options = tokens.options(options, token_arrays)
     if not split_kv:  # all G target heads here: keep the one this shard's queries read
-      alpha_k, alpha_v = (_local_kv(a, 1, head_axis, g, shards) for a in (alpha_k, alpha_v))
+      alpha_k, alpha_v = (local_kv(a, 1) for a in (alpha_k, alpha_v))
     y = (kernel or attention.iha)(
       q, k, v, (alpha_q, alpha_k, alpha_v), collapse, local_options, platform=platform
     )
@@ -255,16 +221,8 @@ def sharded_iha_attention(
   source = P(batch, None, None, None)
   alpha = P(None, head_axis, None)
   kv_alpha = alpha if split_kv else P(None, None, None)
-  in_specs = (
-    source,
-    source,
-    source,
-    alpha,
-    kv_alpha,
-    kv_alpha,
-    alpha if full else P(head_axis, None),
-    *tokens.specs,
-  )
+  collapse_spec = alpha if full else P(head_axis, None)
+  in_specs = (source, source, source, alpha, kv_alpha, kv_alpha, collapse_spec, *tokens.specs)
   out_specs = source if full else P(batch, None, head_axis, None)
   return _shard_map(
     local, mesh, in_specs, out_specs, (q, k, v, alpha_q, alpha_k, alpha_v, collapse, *tokens.arrays)
@@ -285,19 +243,16 @@ def sharded_mha_attention(
   **overrides: Any,
 ) -> jax.Array:
   """`kernel` (`flash.attention.mha`, or `splash.splash_mha_attention`) via
-  `jax.shard_map`: heads are independent, so q
-  `[B, N, H, d]`, k, v `[B, N, G, dv]` and the output stay split over batch and heads (G
-  divisible by the `head_axis` size: each shard holds whole grouped-query groups).
-
-  Args and returns as `sharded_iha_attention` without the mixing; `[B, N, H, dv]`.
-  """
+  `jax.shard_map`: heads are independent, so q `[B, N, H, d]`, k, v `[B, N, G, dv]` and
+  the output `[B, N, H, dv]` stay split over batch and heads; the rest as
+  `sharded_iha_attention`'s."""
   options = with_overrides(options, overrides)
-  mesh, batch, head_axis, tokens = _prepare(q, k, mesh, batch_axes, head_axis, options)
-  g, shards, split_kv = _kv_placement(k, mesh, head_axis)
+  prepared = _prepare(q, k, mesh, batch_axes, head_axis, options)
+  mesh, batch, head_axis, tokens, split_kv, local_kv = prepared
 
   def local(q, k, v, *token_arrays):
     if not split_kv:  # all G heads here: keep the one this shard's queries read
-      k, v = (_local_kv(x, 2, head_axis, g, shards) for x in (k, v))
+      k, v = (local_kv(x, 2) for x in (k, v))
     return kernel(q, k, v, tokens.options(options, token_arrays), platform=platform)
 
   heads = P(batch, None, head_axis, None)
@@ -325,12 +280,10 @@ def _unsharded(outputs: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
   return call
 
 
-# The on-chip window paths, by platform (same signature and semantics).
-_WINDOW_PATHS = {"tpu": tpu_window, "gpu": gpu_window}
-
-
 def _window_outputs(q, k, v, alphas, collapse, options, *, platform: str) -> jax.Array:
-  return _WINDOW_PATHS[platform].window_iha(q, k, v, alphas, collapse, options)
+  """IHA's on-chip window path of `platform` (same signature and semantics on both)."""
+  path = {"tpu": tpu_window, "gpu": gpu_window}[platform]
+  return path.window_iha(q, k, v, alphas, collapse, options)
 
 
 # The registry's kernel entries: one call, whatever the mesh.
@@ -338,20 +291,12 @@ iha_on_current_mesh = functools.partial(
   _on_current_mesh, _unsharded(attention.iha), sharded_iha_attention
 )
 mha_on_current_mesh = functools.partial(_on_current_mesh, attention.mha, sharded_mha_attention)
-# IHA's on-chip window path (TPU): pseudo-heads made and collapsed in VMEM.
-iha_window_on_current_mesh = functools.partial(
-  _on_current_mesh,
+_WINDOW = (
   _unsharded(_window_outputs),
   functools.partial(sharded_iha_attention, kernel=_window_outputs),
-  platform="tpu",
 )
-# Its GPU twin (Triton): pseudo-heads made and collapsed in registers and shared memory.
-iha_gpu_window_on_current_mesh = functools.partial(
-  _on_current_mesh,
-  _unsharded(_window_outputs),
-  functools.partial(sharded_iha_attention, kernel=_window_outputs),
-  platform="gpu",
-)
+iha_window_on_current_mesh = functools.partial(_on_current_mesh, *_WINDOW, platform="tpu")
+iha_gpu_window_on_current_mesh = functools.partial(_on_current_mesh, *_WINDOW, platform="gpu")
 # jax's splash attention (TPU), under shard_map on a mesh like the kernels above.
 splash_on_current_mesh = functools.partial(
   _on_current_mesh,

@@ -1,23 +1,15 @@
 """Multi-head attention on jax's splash attention kernel (TPU), this project's conventions.
 
-`splash_mha_attention(q, k, v, options)` computes what `mha_attention` does (RoPE at the
-given positions, scale `1/sqrt(d)`, causal or bidirectional, a window, packed segments,
-grouped-query heads) with `jax.experimental.pallas.ops.tpu.splash_attention`: the
-well-kept TPU kernel, forward and backward. IHA runs on it through materialised pseudo
-q/k/v over the `N * P` virtual tokens (`iha_jax.core.attention.iha_via_mha`, the "splash"
-implementation of both kinds).
-
-Conventions mapped onto splash's:
-- masks are static: `CausalMask`, `LocalMask` with `window_size = (window - 1, 0)`
-  (causal) or `(window - 1, window - 1)` (bidirectional), or `FullMask`;
-- segment ids: splash's `SegmentIds`; padding (id 0) queries output zeros here, as
-  everywhere in this project (splash lets padding queries attend to padding keys);
-- sequences are padded to a multiple of the block size: causal padding keys come after
-  every real query and are never seen; bidirectional calls mark padding with id 0;
-- sequence shards (a query offset into longer keys) are refused: splash's masks are
-  static, while a shard's offset is traced (run those layers with "pallas_tpu").
-Runs compiled on TPU and in Pallas interpret mode elsewhere (`kernels.tpu.on_tpu`),
-so CPU tests exercise the same code.
+`splash_mha_attention(q, k, v, options)` computes what `mha_attention` does (RoPE, scale
+`1/sqrt(d)`, causal or bidirectional, a window, packed segments, grouped-query heads) with
+`jax.experimental.pallas.ops.tpu.splash_attention`; IHA runs on it through materialised
+pseudo q/k/v over the `N * P` virtual tokens (`iha_jax.core.attention.iha_via_mha`).
+Conventions mapped onto splash's: static masks (`CausalMask`, `LocalMask` with
+`window_size = (window - 1, 0)` causal or `(window - 1, window - 1)`, `FullMask`); padding
+(id 0) queries output zeros here (splash lets them attend to padding keys); sequences
+padded to whole blocks (causal padding keys come after every real query, bidirectional
+ones get id 0); sequence shards refused (splash's masks are static, a shard's offset is
+traced: run those layers with "pallas_tpu").
 """
 
 from __future__ import annotations
@@ -85,12 +77,9 @@ def _kernel(heads: int, seq_len: int, window, causal: bool, blocks, interpret: b
 def splash_mha_attention(
   q: jax.Array, k: jax.Array, v: jax.Array, options: AttentionOptions, *, platform: str = "tpu"
 ) -> jax.Array:
-  """q `[B, N, H, d]`, k `[B, N, G, d]`, v `[B, N, G, dv]` -> `[B, N, H, dv]` in q.dtype.
-
-  `options`: checked and defaulted (`window` in tokens of this sequence, `causal`,
-  `segment_ids`, `positions`, `rope_theta`, `block_sizes`: splash's query and key blocks,
-  `block_sizes`' forward and backward blocks);
-  `platform` is accepted for the kernel registry's uniform call and not read."""
+  """q `[B, N, H, d]`, k `[B, N, G, d]`, v `[B, N, G, dv]` -> `[B, N, H, dv]` in q.dtype;
+  `options` checked and defaulted (`block_sizes`: splash's query and key blocks);
+  `platform` (the registry's uniform call) is not read."""
   del platform
   if options.sliced:
     raise ValueError(

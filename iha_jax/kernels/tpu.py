@@ -1,9 +1,6 @@
 """What every TPU (Pallas Mosaic) kernel here shares: the vreg's shape, the MXU's
-products, RoPE's rotate-half on rows in VMEM, and running a kernel compiled on TPU or
-interpreted elsewhere.
-
-The flash kernels (`iha_jax.kernels.flash.tpu_kernel`) and the on-chip window kernels
-(`iha_jax.kernels.window.tpu_kernel`) take these; each family's own layouts stay with it.
+products, RoPE's rotate-half in VMEM, and running a kernel compiled on TPU or interpreted
+elsewhere. Each family's own layouts stay with it.
 """
 
 from __future__ import annotations

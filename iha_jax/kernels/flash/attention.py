@@ -1,42 +1,20 @@
-"""IHA and MHA on TPU and GPU: pseudo-heads mixed by einsums in HBM, then flash attention.
-
-The flash family's entry: pseudo q/k/v made once per call in HBM
-(`iha_jax.kernels.flash.mixing`: the `T = N * P` virtual rows each target head attends
-over), plain flash attention on them (`iha_jax.kernels.flash.tpu`: Mosaic;
-`iha_jax.kernels.flash.gpu`: Triton), with no per-tile rebuild of pseudo tiles from all
-H source heads (which bound the earlier fused kernels by the vector units / CUDA cores),
-and the P outputs collapsed by one more einsum. The kernels do no scaling.
+"""IHA and MHA through the flash kernels: pseudo-heads mixed by einsums in HBM
+(`flash.mixing`: the `T = N * P` virtual rows each target head attends over), plain flash
+attention on them (`flash.tpu`: Mosaic, `flash.gpu`: Triton; the kernels do no scaling),
+and the P outputs collapsed by one more einsum.
 
 RoPE at the virtual positions `pos * P + p`: on TPU, window layers and MHA at tiles under
-1024 rows, bound by HBM, pass one float32 `cos | sin` table per side, `[B, T, 2d]` (no
-head axis), and the kernels rotate each q tile once and each k tile per step in VMEM,
-and rotate dq, dk back;
-global IHA layers, bound by the MXU, rotate q and k here in HBM (one pass, cheaper than a
-key-tile rotation at every step). Estimates of both: docs/performance.md §14. On GPU,
-q and k are always rotated here, in the einsums' float32 output.
+1024 rows (bound by HBM) pass one float32 `cos | sin` table per side and the kernels
+rotate q and k per tile in VMEM (and dq, dk back); global IHA layers (bound by the MXU)
+and every GPU call rotate q and k here, in the einsums' float32 output.
 
-What the custom VJP keeps for the backward: the source q, k, v (the caller's), the
-mixing tensors, the pseudo output o (P times the MHA output, bfloat16 at bf16 inputs)
-and the float32 log-sum-exp. Pseudo q/k/v are remade by the einsums in the backward (as
-cheap as in the forward) rather than saved; o is saved rather than recomputed by a second
-forward pass (its one full attention pass cost more than its memory: docs/performance.md
-§14).
-o and lse carry the remat name `ATTENTION_RESIDUALS` while o is small, which the
-`save_attention` policy keeps across layers (no forward rerun in the backward). Past
-`CHUNK_BYTES` of o per device, forward and backward run over chunks of the batch, one
-chunk's P-sized arrays at a time (the paper's P = 20 step).
-
-Sequence shards (a query offset into longer keys, `iha_jax.parallel.context`): the keys
-rotate at their own positions and carry their own segment ids; the offset reaches the
-kernels as a scalar operand, so one compiled kernel serves every shard.
-
-The entry points are `iha` and `mha`; `_plan_call` is the policy of a call (tiles, where
-RoPE runs), `_pseudo_outputs` and `_pipeline` its mechanics. Where the kernels run:
-`lax.platform_dependent` picks the compiled kernel when lowering for its platform (TPU:
-Mosaic; cuda/rocm: Triton) and the same kernel in Pallas interpret mode for any other
-platform (e.g. CPU), so `implementation="pallas_gpu"` works everywhere, and `jax.export`
-or a compile-only device (`iha_jax.parallel.targets`) for "tpu" or "cuda" gets the real
-kernels.
+The custom VJP keeps the source q, k, v, the mixing tensors, the pseudo output o and the
+float32 log-sum-exp: pseudo q/k/v are remade in the backward (as cheap as in the forward),
+o is saved rather than recomputed by a second forward pass (docs/performance.md §14). A
+sequence shard's query offset reaches the kernels as a scalar operand, so one compiled
+kernel serves every shard. `lax.platform_dependent` runs the compiled kernels when
+lowering for their platform and Pallas' interpreter elsewhere (e.g. CPU), so `jax.export`
+or a compile-only device (`iha_jax.parallel.targets`) gets the real kernels.
 """
 
 from __future__ import annotations
@@ -63,35 +41,17 @@ from iha_jax.kernels.flash.plan import Call, Tiles
 # kernels exceed the default scoped VMEM, as float32 ones would).
 GLOBAL_BLOCK = 1024
 WINDOW_BLOCK = 512
-# Remat name of the kernels' residuals, the pseudo output o and its log-sum-exp, given
-# (so a policy naming it saves them, and the backward skips re-running the forward)
-# only while o has at most `SAVED_RESIDUAL_BYTES` per call (per device: the kernels run
-# inside shard_map): the 2.4B step keeps them at P = 4 and reruns the forward at P = 20
-# (sizes: docs/performance.md §14).
+# Remat name of the kernels' residuals (o and its lse), given only while o has at most
+# `SAVED_RESIDUAL_BYTES` per call and device, so that a policy naming it (`save_attention`)
+# keeps them and the backward skips re-running the forward (docs/performance.md §14).
 ATTENTION_RESIDUALS = "attention_residuals"
 SAVED_RESIDUAL_BYTES = 2**29
-# A call whose pseudo output o exceeds this (per device) runs its pipeline over chunks of
-# the batch, one after another, inside the custom VJP (`_by_chunks`): pseudo q/k/v, o,
-# do and their gradients are P times the layer's own activations, and at the paper's
-# P = 20 they set the 2.4B step's peak memory, which chunks lower on v5p-128 and h100x8
-# for a small estimated cost in those window layers (slices of do); P = 4 runs whole
-# (sizes and costs: docs/performance.md §14).
+# Past this much pseudo output o per device, forward and backward run over chunks of the
+# batch, one after another (`_by_chunks`): pseudo q/k/v, o, do and their gradients are P
+# times the layer's activations, and at the paper's P = 20 they set the step's peak memory.
 CHUNK_BYTES = 2**30
-# The chunks are unrolled (`_by_chunks`), so a step's compile grows with their count
-# (a huge batch in one chunk per `CHUNK_BYTES` compiled for minutes before failing).
+# The chunks are unrolled, so a step's compile time grows with their count.
 MAX_CHUNKS = 8
-
-
-def _gpu_blocks(dtype, head_dim: int) -> tuple[int, int]:
-  """Default GPU tiles (rows): 128 query rows against 64-row key tiles, the
-  FlashAttention-2 shape for Hopper's wgmma at d <= 128 (`flash.gpu.flash_launch` sizes
-  warps and stages); 64 x 32 for wider q/k rows (128 x 64 overflowed shared memory at
-  d = 256); 64 x 16 for float32, whose dots run on the CUDA cores (true float32
-  products): the largest spill-free at d = 128 (docs/compile_checks.md)."""
-  if jnp.dtype(dtype).itemsize >= 4:
-    return 64, 16
-  return (64, 32) if head_dim > 128 else (128, 64)
-
 
 # Per platform: the flash calls, and how they run (compiled there, interpreted elsewhere).
 _FLASH = {"tpu": flash_tpu, "gpu": flash_gpu}
@@ -99,27 +59,33 @@ _ON_PLATFORM = {"tpu": tpu.on_tpu, "gpu": gpu.on_gpu}
 PLATFORMS = tuple(_FLASH)
 
 
-def _tile(rows: int, requested: int | None, default: int, name: str) -> tuple[int, int]:
+def _gpu_blocks(dtype, head_dim: int) -> tuple[int, int]:
+  """Default GPU tiles (rows): 128 query rows against 64-row key tiles, FlashAttention-2's
+  shape for Hopper at d <= 128; 64 x 32 for wider rows (128 x 64 overflowed shared memory
+  at d = 256); 64 x 16 for float32, whose dots run on the CUDA cores: the largest
+  spill-free at d = 128 (docs/compile_checks.md)."""
+  if jnp.dtype(dtype).itemsize >= 4:
+    return 64, 16
+  return (64, 32) if head_dim > 128 else (128, 64)
+
+
+def _tile(rows: int, requested: int | None, default: int, name: str, platform: str):
   """(tile edge, padded rows): the requested or default edge, or one tile for a shorter
-  sequence. Tiles are multiples of 16 rows (bf16 packs 16 rows per vreg)."""
-  unit = tpu.PACKED_SUBLANES
-  if requested is not None and (requested <= 0 or requested % unit):
+  sequence. TPU tiles are multiples of 16 rows (bf16 packs 16 rows per vreg), GPU tiles
+  powers of two >= 16 (Triton's block shapes)."""
+  if platform == "gpu":
+    bad = requested is not None and (requested < gpu.MIN_BLOCK or requested & (requested - 1))
+    rule, example, fit = f"powers of two >= {gpu.MIN_BLOCK} rows", 64, gpu.block_pow2(rows)
+  else:
+    unit = tpu.PACKED_SUBLANES
+    bad = requested is not None and (requested <= 0 or requested % unit)
+    rule, example, fit = f"positive multiples of {unit} rows", 512, round_up(rows, unit)
+  if bad:
     raise ValueError(
-      f"block_sizes.{name}={requested}: TPU tiles are positive multiples of {unit} rows "
-      f"(virtual tokens for IHA), e.g. 512"
+      f"block_sizes.{name}={requested}: {platform.upper()} tiles are {rule} (virtual tokens "
+      f"for IHA), e.g. {example}"
     )
-  block = min(requested or default, round_up(rows, unit))
-  return block, round_up(rows, block)
-
-
-def _gpu_tile(rows: int, requested: int | None, default: int, name: str) -> tuple[int, int]:
-  """`_tile` for Triton: tiles are powers of two >= 16 rows (Triton's block shapes)."""
-  if requested is not None and (requested < gpu.MIN_BLOCK or requested & (requested - 1)):
-    raise ValueError(
-      f"block_sizes.{name}={requested}: GPU tiles are powers of two >= {gpu.MIN_BLOCK} rows "
-      "(virtual tokens for IHA), e.g. 64"
-    )
-  block = min(requested or default, gpu.block_pow2(rows))
+  block = min(requested or default, fit)
   return block, round_up(rows, block)
 
 
@@ -224,12 +190,8 @@ def _plan_call(q, k, v, alphas, options: AttentionOptions, platform: str):
   nk = k.shape[1]
   sliced = options.sliced or nk != n
   p = pseudo_per_head(alphas)
-  blocks = options.block_sizes
-  requested = (blocks and blocks.block_q, blocks and blocks.block_k)
   if platform == "gpu":
     default_q, default_k = _gpu_blocks(q.dtype, d)
-    block_q, rows_q = _gpu_tile(n * p, requested[0], default_q, "block_q")
-    block_k, rows_k = _gpu_tile(nk * p, requested[1], default_k, "block_k")
   else:
     # float32 tiles, or rows over 128 lanes (differential attention's dv = 2d), take twice
     # the VMEM: those global layers fall back to the window's tiles (1024-row dK/dV tiles
@@ -239,9 +201,10 @@ def _plan_call(q, k, v, alphas, options: AttentionOptions, platform: str):
       and jnp.dtype(q.dtype).itemsize <= 2
       and max(d, v.shape[-1]) <= tpu.LANES
     )
-    default = GLOBAL_BLOCK if wide else WINDOW_BLOCK
-    block_q, rows_q = _tile(n * p, requested[0], default, "block_q")
-    block_k, rows_k = _tile(nk * p, requested[1], default, "block_k")
+    default_q = default_k = GLOBAL_BLOCK if wide else WINDOW_BLOCK
+  blocks = options.block_sizes
+  block_q, rows_q = _tile(n * p, blocks and blocks.block_q, default_q, "block_q", platform)
+  block_k, rows_k = _tile(nk * p, blocks and blocks.block_k, default_k, "block_k", platform)
   offset = options.query_offset if sliced else 0
   tiles = Tiles(
     block_q=block_q,
@@ -258,11 +221,8 @@ def _plan_call(q, k, v, alphas, options: AttentionOptions, platform: str):
   segments = options.segment_ids is not None or (sliced and key_ids is not None)
   heads = q.shape[2] if alphas is None else alphas[0].shape[1]
   kv_heads = k.shape[2] if alphas is None else alphas[1].shape[1]
-  # RoPE per tile in the kernels where they are bound by HBM (windows, MHA: no float32
-  # P-sized rotation through HBM); global IHA is bound by the MXU, and rotating its key
-  # tiles at every step costs more than one pass in HBM (docs/performance.md §14). Not
-  # with 1024-row tiles: their float32 tables left MHA's dK/dV no VMEM headroom (over
-  # v5p's 16 MiB at N = 65536). (On GPU, always in HBM.)
+  # RoPE in the kernels where they are bound by HBM (the module docstring); not with
+  # 1024-row tiles, whose float32 tables left MHA's dK/dV no VMEM headroom at N = 65536.
   in_kernel = (
     platform == "tpu"
     and options.rope_theta is not None
@@ -272,22 +232,11 @@ def _plan_call(q, k, v, alphas, options: AttentionOptions, platform: str):
   return call, Mixing(options.rope_theta, 1 / math.sqrt(d), rows_q, rows_k, in_kernel)
 
 
-def _pseudo_outputs(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  alphas: tuple[jax.Array, jax.Array, jax.Array] | None,
-  options: AttentionOptions,
-  platform: str,
-) -> jax.Array:
+def _pseudo_outputs(q, k, v, alphas, options: AttentionOptions, platform: str) -> jax.Array:
   """Pseudo outputs `[B, Ht, N, P, dv]` (q.dtype) of mixing + flash attention on
-  `platform` ("tpu" or "gpu": whose kernels; interpreted off that platform).
-
-  q `[B, N, H, d]`, k `[B, Nk, G, d]`, v `[B, Nk, G, dv]` source heads (Nk = N unless a
-  sequence shard); `alphas = (alpha_q [H, Ht, P], alpha_k [G, Gt, P], alpha_v [G, Gt, P])`
-  (Ht, Gt: the target heads computed here, all or a head shard) or None for MHA (P = 1).
-  `options`: checked (window in virtual rows, causal, segment ids, positions, RoPE,
-  block sizes in virtual rows, a shard's query offset and key-side ids / positions)."""
+  `platform`; arguments as `iha`'s (`alphas` None for MHA, P = 1)."""
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform={platform!r}: the kernels' platforms are {PLATFORMS}")
   b, n, _, _ = q.shape
   nk = k.shape[1]
   sliced = options.sliced or nk != n
@@ -323,31 +272,6 @@ def _pseudo_outputs(
   return o[:, :, : n * p].reshape(b, call.heads, n, p, v.shape[-1])
 
 
-def key_side(q: jax.Array, k: jax.Array, options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
-  """A sliced call's key segment ids and positions `[B, Nk]`: the options' own, else the
-  queries' (keys of the queries' length), else one unpadded sequence `arange(Nk)`."""
-  b, nk = k.shape[:2]
-  segment_ids, positions = options.key_segment_ids, options.key_positions
-  if nk != q.shape[1]:
-    if options.kv_segment_ids is None and options.segment_ids is not None:
-      raise ValueError(
-        f"keys of {nk} tokens for {q.shape[1]} queries need kv_segment_ids [B, {nk}] "
-        "when segment_ids are given"
-      )
-    segment_ids, positions = options.kv_segment_ids, options.kv_positions
-  if segment_ids is None:
-    segment_ids = jnp.ones((b, nk), jnp.int32)
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
-  return segment_ids, positions
-
-
-def _checked(platform: str) -> str:
-  if platform not in PLATFORMS:
-    raise ValueError(f"platform={platform!r}: the kernels' platforms are {PLATFORMS}")
-  return platform
-
-
 def iha(
   q: jax.Array,
   k: jax.Array,
@@ -368,7 +292,7 @@ def iha(
   alpha_v [G, Gt, P])`; `options` as `iha_jax.ops.iha_attention` checks them (its
   `implementation` is not read). The kernel behind `implementation="pallas_<platform>"`
   without the checks or the mesh routing (`iha_jax.kernels.sharded`)."""
-  o = _pseudo_outputs(q, k, v, alphas, options, _checked(platform))
+  o = _pseudo_outputs(q, k, v, alphas, options, platform)
   spec = "bgnpd,hgp->bnhd" if collapse.ndim == 3 else "bhnpd,hp->bnhd"
   return jnp.einsum(spec, o, collapse.astype(o.dtype), preferred_element_type=jnp.float32)
 
@@ -379,5 +303,5 @@ def mha(
   """MHA (causal or bidirectional) through the same flash kernels without mixing (P = 1):
   q `[B, N, H, d]`, k `[B, Nk, G, d]` (RoPE applies to these), v `[B, Nk, G, dv]` (dv may
   differ from d, e.g. 2d for differential attention) -> `[B, N, H, dv]` in q's dtype."""
-  o = _pseudo_outputs(q, k, v, None, options, _checked(platform))
+  o = _pseudo_outputs(q, k, v, None, options, platform)
   return jnp.swapaxes(o[:, :, :, 0], 1, 2).astype(q.dtype)

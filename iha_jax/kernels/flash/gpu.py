@@ -1,20 +1,13 @@
-"""Flash attention over a (virtual) sequence on GPU: the Pallas Triton calls.
+"""Flash attention over a (virtual) sequence on GPU: the Pallas Triton calls of
+`flash.gpu_kernel`'s bodies, the twin of `flash.tpu` in the same pipeline
+(`flash.attention`: q, k, v mixed, scaled and rotated in HBM before).
 
-The GPU twin of `iha_jax.kernels.flash.tpu`, called by the same pipeline
-(`iha_jax.kernels.flash.attention`: IHA's pseudo q/k/v are mixed by einsums in HBM,
-scaled and rotated there, so nothing here knows about pseudo-heads); the kernel bodies
-are `iha_jax.kernels.flash.gpu_kernel`'s.
-
-Layouts (rows: the attended sequence, padded to whole tiles; the same as the TPU's):
-  q `[B, H, Tq, d]`, k `[B, G, Tk, d]`, v `[B, G, Tk, dv]` (G divides H: query head h
-  reads key/value head `h // (H // G)`), o `[B, H, Tq, dv]`, lse `[B, H, Tq]` f32;
-  segment ids (optional) as the TPU kernels take them (query ids `[B, Tq, 1]`, key ids
-  `[B, tiles, 1, bk]`; padding keys -1, padding queries 0: zero outputs); d and dv are
-  padded here to a power of two >= 16 lanes (Triton's block shapes).
-Grids: forward and dQ `(query tiles, B, H)`, the longest causal bands first; dK/dV
-`(key tiles, B, G)`, the r query heads of a group looped inside the program, so no two
-programs write the same rows (no atomics). The bands come from `Tiles.key_band` /
-`query_band` (a traced query offset of a sequence shard is a `[1]` int32 operand).
+Layouts as `flash.tpu`'s, but lse `[B, H, Tq]` float32, and the segment ids passed on as
+rows `[B, Tq]`, `[B, Tk]`; d and dv are padded here to a power of two >= 16 lanes (Triton's
+block shapes). Grids: forward and dQ `(query tiles, B, H)`, the longest causal
+bands first; dK/dV `(key tiles, B, G)`, the r query heads of a group looped inside the
+program, so no two programs write the same rows (no atomics). The bands are
+`Tiles.key_band` / `query_band`'s; a traced query offset is a `[1]` int32 operand.
 Launches (warps, pipeline stages) are `flash_launch()`'s, checked spill-free for H100 by
 `tests/kernels/test_compile_targets.py`.
 """
@@ -72,48 +65,49 @@ def _offset_operand(call: Call, offset) -> tuple[list, list]:
   return [], []
 
 
+def _query_specs(call: Call, k):
+  """BlockSpecs of the query-major grid: (per query tile, of trailing `block` dims; a
+  head's whole key or value rows; segment ids, or [] without)."""
+  bq, r = call.tiles.block_q, call.group
+  home = functools.partial(query_tile, call)
+  per_q = lambda *block: pl.BlockSpec(
+    (None, None, bq, *block), lambda i, bb, hh: (bb, hh, home(i), *(0,) * len(block))
+  )
+  whole_kv = lambda x: pl.BlockSpec(
+    (None, None, *x.shape[2:]), lambda i, bb, hh: (bb, hh // r, 0, 0)
+  )
+  seg_specs = [
+    pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, home(i))),
+    pl.BlockSpec((None, k.shape[2]), lambda i, bb, hh: (bb, 0)),
+  ]
+  return per_q, whole_kv, seg_specs if call.segments else []
+
+
 def forward(call: Call, q, k, v, rope, seg, offset, *, interpret: bool):
   """-> (o `[B, H, Tq, dv]` in q.dtype, lse `[B, H, Tq]` float32); arguments as
-  `iha_jax.kernels.flash.tpu.forward`'s (`rope` must be None: RoPE is applied before, in
-  HBM)."""
+  `flash.tpu.forward`'s (`rope` must be None: RoPE is applied before, in HBM)."""
   if rope is not None:
     raise ValueError("the GPU flash kernels take q and k already rotated (rope=None)")
   b, h, tq, dv = *q.shape[:3], v.shape[-1]
   q, k, v = (_pad_lanes(x) for x in (q, k, v))
-  tiles, r = call.tiles, call.group
-  bq, width = tiles.block_q, max(q.shape[-1], v.shape[-1])
-  operands, in_specs = _offset_operand(call, offset)
-  home = functools.partial(query_tile, call)
-  operands += [q, k, v]
-  in_specs += [
-    pl.BlockSpec((None, None, bq, q.shape[-1]), lambda i, bb, hh: (bb, hh, home(i), 0)),
-    pl.BlockSpec((None, None, *k.shape[2:]), lambda i, bb, hh: (bb, hh // r, 0, 0)),
-    pl.BlockSpec((None, None, *v.shape[2:]), lambda i, bb, hh: (bb, hh // r, 0, 0)),
-  ]
-  if call.segments:
-    seg_q, seg_k = _segment_ids(seg)
-    operands += [seg_q, seg_k]
-    in_specs += [
-      pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, home(i))),
-      pl.BlockSpec((None, seg_k.shape[1]), lambda i, bb, hh: (bb, 0)),
-    ]
+  width = max(q.shape[-1], v.shape[-1])
+  lead, lead_specs = _offset_operand(call, offset)
+  segs = list(_segment_ids(seg)) if call.segments else []
+  per_q, whole_kv, seg_specs = _query_specs(call, k)
   o, lse = _pallas_call(
     forward_kernel,
     call,
     "iha_flash_forward",
-    (tiles.num_q, b, h),
+    (call.tiles.num_q, b, h),
     flash_launch("forward", width, q.dtype),
     interpret,
-    in_specs=in_specs,
-    out_specs=[
-      pl.BlockSpec((None, None, bq, v.shape[-1]), lambda i, bb, hh: (bb, hh, home(i), 0)),
-      pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, home(i))),
-    ],
+    in_specs=[*lead_specs, per_q(q.shape[-1]), whole_kv(k), whole_kv(v), *seg_specs],
+    out_specs=[per_q(v.shape[-1]), per_q()],
     out_shape=[
       jax.ShapeDtypeStruct((b, h, tq, v.shape[-1]), q.dtype),
       jax.ShapeDtypeStruct((b, h, tq), jnp.float32),
     ],
-  )(*operands)
+  )(*lead, q, k, v, *segs)
   return o[..., :dv], lse
 
 
@@ -135,36 +129,17 @@ def backward(call: Call, q, k, v, rope, seg, offset, do, lse, delta, *, interpre
 def _dq(call: Call, q, k, v, do, lead_specs, operands, *, interpret: bool):
   """dQ over the forward's grid (key and value rows of a head whole)."""
   b, h = q.shape[:2]
-  tiles, r = call.tiles, call.group
-  bq, width = tiles.block_q, max(q.shape[-1], v.shape[-1])
-  home = functools.partial(query_tile, call)
-  per_q = lambda *block: pl.BlockSpec(
-    (None, None, bq, *block), lambda i, bb, hh: (bb, hh, home(i), *(0,) * len(block))
-  )
-  whole_kv = lambda x: pl.BlockSpec(
-    (None, None, *x.shape[2:]), lambda i, bb, hh: (bb, hh // r, 0, 0)
-  )
-  seg_specs = [
-    pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, home(i))),
-    pl.BlockSpec((None, k.shape[2]), lambda i, bb, hh: (bb, 0)),
-  ]
+  width = max(q.shape[-1], v.shape[-1])
+  per_q, whole_kv, seg_specs = _query_specs(call, k)
+  in_specs = [*lead_specs, per_q(q.shape[-1]), whole_kv(k), whole_kv(v), per_q(do.shape[-1])]
   return _pallas_call(
     dq_kernel,
     call,
     "iha_flash_dq",
-    (tiles.num_q, b, h),
+    (call.tiles.num_q, b, h),
     flash_launch("dq", width, q.dtype),
     interpret,
-    in_specs=[
-      *lead_specs,
-      per_q(q.shape[-1]),
-      whole_kv(k),
-      whole_kv(v),
-      per_q(do.shape[-1]),
-      per_q(),
-      per_q(),
-      *(seg_specs if call.segments else []),
-    ],
+    in_specs=[*in_specs, per_q(), per_q(), *seg_specs],
     out_specs=per_q(q.shape[-1]),
     out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
   )(*operands)

@@ -1,11 +1,8 @@
-"""Source heads -> the flash kernels' virtual rows, in HBM (`iha_jax.kernels.flash.attention`).
+"""Source heads -> the flash kernels' virtual rows, in HBM (`flash.attention`'s pipeline).
 
-IHA's P pseudo-queries, keys and values per head are linear in the source heads, so
-they are made once per call by einsums (`bnmd,mhp->bhnpd`: the MXU or tensor cores,
-HBM-bound at these sizes) and laid out head-major as the `T = N * P` virtual rows each
-target head attends over. The softmax scale `1/sqrt(d)` rides on `alpha_q` (on q for
-MHA). RoPE at the virtual positions `pos * P + p`: here, on the einsums' float32 output,
-or by the TPU kernels per tile from one `cos | sin` table per side (`Mixing.tables`).
+IHA's P pseudo-queries, keys and values per head are made once per call by einsums
+(`bnmd,mhp->bhnpd`) and laid out head-major as the `T = N * P` virtual rows each target
+head attends over; the softmax scale `1/sqrt(d)` rides on `alpha_q` (on q for MHA).
 """
 
 from __future__ import annotations
@@ -63,11 +60,10 @@ def _rope_table(positions: jax.Array, num_pseudo: int, d: int, theta: float, row
 
 def _virtual_cos_sin(positions: jax.Array, num_pseudo: int, d: int, theta: float):
   """RoPE's `(cos, sin)`, each `[B, N, P, d/2]` float32, at the virtual positions
-  `pos * P + p`, by angle addition: `cos(a + b) = cos a cos b - sin a sin b` with
-  `a = pos * P * f` per token and `b = p * f` per pseudo-head. The sines and cosines (a
-  polynomial each on TPU's vector units, which bound the table's cost) are taken at N
-  tokens, not N * P rows, several times cheaper by v5p estimate (docs/performance.md
-  §14). Both angles are rounded once, as `(pos * P + p) * f` is."""
+  `pos * P + p`, by angle addition (`a = pos * P * f` per token, `b = p * f` per
+  pseudo-head): the sines and cosines, a polynomial each on TPU's vector units, are taken
+  at N tokens, not N * P rows (docs/performance.md §14), each angle rounded once, as
+  `(pos * P + p) * f` is."""
   frequencies = rope_frequencies(d, theta)
   token = (positions * num_pseudo).astype(jnp.float32)[..., None] * frequencies  # [B, N, d/2]
   pseudo = jnp.arange(num_pseudo, dtype=jnp.float32)[:, None] * frequencies  # [P, d/2]

@@ -1,10 +1,9 @@
 """Which (query tile, key tile) pair a flash-attention grid step works on.
 
-The TPU flash kernels (`iha_jax.kernels.flash.tpu`) run a grid `(batch x heads, rows,
-steps)`: every step attends one query tile to one key tile, and a row walks the key
-tiles one query tile sees (or, for the key/value gradients, the query tiles that see one
-key tile). Grid steps cost time even when a kernel skips them (~300 bundles on v5p), so
-the schedule visits only tile pairs the mask makes visible:
+The TPU flash kernels (`flash.tpu`) run a grid `(batch x heads, rows, steps)`: every step
+attends one query tile to one key tile, and a row walks the key tiles one query tile sees
+(or, for the key/value gradients, the query tiles that see one key tile). Grid steps cost
+time even when a kernel skips them, so the schedule visits only the visible tile pairs:
 - causal, global, unsliced: *folded* rows. Query tile i sees key tiles `[0, hi(i))`,
   a band that grows with i; row r runs tile r's band, then tile `Q-1-r`'s, so every row
   does the same work (both TensorCores of a megacore chip get equal halves, and no step
@@ -68,29 +67,17 @@ def _floor_div(a, b: int):
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-  """The static tiling of one attention call.
+  """The static tiling of one attention call (rows)."""
 
-  Attributes:
-    block_q, block_k: tile edges (rows).
-    num_q, num_k: tiles of the padded query and key axes.
-    keys: unpadded key rows (keys at or past it are padding: never visible).
-    causal, window: the mask (window in rows; None: global).
-    offset: the first query's row on the key axis when static (0 for an unsliced call);
-      None when it is traced (an operand of the kernels).
-    max_offset: a bound on |offset| for a traced offset (rows), to size the bands.
-  """
-
-  block_q: int
+  block_q: int  # tile edges
   block_k: int
-  num_q: int
+  num_q: int  # tiles of the padded query and key axes
   num_k: int
-  keys: int
+  keys: int  # unpadded key rows (keys at or past it are padding: never visible)
   causal: bool
-  window: int | None
-  offset: int | None = 0
-  max_offset: int = 0
-
-  # --- band geometry ------------------------------------------------------------------
+  window: int | None  # None: global
+  offset: int | None = 0  # the first query's row on the key axis (None: traced, an operand)
+  max_offset: int = 0  # a bound on |offset| for a traced offset
 
   def _rows(self, i, offset):
     """First and last query row of query tile i on the key axis."""
@@ -154,60 +141,32 @@ class Tiles:
       ok &= last - key_first < self.window
     return ok
 
-  # --- schedules -------------------------------------------------------------------------
-
   @property
   def folded(self) -> bool:
     """Causal global bands with a static offset: fold rows i and Q-1-i."""
     return self.causal and self.window is None and self.offset is not None and self.num_q > 1
 
-  def _static_offsets(self) -> list[int]:
-    return [self.offset] if self.offset is not None else [-self.max_offset, self.max_offset]
-
-  def _widest(self, band, count: int) -> int:
-    """The widest band over all tiles (and, for a traced offset, offsets)."""
-    widths = [
-      int(band(i, off)[1] - band(i, off)[0]) for off in self._static_offsets() for i in range(count)
-    ]
-    return max(1, *widths)
-
   def query_major(self) -> tuple[int, int]:
     """(rows, steps) of the forward / dQ grid."""
-    if self.folded:
-      widths = [
-        self._fold_widths(r, self.key_band, self.num_q) for r in range(self._fold_rows(self.num_q))
-      ]
-      return self._fold_rows(self.num_q), max(1, max(a + b for a, b in widths))
-    if self.offset is None:  # any offset: the whole key axis, or a window's reach
-      return self.num_q, self._traced_width(self.block_q, self.block_k, self.num_k)
-    return self.num_q, self._widest(self.key_band, self.num_q)
+    return self._grid(self.key_band, self.num_q, self.block_q, self.block_k, self.num_k)
 
   def key_major(self) -> tuple[int, int]:
     """(rows, steps) of the dK/dV grid (per query head of a group)."""
+    return self._grid(self.query_band, self.num_k, self.block_k, self.block_q, self.num_q)
+
+  def _grid(self, band, count: int, home_block: int, other_block: int, other_count: int):
     if self.folded:
-      widths = [
-        self._fold_widths(r, self.query_band, self.num_k)
-        for r in range(self._fold_rows(self.num_k))
-      ]
-      return self._fold_rows(self.num_k), max(1, max(a + b for a, b in widths))
-    if self.offset is None:
-      return self.num_k, self._traced_width(self.block_k, self.block_q, self.num_q)
-    return self.num_k, self._widest(self.query_band, self.num_k)
-
-  def _traced_width(self, home_block: int, other_block: int, other_count: int) -> int:
-    if self.window is None:
-      return other_count
+      width = lambda i: max(1, int(band(i)[1] - band(i)[0]))
+      rows = (count + 1) // 2
+      pairs = [width(r) + (width(count - 1 - r) if count - 1 - r != r else 0) for r in range(rows)]
+      return rows, max(1, max(pairs))
+    if self.offset is not None:  # the widest band
+      widths = [int(band(i, self.offset)[1] - band(i, self.offset)[0]) for i in range(count)]
+      return count, max(1, *widths)
+    if self.window is None:  # any offset: the whole other axis, or a window's reach
+      return count, other_count
     reach = home_block + self.window - 1 + (0 if self.causal else self.window - 1)
-    return min(other_count, -(-reach // other_block) + 1)
-
-  @staticmethod
-  def _fold_rows(count: int) -> int:
-    return (count + 1) // 2
-
-  def _fold_widths(self, r: int, band, count: int) -> tuple[int, int]:
-    width = lambda i: max(1, int(band(i)[1] - band(i)[0]))
-    partner = count - 1 - r
-    return width(r), (width(partner) if partner != r else 0)
+    return count, min(other_count, -(-reach // other_block) + 1)
 
   def query_step(self, row, step, offset=None) -> Step:
     """Forward / dQ order: `home` a query tile, `tile` a key tile."""

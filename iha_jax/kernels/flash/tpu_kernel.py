@@ -1,6 +1,5 @@
-"""The TPU flash kernels' bodies (Pallas Mosaic): what one grid step does in VMEM
-(forward, dQ, dK/dV); their grids, block specs and calls are `iha_jax.kernels.flash.tpu`'s,
-the tile schedule `iha_jax.kernels.flash.plan`'s.
+"""The TPU flash kernels' bodies (Pallas Mosaic): what one grid step does in VMEM; their
+calls are `flash.tpu`'s, the tile schedule `flash.plan`'s.
 
 Each kernel body is four `pl.when`s, in this order: initialise, attend an entirely
 visible pair (no mask work), attend a partly visible pair (masked), finalise;
@@ -82,32 +81,27 @@ def _row(column: jax.Array) -> jax.Array:
 
 def _columns(*rows: jax.Array) -> tuple[jax.Array, ...]:
   """Rows `[1, n]` -> columns `[n, 1]`, by one transpose of whole 128-row blocks (the
-  XLU's unit: ~270 bundles per 512-row tile on v5p; two transposes of 8 sublanes each
-  cost ~150 more)."""
+  XLU's unit), cheaper than a transpose of 8 sublanes per row."""
   share = LANES // len(rows)
   stacked = jnp.concatenate([jnp.broadcast_to(r, (share, r.shape[1])) for r in rows], axis=0)
   t = jnp.transpose(stacked)
   return tuple(t[:, i * share : i * share + 1] for i in range(len(rows)))
 
 
-def _tables(refs, call: Call):
-  """Splits the RoPE tables' refs `(queries', keys', rest)` off the refs (None, None
-  without RoPE)."""
-  if not call.rotary:
-    return None, None, refs
-  return refs[0], refs[1], refs[2:]
-
-
-# --- forward ------------------------------------------------------------------------------
+def _refs(call: Call, refs, grads: int):
+  """A kernel's refs: (query offset, q, k, v, RoPE tables (queries', keys'), the `grads`
+  refs (do, lse, delta), segment ids (queries', keys'), the rest: outputs and scratch);
+  tables and ids None where the call has none."""
+  offset, refs = call.offset_and_refs(refs)
+  tables, refs = (refs[3:5], refs[:3] + refs[5:]) if call.rotary else ((None, None), refs)
+  front, refs = refs[: 3 + grads], refs[3 + grads :]
+  segments, refs = (refs[:2], refs[2:]) if call.segments else ((None, None), refs)
+  return offset, *front[:3], *tables, *front[3:], *segments, refs
 
 
 def forward_kernel(*refs, call: Call, with_lse: bool = True):
-  offset, refs = call.offset_and_refs(refs)
-  q_ref, k_ref, v_ref, *refs = refs
+  offset, q_ref, k_ref, v_ref, q_rope, k_rope, seg_q_ref, seg_k_ref, refs = _refs(call, refs, 0)
   exact = q_ref.dtype == jnp.float32  # float32 inputs: true float32 products
-  q_rope, k_rope, refs = _tables(refs, call)
-  if call.segments:
-    seg_q_ref, seg_k_ref, *refs = refs
   if with_lse:
     o_ref, lse_ref, m_sc, l_sc, acc_sc, *q_sc = refs
   else:
@@ -227,17 +221,10 @@ def _firsts(call: Call, q_tile, k_tile, offset, q_rows: slice, k_rows: slice):
   return t_first, k_tile * tiles.block_k + (k_rows.start or 0)
 
 
-# --- backward: dQ ---------------------------------------------------------------------------
-
-
 def dq_kernel(*refs, call: Call):
-  offset, refs = call.offset_and_refs(refs)
-  q_ref, k_ref, v_ref, *refs = refs
-  exact = q_ref.dtype == jnp.float32  # float32 inputs: true float32 products
-  q_rope, k_rope, refs = _tables(refs, call)
-  do_ref, lse_ref, delta_ref, *refs = refs
-  if call.segments:
-    seg_q_ref, seg_k_ref, *refs = refs
+  offset, q_ref, k_ref, v_ref, q_rope, k_rope, *refs = _refs(call, refs, 3)
+  do_ref, lse_ref, delta_ref, seg_q_ref, seg_k_ref, refs = refs
+  exact = q_ref.dtype == jnp.float32
   dq_ref, dq_sc, lse_sc, delta_sc, *q_sc = refs
   step = call.tiles.query_step(pl.program_id(1), pl.program_id(2), offset)
 
@@ -274,21 +261,14 @@ def dq_kernel(*refs, call: Call):
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-# --- backward: dK, dV -----------------------------------------------------------------------
-
-
 def dkv_kernel(*refs, call: Call, ring: int = 0):
   """dK, dV; with `ring` > 0 (`flash.tpu.dq_ring`) also dQ, from the same score tiles: query tile
   i's float32 accumulator sits in slot `i % ring` of a VMEM ring (per query head of the
   group) from its first key tile to key tile i, its last (causal, equal tiles), whose
   first step writes it out and clears the slot."""
-  offset, refs = call.offset_and_refs(refs)
-  q_ref, k_ref, v_ref, *refs = refs
-  exact = q_ref.dtype == jnp.float32  # float32 inputs: true float32 products
-  q_rope, k_rope, refs = _tables(refs, call)
-  do_ref, lse_ref, delta_ref, *refs = refs
-  if call.segments:
-    seg_q_ref, seg_k_ref, *refs = refs
+  offset, q_ref, k_ref, v_ref, q_rope, k_rope, *refs = _refs(call, refs, 3)
+  do_ref, lse_ref, delta_ref, seg_q_ref, seg_k_ref, refs = refs
+  exact = q_ref.dtype == jnp.float32
   if ring:
     dk_ref, dv_ref, dq_ref, dk_sc, dv_sc, dq_sc, *k_sc = refs
   else:

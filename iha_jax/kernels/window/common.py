@@ -1,12 +1,7 @@
-"""What IHA's two on-chip window paths share (TPU: `window.tpu`, GPU: `window.gpu`).
-
-Both take the same calls the same way: a plan of static shapes (`WindowShape`, and each
-path's tiling on top of it), refused in one line naming the limit (`UnsupportedShape`);
-the band a query sees in virtual rows (`in_band`, `core.masking.visible`'s rule); the
-mixing and collapse as products with block-diagonal constants (`block_diagonal`,
-`full_collapse`); RoPE's `R(p)` per pseudo row (`pseudo_angles`); and one skeleton of the
-entry (`plan_for`, `unsupported`, `window_iha`) and of the custom VJP, which saves the
-call's own arrays only (`saving_the_call`).
+"""What IHA's two on-chip window paths share (TPU: `window.tpu`, GPU: `window.gpu`): the
+call's static shape (`WindowShape`) and refusals (`UnsupportedShape`), the band
+(`in_band`), a sliced call's key side (`key_side`), the block-diagonal constants of mixing
+and collapse, RoPE's `R(p)` angles, and the skeleton of the entry and of its custom VJP.
 """
 
 from __future__ import annotations
@@ -104,6 +99,25 @@ def in_band(delta, window: int, causal: bool):
   return ok
 
 
+def key_side(q: jax.Array, k: jax.Array, options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
+  """A sliced call's key segment ids and positions `[B, Nk]`: the options' own, else the
+  queries' (keys of the queries' length), else one unpadded sequence `arange(Nk)`."""
+  b, nk = k.shape[:2]
+  segment_ids, positions = options.key_segment_ids, options.key_positions
+  if nk != q.shape[1]:
+    if options.kv_segment_ids is None and options.segment_ids is not None:
+      raise ValueError(
+        f"keys of {nk} tokens for {q.shape[1]} queries need kv_segment_ids [B, {nk}] "
+        "when segment_ids are given"
+      )
+    segment_ids, positions = options.kv_segment_ids, options.kv_positions
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, nk), jnp.int32)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (b, nk))
+  return segment_ids, positions
+
+
 def block_diagonal(weights: jax.Array, s: int) -> jax.Array:
   """`weights [S, T, P]` -> `[T, s*P, s*S]`: per target t, `kron(I_s, weights[:, t, :]^T)`
   (rows (n, p), columns (n', m): the products that map a group of s tokens' source rows
@@ -129,26 +143,14 @@ def pseudo_angles(pseudo: jax.Array, head_dim: int, theta: float) -> jax.Array:
   return pseudo[:, None] * rope_frequencies(head_dim, theta)
 
 
-# --- the entry's skeleton ----------------------------------------------------------------
-
-
 def plan_for(tiling: Callable, q, k, alphas, collapse, options: AttentionOptions, **platform):
   """`tiling(...)`, a path's `Plan`, of a call (arrays or ShapeDtypeStructs): its shapes,
   static query offset and requested blocks; `platform`: the path's own arguments."""
   offset = options.query_offset if (options.sliced or k.shape[1] != q.shape[1]) else 0
   blocks = options.block_sizes
-  return tiling(
-    q.shape,
-    k.shape[1],
-    k.shape[2],
-    tuple(a.shape for a in alphas),
-    collapse.shape,
-    options,
-    offset,
-    blocks and blocks.block_q,
-    blocks and blocks.block_k,
-    **platform,
-  )
+  shapes = (q.shape, k.shape[1], k.shape[2], tuple(a.shape for a in alphas), collapse.shape)
+  requested = (blocks and blocks.block_q, blocks and blocks.block_k)
+  return tiling(*shapes, options, offset, *requested, **platform)
 
 
 def unsupported(plan_for: Callable, q, v, num_pseudo: int, options: AttentionOptions):

@@ -1,49 +1,16 @@
-"""Sliding-window IHA on GPU with the pseudo-heads made, attended and collapsed on chip.
+"""Sliding-window IHA on GPU with the pseudo-heads made, attended and collapsed on chip:
+the Triton twin of `window.tpu` (same signature and semantics; docs/design.md §8).
 
-The GPU twin of `iha_jax.kernels.window.tpu` (same signature and semantics). The
-materialised pipeline (`iha_jax.kernels.flash.attention`, "pallas_gpu") writes pseudo
-q/k/v and the pseudo output to HBM, four arrays P times the layer's own activations; a
-window layer attends a band of only ~W virtual keys per query, so that traffic bounds
-it. Here one Triton program takes a tile of query tokens and, per target head, mixes
-its pseudo queries, walks the band's key groups mixing their pseudo keys and values,
-attends them with an online softmax and collapses the head's output into the tile's
-rows (`window.gpu_kernel`): only source-sized arrays cross HBM in the forward.
-
-How the work maps to the tensor cores (every product a matmul):
-- *Mixing* of a group of `s` tokens is `kron(I_s, alpha[:, t, :]^T)` `[s*P, s*S]`
-  times the group's source rows `(n, m)` `[s*S, d]` (as on TPU). Triton's block
-  shapes are powers of two, so a group's `s*P` pseudo rows are padded with zero rows to
-  `q_rows` / `k_rows` (masked by their ids) and its `s*S` source rows with zero rows to
-  `q_src` / `k_src`. `s` is as many tokens as fill the rows within register budgets
-  (`window.gpu_plan`): at P = H = 20, 3 tokens fill 60 of a 64-row query tile and one
-  token 20 of a 32-row key group; at P = 4, 8 tokens fill a 32-row query tile and 4 a 16-row group.
-- *RoPE* at virtual position `pos * P + p` is `R(p) R(pos * P)`: the source heads are
-  rotated at `pos * P` in XLA (source-sized), the pseudo rows by `R(p)` on chip from a
-  per-row cos/sin table (period P). The sources come in two d/2 halves, so rotation is
-  elementwise and the scores are `q1 k1^T + q2 k2^T`: no lane concatenation in
-  registers.
-- *Attention*: flash attention over the key groups of the tile's band (float32 online
-  softmax), the mask from virtual indices made from iotas, and per-row segment ids
-  (-1 for padding keys and rows, 0 for padding queries) compared once.
-- *Collapse*: the head's normalised pseudo output times a block-diagonal constant
-  `[out_rows, q_rows]`, added into the tile's output rows `(n, ho)` in chunks of
-  `COLLAPSE_ROWS` (read-modify-write in the program's own output block, a barrier
-  between heads): the float32 output of every target head need not sit in registers
-  at once (at P = 4, H = 20 a 16-token tile has 320 output rows).
-
-Layouts: source rows token-group-major (`window.gpu_kernel`'s docstring); the output
-y `[B, N, Ho, d]` is float32 (Ho = H, or the local target heads of a per-head collapse;
-a full collapse over a head shard is a partial sum).
-
-The backward is on chip too (`window.gpu_backward_kernel`): the custom VJP saves only
-the call's own arrays (nothing P-sized; the forward's softmax is run again), and three
-kernels (statistics, dQ, dK/dV) remake the pseudo tiles from the source-sized operands
-and write source-row gradients and per-program partial gradients of the mixing and
-collapse matrices, folded to the weights' shapes (summed in XLA). Only two float32
-numbers per pseudo query row and target head (`lse`, `delta` `[B, Ht, N*P]`, 2/d of a
-P-sized array) cross HBM between them. `sources`' transpose (padding, halves,
-`R(pos * P)^T`) takes the row gradients back to q, k, v. The materialised pipeline is
-no longer reached: every call the forward takes, the backward takes.
+One program takes a tile of query tokens and, per target head, mixes its pseudo queries,
+walks the band's key groups mixing their pseudo keys and values, attends them with an
+online softmax and adds the head's collapsed output into the tile's rows
+(`window.gpu_kernel`): only source-sized arrays cross HBM. Triton's block shapes are
+powers of two, so a token group's `s*P` pseudo rows and `s*S` source rows are padded with
+zero rows (their ids mask them); the sources come in two d/2 halves rotated at `pos * P`
+in XLA, so `R(p)` on chip is elementwise and the scores are `q1 k1^T + q2 k2^T`. The
+backward is on chip too (`window.gpu_backward_kernel`): the custom VJP saves only the
+call's own arrays, and `sources`' transpose takes the kernels' source-row gradients back
+to q, k, v. Here: the operands built in XLA, the calls and the custom VJP.
 """
 
 from __future__ import annotations
@@ -58,15 +25,12 @@ from jax.experimental import pallas as pl
 from iha_jax.core.options import AttentionOptions
 from iha_jax.core.rope import apply_rope
 from iha_jax.core.validation import default_positions
-from iha_jax.kernels.flash.attention import key_side
 from iha_jax.kernels.gpu import Launch, block_pow2, on_gpu
 from iha_jax.kernels.window import common
-from iha_jax.kernels.window.common import block_diagonal, full_collapse, pseudo_angles
+from iha_jax.kernels.window.common import block_diagonal, full_collapse, key_side, pseudo_angles
 from iha_jax.kernels.window.gpu_backward_kernel import dkv_kernel, query_kernel
 from iha_jax.kernels.window.gpu_kernel import forward_kernel
 from iha_jax.kernels.window.gpu_plan import Plan, backward_plan, tiling
-
-# --- operands built in XLA (source-sized, or small constants) -----------------------------
 
 
 def _pad_to(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
@@ -162,9 +126,6 @@ def prepare(q, k, v, alphas, collapse, options: AttentionOptions, plan: Plan) ->
   return operands
 
 
-# --- the calls: grids `(programs, B)` ----------------------------------------------------
-
-
 def _per_program(rows: int, cols: int):
   return pl.BlockSpec((None, rows, cols), lambda i, bb: (bb, i, 0))
 
@@ -189,65 +150,55 @@ def forward_launch(plan: Plan) -> Launch:
   return Launch(num_warps=8, num_stages=2 if plan.k_rows < 32 else 1)
 
 
-def backward_launch(plan: Plan) -> Launch:
-  """Eight warps (two warpgroups share the 64-row products), one pipeline stage: a second
-  one, or four or sixteen warps, spilled more registers on H100
-  (tests/kernels/test_compile_targets.py checks the spills)."""
-  del plan
-  return Launch(num_warps=8, num_stages=1)
+# The backward's kernels: eight warps (two warpgroups share the 64-row products), one
+# pipeline stage: a second one, or four or sixteen warps, spilled more registers on H100.
+BACKWARD_LAUNCH = Launch(num_warps=8, num_stages=1)
 
 
-def _forward_call(plan: Plan, operands: dict[str, jax.Array], *, interpret: bool):
-  """The forward `pallas_call` over grid `(num_q, B)` -> y `[B, num_q * out_rows, width]`
-  float32."""
-  b = operands["q1"].shape[0]
-  names = ["q1", "q2", "k1", "k2", "v", "aq", "ak", "av", "cm", *_rope_names(plan), "qid", "kid"]
-  specs = {
-    "q1": _per_program(plan.q_src, plan.half),
-    "q2": _per_program(plan.q_src, plan.half),
-    "qid": pl.BlockSpec((None, plan.q_rows), lambda i, bb: (bb, i)),
-    "kid": _whole_row(operands["kid"]),
-  }
-  for name in ("k1", "k2", "v"):
-    specs[name] = _whole_row(operands[name])
-  for name in ("aq", "ak", "av", "cm", *_rope_names(plan)):
-    specs[name] = _whole(operands[name])
-  return pl.pallas_call(
-    functools.partial(forward_kernel, plan=plan, interpret=interpret),
-    grid=(plan.num_q, b),
-    in_specs=[specs[n] for n in names],
-    out_specs=_per_program(plan.out_rows, plan.width),
-    out_shape=jax.ShapeDtypeStruct((b, plan.num_q * plan.out_rows, plan.width), jnp.float32),
-    compiler_params=forward_launch(plan).compiler_params(),
-    interpret=interpret,
-    name="iha_gpu_window_forward",
-  )(*[operands[n] for n in names])
-
-
-# The backward's three kernels read the forward's operands and dy, and write float32
-# source-row gradients in the operands' row layouts (dq1, dq2, dk1, dk2, dv), two numbers
-# per pseudo query row and target head between them (`lse`, `delta` `[B, Ht, num_q *
-# q_rows]`: 2/d of a P-sized array, nothing P x d), and the weights' partials, one per
-# program, matrix and target head, folded to the weights' shapes padded to powers of two
-# >= 16 (`[P', H']`, `[P', G']`, `[Ho', P']`): with `PROGRAMS` programs per batch row
-# they are `B * PROGRAMS * Ht * P' * H' * 4` bytes, independent of N
-# (docs/compile_checks.md); XLA sums them (`_weight_grads`).
-
-
-def _backward_call(kernel, name, plan, span, operands, names, specs, outs, interpret):
-  b = operands["q1"].shape[0]
+def _call(kernel, name: str, plan: Plan, programs: int, launch: Launch, args):
+  """`kernel` over the grid `(programs, B)`; `args`: (operands, the `names` of those it
+  takes, their BlockSpecs by name (the constants': whole), `outs`: (BlockSpec,
+  ShapeDtypeStruct) per output, `interpret`)."""
+  operands, names, specs, outs, interpret = args
   for n in ("aq", "ak", "av", "cm", *_rope_names(plan)):
     specs[n] = _whole(operands[n])
   return pl.pallas_call(
-    functools.partial(kernel, plan=plan, span=span, interpret=interpret),
-    grid=((plan.num_k if kernel is dkv_kernel else plan.num_q) // span, b),
+    kernel,
+    grid=(programs, operands["q1"].shape[0]),
     in_specs=[specs[n] for n in names],
     out_specs=[spec for spec, _ in outs],
     out_shape=[shape for _, shape in outs],
-    compiler_params=backward_launch(plan).compiler_params(),
+    compiler_params=launch.compiler_params(),
     interpret=interpret,
     name=name,
   )(*[operands[n] for n in names])
+
+
+def _forward_call(plan: Plan, operands: dict[str, jax.Array], *, interpret: bool):
+  """The forward kernel -> y `[B, num_q * out_rows, width]` float32."""
+  b = operands["q1"].shape[0]
+  names = ["q1", "q2", "k1", "k2", "v", "aq", "ak", "av", "cm", *_rope_names(plan), "qid", "kid"]
+  specs = {n: _per_program(plan.q_src, plan.half) for n in ("q1", "q2")}
+  specs["qid"] = pl.BlockSpec((None, plan.q_rows), lambda i, bb: (bb, i))
+  specs.update({n: _whole_row(operands[n]) for n in ("k1", "k2", "v", "kid")})
+  y = jax.ShapeDtypeStruct((b, plan.num_q * plan.out_rows, plan.width), jnp.float32)
+  args = (operands, names, specs, [(_per_program(plan.out_rows, plan.width), y)], interpret)
+  kernel = functools.partial(forward_kernel, plan=plan, interpret=interpret)
+  return _call(kernel, "iha_gpu_window_forward", plan, plan.num_q, forward_launch(plan), args)[0]
+
+
+# The backward's kernels write float32 source-row gradients in the operands' row layouts,
+# two numbers per pseudo query row and target head between them (`lse`, `delta`), and the
+# weights' partials, one per program, matrix and target head, folded to the weights'
+# shapes padded to powers of two >= 16 (`[P', H']`, `[P', G']`, `[Ho', P']`): with
+# `PROGRAMS` programs per batch row, independent of N (docs/compile_checks.md).
+
+
+def _backward_call(kernel, name, plan, span, operands, names, specs, outs, interpret):
+  programs = (plan.num_k if kernel is dkv_kernel else plan.num_q) // span
+  kernel = functools.partial(kernel, plan=plan, span=span, interpret=interpret)
+  args = (operands, names, specs, outs, interpret)
+  return _call(kernel, name, plan, programs, BACKWARD_LAUNCH, args)
 
 
 def _partials(programs: int, b: int, heads: int, rows: int, cols: int):
@@ -340,9 +291,6 @@ def _weight_grads(plan: Plan, scale: float, daq, dak, dav, dcm) -> tuple:
   return alpha(daq, h) * scale, alpha(dak, g), alpha(dav, g), dcollapse
 
 
-# --- the custom VJP and the entry -----------------------------------------------------------
-
-
 def _forward_output(plan: Plan, options: AttentionOptions, q, k, v, alphas, collapse):
   """y `[B, N, Ho, d]` float32: the forward kernel (Triton when lowering for cuda/rocm,
   Pallas' interpreter elsewhere) on `prepare`'s operands."""
@@ -378,14 +326,7 @@ def _backward_output(plan: Plan, options: AttentionOptions, q, k, v, alphas, col
 _output = common.saving_the_call(_forward_output, _backward_output)
 
 
-def window_iha(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  alphas: tuple[jax.Array, jax.Array, jax.Array],
-  collapse: jax.Array,
-  options: AttentionOptions,
-) -> jax.Array:
+def window_iha(q, k, v, alphas, collapse, options: AttentionOptions) -> jax.Array:
   """Sliding-window IHA on GPU (`common.window_iha`'s arguments and result): `block_sizes`'
   `block_q` the pseudo rows of a query tile, `block_k` those of a key group (powers of two
   >= 16 and >= P); refuses with `GpuUnsupportedShape`."""
@@ -398,6 +339,5 @@ def plan_for(q, k, alphas, collapse, options: AttentionOptions) -> Plan:
 
 
 def unsupported(q, v, num_pseudo: int, options: AttentionOptions) -> str | None:
-  """Why the on-chip GPU window path cannot take a call of q `[B, N, H, d]` and v `[B, Nk,
-  G, d]` at P pseudo-heads (full mixing and collapse), or None."""
+  """`common.unsupported` of this path: why it cannot take a call, or None."""
   return common.unsupported(plan_for, q, v, num_pseudo, options)

@@ -1,34 +1,26 @@
-"""The backward kernels of IHA's on-chip GPU window path (`iha_jax.kernels.window.gpu`
-calls them).
+"""The backward kernels of IHA's on-chip GPU window path (`window.gpu` calls them).
 
 Three Pallas-Triton kernels, each a grid `(programs, B)` whose program takes `span`
-consecutive query tiles (key groups), read the forward's operands (`window.gpu.prepare`:
-source rows, block-diagonal constants, RoPE tables, per-row ids; `window.gpu_kernel`'s
-layouts) and the output's cotangent dy in the forward's output layout `[B, num_q *
-out_rows, width]`, and remake every pseudo tile on chip (`window.gpu_mixing`):
-
-- statistics (`query_kernel(stats=True)`, "iha_gpu_window_stats"): per target head and
-  query tile, the forward's online softmax again -> the pseudo output O and the
-  log-sum-exp `lse`; `delta = rowsum(dO * O)` with `dO = cm^T dy`, as the column sums of
-  `cm * (dy O^T)`; and the collapse's partial, `dy O^T` folded to `[Ho', P']`.
-- dQ (`query_kernel(stats=False)`, "iha_gpu_window_dq"): the band again with `lse` and
-  `delta`: `dQ = sum_j dS_j K_j`, then `R(p)^T` and `aq^T` (source rows dq1, dq2, added
-  over heads in the program's own output block) and the query mixing's partial, `dQ
-  q^T` folded to `[P', H']`.
-- dK/dV (`dkv_kernel`, "iha_gpu_window_dkv"): per key/value target head and key group,
-  the pseudo keys and values; then the query tiles whose window reaches the group
-  (`query_tiles`), for the group's r query heads, in 32-row sub-tiles whose pseudo
-  queries and dO^T are remade: `dV = sum P^T dO`, `dK = sum dS^T Q`; `R(p)^T`, `ak^T`,
-  `av^T` give dk1, dk2, dv and the partials `[P', G']`.
-
-Register budget (H100: 255 per thread at eight warps; tests/kernels/test_compile_targets.py):
-scores are transposed `[k_rows, q_rows]` in the query-side loops, so that what stays
-fixed across a loop (pseudo queries, dy, cm) is a product's second operand, kept in
-shared memory; the mixing's own budgets are `window.gpu_mixing`'s.
+consecutive query tiles (key groups), read the forward's operands (`window.gpu_kernel`'s
+layouts) and dy in the forward's output layout, and remake every pseudo tile on chip
+(`window.gpu_mixing`):
+- statistics (`query_kernel(stats=True)`): per target head and query tile, the forward's
+  online softmax again -> O and `lse`; `delta = rowsum(dO * O)` with `dO = cm^T dy`; the
+  collapse's partial `dy O^T`, folded to `[Ho', P']`;
+- dQ (`query_kernel(stats=False)`): the band again with `lse` and `delta`, `dQ = sum dS
+  K`, then `R(p)^T` and `aq^T` (source rows dq1, dq2) and the query mixing's partial;
+- dK/dV (`dkv_kernel`): per key/value target head and key group, the query tiles whose
+  window reaches it (`query_tiles`), for the group's r query heads, in sub-tiles whose
+  pseudo queries and dO^T are remade: `dV = sum P^T dO`, `dK = sum dS^T Q`, un-mixed to
+  dk1, dk2, dv, and the partials `[P', G']`.
+Register budget (H100; tests/kernels/test_compile_targets.py): the query-side loops transpose the
+scores, `[k_rows, q_rows]`, so that what stays fixed across a loop (pseudo queries, dy,
+cm) is a product's second operand, kept in shared memory.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any, NamedTuple
 
 import jax
@@ -68,26 +60,12 @@ DQ_KEY_MIX_ROWS = 16
 DKV_QUERY_ROWS = 32
 
 
-class _Operands(NamedTuple):
-  """A backward kernel's operand refs by `window.gpu.prepare`'s names; lse and delta are
-  the statistics kernel's outputs, the other two kernels' inputs."""
-
-  q1: Any
-  q2: Any
-  k1: Any
-  k2: Any
-  v: Any
-  dy: Any
-  lse: Any
-  delta: Any
-  aq: Any
-  ak: Any
-  av: Any
-  cm: Any
-  rope_q: tuple | None  # (cos, sin) refs, or None without RoPE
-  rope_k: tuple | None
-  qid: Any
-  kid: Any
+# A backward kernel's operand refs by `window.gpu.prepare`'s names (rope_q, rope_k: the
+# (cos, sin) refs, or None without RoPE); lse and delta are the statistics kernel's
+# outputs, the other two kernels' inputs.
+_Operands = collections.namedtuple(
+  "_Operands", "q1 q2 k1 k2 v dy lse delta aq ak av cm rope_q rope_k qid kid"
+)
 
 
 def _operands(refs, plan: Plan, stats: bool) -> tuple[_Operands, list]:
@@ -106,9 +84,6 @@ def _operands(refs, plan: Plan, stats: bool) -> tuple[_Operands, list]:
     lse, delta, *outputs = outputs
   operands = (q1, q2, k1, k2, v, dy, lse, delta, aq, ak, av, cm, rope_q, rope_k, qid, kid)
   return _Operands(*operands), outputs
-
-
-# --- the query side: statistics, dQ -------------------------------------------------------
 
 
 class _QuerySide(NamedTuple):
@@ -285,9 +260,6 @@ def _dq_tile(side: _QuerySide, h, g, t, carry):
   if few_outputs:
     partial()
   return carry
-
-
-# --- dK/dV ----------------------------------------------------------------------------------
 
 
 def dkv_kernel(*refs, plan: Plan, span: int, interpret: bool):

@@ -1,13 +1,8 @@
-"""The forward kernel of IHA's on-chip GPU window path (`iha_jax.kernels.window.gpu`).
+"""The forward kernel of IHA's on-chip GPU window path (`window.gpu`): one program per
+(query tile, batch row), every product a tensor-core matmul.
 
-One program per (query tile, batch row): for each target head it mixes the tile's pseudo
-queries from the source rows, loops over the key groups of the tile's band mixing each
-group's pseudo keys and values, runs the online softmax over them, and adds the head's
-collapsed output into the tile's output rows. Every product is a tensor-core matmul;
-layouts and constants are built by `window.gpu.prepare` (`window.gpu_plan.Plan` names the
-sizes).
-
-Operands (per batch row; rows of a token group are padded with zeros to a power of two):
+Operands (per batch row, built by `window.gpu.prepare`, sizes named by
+`window.gpu_plan.Plan`; a token group's rows padded with zeros to a power of two):
   q1, q2 `[num_q * q_src, half]`: the source queries' two RoPE halves, rotated at
     `pos * P`, a query tile's `q_tokens * H` source rows padded to `q_src`;
   k1, k2 `[num_k * k_src, half]`, v `[num_k * k_src, width]`: the key groups' sources;

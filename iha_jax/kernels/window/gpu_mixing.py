@@ -90,7 +90,6 @@ def folded_weights_grad(
   (pa, pb), (sa, sb) = periods, sizes
   if refs_first:
     refs, tiles, (pa, pb), (sa, sb) = tiles, refs, (pb, pa), (sb, sa)
-
   shape = (sb, sa) if refs_first else (sa, sb)
   if tokens == 1 and total == sb and all(x.shape[0] == sa for x in tiles):
     # One token (a key group at P = H = 20): its rows are the tile's and the group's own,
@@ -143,7 +142,8 @@ def unmix(matrix_ref, index, grads, dst_refs, row0, interpret: bool) -> None:
   for c in _chunks(total, size):
     matrix = matrix_ref[index, :, pl.ds(c, size)]
     for grad, dst_ref in zip(grads, dst_refs):
-      _accumulate(dst_ref, pl.ds(row0 + c, size), dot(matrix, grad, TN), interpret)
+      rows = (pl.ds(row0 + c, size), slice(None))
+      add_in_place(dst_ref, rows, dot(matrix, grad, TN), interpret)
 
 
 def virtual_rows(plan: Plan, rows: int, first_token, first_row=0):
@@ -179,14 +179,8 @@ def varying_zero(j):
 
 
 def add_in_place(ref, index, value, interpret: bool) -> None:
-  """`ref[index] += value` (a partial of the weights, the program's own block): not a
-  loop's carry, which would hold registers across the loops inside."""
+  """`ref[index] += value` in the program's own block (a partial of the weights: not a
+  loop's carry, which would hold registers across the loops inside)."""
   barrier(interpret)
   ref[index] += value
-  barrier(interpret)
-
-
-def _accumulate(ref, rows, value, interpret: bool) -> None:
-  barrier(interpret)
-  ref[rows, :] += value
   barrier(interpret)

@@ -155,9 +155,6 @@ def backward_plan(plan: Plan) -> tuple[Plan, int, int]:
   return padded, q_span, k_span
 
 
-# --- the band in the tiling's units (traced in the kernels) -------------------------------
-
-
 def key_groups(plan: Plan, i):
   """Key groups `[lo, hi)` that query tile `i`'s window reaches."""
   p, w = plan.num_pseudo, plan.window

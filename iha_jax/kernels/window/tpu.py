@@ -1,48 +1,15 @@
-"""Sliding-window IHA on TPU with the pseudo-heads made, attended and collapsed in VMEM.
+"""Sliding-window IHA on TPU with the pseudo-heads made, attended and collapsed in VMEM
+(docs/design.md §8, the on-chip window path: why, and how the work maps to the MXU).
 
-The materialised pipeline (`iha_jax.kernels.flash.attention`) writes pseudo q/k/v and
-the pseudo output to HBM: four arrays P times the size of the layer's own activations.
-A window layer attends a band of only ~W virtual keys per query, so at the paper's
-P = H that traffic, not the MXU, bounds it. Here one grid step takes a tile of tokens
-and does everything on chip, per target head: mixing, RoPE, the band's attention, and
-the collapse, so only source-sized arrays cross HBM, forward and backward.
-
-How the work maps to the MXU (every product a matmul; the vector units do the softmax
-and RoPE only):
-- *Mixing* contracts over the H source heads, a short axis. It is a matmul with a
-  block-diagonal constant: for a group of `s` tokens, the source rows `(n, m)`
-  `[s*H, d]` times `kron(I_s, alpha[:, h, :]^T)` `[s*P, s*H]` give the group's pseudo
-  rows `(n, p)` `[s*P, d]`, already interleaved (token-major). With `s*H <= 128` each
-  output row is one MXU pass, so the cost is the output's size: the same as an einsum
-  in HBM, without the HBM. Consecutive target heads share one product (their matrices
-  stacked, `Plan.q_stack` / `kv_stack`: the same source rows as weights). The collapse
-  and every gradient of the mixing are the same kind of product.
-- *RoPE* at virtual position `pos * P + p` is `R(p) R(pos * P)`: the source heads are
-  rotated at `pos * P` outside (source-sized, in XLA), and each group's pseudo rows by
-  `R(p)` here, from one constant `[s*P, 2d]` table (period P rows).
-- *Attention*: a block of `cq` query rows sees at most `cq + W - 1` keys (`+ W - 1`
-  more if bidirectional), so each block's whole band is one `[cq, kb]` score tile:
-  plain softmax, no online rescaling, and in the backward no saved log-sum-exp (the
-  probabilities are recomputed exactly). The mask is a constant `[cq, kb]` bias (the
-  band is the same for every block) plus key ids per block (segments and padding).
-
-Layouts: source rows token-major, `[B, tokens * heads, d]` (a free reshape of
-`[B, N, H, d]`); the keys are padded in front so that tile i's own keys start a block,
-and its band is its own block plus `halo` blocks before it (and after it when
-bidirectional). The output y `[B, N, Ho, d]` is float32 (Ho = H, or the local target
-heads of a per-head collapse; a full collapse over a head shard is a partial sum).
-
-The backward kernel recomputes each block's probabilities and pseudo output, and writes
-the source gradients (a tile's own keys and its halo separately, added in XLA), and each
-tile's partial gradient of the mixing and collapse matrices (summed in XLA). Its pseudo
-key gradients accumulate in VMEM block by block; where each key/value head has one query
-head, a block writes the cq key rows no earlier block saw and adds only the rest (no
-zeroed scratch per head).
-
-Files: `window.tpu_plan` (the tiling: `tiling`, `Plan`, the VMEM budget, `gather_band`),
-`window.tpu_kernel` (what a grid step does in VMEM, forward and backward), and this
-module (the constants built in XLA, layouts, block specs, the calls and the custom VJP);
-what it shares with the GPU twin: `window.common`.
+One grid step takes a tile of tokens and, per target head, mixes its pseudo rows by
+products with block-diagonal constants, rotates them by `R(p)` (the source heads are
+rotated at `pos * P` in XLA), attends each block of `cq` query rows to its whole band as
+one `[cq, kb]` score tile (plain softmax; the mask a constant bias plus key ids per block)
+and collapses the head's output: only source-sized arrays cross HBM, forward and backward.
+Layouts: source rows token-major, `[B, tokens * heads, d]` (a free reshape of `[B, N, H,
+d]`); the keys padded in front so that tile i's own keys start a block, its band its own
+block and `halo` blocks before it (and after it, bidirectional); y `[B, N, Ho, d]` float32.
+Here: the constants built in XLA, block specs, the calls and the custom VJP.
 """
 
 from __future__ import annotations
@@ -65,8 +32,6 @@ from iha_jax.kernels.window import common
 from iha_jax.kernels.window.common import block_diagonal, full_collapse, in_band, pseudo_angles
 from iha_jax.kernels.window.tpu_kernel import HALF_MASK, backward_kernel, forward_kernel
 from iha_jax.kernels.window.tpu_plan import VMEM_LIMIT_BYTES, Plan, gather_band, tiling
-
-# --- constants built outside the kernels (XLA, small) ------------------------------------
 
 
 def _collapse_blocks(collapse: jax.Array, plan: Plan) -> jax.Array:
@@ -153,17 +118,6 @@ def _stacked(matrices: jax.Array, heads: int) -> jax.Array:
   return matrices.reshape(t // heads, heads * r, c)
 
 
-def _matrix_shapes(plan: Plan) -> list[tuple[int, int, int]]:
-  """Shapes of the mixing products' matrices: aq, ak, av, cm (`Constants`)."""
-  s, s_kv, p = plan.group, plan.kv_group, plan.num_pseudo
-  return [
-    (plan.targets, s * p, s * plan.heads),
-    (plan.kv_targets, s_kv * p, s_kv * plan.kv_heads),
-    (plan.kv_targets, s_kv * p, s_kv * plan.kv_heads),
-    (plan.targets, s * plan.out_heads, s * p),
-  ]
-
-
 def _constant_specs(plan: Plan, operands: list[jax.Array]):
   """BlockSpecs of `Constants.operands`: each whole, except the per-tile key ids (6th)
   and query ids (last, with segments)."""
@@ -175,62 +129,56 @@ def _constant_specs(plan: Plan, operands: list[jax.Array]):
   return specs
 
 
-def _compiler_params() -> pltpu.CompilerParams:
-  return pltpu.CompilerParams(
-    dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=VMEM_LIMIT_BYTES
-  )
-
-
 def _source_spec(plan: Plan, heads: int):
   return pl.BlockSpec((None, plan.tile * heads, plan.head_dim), lambda b, i: (b, i, 0))
 
 
-def _band_count(plan: Plan) -> int:
-  return plan.halo_before + 1 + plan.halo_after
+def _call(plan: Plan, kernel, name: str, sources, constants: Constants, outs, scratch, interpret):
+  """`kernel` over the grid `(B, tiles)` on `sources` (q, k, v, and dy in the backward; k
+  and v once per block of the band) and the constants; `outs`: (BlockSpec,
+  ShapeDtypeStruct) per output."""
+  q, k, v, *dy = sources
+  d, band = plan.head_dim, plan.halo_before + 1 + plan.halo_after
+  fixed = constants.operands(plan, backward=bool(dy))
+  in_specs = [
+    _source_spec(plan, plan.heads),
+    *_band_specs(plan, plan.kv_heads, d),
+    *_band_specs(plan, plan.kv_heads, d),
+    *[_source_spec(plan, plan.out_heads) for _ in dy],
+    *_constant_specs(plan, fixed),
+  ]
+  return pl.pallas_call(
+    functools.partial(kernel, plan=plan),
+    grid=(q.shape[0], plan.num_tiles),
+    in_specs=in_specs,
+    out_specs=[spec for spec, _ in outs],
+    out_shape=[shape for _, shape in outs],
+    scratch_shapes=scratch,
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=VMEM_LIMIT_BYTES
+    ),
+    interpret=interpret,
+    name=name,
+  )(q, *([k] * band), *([v] * band), *dy, *fixed)
 
 
 def _forward_call(plan: Plan, q, k, v, constants: Constants, *, interpret: bool):
-  b, d, p = q.shape[0], plan.head_dim, plan.num_pseudo
-  fixed = constants.operands(plan, backward=False)
-  in_specs = [
-    _source_spec(plan, plan.heads),
-    *_band_specs(plan, plan.kv_heads, d),
-    *_band_specs(plan, plan.kv_heads, d),
-    *_constant_specs(plan, fixed),
+  b, d, rows = q.shape[0], plan.head_dim, plan.tile * plan.num_pseudo
+  y = jax.ShapeDtypeStruct((b, plan.num_tiles * plan.tile * plan.out_heads, d), jnp.float32)
+  scratch = [
+    pltpu.VMEM((plan.q_stack, rows, d), q.dtype),  # pseudo q per stacked head
+    pltpu.VMEM((plan.kv_stack, plan.band_rows, d), q.dtype),  # pseudo k, v
+    pltpu.VMEM((plan.kv_stack, plan.band_rows, d), q.dtype),
+    pltpu.VMEM((rows, d), q.dtype),  # one head's pseudo o
   ]
-  band = _band_count(plan)
-  return pl.pallas_call(
-    functools.partial(forward_kernel, plan=plan),
-    grid=(b, plan.num_tiles),
-    in_specs=in_specs,
-    out_specs=_source_spec(plan, plan.out_heads),
-    out_shape=jax.ShapeDtypeStruct(
-      (b, plan.num_tiles * plan.tile * plan.out_heads, d), jnp.float32
-    ),
-    scratch_shapes=[
-      pltpu.VMEM((plan.q_stack, plan.tile * p, d), q.dtype),  # pseudo q per stacked head
-      pltpu.VMEM((plan.kv_stack, plan.band_rows, d), q.dtype),  # pseudo k, v
-      pltpu.VMEM((plan.kv_stack, plan.band_rows, d), q.dtype),
-      pltpu.VMEM((plan.tile * p, d), q.dtype),  # one head's pseudo o
-    ],
-    compiler_params=_compiler_params(),
-    interpret=interpret,
-    name="iha_window_forward",
-  )(q, *([k] * band), *([v] * band), *fixed)
+  outs = [(_source_spec(plan, plan.out_heads), y)]
+  args = (plan, forward_kernel, "iha_window_forward", (q, k, v), constants, outs, scratch)
+  return _call(*args, interpret)[0]
 
 
 def _backward_call(plan: Plan, q, k, v, dy, constants: Constants, *, interpret: bool):
-  b, d, p = q.shape[0], plan.head_dim, plan.num_pseudo
+  b, d, rows = q.shape[0], plan.head_dim, plan.tile * plan.num_pseudo
   g, tiles = plan.kv_heads, plan.num_tiles
-  band = _band_count(plan)
-  fixed = constants.operands(plan, backward=True)
-  in_specs = [
-    _source_spec(plan, plan.heads),
-    *_band_specs(plan, g, d),
-    *_band_specs(plan, g, d),
-    _source_spec(plan, plan.out_heads),
-    *_constant_specs(plan, fixed),
-  ]
   per_tile = lambda shape: pl.BlockSpec(
     (None, None, *shape), lambda b, i: (b, i) + (0,) * len(shape)
   )
@@ -241,34 +189,31 @@ def _backward_call(plan: Plan, q, k, v, dy, constants: Constants, *, interpret: 
     (_source_spec(plan, g), f32((b, tiles * plan.tile * g, d))),
     (per_tile(halo_rows(plan.halo_after)), f32((b, tiles, *halo_rows(plan.halo_after)))),
   ]
-  matrices = _matrix_shapes(plan)
   outs = [(_source_spec(plan, plan.heads), f32((b, tiles * plan.tile * plan.heads, d)))]
   outs += key_side + key_side
+  s, s_kv, p = plan.group, plan.kv_group, plan.num_pseudo
+  matrices = [  # aq, ak, av, cm (`Constants`)
+    (plan.targets, s * p, s * plan.heads),
+    (plan.kv_targets, s_kv * p, s_kv * plan.kv_heads),
+    (plan.kv_targets, s_kv * p, s_kv * plan.kv_heads),
+    (plan.targets, s * plan.out_heads, s * p),
+  ]
   outs += [(per_tile(shape), f32((b, tiles, *shape))) for shape in matrices]
   dtype = q.dtype
-  results = pl.pallas_call(
-    functools.partial(backward_kernel, plan=plan),
-    grid=(b, tiles),
-    in_specs=in_specs,
-    out_specs=[spec for spec, _ in outs],
-    out_shape=[shape for _, shape in outs],
-    scratch_shapes=[
-      pltpu.VMEM((plan.q_stack, plan.tile * p, d), dtype),  # pseudo q per stacked head
-      pltpu.VMEM((plan.q_stack, plan.tile * p, d), dtype),  # pseudo do
-      pltpu.VMEM((plan.tile * p, d), jnp.float32),  # one head's pseudo dq
-      pltpu.VMEM((plan.tile * p, d), dtype),  # one head's pseudo o
-      pltpu.VMEM((plan.kv_stack, plan.band_rows, d), dtype),  # pseudo k, v per stacked head
-      pltpu.VMEM((plan.kv_stack, plan.band_rows, d), dtype),
-      pltpu.VMEM((plan.band_rows, d), jnp.float32),  # one head's pseudo dk, dv
-      pltpu.VMEM((plan.band_rows, d), jnp.float32),
-    ],
-    compiler_params=_compiler_params(),
-    interpret=interpret,
-    name="iha_window_backward",
-  )(q, *([k] * band), *([v] * band), dy, *fixed)
+  scratch = [
+    pltpu.VMEM((plan.q_stack, rows, d), dtype),  # pseudo q per stacked head
+    pltpu.VMEM((plan.q_stack, rows, d), dtype),  # pseudo do
+    pltpu.VMEM((rows, d), jnp.float32),  # one head's pseudo dq
+    pltpu.VMEM((rows, d), dtype),  # one head's pseudo o
+    pltpu.VMEM((plan.kv_stack, plan.band_rows, d), dtype),  # pseudo k, v per stacked head
+    pltpu.VMEM((plan.kv_stack, plan.band_rows, d), dtype),
+    pltpu.VMEM((plan.band_rows, d), jnp.float32),  # one head's pseudo dk, dv
+    pltpu.VMEM((plan.band_rows, d), jnp.float32),
+  ]
+  args = (plan, backward_kernel, "iha_window_backward", (q, k, v, dy), constants, outs, scratch)
+  results = _call(*args, interpret)
   dq, dk_parts, dv_parts, dmats = results[0], results[1:4], results[4:7], results[7:]
-  key_tokens = plan.key_tokens
-  dk, dv = (gather_band(plan, parts, b, key_tokens) for parts in (dk_parts, dv_parts))
+  dk, dv = (gather_band(plan, parts, b, plan.key_tokens) for parts in (dk_parts, dv_parts))
   daq, dak, dav, dcm = (x.sum(axis=(0, 1)) for x in dmats)
   return dq, dk, dv, daq, dak, dav, dcm
 
@@ -385,14 +330,7 @@ def _output(plan: Plan, options: AttentionOptions, q, k, v, alphas, collapse):
   return y.reshape(b, -1, plan.out_heads, d)[:, :n]
 
 
-def window_iha(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  alphas: tuple[jax.Array, jax.Array, jax.Array],
-  collapse: jax.Array,
-  options: AttentionOptions,
-) -> jax.Array:
+def window_iha(q, k, v, alphas, collapse, options: AttentionOptions) -> jax.Array:
   """Sliding-window IHA on TPU (`common.window_iha`'s arguments and result): `block_sizes`'
   `block_q` the virtual rows per target head of a grid step (rounded to whole tokens),
   `block_k` the query rows of a score tile; refuses with `TpuUnsupportedShape`."""
@@ -406,6 +344,5 @@ def plan_for(q, k, alphas, collapse, options: AttentionOptions) -> Plan:
 
 
 def unsupported(q, v, num_pseudo: int, options: AttentionOptions) -> str | None:
-  """Why the on-chip TPU window path cannot take a call of q `[B, N, H, d]` and v `[B, Nk,
-  G, d]` at P pseudo-heads (full mixing and collapse), or None."""
+  """`common.unsupported` of this path: why it cannot take a call, or None."""
   return common.unsupported(plan_for, q, v, num_pseudo, options)

@@ -1,6 +1,5 @@
-"""The kernel bodies of IHA's on-chip TPU window path (`iha_jax.kernels.window.tpu`):
-what one grid step does in VMEM, forward (`forward_kernel`) and backward
-(`backward_kernel`). The layouts, block specs and calls are `window.tpu`'s, the tiling
+"""The kernel bodies of IHA's on-chip TPU window path: what one grid step does in VMEM,
+forward and backward; their layouts and calls are `window.tpu`'s, the tiling
 `window.tpu_plan`'s.
 """
 
@@ -22,9 +21,6 @@ MIX_UNROLL = 8
 
 # Additive masks: two of them still sum to a finite score (a row of padding stays finite).
 HALF_MASK = MASK_VALUE / 2
-
-
-# --- in-kernel helpers ------------------------------------------------------------------------
 
 
 def _rotate(x: jax.Array, table: jax.Array, inverse: bool = False) -> jax.Array:
@@ -130,9 +126,6 @@ def reciprocal(x):
   return r * (2.0 - x * r)
 
 
-# --- forward ----------------------------------------------------------------------------------
-
-
 def _split_inputs(plan: Plan, refs):
   """(q, k band refs, v band refs, rest) of the kernels' leading inputs."""
   band = plan.halo_before + 1 + plan.halo_after
@@ -198,9 +191,6 @@ def _collapse(plan: Plan, matrix, o_ref, y_ref):
   lax.fori_loop(0, groups, body, 0, unroll=_unroll(groups, MIX_UNROLL))
 
 
-# --- backward ---------------------------------------------------------------------------------
-
-
 def backward_kernel(*refs, plan: Plan):
   q_ref, k_refs, v_refs, refs = _split_inputs(plan, refs)
   dy_ref, aq_ref, ak_ref, av_ref, cm_ref, bias_ref, kid_ref, *refs = refs
@@ -255,9 +245,7 @@ def backward_kernel(*refs, plan: Plan):
         )
     lax.fori_loop(0, plan.blocks, block, 0, unroll=_unroll(plan.blocks, BLOCK_UNROLL))
     _collapse_grad(plan, dy_ref, ox, dcm_ref, h)
-    _unmix(
-      plan, dqx, 0, plan.tile, aqt_ref[h], q_ref, dq_ref, plan.heads, daq_ref, h, table, plan.group
-    )
+    _unmix(plan, dqx, 0, plan.tile, aqt_ref[h], q_ref, (dq_ref, 0), (daq_ref, h), table, False)
     # A key/value head's query heads run one after another: after its last one, its
     # gradients are complete (one dk/dv scratch serves every head).
     r = plan.targets // plan.kv_targets
@@ -312,25 +300,14 @@ def _collapse_grad(plan: Plan, dy_ref, o_ref, dcm_ref, h):
   dcm_ref[h] += lax.fori_loop(0, groups, body, zero, unroll=_unroll(groups, MIX_UNROLL))
 
 
-def _unmix(
-  plan: Plan,
-  grad_ref,
-  row0,
-  tokens,
-  transposed,
-  src_ref,
-  dst_ref,
-  heads,
-  dmat_ref,
-  index,
-  table,
-  s: int,
-  dst_row0: int = 0,
-):
-  """The gradient of `_mix` (groups of `s` tokens): pseudo-row gradients
-  `grad[row0 + (n, p)]` (float32, of the rotated rows) -> source rows
-  `dst[(n, m)] += transposed[(n, m), (n, p)] g[(n, p)]`, and the matrix's
-  `dmat[index] += g[(n, p)] src[(n, m)]^T`, with `g = R(p)^T grad`."""
+def _unmix(plan: Plan, grad_ref, row0, tokens, transposed, src_ref, dst, dmat, table, kv: bool):
+  """The gradient of `_mix` (groups of the query or, `kv`, key/value side's tokens):
+  pseudo-row gradients `grad[row0 + (n, p)]` (float32, of the rotated rows) -> source rows
+  `dst_ref[dst_row0 + (n, m)] += transposed[(n, m), (n, p)] g[(n, p)]`, and the matrix's
+  `dmat_ref[index] += g[(n, p)] src[(n, m)]^T`, with `g = R(p)^T grad`; `dst`: (dst_ref,
+  dst_row0), `dmat`: (dmat_ref, index)."""
+  (dst_ref, dst_row0), (dmat_ref, index) = dst, dmat
+  heads, s = (plan.kv_heads, plan.kv_group) if kv else (plan.heads, plan.group)
   rows = s * plan.num_pseudo
   table = None if table is None else table[:rows]
   width = s * heads
@@ -359,19 +336,6 @@ def _unmix_band(plan: Plan, grad_ref, transposed, src_refs, dst_refs, dmat_ref, 
   regions += [(2, j) for j in range(plan.halo_after)]
   for src_ref, (region, j) in zip(src_refs, regions):
     tokens = plan.tile if region == 1 else plan.halo
-    _unmix(
-      plan,
-      grad_ref,
-      row,
-      tokens,
-      transposed,
-      src_ref,
-      dst_refs[region],
-      g,
-      dmat_ref,
-      index,
-      table,
-      plan.kv_group,
-      dst_row0=j * plan.halo * g,
-    )
+    dst = (dst_refs[region], j * plan.halo * g)
+    _unmix(plan, grad_ref, row, tokens, transposed, src_ref, dst, (dmat_ref, index), table, True)
     row += tokens * p

@@ -140,19 +140,8 @@ def tiling(
 
   def vmem(tile: int) -> int:
     halo, nb, na = layout(tile)
-    band = tile + halo * (nb + na)
-    sizes = dict(
-      heads=shape.heads,
-      kv_heads=kv_heads,
-      out_heads=shape.out_heads,
-      targets=shape.targets,
-      kv_targets=shape.kv_targets,
-      d=shape.head_dim,
-      p=p,
-    )
-    itemsize = 2 if low_precision else 4
-    stacks = dict(q_stack=q_stack, kv_stack=kv_stack)
-    return _vmem_bytes(tile, band, block_rows, key_rows, s, s_kv, itemsize, **sizes, **stacks)
+    sizes = (block_rows, key_rows, s, s_kv, 2 if low_precision else 4, q_stack, kv_stack)
+    return _vmem_bytes(shape, tile, tile + halo * (nb + na), *sizes)
 
   tile = _fitting_tile(shape, n, tile_rows, token_unit, vmem)
   halo, halo_before, halo_after = layout(tile)
@@ -242,31 +231,15 @@ def _stack(heads: int, rows: int) -> int:
   return next((j for j in fits if j * rows >= LANES), fits[-1])
 
 
-def _vmem_bytes(
-  tile,
-  band,
-  cq,
-  kb,
-  s,
-  s_kv,
-  itemsize,
-  *,
-  heads,
-  kv_heads,
-  out_heads,
-  targets,
-  kv_targets,
-  d,
-  p,
-  q_stack,
-  kv_stack,
-) -> int:
+def _vmem_bytes(shape: WindowShape, tile, band, cq, kb, s, s_kv, itemsize, q_stack, kv_stack):
   """VMEM of the backward kernel (the larger of the two) at a tile of `tile` tokens and a
   band of `band` key tokens: double-buffered blocks and matrices (with their transposes),
   scratch, and the score tiles' float32 temporaries. Rows take whole 128-lane vregs (a
   d = 64 row as much as a d = 128 one)."""
+  heads, kv_heads, out_heads = shape.heads, shape.kv_heads, shape.out_heads
+  targets, kv_targets, p = shape.targets, shape.kv_targets, shape.num_pseudo
   lanes = lambda x: round_up(x, LANES)
-  d = lanes(d)
+  d = lanes(shape.head_dim)
   inputs = (tile * heads + 2 * band * kv_heads + tile * out_heads) * d * itemsize
   mixing = targets * s * p * lanes(s * heads) + 2 * kv_targets * s_kv * p * lanes(s_kv * kv_heads)
   mixing += targets * s * out_heads * lanes(s * p)
