@@ -3,10 +3,8 @@
 Both run one pipeline on a flat sequence: IHA mixes source heads into P pseudo-heads,
 interleaves them into `T = N * P` virtual tokens, applies RoPE at virtual positions,
 attends (causal or bidirectional), de-interleaves and collapses; MHA is the same
-pipeline without the mixing (P = 1). The checked entry points `iha_attention` and
-`mha_attention` live with their kinds' records (`iha_jax.kinds.iha`, `iha_jax.kinds.mha`),
-which name these functions among their implementations; every implementation of a kind
-computes the same function.
+pipeline without the mixing (P = 1). The kinds' records (`iha_jax.kinds.iha`, `.mha`)
+name these functions among their implementations and hold the checked entry points.
 
 Grouped-query attention (docs/design.md §9): k and v may have G heads, G dividing the H
 query heads; query head h reads key/value head `h // (H // G)`. IHA then mixes query heads

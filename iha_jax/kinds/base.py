@@ -103,7 +103,7 @@ def projection_spec(
 
 def check_no_groups(cfg: LayerConfig, why: str) -> None:
   """Raises ValueError for `num_kv_heads` < `num_heads` in a kind without a grouped-query
-  form (`why`: what it does with whole heads)."""
+  form (`why`)."""
   if cfg.kv_heads != cfg.num_heads:
     raise ValueError(
       f"num_kv_heads={cfg.num_kv_heads}: {cfg.kind} attention has no grouped-query form "
@@ -119,8 +119,7 @@ def output_spec(cfg: LayerConfig, kernel_init: Initializer) -> ParamSpec:
 
 def projection_option_specs(cfg: LayerConfig) -> dict[str, ParamSpec]:
   """The parameters of `qk_norm` (`q_norm, k_norm: [d]`, ones) and `use_bias` (`bq:
-  [H, d]`, `bk, bv: [G, d]`, `bo: [out]`, zeros) for the kinds whose projections are
-  `project_qkv`'s; none when both are off."""
+  [H, d]`, `bk, bv: [G, d]`, `bo: [out]`, zeros) of the kinds that `project_qkv`."""
   specs = {}
   d = cfg.head_dim
   if cfg.qk_norm:
@@ -151,9 +150,8 @@ def _source_heads(params: Params, x: jax.Array, which: str, name: str) -> jax.Ar
 
 
 def project_qkv(params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Source-head projections `x: [B, N, D]` -> q `[B, N, H, d]`, k, v `[B, N, G, d]`,
-  with the layer's biases and query/key RMSNorm where `params` has them (`qk_norm`,
-  `use_bias`), tagged for remat."""
+  """Source-head projections `x: [B, N, D]` -> q `[B, N, H, d]`, k, v `[B, N, G, d]`, with
+  biases and query/key RMSNorm where `params` has them, tagged for remat."""
   return (
     _source_heads(params, x, "q", QUERY_PROJ),
     _source_heads(params, x, "k", KEY_PROJ),

@@ -100,7 +100,7 @@ def register(record: AttentionKind) -> AttentionKind:
 
 
 def unregister(name: str) -> None:
-  """Removes kind `name` and its letters (a kind a test or an experiment registered)."""
+  """Removes kind `name` and its letters (one a test or an experiment registered)."""
   record = get(name)
   for letter in record.letters:
     _LETTERS.pop(letter.letter, None)
