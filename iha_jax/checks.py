@@ -10,10 +10,8 @@ import jax
 
 
 def is_int(value: Any, minimum: int | None = None) -> bool:
-  """Whether `value` is a Python int (not a bool) and, if `minimum` is given, >= it.
-
-  The one check behind every "must be a positive integer" message of the project.
-  """
+  """Whether `value` is a Python int (not a bool) and, if `minimum` is given, >= it (the
+  check behind every "must be a positive integer" message of the project)."""
   return (
     isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
   )

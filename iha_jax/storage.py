@@ -7,7 +7,7 @@ made absolute here, URLs never are.
 
 Remote object stores cannot append to an object, so `TextLog` (metrics.jsonl) and the
 TensorBoard event files on remote storage are kept in memory and rewritten whole on each
-flush (they stay small: a few KB per thousand logged steps).
+flush (they stay small).
 
 Small files a reader must see whole or not at all (the workdir lock) use `create_new`
 (create-only: of two writers exactly one wins) and `replace_text` (readers see the old or

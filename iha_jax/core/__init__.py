@@ -5,7 +5,5 @@ Options (`options.AttentionOptions`), argument checks (`validation`), the mask p
 memory-efficient XLA core (`xla_attention`, `grouped`, `query_blocks`), cuDNN's call, and
 the unchecked reference / XLA implementations of every built-in kind (`attention`,
 `talking_heads`, `differential`, `simplicial`). Nothing here chooses an implementation:
-the kinds' records (`iha_jax.kinds`) name these functions and the Pallas kernels as
-their implementations, and their entry points (re-exported by `iha_jax.ops`, the
-functional API) check a call and dispatch it. Layering: docs/design.md §8.
+the kinds' records (`iha_jax.kinds`) do. Layering: docs/design.md §8.
 """

@@ -3,10 +3,8 @@
 Both run one pipeline on a flat sequence: IHA mixes source heads into P pseudo-heads,
 interleaves them into `T = N * P` virtual tokens, applies RoPE at virtual positions,
 attends (causal or bidirectional), de-interleaves and collapses; MHA is the same
-pipeline without the mixing (P = 1). The checked entry points `iha_attention` and
-`mha_attention` live with their kinds' records (`iha_jax.kinds.iha`, `iha_jax.kinds.mha`),
-which name these functions among their implementations; every implementation of a kind
-computes the same function.
+pipeline without the mixing (P = 1). The kinds' records (`iha_jax.kinds.iha`, `.mha`)
+name these functions among their implementations and hold the checked entry points.
 
 Grouped-query attention (docs/design.md §9): k and v may have G heads, G dividing the H
 query heads; query head h reads key/value head `h // (H // G)`. IHA then mixes query heads
@@ -17,7 +15,6 @@ key/value head `h // (H // G)`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -81,15 +78,11 @@ def _rotate_pair(q, k, options: AttentionOptions, seq: _Sequences, head_axis: in
 def _mask(options: AttentionOptions, seq: _Sequences, num_queries: int) -> Mask:
   """The call's `Mask` on its flat sequence: a sliced call's keys carry their own ids and
   its queries sit at `seq.q_offset`."""
+  mask = Mask(causal=options.causal, window=options.window, segment_ids=seq.q_segment)
   if not options.sliced:
-    return Mask(causal=options.causal, window=options.window, segment_ids=seq.q_segment)
-  return Mask(
-    causal=options.causal,
-    window=options.window,
-    segment_ids=seq.q_segment,
-    kv_segment_ids=seq.k_segment,
-    q_index=seq.q_offset + jnp.arange(num_queries, dtype=jnp.int32),
-  )
+    return mask
+  q_index = seq.q_offset + jnp.arange(num_queries, dtype=jnp.int32)
+  return mask.replace(kv_segment_ids=seq.k_segment, q_index=q_index)
 
 
 def _reference_core(q, k, v, options: AttentionOptions, seq: _Sequences):
@@ -133,18 +126,7 @@ def iha_xla(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: AttentionOpti
   return collapse_from_virtual(out, collapse, num_pseudo)
 
 
-def iha_via_mha(
-  q,
-  k,
-  v,
-  alpha_q,
-  alpha_k,
-  alpha_v,
-  collapse,
-  options: AttentionOptions,
-  *,
-  mha: Callable[..., jax.Array],
-):
+def iha_via_mha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: AttentionOptions, *, mha):
   """IHA as materialised pseudo q `[B, N * P, H, d]`, k/v `[B, N * P, G, d]` and an MHA
   implementation `mha(q, k, v, options)` over the virtual sequence (virtual segment ids and
   positions; the window, in virtual tokens, and the block sizes carry over). Autodiff

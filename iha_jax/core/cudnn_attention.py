@@ -2,13 +2,11 @@
 
 MHA hands its rotated q/k/v to `jax.nn.dot_product_attention(implementation="cudnn")`; IHA
 materialises its pseudo q/k/v (`[B, N * P, H, d]`, one XLA einsum each) and runs this over
-the virtual sequence (`iha_jax.core.attention.iha_via_mha`). Grouped-query k and v (G heads
-dividing the H query heads, query head h reading key/value head `h // (H // G)`) go to
-cuDNN as they are: jax's attention takes them natively, with the same head convention.
-It is the fastest measured GPU path at the paper's shapes (docs/performance.md §12), at
-the price of the P-times larger activations the kernels avoid: the pseudo q/k/v (and
-cuDNN's own residuals) live until the backward pass unless the model's remat policy drops
-them.
+the virtual sequence (`iha_jax.core.attention.iha_via_mha`). Grouped-query k and v go to
+cuDNN as they are (jax's attention has the same head convention). It is the fastest
+measured GPU path at the paper's shapes (docs/performance.md §12), at the price of the
+P-times larger activations the kernels avoid: the pseudo q/k/v (and cuDNN's own
+residuals) live until the backward pass unless the model's remat policy drops them.
 
 cuDNN covers bfloat16/float16 causal attention (global or a left window) and global
 bidirectional attention, without packed segments, with the value as wide as q/k and a head

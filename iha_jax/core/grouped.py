@@ -18,19 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from iha_jax.core.masking import Mask
-from iha_jax.core.options import round_up
+from iha_jax.core.options import pad_to, round_up
 from iha_jax.core.xla_attention import (
   attention_probabilities,
   default_block_size,
+  effective_mask,
   flash_attention_heads_major,
 )
-
-
-def _pad_axis(x: jax.Array, total: int, axis: int, **pad) -> jax.Array:
-  if x.shape[axis] == total:
-    return x
-  widths = [(0, total - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)]
-  return jnp.pad(x, widths, **pad)
 
 
 def grouped_attention_heads_major(
@@ -66,38 +60,22 @@ def grouped_attention_heads_major(
   if g == h:
     return flash_attention_heads_major(q, k, v, mask, **options)
   r = h // g
-  mask = _grouped_mask(mask, t_q, k.shape[2])
+  mask = effective_mask(mask, t_q, k.shape[2])  # before interleaving hides its window rule
   block = block_q or default_block_size(t_q, mask.window)  # query positions per tile
   tq = round_up(t_q, block)
   q_index = jnp.arange(t_q, dtype=jnp.int32) if mask.q_index is None else mask.q_index
   # Padded positions repeat the last index (no extra tiles) and are sliced off below.
-  q_index = _pad_axis(jnp.asarray(q_index, jnp.int32), tq, 0, mode="edge")
+  q_index = pad_to(jnp.asarray(q_index, jnp.int32), tq, 0, mode="edge")
   # Head h = group * r + member: row t * r + member of the group's query axis.
-  q = _pad_axis(q.reshape(b, g, r, t_q, d), tq, 3)
+  q = pad_to(q.reshape(b, g, r, t_q, d), tq, 3)
   q = jnp.swapaxes(q, 2, 3).reshape(b, g, tq * r, d)
   segment_ids = mask.segment_ids
   if segment_ids is not None:
-    segment_ids = jnp.repeat(_pad_axis(segment_ids, tq, 1), r, axis=1)
+    segment_ids = jnp.repeat(pad_to(segment_ids, tq, 1), r, axis=1)
   mask = mask.replace(segment_ids=segment_ids, q_index=jnp.repeat(q_index, r))
   out = flash_attention_heads_major(q, k, v, mask, **{**options, "block_q": block * r})
   out = jnp.swapaxes(out.reshape(b, g, tq, r, -1), 2, 3)
   return out[:, :, :, :t_q].reshape(b, h, t_q, -1)
-
-
-def _grouped_mask(mask: Mask, t_q: int, t_k: int) -> Mask:
-  """`mask` before its queries are interleaved r to a row: the keys' own segment ids
-  (the queries' when they share the sequence), and no window where the band covers
-  everything (the core's own shortcut, which the interleaved indices would hide)."""
-  kv_segment_ids = mask.kv_segment_ids
-  if kv_segment_ids is None and mask.segment_ids is not None:
-    if t_q != t_k:
-      raise ValueError("kv_segment_ids must be given when queries and keys differ in length")
-    kv_segment_ids = mask.segment_ids
-  window = mask.window
-  if mask.q_index is None and mask.k_index is None and window is not None:
-    if window >= max(t_q, t_k):
-      window = None
-  return mask.replace(kv_segment_ids=kv_segment_ids, window=window)
 
 
 def grouped_attention_probabilities(
@@ -109,7 +87,7 @@ def grouped_attention_probabilities(
   g, t_k = k.shape[1], k.shape[2]
   r = h // g
   if r > 1:
-    mask = _grouped_mask(mask, t_q, t_k)
+    mask = effective_mask(mask, t_q, t_k)
     q_index = jnp.arange(t_q, dtype=jnp.int32) if mask.q_index is None else mask.q_index
     segment_ids = mask.segment_ids
     mask = mask.replace(

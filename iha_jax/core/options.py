@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, TypedDict, Unpack
 
 import jax
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,15 @@ class BlockSizes:
 def round_up(x: int, multiple: int) -> int:
   """The smallest multiple of `multiple` that is >= `x` (tile padding)."""
   return -(-x // multiple) * multiple
+
+
+def pad_to(x: jax.Array, total: int, axis: int, **pad: Any) -> jax.Array:
+  """`x` padded (`jnp.pad`'s `pad` keywords; default zeros) on `axis` to `total`; a no-op
+  (no op at all, so no pad in the VJP) if full."""
+  if x.shape[axis] == total:
+    return x
+  widths = [(0, total - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)]
+  return jnp.pad(x, widths, **pad)
 
 
 @jax.tree_util.register_dataclass

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from iha_jax.core.masking import visible
+from iha_jax.core.options import pad_to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +78,6 @@ def plan_query_blocks(
   )
 
 
-def _pad_tokens(x: jax.Array, total: int) -> jax.Array:
-  """Zero-pads axis 1 (tokens) to `total`."""
-  if x.shape[1] == total:
-    return x
-  return jnp.pad(x, [(0, total - x.shape[1]) if a == 1 else (0, 0) for a in range(x.ndim)])
-
-
 Attend = Callable[
   [Sequence[jax.Array | None], Sequence[jax.Array | None], jax.Array, jax.Array], jax.Array
 ]
@@ -106,7 +100,7 @@ def map_query_blocks(
     queries, keys: arrays `[B, N, ...]` (or None), sliced along axis 1.
   """
   total = plan.num_blocks * plan.block
-  queries = [None if x is None else _pad_tokens(x, total) for x in queries]
+  queries = [None if x is None else pad_to(x, total, 1) for x in queries]
 
   def one_block(i):
     q_start, k_start = i * plan.block, plan.key_start(i)
@@ -137,15 +131,11 @@ def block_mask(
 ) -> jax.Array:
   """Visibility `[B or 1, 1, Q, S]` of keys `k_index [S]` from queries `q_index [Q]`
   (token indices), with segment ids `[B, Q]`, `[B, S]` or None."""
+  q_index, k_index = q_index[:, None], k_index[None, :]
   if q_segment is None:
-    return visible(q_index[:, None], k_index[None, :], None, None, window, causal)[None, None]
+    return visible(q_index, k_index, None, None, window, causal)[None, None]
   return visible(
-    q_index[:, None],
-    k_index[None, :],
-    q_segment[:, None, :, None],
-    k_segment[:, None, None, :],
-    window,
-    causal,
+    q_index, k_index, q_segment[:, None, :, None], k_segment[:, None, None, :], window, causal
   )
 
 

@@ -18,12 +18,13 @@ undropped one (as `jax.nn.dot_product_attention`'s reference and flax's attentio
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from iha_jax.core.masking import MASK_VALUE, Mask, ranges_meet, visible
-from iha_jax.core.options import round_up
+from iha_jax.core.options import pad_to, round_up
 
 # Keys padded onto a tile boundary get this index: after every query, so the causal rule
 # hides them (bidirectional calls also mark them as padding segments).
@@ -54,35 +55,23 @@ def block_ranges(q_index, k_index, block_q: int, block_k: int, window, causal: b
   return kv_lo, kv_hi, q_lo, q_hi
 
 
-def _pad_to(x: jax.Array, total: int, axis: int) -> jax.Array:
-  """Zero-pads `axis` to `total`; a no-op (no op at all, so no pad in the VJP) if full."""
-  if x.shape[axis] == total:
-    return x
-  return jnp.pad(x, [(0, total - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+def _block(x: jax.Array | None, i, size: int, axis: int) -> jax.Array | None:
+  """Block `i` of `size` rows on `axis` (None stays None)."""
+  start = i * size
+  return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
-  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+def _dot(spec: str, a: jax.Array, b: jax.Array, precision) -> jax.Array:
+  return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _tile_mask(
-  q_index: jax.Array,
-  k_index: jax.Array,
-  seg_q: jax.Array | None,
-  seg_k: jax.Array | None,
-  window: int | None,
-  causal: bool,
-) -> jax.Array:
+def _tile_mask(q_index, k_index, seg_q, seg_k, window: int | None, causal: bool) -> jax.Array:
   """bool `[B or 1, 1, bq, bk]` visibility of one tile, from its query / key indices
-  `[bq]`, `[bk]` and segment ids `[B, bq]`, `[B, bk]`."""
+  `[bq]`, `[bk]` and segment ids `[B, bq]`, `[B, bk]` (or None)."""
   q_index, k_index = q_index[:, None], k_index[None, :]
   if seg_q is None:
     return visible(q_index, k_index, None, None, window, causal)
   return visible(q_index, k_index, seg_q[:, None, :, None], seg_k[:, None, None, :], window, causal)
-
-
-def _slice_segments(seg: jax.Array | None, start, size: int) -> jax.Array | None:
-  return None if seg is None else _slice(seg, start, size, 1)
 
 
 def _kept(dropout, i, j, p: jax.Array) -> jax.Array:
@@ -96,59 +85,46 @@ def _kept(dropout, i, j, p: jax.Array) -> jax.Array:
   return jnp.where(keep, p / (1 - rate), 0.0)
 
 
-def _forward(
-  q,
-  k,
-  v,
-  seg_q,
-  seg_k,
-  q_index,
-  k_index,
-  *,
-  window,
-  causal,
-  block_q,
-  block_k,
-  precision,
-  dropout=None,
-):
-  """`q, k: [B, H, T, d]`, `v: [B, H, T, dv]`, segments `[B, T]` and indices `[T]` padded
-  to block multiples -> (out [B, H, Tq, dv], lse [B, H, Tq]). `dropout`: None or
-  `(rate, key)` (attention dropout, `_kept`)."""
+class _Tiles(NamedTuple):
+  """The static arguments of the core: the band, tile edges, matmul precision and the
+  attention dropout rate (0: none)."""
+
+  window: int | None
+  causal: bool
+  block_q: int
+  block_k: int
+  precision: Any
+  rate: float = 0.0
+
+
+def _forward(q, k, v, segments, indices, tiles: _Tiles, key=None):
+  """`q, k: [B, H, T, d]`, `v: [B, H, T, dv]`, `segments` None or the (query, key) ids
+  `[B, T]`, `indices` the (query, key) positions `[T]`, padded to tile multiples -> (out
+  `[B, H, Tq, dv]`, lse `[B, H, Tq]`). `key`: attention dropout's (`_kept`)."""
+  window, causal, block_q, block_k, precision, rate = tiles
+  (seg_q, seg_k), (q_index, k_index) = segments or (None, None), indices
+  dropout = (rate, key) if rate else None
   b, h, tq, d = q.shape
   dv = v.shape[-1]
-  num_q_blocks = tq // block_q
   scale = d**-0.5
   kv_lo, kv_hi, _, _ = block_ranges(q_index, k_index, block_q, block_k, window, causal)
 
   def query_block(i):
-    q_i = _slice(q, i * block_q, block_q, 2)
-    sq_i = _slice_segments(seg_q, i * block_q, block_q)
-    qi_i = _slice(q_index, i * block_q, block_q, 0)
+    q_i, sq_i = _block(q, i, block_q, 2), _block(seg_q, i, block_q, 1)
+    qi_i = _block(q_index, i, block_q, 0)
 
     def key_block(j, carry):
       m, l, acc = carry
-      k_j = _slice(k, j * block_k, block_k, 2)
-      v_j = _slice(v, j * block_k, block_k, 2)
-      sk_j = _slice_segments(seg_k, j * block_k, block_k)
-      ki_j = _slice(k_index, j * block_k, block_k, 0)
-      s = (
-        jnp.einsum(
-          "bhqd,bhkd->bhqk", q_i, k_j, precision=precision, preferred_element_type=jnp.float32
-        )
-        * scale
-      )
+      k_j, v_j = _block(k, j, block_k, 2), _block(v, j, block_k, 2)
+      sk_j, ki_j = _block(seg_k, j, block_k, 1), _block(k_index, j, block_k, 0)
+      s = _dot("bhqd,bhkd->bhqk", q_i, k_j, precision) * scale
       s = jnp.where(_tile_mask(qi_i, ki_j, sq_i, sk_j, window, causal), s, MASK_VALUE)
       m_new = jnp.maximum(m, s.max(axis=-1))
       correction = jnp.exp(m - m_new)
       p = jnp.exp(s - m_new[..., None])
       l = l * correction + p.sum(axis=-1)
-      acc = acc * correction[..., None] + jnp.einsum(
-        "bhqk,bhkd->bhqd",
-        _kept(dropout, i, j, p).astype(v.dtype),
-        v_j,
-        precision=precision,
-        preferred_element_type=jnp.float32,
+      acc = acc * correction[..., None] + _dot(
+        "bhqk,bhkd->bhqd", _kept(dropout, i, j, p).astype(v.dtype), v_j, precision
       )
       return m_new, l, acc
 
@@ -164,39 +140,23 @@ def _forward(
       out = jnp.where((sq_i != 0)[:, None, :, None], out, 0.0)
     return out.astype(q.dtype), m + jnp.log(jnp.where(l > 0, l, 1.0))
 
-  out, lse = jax.lax.map(query_block, jnp.arange(num_q_blocks))  # [nq, B, H, bq, ...]
+  out, lse = jax.lax.map(query_block, jnp.arange(tq // block_q))  # [nq, B, H, bq, ...]
   out = jnp.moveaxis(out, 0, 2).reshape(b, h, tq, dv)
   lse = jnp.moveaxis(lse, 0, 2).reshape(b, h, tq)
   return out, lse
 
 
-def _backward(
-  q,
-  k,
-  v,
-  seg_q,
-  seg_k,
-  q_index,
-  k_index,
-  out,
-  lse,
-  d_out,
-  *,
-  window,
-  causal,
-  block_q,
-  block_k,
-  precision,
-  dropout=None,
-):
+def _backward(q, k, v, segments, indices, out, lse, d_out, tiles: _Tiles, key=None):
   """FlashAttention-2 backward: loop over key blocks, recompute tiles, accumulate dq. With
   dropout the output is `D(P) V` (`D` the tile masks and scale of `_kept`): dV takes
   `D(P)`, dP the masked and scaled `dO V^T`, and `delta = rowsum(dO * out)` still equals
   `rowsum(P * dP)`."""
+  window, causal, block_q, block_k, precision, rate = tiles
+  (seg_q, seg_k), (q_index, k_index) = segments or (None, None), indices
+  dropout = (rate, key) if rate else None
   b, h, tq, d = q.shape
   dv = v.shape[-1]
   tk = k.shape[2]
-  num_k_blocks = tk // block_k
   scale = d**-0.5
   _, _, q_lo, q_hi = block_ranges(q_index, k_index, block_q, block_k, window, causal)
   if seg_q is not None:
@@ -206,49 +166,22 @@ def _backward(
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, H, Tq]
 
   def key_block(dq, j):
-    k_j = _slice(k, j * block_k, block_k, 2)
-    v_j = _slice(v, j * block_k, block_k, 2)
-    sk_j = _slice_segments(seg_k, j * block_k, block_k)
-    ki_j = _slice(k_index, j * block_k, block_k, 0)
+    k_j, v_j = _block(k, j, block_k, 2), _block(v, j, block_k, 2)
+    sk_j, ki_j = _block(seg_k, j, block_k, 1), _block(k_index, j, block_k, 0)
 
     def query_block(i, carry):
       dq, dk_j, dv_j = carry
-      q_i = _slice(q, i * block_q, block_q, 2)
-      do_i = _slice(d_out, i * block_q, block_q, 2)
-      lse_i = _slice(lse, i * block_q, block_q, 2)
-      delta_i = _slice(delta, i * block_q, block_q, 2)
-      sq_i = _slice_segments(seg_q, i * block_q, block_q)
-      qi_i = _slice(q_index, i * block_q, block_q, 0)
-      s = (
-        jnp.einsum(
-          "bhqd,bhkd->bhqk", q_i, k_j, precision=precision, preferred_element_type=jnp.float32
-        )
-        * scale
-      )
+      q_i, do_i = _block(q, i, block_q, 2), _block(d_out, i, block_q, 2)
+      lse_i, delta_i = _block(lse, i, block_q, 2), _block(delta, i, block_q, 2)
+      sq_i, qi_i = _block(seg_q, i, block_q, 1), _block(q_index, i, block_q, 0)
+      s = _dot("bhqd,bhkd->bhqk", q_i, k_j, precision) * scale
       mask = _tile_mask(qi_i, ki_j, sq_i, sk_j, window, causal)
       p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
-      dv_j += jnp.einsum(
-        "bhqk,bhqd->bhkd",
-        _kept(dropout, i, j, p).astype(d_out.dtype),
-        do_i,
-        precision=precision,
-        preferred_element_type=jnp.float32,
-      )
-      dp = _kept(
-        dropout,
-        i,
-        j,
-        jnp.einsum(
-          "bhqd,bhkd->bhqk", do_i, v_j, precision=precision, preferred_element_type=jnp.float32
-        ),
-      )
+      dv_j += _dot("bhqk,bhqd->bhkd", _kept(dropout, i, j, p).astype(d_out.dtype), do_i, precision)
+      dp = _kept(dropout, i, j, _dot("bhqd,bhkd->bhqk", do_i, v_j, precision))
       ds = (p * (dp - delta_i[..., None]) * scale).astype(q.dtype)
-      dk_j += jnp.einsum(
-        "bhqk,bhqd->bhkd", ds, q_i, precision=precision, preferred_element_type=jnp.float32
-      )
-      dq_i = _slice(dq, i * block_q, block_q, 2) + jnp.einsum(
-        "bhqk,bhkd->bhqd", ds, k_j, precision=precision, preferred_element_type=jnp.float32
-      )
+      dk_j += _dot("bhqk,bhqd->bhkd", ds, q_i, precision)
+      dq_i = _block(dq, i, block_q, 2) + _dot("bhqk,bhkd->bhqd", ds, k_j, precision)
       dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * block_q, axis=2)
       return dq, dk_j, dv_j
 
@@ -258,62 +191,30 @@ def _backward(
     return dq, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
 
   dq = jnp.zeros((b, h, tq, d), jnp.float32)
-  dq, (dk, dv_blocks) = jax.lax.scan(key_block, dq, jnp.arange(num_k_blocks))
+  dq, (dk, dv_blocks) = jax.lax.scan(key_block, dq, jnp.arange(tk // block_k))
   dk = jnp.moveaxis(dk, 0, 2).reshape(b, h, tk, d)
   d_v = jnp.moveaxis(dv_blocks, 0, 2).reshape(b, h, tk, dv)
   return dq.astype(q.dtype), dk, d_v
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _flash(q, k, v, segments, indices, window, causal, block_q, block_k, precision):
-  return _flash_fwd(q, k, v, segments, indices, window, causal, block_q, block_k, precision)[0]
+# Attention dropout's key (None without dropout) is an argument; its rate is static.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, segments, indices, key, tiles):
+  return _forward(q, k, v, segments, indices, tiles, key)[0]
 
 
-def _flash_fwd(q, k, v, segments, indices, window, causal, block_q, block_k, precision):
-  static = dict(window=window, causal=causal, block_q=block_q, block_k=block_k, precision=precision)
-  out, lse = _forward(q, k, v, *(segments or (None, None)), *indices, **static)
-  return out, (q, k, v, segments, indices, out, lse)
-
-
-def _flash_bwd(window, causal, block_q, block_k, precision, residuals, d_out):
-  q, k, v, segments, indices, out, lse = residuals
-  static = dict(window=window, causal=causal, block_q=block_q, block_k=block_k, precision=precision)
-  dq, dk, dv = _backward(q, k, v, *(segments or (None, None)), *indices, out, lse, d_out, **static)
-  return dq, dk, dv, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-# The same with attention dropout (`_kept`): its key is an argument, its rate static. A
-# function of its own, so that calls without dropout lower exactly as before it existed.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
-def _flash_dropout(
-  q, k, v, segments, indices, key, window, causal, block_q, block_k, precision, rate
-):
-  args = (window, causal, block_q, block_k, precision, rate)
-  return _flash_dropout_fwd(q, k, v, segments, indices, key, *args)[0]
-
-
-def _flash_dropout_fwd(
-  q, k, v, segments, indices, key, window, causal, block_q, block_k, precision, rate
-):
-  static = dict(window=window, causal=causal, block_q=block_q, block_k=block_k, precision=precision)
-  out, lse = _forward(q, k, v, *(segments or (None, None)), *indices, **static, dropout=(rate, key))
+def _flash_fwd(q, k, v, segments, indices, key, tiles):
+  out, lse = _forward(q, k, v, segments, indices, tiles, key)
   return out, (q, k, v, segments, indices, key, out, lse)
 
 
-def _flash_dropout_bwd(window, causal, block_q, block_k, precision, rate, residuals, d_out):
+def _flash_bwd(tiles, residuals, d_out):
   q, k, v, segments, indices, key, out, lse = residuals
-  static = dict(window=window, causal=causal, block_q=block_q, block_k=block_k, precision=precision)
-  segments_or_none = segments or (None, None)
-  dq, dk, dv = _backward(
-    q, k, v, *segments_or_none, *indices, out, lse, d_out, **static, dropout=(rate, key)
-  )
+  dq, dk, dv = _backward(q, k, v, segments, indices, out, lse, d_out, tiles, key)
   return dq, dk, dv, None, None, None
 
 
-_flash_dropout.defvjp(_flash_dropout_fwd, _flash_dropout_bwd)
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def default_block_size(seq_len: int, window: int | None) -> int:
@@ -329,34 +230,32 @@ def default_block_size(seq_len: int, window: int | None) -> int:
   return round_up(-(-seq_len // num_blocks), 8)
 
 
-def _prepare(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array | None,
-  *,
-  segment_ids: jax.Array | None,
-  kv_segment_ids: jax.Array | None,
-  q_index: jax.Array | None,
-  k_index: jax.Array | None,
-  window: int | None,
-  causal: bool,
-  block_q: int | None,
-  block_k: int | None,
-):
-  """Everything padded to tile multiples, with the tile edges and the effective window."""
-  t_q, t_k = q.shape[2], k.shape[2]
-  if kv_segment_ids is None and segment_ids is not None:
+def effective_mask(mask: Mask, t_q: int, t_k: int) -> Mask:
+  """`mask` for `t_q` queries and `t_k` keys: the keys' own segment ids (the queries' when
+  they share the sequence), and no window where the band covers everything (the cheaper
+  global path)."""
+  kv_segment_ids = mask.kv_segment_ids
+  if kv_segment_ids is None and mask.segment_ids is not None:
     if t_q != t_k:
       raise ValueError("kv_segment_ids must be given when queries and keys differ in length")
-    kv_segment_ids = segment_ids
-  if q_index is None and k_index is None and window is not None and window >= max(t_q, t_k):
-    window = None  # the band covers everything: take the cheaper global path
-  block_q = block_q or default_block_size(t_q, window)
-  block_k = block_k or default_block_size(t_k, window)
+    kv_segment_ids = mask.segment_ids
+  window = mask.window
+  if mask.q_index is None and mask.k_index is None and window is not None:
+    if window >= max(t_q, t_k):
+      window = None
+  return mask.replace(kv_segment_ids=kv_segment_ids, window=window)
+
+
+def _prepare(q, k, v, mask: Mask, block_q, block_k, precision, rate=0.0):
+  """q, k, v, segments, indices padded to tile multiples, and the `_Tiles`."""
+  t_q, t_k = q.shape[2], k.shape[2]
+  mask = effective_mask(mask, t_q, t_k)
+  segment_ids, kv_segment_ids = mask.segment_ids, mask.kv_segment_ids
+  block_q = block_q or default_block_size(t_q, mask.window)
+  block_k = block_k or default_block_size(t_k, mask.window)
   tq, tk = round_up(t_q, block_q), round_up(t_k, block_k)
-  q, k = _pad_to(q, tq, 2), _pad_to(k, tk, 2)
-  v = None if v is None else _pad_to(v, tk, 2)
-  if kv_segment_ids is None and not causal and tk != t_k:
+  q, k, v = pad_to(q, tq, 2), pad_to(k, tk, 2), pad_to(v, tk, 2)
+  if kv_segment_ids is None and not mask.causal and tk != t_k:
     # Causality hides padded key slots (their indices lie after every query); without it
     # they need segment id 0 like any padding. Padded queries are sliced off.
     kv_segment_ids = jnp.ones((k.shape[0], t_k), jnp.int32)
@@ -364,17 +263,19 @@ def _prepare(
   if kv_segment_ids is not None and segment_ids is None:
     segment_ids = jnp.ones((q.shape[0], t_q), jnp.int32)
   segments = (
-    None if segment_ids is None else (_pad_to(segment_ids, tq, 1), _pad_to(kv_segment_ids, tk, 1))
+    None if segment_ids is None else (pad_to(segment_ids, tq, 1), pad_to(kv_segment_ids, tk, 1))
   )
-  if q_index is None:
+  if mask.q_index is None:
     q_index = jnp.arange(tq, dtype=jnp.int32)
   else:  # padded queries repeat the last index: they add no tiles and are sliced off
-    q_index = jnp.pad(jnp.asarray(q_index, jnp.int32), (0, tq - t_q), mode="edge")
-  if k_index is None:
+    q_index = jnp.pad(jnp.asarray(mask.q_index, jnp.int32), (0, tq - t_q), mode="edge")
+  if mask.k_index is None:
     k_index = jnp.arange(tk, dtype=jnp.int32)
   else:
-    k_index = jnp.pad(jnp.asarray(k_index, jnp.int32), (0, tk - t_k), constant_values=_PAD_INDEX)
-  return q, k, v, segments, (q_index, k_index), window, block_q, block_k
+    k_index = jnp.asarray(mask.k_index, jnp.int32)
+    k_index = jnp.pad(k_index, (0, tk - t_k), constant_values=_PAD_INDEX)
+  tiles = _Tiles(mask.window, mask.causal, block_q, block_k, precision, rate)
+  return q, k, v, segments, (q_index, k_index), tiles
 
 
 def flash_attention_heads_major(
@@ -404,25 +305,8 @@ def flash_attention_heads_major(
     `[B, H, Tq, dv]` in q.dtype.
   """
   t_q = q.shape[2]
-  causal = mask.causal
-  q, k, v, segments, indices, window, block_q, block_k = _prepare(
-    q,
-    k,
-    v,
-    segment_ids=mask.segment_ids,
-    kv_segment_ids=mask.kv_segment_ids,
-    q_index=mask.q_index,
-    k_index=mask.k_index,
-    window=mask.window,
-    causal=causal,
-    block_q=block_q,
-    block_k=block_k,
-  )
-  static = (window, causal, block_q, block_k, precision)
-  if dropout_rate:
-    out = _flash_dropout(q, k, v, segments, indices, dropout_rng, *static, dropout_rate)
-  else:
-    out = _flash(q, k, v, segments, indices, *static)
+  *arrays, tiles = _prepare(q, k, v, mask, block_q, block_k, precision, dropout_rate)
+  out = _flash(*arrays, dropout_rng if dropout_rate else None, tiles)
   return out if out.shape[2] == t_q else out[:, :, :t_q]
 
 
@@ -435,35 +319,17 @@ def attention_probabilities(
   of queries that see no key, are zeros. Dense in Tk: for attention maps."""
   t_q, t_k = q.shape[2], k.shape[2]
   v = jnp.zeros((*k.shape[:3], 1), q.dtype)
-  causal = mask.causal
-  q, k, v, segments, (q_index, k_index), window, block_q, block_k = _prepare(
-    q,
-    k,
-    v,
-    segment_ids=mask.segment_ids,
-    kv_segment_ids=mask.kv_segment_ids,
-    q_index=mask.q_index,
-    k_index=mask.k_index,
-    window=mask.window,
-    causal=causal,
-    block_q=None,
-    block_k=None,
-  )
-  seg_q, seg_k = segments or (None, None)
-  static = dict(window=window, causal=causal, block_q=block_q, block_k=block_k, precision=precision)
-  _, lse = _forward(q, k, v, seg_q, seg_k, q_index, k_index, **static)
+  q, k, v, segments, indices, tiles = _prepare(q, k, v, mask, None, None, precision)
+  _, lse = _forward(q, k, v, segments, indices, tiles)
+  (seg_q, seg_k), (q_index, k_index) = segments or (None, None), indices
+  window, causal, block_q = tiles[:3]
   scale = q.shape[-1] ** -0.5
 
   def query_block(i):
-    q_i = _slice(q, i * block_q, block_q, 2)
-    s = jnp.einsum(
-      "bhqd,bhkd->bhqk", q_i, k, precision=precision, preferred_element_type=jnp.float32
-    )
-    sq_i = _slice_segments(seg_q, i * block_q, block_q)
-    mask = _tile_mask(
-      _slice(q_index, i * block_q, block_q, 0), k_index, sq_i, seg_k, window, causal
-    )
-    lse_i = _slice(lse, i * block_q, block_q, 2)
+    s = _dot("bhqd,bhkd->bhqk", _block(q, i, block_q, 2), k, precision)
+    sq_i = _block(seg_q, i, block_q, 1)
+    mask = _tile_mask(_block(q_index, i, block_q, 0), k_index, sq_i, seg_k, window, causal)
+    lse_i = _block(lse, i, block_q, 2)
     return jnp.where(mask, jnp.exp(s * scale - lse_i[..., None]), 0.0)
 
   probs = jax.lax.map(query_block, jnp.arange(q.shape[2] // block_q))  # [nq, B, H, bq, Tk]

@@ -2,10 +2,10 @@
 
 Every builder here writes `array_record` files by default, so that
 `tfds.builder(name, data_dir=...).download_and_prepare()` followed by
-`tfds.data_source(name, data_dir=...)` works without TensorFlow and without
-network access. Synthetic builders derive every example from a seed held in
-their `BuilderConfig`: example `i` of split `s` is a pure function of
-`(config, seed, s, i)`, independent of generation order.
+`tfds.data_source(name, data_dir=...)` works without TensorFlow and without network
+access. Synthetic builders derive every example from a seed held in their `BuilderConfig`:
+example `i` of split `s` is a pure function of `(config, seed, s, i)`, independent of
+generation order.
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@ A sequence `x_1 .. x_n` of integers in `1..M` is given; the label of position `i
 
   count_i = #{(j1, j2) in [n]^2 : x_i + G * x_j1 + x_j2 = 0 (mod M)},
 
-over all ordered pairs of the whole sequence (`j1 = j2` included, either may be `i`).
-The paper's example, `M = 3`, `G = 10`, `x = (1, 2, 3)`, gives `(3, 3, 3)`. Each label
-depends on the whole sequence, so the task is rendered for a bidirectional encoder
-with a per-position classification head of `max_length^2 + 1` classes (the counts
-`0 .. n^2`). The paper trains no model on it; the project uses it as an empirical probe
-of how accuracy grows with the number of heads.
+over all ordered pairs of the whole sequence (`j1 = j2` included, either may be `i`). The
+paper's example, `M = 3`, `G = 10`, `x = (1, 2, 3)`, gives `(3, 3, 3)`. Each label depends
+on the whole sequence, so the task is rendered for a bidirectional encoder with a
+per-position classification head of `max_length^2 + 1` classes (the counts `0 .. n^2`).
+The paper trains no model on it; the project uses it as an empirical probe of how accuracy
+grows with the number of heads.
 """
 
 from __future__ import annotations

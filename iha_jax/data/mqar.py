@@ -1,8 +1,8 @@
 """Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology").
 
-A context of `num_pairs` key-value pairs is followed by a query region in
-which `num_queries` of the keys reappear at random positions; the model must
-emit each queried key's value at that key's position.
+A context of `num_pairs` key-value pairs is followed by a query region in which
+`num_queries` of the keys reappear at random positions; the model must emit each queried
+key's value at that key's position.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ class MqarConfig(builder_base.SyntheticConfig):
   Attributes:
     length: example length `L` in tokens (every example has exactly `L`).
     num_pairs: key-value pairs in the context; keys are distinct.
-    num_queries: keys queried (distinct, at most `num_pairs`); `None`
-      queries every key once.
+    num_queries: keys queried (distinct, at most `num_pairs`); `None` queries every key
+      once.
     num_keys: size of the key vocabulary.
     num_values: size of the value vocabulary.
   """

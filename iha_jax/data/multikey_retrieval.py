@@ -1,9 +1,8 @@
 """Multi-key needle retrieval in the style of RULER's `niah_multikey`.
 
-`num_needles` needles `key -> value` with distinct multi-token keys are
-hidden at random depths in a haystack of random filler tokens; the model is
-asked for the values of `num_queries` of the keys, the other needles being
-distractors.
+`num_needles` needles `key -> value` with distinct multi-token keys are hidden at random
+depths in a haystack of random filler tokens; the model is asked for the values of
+`num_queries` of the keys, the other needles being distractors.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ class MultikeyRetrievalConfig(builder_base.SyntheticConfig):
     num_needles: needles in the haystack (queried ones plus distractors).
     num_queries: needles whose value is asked for (distinct keys).
     key_len: tokens per key.
-    value_len: tokens per value, i.e. answer positions per query (the key's last
-      token, then `value_len - 1` placeholders).
+    value_len: tokens per value, i.e. answer positions per query (the key's last token,
+      then `value_len - 1` placeholders).
     num_filler: size of the filler vocabulary.
     num_key_tokens: size of the key-token vocabulary.
     num_value_tokens: size of the value-token vocabulary.

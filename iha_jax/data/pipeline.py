@@ -10,9 +10,8 @@ Per process, the pipeline is::
     -> batch [global_batch_size / shard_count, seq_len]
     -> background prefetch (a thread, or `num_workers` processes)
 
-Everything is deterministic given `seed`, the data and the config
-(`num_workers` included), and the iterator's `get_state`/`set_state`
-resume at the exact next batch.
+Everything is deterministic given `seed`, the data and the config (`num_workers`
+included), and the iterator's `get_state`/`set_state` resume at the exact next batch.
 """
 
 from __future__ import annotations
@@ -37,18 +36,18 @@ class DataConfig:
   """What to read and how (the trainer's `config.data`).
 
   Attributes:
-    name: dataset name, see `registry.list_datasets`; `tfds:<name>` for
-      a TFDS text dataset prepared as array_record.
+    name: dataset name, see `registry.list_datasets`; `tfds:<name>` for a TFDS text
+      dataset prepared as array_record.
     seq_len: row length `L` of the batches.
     data_dir: TFDS data directory holding the prepared dataset.
-    packing: pack several examples per row; `None` packs text corpora and
-      pads synthetic tasks (one example per row).
+    packing: pack several examples per row; `None` packs text corpora and pads synthetic
+      tasks (one example per row).
     options: builder-config overrides of a project dataset, e.g.
       `{"num_train": 1000, "seed": 1}`.
     tokenizer: text corpora only: `"byte"` or a SentencePiece model path.
     text_key: text corpora only: the feature holding the text.
-    num_workers: worker processes (Grain `mp_prefetch`); 0 runs the
-      pipeline in one background thread of this process.
+    num_workers: worker processes (Grain `mp_prefetch`); 0 runs the pipeline in one
+      background thread of this process.
     read_threads: threads reading and converting records per process.
     prefetch_batches: batches kept ready ahead of the consumer.
   """
@@ -124,26 +123,25 @@ def make_dataset(
   Args:
     config: a `DataConfig` or a ConfigDict/mapping of its fields.
     split: `"train"`, `"validation"`, `"test"` (what the dataset has).
-    global_batch_size: rows per step over all processes; a multiple of
-      `shard_count`.
+    global_batch_size: rows per step over all processes; a multiple of `shard_count`.
     seed: shuffle and packing seed.
     shard_index: this process's shard; defaults to `jax.process_index()`.
     shard_count: number of shards; defaults to `jax.process_count()`.
     shuffle: shuffle examples (reshuffled every epoch).
-    num_epochs: passes over the shard; `None` repeats forever. With a
-      finite count the last batch is filled with padding rows, and without
-      packing every shard yields the same number of batches.
+    num_epochs: passes over the shard; `None` repeats forever. With a finite count the
+      last batch is filled with padding rows, and without packing every shard yields the
+      same number of batches.
 
   Returns:
-    A Grain `DatasetIterator` of dicts with `inputs`, `targets`,
-    `segment_ids`, `positions` (int32) and `weights` (float32), each
+    A Grain `DatasetIterator` of dicts with `inputs`, `targets`, `segment_ids`,
+    `positions` (int32) and `weights` (float32), each
     `[global_batch_size // shard_count, seq_len]` (+ `features` / `values`
-    `[..., seq_len, width]` float32 where the task has them); `num_truncated`
-    counts the examples cut to `seq_len`.
+    `[..., seq_len, width]` float32 where the task has them); `num_truncated` counts the
+    examples cut to `seq_len`.
 
   Raises:
-    ValueError: for an unknown or unprepared dataset (with the command that
-      prepares it), an unknown split, or inconsistent sizes.
+    ValueError: for an unknown or unprepared dataset (with the command that prepares it),
+      an unknown split, or inconsistent sizes.
   """
   config = DataConfig.from_config(config)
   shard_index = jax.process_index() if shard_index is None else shard_index

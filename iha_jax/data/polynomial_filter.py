@@ -9,8 +9,8 @@ features `X: [n, F]`, and the target of node `i` is its row of the filtered sign
 each power divided by its root-mean-square over nodes and draws, so every output column
 has unit variance. A node is a token (its id, plus `X_i` as continuous features); the
 targets are per-node regression values for a bidirectional encoder. Each power is one
-attention pattern over the nodes, so an MHA layer needs about `k - 1` heads (`A^0` is
-the residual); the paper constructs IHA with about `sqrt(k)` (it trains neither).
+attention pattern over the nodes, so an MHA layer needs about `k - 1` heads (`A^0` is the
+residual); the paper constructs IHA with about `sqrt(k)` (it trains neither).
 
 `A` is the random-walk normalisation `D^-1 (A_graph + I)` (rows sum to 1), a decision of
 this project: its powers are row-stochastic like softmax attention, so every power is
@@ -81,8 +81,8 @@ def power_scales(a: np.ndarray, num_powers: int) -> np.ndarray:
 
 
 def filter_targets(a: np.ndarray, x: np.ndarray, num_powers: int) -> np.ndarray:
-  """`[A^0 X, ..., A^(k-1) X]` of `x: [n, F]`, each power over its `power_scales`,
-  float32 `[n, k F]` (power-major)."""
+  """`[A^0 X, ..., A^(k-1) X]` of `x: [n, F]`, each power over its `power_scales`, float32
+  `[n, k F]` (power-major)."""
   out, signal = [], x.astype(np.float64)
   for scale in power_scales(a, num_powers):
     out.append(signal / scale)

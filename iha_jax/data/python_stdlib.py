@@ -2,8 +2,8 @@
 
 Every machine that runs the project carries this corpus, written by people outside it:
 the `.py` files under `sysconfig.get_paths()["stdlib"]` (or the config's `root`). It is
-read offline and stored as an `array_record` dataset with features `text` (a document)
-and `path` (its file, relative to the root, `/`-separated).
+read offline and stored as an `array_record` dataset with features `text` (a document) and
+`path` (its file, relative to the root, `/`-separated).
 
 * **Splits** by a hash of the relative path (`sha256`, first 8 hex digits, mod 100):
   `validation_percent` and `test_percent` of the files, the rest train. A file is never
@@ -11,23 +11,19 @@ and `path` (its file, relative to the root, `/`-separated).
 * **Documents**: config `files` keeps one document per file; `chunks` (the default) cuts
   each file into runs of whole lines of at most `chunk_bytes` UTF-8 bytes (a longer line
   is a document of its own). The pipeline truncates documents longer than `seq_len`
-  instead of splitting them, so chunks are sized to the rows: 768 bytes are ~230 tokens
-  of a 2048-piece byte-level BPE trained on the train split (~2.8 bytes per token),
-  for 256-token rows; with the byte tokenizer use `chunk_bytes = seq_len - 1`.
+  instead of splitting them, so chunks are sized to the rows (the default fits 256-token
+  rows of a byte-level BPE; with the byte tokenizer, `chunk_bytes = seq_len - 1`).
 * **Excluded**: third-party packages (`site-packages/`, `dist-packages/`), build-specific
-  generated files (`_sysconfigdata_*.py`, `config-*/`), `pydoc_data/topics.py`
-  (757 KB of generated documentation strings in one file: in a held-out split it would
-  be half of it) and, unless `include_tests`, every test package (`test/`, `tests/`,
-  `idle_test/` at any depth: in CPython 3.11, 19 of the 31.5 MB of `.py` files,
-  mostly repetitive assertions, and the only files that are deliberately malformed:
-  undecodable, wrong encodings, Python 2 syntax). What is left, ~11 MB in 3.11, is the
-  library itself.
-* **Encodings**: each file is decoded as Python decodes it (`tokenize.detect_encoding`:
-  a BOM or coding cookie, else UTF-8); a file that does not decode is skipped and counted
-  in the metadata.
+  generated files (`_sysconfigdata_*.py`, `config-*/`), `pydoc_data/topics.py` (generated
+  documentation strings in one file, which would dominate a held-out split) and, unless
+  `include_tests`, every test package (`test/`, `tests/`, `idle_test/` at any depth: most
+  of the bytes, mostly repetitive assertions, and the only deliberately malformed files).
+* **Encodings**: each file is decoded as Python decodes it (`tokenize.detect_encoding`: a
+  BOM or coding cookie, else UTF-8); a file that does not decode is skipped and counted in
+  the metadata.
 * **Metadata** (`builder.info.metadata`), so that a result names its data: the Python
-  version and implementation, the root, files and bytes per split, and `files_digest`,
-  a sha256 over the sorted `path<TAB>sha256(file bytes)` lines of the files used.
+  version and implementation, the root, files and bytes per split, and `files_digest`, a
+  sha256 over the sorted `path<TAB>sha256(file bytes)` lines of the files used.
 """
 
 from __future__ import annotations

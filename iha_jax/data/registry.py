@@ -1,15 +1,13 @@
 """Dataset names, builders, preparation and the errors that explain them.
 
 Names are `builder/config` for the project's builders (`mqar/kv8_len128`,
-`relation_composition/binary`, `local_text/lines`, `python_stdlib/chunks` ...; the config part may
-be left out for the builder's first config) and `tfds:<tfds name>` for any
-TFDS text dataset the user has prepared as `array_record` (`tfds:lm1b`,
-`tfds:c4/en`).
+`relation_composition/binary`, `local_text/lines`, `python_stdlib/chunks` ...; the config
+part may be left out for the builder's first config) and `tfds:<tfds name>` for any TFDS
+text dataset the user has prepared as `array_record` (`tfds:lm1b`, `tfds:c4/en`).
 
-Task `options` override fields of the builder config (`num_train`,
-`seed`, `length` ...). A config with overrides gets its own name,
-`<config>-<digest of the overrides>`, so it is prepared into its own
-directory and never mixed up with the registered config.
+Task `options` override fields of the builder config (`num_train`, `seed`, `length` ...).
+A config with overrides gets its own name, `<config>-<digest of the overrides>`, so it is
+prepared into its own directory and never mixed up with the registered config.
 """
 
 from __future__ import annotations
@@ -194,8 +192,8 @@ def _prepare_remote(
 ) -> tfds.core.DatasetBuilder:
   """Prepares into a local temporary directory, then copies the dataset up.
 
-  ArrayRecord's C++ writer only knows local files (its reader reads `gs://`
-  itself), so TFDS cannot write the shards straight to a bucket.
+  ArrayRecord's C++ writer only knows local files (its reader reads `gs://` itself), so
+  TFDS cannot write the shards straight to a bucket.
   """
   builder = get_builder(name, data_dir, options)
   if builder.is_prepared():
@@ -221,9 +219,8 @@ def open_split(
   """Returns the builder and a random-access source of one prepared split.
 
   Raises:
-    ValueError: if the dataset is unknown or not prepared in `data_dir`
-      (the message gives the command that prepares it), or `split` does not
-      exist.
+    ValueError: if the dataset is unknown or not prepared in `data_dir` (the message gives
+      the command that prepares it), or `split` does not exist.
   """
   builder = get_builder(name, data_dir, options)
   if not builder.is_prepared():

@@ -1,14 +1,12 @@
 """Binary and ternary relation composition (IHA paper, App. D).
 
-A random `m x m` boolean relation `R` is drawn with i.i.d.
-Bernoulli(`density`) entries and `m` uniform in `min_size..max_size`.
-The label of cell `(i, j)` is `(R o R)[i, j]` (binary: some `k` has
-`R[i, k]` and `R[k, j]`) or `(R o R o R)[i, j]` (ternary).
+A random `m x m` boolean relation `R` is drawn with i.i.d. Bernoulli(`density`) entries
+and `m` uniform in `min_size..max_size`. The label of cell `(i, j)` is `(R o R)[i, j]`
+(binary: some `k` has `R[i, k]` and `R[k, j]`) or `(R o R o R)[i, j]` (ternary).
 
 Two renderings: for a decoder-only LM (a query block after the matrix, labels
-as tokens) and, `encoder=True`, the paper's encoder format (the `m^2`
-cells row-major, one 0/1 label per cell for a bidirectional model with a
-per-position binary head).
+as tokens) and, `encoder=True`, the paper's encoder format (the `m^2` cells row-major, one
+0/1 label per cell for a bidirectional model with a per-position binary head).
 """
 
 from __future__ import annotations
@@ -37,8 +35,8 @@ class RelationCompositionConfig(builder_base.SyntheticConfig):
     min_size: smallest matrix side `m`.
     max_size: largest matrix side `M`; it sizes the vocabulary.
     density: probability that an entry of `R` is true.
-    encoder: the encoder rendering (`m^2` cell tokens, 0/1 targets per cell)
-      instead of the decoder-only one.
+    encoder: the encoder rendering (`m^2` cell tokens, 0/1 targets per cell) instead of
+      the decoder-only one.
   """
 
   hops: int = 2
@@ -97,11 +95,10 @@ def generate_example(
     config: task parameters.
 
   Returns:
-    `inputs`, `targets` (int32), `weights` (float32) and `labels`
-    (int32 [m^2], the raw 0/1 label of each cell in row-major order). Decoder:
-    length `2 m^2 + 2`, label tokens at the query block. Encoder: length
-    `m^2`, `inputs` the cell tokens, `targets` the 0/1 labels, all
-    weighted.
+    `inputs`, `targets` (int32), `weights` (float32) and `labels` (int32 [m^2], the raw
+    0/1 label of each cell in row-major order). Decoder: length `2 m^2 + 2`, label tokens
+    at the query block. Encoder: length `m^2`, `inputs` the cell tokens, `targets` the 0/1
+    labels, all weighted.
   """
   m = int(rng.integers(config.min_size, config.max_size + 1))
   relation = rng.random((m, m)) < config.density

@@ -5,8 +5,8 @@ token divided by the UTF-8 bytes each scored token covers. The pipeline scores, 
 document, the targets of `[BOS] tokens [EOS]` cut to `seq_len`; `scored_bytes` counts
 the same positions: the document's bytes plus one for EOS when it fits, else the bytes of
 the kept tokens (decoded; a cut inside a multi-byte character counts the replacement
-character). With the byte tokenizer every scored token is one byte and bits per byte
-equal bits per token.
+character). With the byte tokenizer every scored token is one byte and bits per byte equal
+bits per token.
 """
 
 from __future__ import annotations

@@ -3,15 +3,14 @@
 * `"byte"` (default): UTF-8 bytes, `0` PAD, `1` BOS, `2` EOS, vocabulary 259.
 * a Hugging Face `tokenizer.json` (the `tokenizers` package), e.g. Llama 3's;
 * a tiktoken BPE file (`base64-token rank` lines), e.g. Llama 3's original
-  `tokenizer.model`: the ranks, then 256 special tokens as in Llama 3
-  (`<|begin_of_text|>` BOS, `<|end_of_text|>` EOS): 128,000 + 256 = 128,256 ids;
-* a SentencePiece `.model` (`python -m iha_jax.data.train_tokenizer` trains
-  one with `0` PAD, `1` BOS, `2` EOS, `3` UNK).
+  `tokenizer.model`: the ranks, then 256 special tokens as in Llama 3 (`<|begin_of_text|>`
+  BOS, `<|end_of_text|>` EOS): 128,000 + 256 = 128,256 ids;
+* a SentencePiece `.model` (`python -m iha_jax.data.train_tokenizer` trains one with `0`
+  PAD, `1` BOS, `2` EOS, `3` UNK).
 
-The file's format is read from its content; the path may be local or a URL
-(`gs://...`). The vocabulary (the embedding size) is the tokenizer's. Padding
-positions are marked by `segment_ids == 0` in batches, so the PAD id itself is
-never scored.
+The file's format is read from its content; the path may be local or a URL (`gs://...`).
+The vocabulary (the embedding size) is the tokenizer's. Padding positions are marked by
+`segment_ids == 0` in batches, so the PAD id itself is never scored.
 """
 
 from __future__ import annotations
@@ -143,8 +142,8 @@ class SentencePieceTokenizer(_FileTokenizer):
 class HuggingFaceTokenizer(_FileTokenizer):
   """A Hugging Face `tokenizer.json` (e.g. Llama 3's).
 
-  BOS and EOS are its special tokens named in `BOS_TOKENS` / `EOS_TOKENS`; the
-  project adds them itself, so the file's own post-processor is not applied.
+  BOS and EOS are its special tokens named in `BOS_TOKENS` / `EOS_TOKENS`; the project
+  adds them itself, so the file's own post-processor is not applied.
   """
 
   def _load(self, blob: bytes) -> None:
@@ -191,9 +190,8 @@ def _special_id(vocab: dict[str, int], names: tuple[str, ...], role: str) -> int
 class TiktokenTokenizer(_FileTokenizer):
   """A tiktoken BPE ranks file with Llama 3's split pattern and special tokens.
 
-  Ids `0 .. R-1` are the file's R ranks; `R` is `<|begin_of_text|>` (BOS),
-  `R + 1` `<|end_of_text|>` (EOS), then reserved special tokens up to
-  `R + 256`.
+  Ids `0 .. R-1` are the file's R ranks; `R` is `<|begin_of_text|>` (BOS), `R + 1`
+  `<|end_of_text|>` (EOS), then reserved special tokens up to `R + 256`.
   """
 
   def _load(self, blob: bytes) -> None:
@@ -258,9 +256,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
   """Returns the tokenizer named by `spec` (`data.tokenizer`).
 
   Args:
-    spec: `"byte"`, or the path or URL of a Hugging Face `tokenizer.json`, a
-      tiktoken BPE file (Llama 3's `tokenizer.model`) or a SentencePiece
-      `.model`; the format is read from the content.
+    spec: `"byte"`, or the path or URL of a Hugging Face `tokenizer.json`, a tiktoken BPE
+      file (Llama 3's `tokenizer.model`) or a SentencePiece `.model`; the format is read
+      from the content.
 
   Raises:
     DataError: if `spec` is none of these, naming how to get one.

@@ -6,8 +6,8 @@ Usage::
   python -m iha_jax.data.train_tokenizer --name=tfds:lm1b --data_dir=DIR \
       --vocab_size=32000 --output=/path/lm1b_sp32k
 
-writes `/path/lm1b_sp32k.model` (and `.vocab`); with `--format=tokenizer.json`
-it writes `/path/lm1b_sp32k.json`. Use either with `data.tokenizer=PATH`. Special
+writes `/path/lm1b_sp32k.model` (and `.vocab`); with `--format=tokenizer.json` it writes
+`/path/lm1b_sp32k.json`. Use either with `data.tokenizer=PATH`. Special
 ids match the byte tokenizer: 0 PAD, 1 BOS, 2 EOS (SentencePiece: 3 UNK; the BPE
 needs none, every byte is a token).
 """
@@ -72,8 +72,8 @@ def train(
 
 def train_bpe_json(texts: Iterator[str], output: str | os.PathLike[str], *, vocab_size: int) -> str:
   """Trains a byte-level BPE (GPT-2/Llama 3 style) on `texts` with the `tokenizers`
-  package; writes `<output>.json` and returns its path. Ids 0, 1, 2 are
-  `<|pad|>`, `<|begin_of_text|>` (BOS) and `<|end_of_text|>` (EOS)."""
+  package; writes `<output>.json` and returns its path. Ids 0, 1, 2 are `<|pad|>`,
+  `<|begin_of_text|>` (BOS) and `<|end_of_text|>` (EOS)."""
   # pylint: disable-next=import-outside-toplevel
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -1,14 +1,13 @@
 """Grain transformations from dataset records to fixed-shape LM batches.
 
-An *LM example* is a dict of `inputs`, `targets` (int32 [n]) and
-`weights` (float32 [n]); position `t` is trained to predict
-`targets[t]` from `inputs[:t + 1]` with loss weight `weights[t]`.
-Rows of a batch add `segment_ids` (int32 [L]; 0 = padding, documents
-`1..k`) and `positions` (int32 [L]; restarting at 0 in every document).
-Tasks with continuous data add `features` (float32 [n, F], model inputs) and/or
-`values` (float32 [n, O], regression targets); such examples are padded, never packed.
-Until the last pipeline stage every element also carries `num_truncated`,
-how many source examples it holds that were cut to `seq_len`.
+An *LM example* is a dict of `inputs`, `targets` (int32 [n]) and `weights` (float32 [n]);
+position `t` is trained to predict `targets[t]` from `inputs[:t + 1]` with loss weight
+`weights[t]`. Rows of a batch add `segment_ids` (int32 [L]; 0 = padding, documents `1..k`)
+and `positions` (int32 [L]; restarting at 0 in every document). Tasks with continuous data
+add `features` (float32 [n, F], model inputs) and/or `values` (float32 [n, O], regression
+targets); such examples are padded, never packed. Until the last pipeline stage every
+element also carries `num_truncated`, how many source examples it holds that were cut to
+`seq_len`.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ _DTYPES = {"inputs": np.int32, "targets": np.int32, "weights": np.float32}
 
 
 def empty_example(like: LMExample | None = None) -> LMExample:
-  """A zero-length example (it becomes an all-padding row), with the continuous fields
-  of `like` (zero rows of their width)."""
+  """A zero-length example (it becomes an all-padding row), with the continuous fields of
+  `like` (zero rows of their width)."""
   out = {key: np.zeros(0, dtype) for key, dtype in _DTYPES.items()}
   for key in CONTINUOUS:
     if like is not None and key in like:
@@ -61,9 +60,9 @@ class TaskToLM(grain.transforms.Map):
 class TextToLM(grain.transforms.Map):
   """Tokenizes a text record into a next-token-prediction example.
 
-  The document `[BOS] + encode(text) + [EOS]` (ids below 0, i.e. special
-  tokens a SentencePiece model lacks, are left out) is split into
-  `inputs = doc[:-1]` and `targets = doc[1:]`, all weighted 1.
+  The document `[BOS] + encode(text) + [EOS]` (ids below 0, i.e. special tokens a
+  SentencePiece model lacks, are left out) is split into `inputs = doc[:-1]` and
+  `targets = doc[1:]`, all weighted 1.
   """
 
   def __init__(self, tokenizer: tokenizers.Tokenizer, text_key: str):
@@ -134,8 +133,8 @@ def pack(ds: grain.IterDataset, *, seq_len: int, num_bins: int, seed: int) -> gr
     seed: seed of the row order within each group of `num_bins` rows.
 
   Returns:
-    Rows with `segment_ids` and `positions`; documents never share a
-    segment id within a row and never straddle rows.
+    Rows with `segment_ids` and `positions`; documents never share a segment id within a
+    row and never straddle rows.
   """
   packed = grain.experimental.FirstFitPackIterDataset(
     ds,
@@ -166,10 +165,9 @@ class PadBatch(grain.transforms.Map):
 class BatchIterator(grain.DatasetIterator):
   """The iterator `make_dataset` returns.
 
-  Yields dicts of numpy arrays `inputs`, `targets`, `weights`,
-  `segment_ids` and `positions`, each [batch, seq_len].
-  It removes `num_truncated` from the batches, adds it up (exposed as
-  `num_truncated`, kept in the checkpointable state) and logs the total
+  Yields dicts of numpy arrays `inputs`, `targets`, `weights`, `segment_ids` and
+  `positions`, each [batch, seq_len]. It removes `num_truncated` from the batches, adds it
+  up (exposed as `num_truncated`, kept in the checkpointable state) and logs the total
   when it grows, at most once a minute.
   """
 

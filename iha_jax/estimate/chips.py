@@ -32,9 +32,8 @@ class Chip:
 
 CHIPS = {
   "v5p": Chip("v5p", 2, 1.75e9, 2.765e12, 459e12),
-  # v5e and v6e: clocks from their public peaks and MXU counts; their schedules put the
-  # calibration matmul 17% under (v5e) and 27% over (v6e) its time at peak, so compare
-  # implementations there, not absolute times.
+  # v5e and v6e: clocks from their public peaks and MXU counts; their schedules misplace
+  # the calibration matmul (`uncalibrated`): compare implementations there, not times.
   "v5e": Chip("v5e", 1, 1.5e9, 8.19e11, 197e12, uncalibrated="matmul -17%"),
   "v6e": Chip("v6e", 1, 1.75e9, 1.64e12, 918e12, mxu_edge=256, uncalibrated="matmul +27%"),
 }

@@ -3,10 +3,9 @@
 An IHA layer attends over `T = N*P` virtual tokens (`t = n*P + p`, docs/design.md §1.3), so a
 head's map is `[T, T]` and shows P x P blocks: pseudo-query p of token n against the
 pseudo-keys of token m. The maps are the layer's own call with
-`return_probabilities=True` (the XLA attention core's log-sum-exp and mask, as in
-training: the kind's `probability_implementations` through
-`iha_jax.kinds.registry.attend`), dense in keys (O(T^2) output: for small N); MHA layers
-give `[N, N]` maps (P = 1). Layers are numbered from 1, as everywhere in the project.
+`return_probabilities=True` (the XLA core's weights under the training mask), dense in
+keys (O(T^2) output: for small N); MHA layers give `[N, N]` maps (P = 1). Layers are
+numbered from 1, as everywhere in the project.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""Attention kinds: one record per kind (`AttentionKind`), one file per kind, and the
-registry that checks, resolves and runs their calls.
+"""Attention kinds: one record per kind (`AttentionKind`) in its own file with its checked
+entry point (`iha_attention`, ..., re-exported by `iha_jax.ops`), and the registry that
+checks, resolves and runs their calls.
 
 A record holds a kind's schedule letters, parameter layout, layer core, implementations
-(callables), entry-point checks, FLOP count and decoding support (`iha_jax.kinds.base`);
-the NNX and Linen layers, `TransformerLM`, KV-cache decoding and the budgets read it. A
-new kind is a subclass of `AttentionKind` in its own file plus `register(NewKind())`
-(below for the built-ins); its layer core calls `attend(record, *arrays, options=...)`, the
-one checked call every entry point and layer makes.
-Each built-in kind's file also holds its checked entry point (`iha_attention`, ...),
-which `iha_jax.ops` re-exports.
-
-Layering (docs/design.md §8): `iha_jax.core` <- `iha_jax.kernels` <- `iha_jax.kinds`
-<- `iha_jax.ops` and `iha_jax.nn`.
+(callables), entry-point checks, FLOP count and decoding support; the layers, the models,
+decoding and the budgets read it. A new kind is a subclass of `AttentionKind` plus
+`register(NewKind())` (below for the built-ins). Layering (docs/design.md §8):
+`iha_jax.core` <- `iha_jax.kernels` <- `iha_jax.kinds` <- `iha_jax.ops` and `iha_jax.nn`.
 """
 
 from iha_jax.kinds import registry

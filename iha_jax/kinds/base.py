@@ -1,13 +1,9 @@
-"""The record of an attention kind (`AttentionKind`) and what the records share.
+"""The record of an attention kind (`AttentionKind`; `iha_jax.kinds` says what it holds)
+and the parameter specs and projections the records share.
 
-A kind's record says everything the layers, the models, decoding and the budgets need:
-its schedule letters, its parameters (shapes, logical axes, initialisers), the layer's
-core (projections to per-head outputs), its implementations (callables: the pure
-functions of `iha_jax.core`, the kernels and their `shard_map` wrappers), the checks of
-its entry point's arrays, its FLOP count, and whether and how it decodes. The base class
-holds the defaults of a plain attention layer (`wq, wk, wv: [D, H, d]`, `wo: [H, d, D]`,
-RoPE, one virtual token per token); each kind overrides what differs. Records are
-stateless singletons registered in `iha_jax.kinds.registry`.
+The base class holds the defaults of a plain attention layer (`wq, wk, wv: [D, H, d]`,
+`wo: [H, d, D]`, RoPE, one virtual token per token); each kind overrides what differs.
+Records are stateless singletons registered in `iha_jax.kinds.registry`.
 """
 
 from __future__ import annotations
@@ -47,8 +43,7 @@ PROJECTION_OPTIONS = ("qk_norm", "use_bias")
 
 
 class LayerConfig(Protocol):
-  """What the records read of a layer's configuration: `iha_jax.kinds.config.AttentionConfig`
-  is one (it validates itself through the records, so this module cannot import it)."""
+  """What the records read of a layer's configuration (`AttentionConfig`)."""
 
   @property
   def model_dim(self) -> int: ...
@@ -108,7 +103,7 @@ def projection_spec(
 
 def check_no_groups(cfg: LayerConfig, why: str) -> None:
   """Raises ValueError for `num_kv_heads` < `num_heads` in a kind without a grouped-query
-  form (`why`: what it does with whole heads)."""
+  form (`why`)."""
   if cfg.kv_heads != cfg.num_heads:
     raise ValueError(
       f"num_kv_heads={cfg.num_kv_heads}: {cfg.kind} attention has no grouped-query form "
@@ -124,8 +119,7 @@ def output_spec(cfg: LayerConfig, kernel_init: Initializer) -> ParamSpec:
 
 def projection_option_specs(cfg: LayerConfig) -> dict[str, ParamSpec]:
   """The parameters of `qk_norm` (`q_norm, k_norm: [d]`, ones) and `use_bias` (`bq:
-  [H, d]`, `bk, bv: [G, d]`, `bo: [out]`, zeros) for the kinds whose projections are
-  `project_qkv`'s; none when both are off."""
+  [H, d]`, `bk, bv: [G, d]`, `bo: [out]`, zeros) of the kinds that `project_qkv`."""
   specs = {}
   d = cfg.head_dim
   if cfg.qk_norm:
@@ -156,9 +150,8 @@ def _source_heads(params: Params, x: jax.Array, which: str, name: str) -> jax.Ar
 
 
 def project_qkv(params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Source-head projections `x: [B, N, D]` -> q `[B, N, H, d]`, k, v `[B, N, G, d]`,
-  with the layer's biases and query/key RMSNorm where `params` has them (`qk_norm`,
-  `use_bias`), tagged for remat."""
+  """Source-head projections `x: [B, N, D]` -> q `[B, N, H, d]`, k, v `[B, N, G, d]`, with
+  biases and query/key RMSNorm where `params` has them, tagged for remat."""
   return (
     _source_heads(params, x, "q", QUERY_PROJ),
     _source_heads(params, x, "k", KEY_PROJ),
@@ -179,10 +172,9 @@ class AttentionKind:
   Class attributes:
     name: the kind's name (`AttentionConfig.kind`, the registry's key).
     letters: its schedule letters (global and/or sliding-window layers).
-    implementations: `{name: callable}`, each taking the kind's arrays then one
-      `AttentionOptions` (checked, positions defaulted) and computing the same function;
-      "reference" and "xla" at least. A new implementation is one entry here ("auto"
-      may pick it only where `registry.resolve` names it).
+    implementations: `{name: callable}`, each taking the kind's arrays, then the checked
+      `AttentionOptions` (positions defaulted), and computing the same function;
+      "reference" and "xla" at least ("auto" picks one where `registry.resolve` names it).
     config_fields: `AttentionConfig` fields only this kind reads (e.g. IHA's
       `num_pseudo`); a model passes them to its layers of this kind only.
     virtual_tokens: the kind attends over virtual tokens (P per token): its window is
@@ -191,20 +183,14 @@ class AttentionKind:
     mixing_params: its identity-initialised head mixings (weight decay switch, noise).
     dropout_implementations: its implementations that apply attention dropout
       (`AttentionOptions.dropout_rate`); the others refuse a rate > 0 in one line.
-    probability_implementations: `{name: callable}` taking the same arrays and options
-      as `implementations` and returning the attention probabilities, float32
-      `[B, H, T, T]` over the kind's T virtual tokens (attention maps); "xla" where the
-      kind has them (IHA, MHA), none otherwise (`registry.resolve` picks it).
-    decodes: the layer's cached call and cross-attention read the kind as pseudo-head
-      attention (`entry_arrays`, `pseudo_heads`, `collapse`; wq, wk, wv and wo
-      projections).
-    sequence_roles: one per array argument of its implementations: "q" (query side,
-      `[B, N, ...]`), "kv" (key side, `[B, N, ...]`), "-" (anything else): how a
-      `context` mesh axis splits them (`iha_jax.parallel.context`); None: it cannot run
-      sequence-sharded.
-
-  Its entry point (`iha_attention`, ...) is `registry.attend(record, *arrays, options=)`:
-  `check_arrays`, the shared options checks, "auto" from `auto_inputs`, the call.
+    probability_implementations: `{"xla": callable}` (IHA, MHA; none otherwise): the
+      arguments of `implementations` -> the attention probabilities, float32
+      `[B, H, T, T]` over the kind's T virtual tokens.
+    decodes: the layer's cached call, cross-attention and probabilities read the kind as
+      pseudo-head attention (`entry_arrays`, `pseudo_heads`, `collapse`; wq, wk, wv, wo).
+    sequence_roles: one per array argument of its implementations, "q" (query side),
+      "kv" (key side) or "-": how a `context` mesh axis splits them
+      (`iha_jax.parallel.context`); None: it cannot run sequence-sharded.
   """
 
   name: ClassVar[str]
@@ -252,14 +238,14 @@ class AttentionKind:
 
   def check_arrays(self, *arrays: jax.Array, sliced: bool = False) -> None:
     """Raises ValueError naming the argument for arrays this kind cannot take (ranks,
-    shapes, dtypes); `attend` then checks the options against the queries `arrays[0]`
-    `[B, N, ...]`. `sliced=True` (passed to kinds that decode only, for a cached call):
-    the keys may be longer than the queries. Default: nothing beyond that."""
+    shapes, dtypes) before `attend` checks the options against the queries `arrays[0]`
+    `[B, N, ...]`. `sliced=True` (kinds that decode only, a cached call): the keys may be
+    longer than the queries."""
 
   def auto_inputs(self, *arrays: jax.Array) -> tuple[jax.Array, jax.Array | None, int]:
-    """What "auto" weighs for a call (`registry.resolve`): the queries `[B, N, H, d]`,
-    the values `[B, N, G, dv]` (None: a kind without cuDNN or materialised paths), and how
-    many copies of q, k and v a materialising implementation makes (IHA's P)."""
+    """What "auto" weighs (`registry.resolve`): the queries `[B, N, H, d]`, the values
+    `[B, N, G, dv]` (None: a kind without cuDNN or materialised paths) and the copies of
+    q, k and v a materialising implementation makes (IHA's P)."""
     return arrays[0], None, 1
 
   # --- parameters and the layer's core ---------------------------------------------
@@ -294,12 +280,10 @@ class AttentionKind:
   def entry_arrays(
     self, params: Params, q: jax.Array, k: jax.Array, v: jax.Array, cfg: LayerConfig
   ) -> tuple[jax.Array, ...]:
-    """The arrays of the kind's entry point (`registry.attend`) on projected source heads
-    q `[B, N, H, d]` and k, v `[B, Nk, G, d]`: those and the kind's mixings from `params`
-    (IHA: `(q, k, v, alpha_q, alpha_k, alpha_v, collapse)`). Kinds that decode define it:
-    the layer hands them to the registry for its cached call (keys the cache holds and
-    the new ones, queries at `options.query_offset`), cross-attention and probabilities,
-    and their `core` is the projections and then their entry point on these."""
+    """The arrays of the kind's entry point on projected source heads q `[B, N, H, d]` and
+    k, v `[B, Nk, G, d]`: those and the kind's mixings from `params` (IHA: `(q, k, v,
+    alpha_q, alpha_k, alpha_v, collapse)`). Kinds that decode define it: the layer's
+    cached call, cross-attention and probabilities pass them to `registry.attend`."""
     raise ValueError(
       f"{self.name} attention has no cached call, cross-attention or attention "
       "probabilities (its kind does not read as pseudo-head attention: "

@@ -1,8 +1,6 @@
-"""`AttentionConfig`: the static description of one attention layer, for every kind.
-
-Fields every kind reads are checked here; what only one kind reads is checked by its
-record (`AttentionKind.validate`), so a configuration fails on construction, naming the
-field, before anything is traced.
+"""`AttentionConfig`: the static description of one attention layer, for every kind,
+checked on construction (what only one kind reads by its record, `AttentionKind.validate`)
+so that a bad field is named before anything is traced.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from iha_jax.kinds.base import AttentionKind
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  """Static description of one attention layer (validated on construction).
+  """Static description of one attention layer.
 
   Attributes:
     model_dim: D, width of the input and output `[B, N, D]`.
@@ -33,12 +31,11 @@ class AttentionConfig:
       attention refuse it.
     kind: a registered kind (`iha_jax.kinds.names()`): "iha" (Interleaved Head
       Attention), "mha", "talking_heads", "diff" (differential), "simplicial".
-    num_pseudo: P pseudo-heads per head (IHA only; None means P = H, the paper's default,
-      stored resolved: an IHA layer's `num_pseudo` is always its P).
+    num_pseudo: P pseudo-heads per head (IHA only; None: P = H, the paper's default;
+      stored resolved).
     window: sliding window in the kind's sequence units: VIRTUAL tokens for IHA (`N * P`
       per sequence), tokens for the other kinds; None is global.
-    rope_theta: RoPE base; None disables RoPE (kinds without RoPE, 2-simplicial, store
-      None whatever is given).
+    rope_theta: RoPE base; None disables RoPE (2-simplicial attention stores None).
     collapse_mode: "full" (`collapse: [H, H, P]`) or "per_head" (`[H, P]`), IHA only.
     causal: causal attention; False: bidirectional (encoders).
     layer: the layer's number, counted from 1; sets differential attention's
@@ -46,16 +43,13 @@ class AttentionConfig:
     dtype: computation dtype; None promotes the input and parameter dtypes.
     implementation: the attention core's implementation, one of the kind's
       (`iha_jax.kinds.registry.implementations`) or "auto".
-    dropout_rate: attention dropout, the probability of dropping each attention weight
-      while training (the layers apply it only when not deterministic); 0: none. Only
-      the implementations of the kind's `dropout_implementations` ("xla") do it.
-    qk_norm: RMSNorm of every source query and key head over its d features, with
-      learned scales `q_norm, k_norm: [d]` (float32 statistics, eps 1e-6), after the
-      projection and before IHA's mixing and RoPE (docs/design.md); IHA, MHA and
-      Talking-Heads.
-    use_bias: biases on the projections: `bq: [H, d]`, `bk, bv: [G, d]` (added before
-      mixing and RoPE) and `bo: [out_features]`, zeros at init; IHA, MHA and
-      Talking-Heads.
+    dropout_rate: the probability of dropping each attention weight while training (not
+      deterministic); 0: none. Only the kind's `dropout_implementations` ("xla") do it.
+    qk_norm: RMSNorm of every source query and key head over its d features (learned
+      `q_norm, k_norm: [d]`, float32 statistics, eps 1e-6) after the projection, before
+      IHA's mixing and RoPE; IHA, MHA and Talking-Heads.
+    use_bias: projection biases `bq: [H, d]`, `bk, bv: [G, d]` (before mixing and RoPE)
+      and `bo: [out_features]`, zeros at init; IHA, MHA and Talking-Heads.
     out_features: width of the output `[B, N, out_features]`; None: `model_dim`.
   """
 
@@ -164,9 +158,8 @@ _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AttentionConfig
 
 
 def effective_num_pseudo(num_pseudo: int | None, num_heads: int) -> int:
-  """IHA's P: `num_pseudo`, or H (`num_heads`) when None, the paper's default. The one
-  place that reads None as H (`AttentionConfig`, the trainer's "auto" window, labels);
-  ValueError naming `num_pseudo` unless it is None or a positive integer."""
+  """IHA's P: `num_pseudo`, or H (`num_heads`) when None (the paper's default), the one
+  place that reads None as H; ValueError unless None or a positive integer."""
   check_positive("num_pseudo", num_pseudo, optional=True)
   return num_heads if num_pseudo is None else num_pseudo
 

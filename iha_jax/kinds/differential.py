@@ -84,20 +84,10 @@ class Differential(AttentionKind):
       raise ValueError(f"lam must be a scalar or [H] = [{h}], got shape {tuple(jnp.shape(lam))}.")
 
   def layer_heads(self, num_heads):
-    if num_heads % 2:
-      raise ValueError(
-        f"num_heads must be even for 'D' (differential) layers, which use "
-        f"num_heads/2 heads of value width 2*head_dim; got {num_heads}"
-      )
-    return num_heads // 2
+    return _halved("num_heads", num_heads, "heads of value width 2*head_dim")
 
   def layer_kv_heads(self, num_kv_heads):
-    if num_kv_heads % 2:
-      raise ValueError(
-        f"num_kv_heads must be even for 'D' (differential) layers, which use "
-        f"num_kv_heads/2 key/value heads (each with two key maps); got {num_kv_heads}"
-      )
-    return num_kv_heads // 2
+    return _halved("num_kv_heads", num_kv_heads, "key/value heads (each with two key maps)")
 
   def value_dim(self, cfg):
     return 2 * cfg.head_dim
@@ -148,6 +138,14 @@ class Differential(AttentionKind):
 
 
 DIFFERENTIAL = Differential()
+
+
+def _halved(name: str, count: int, what: str) -> int:
+  if count % 2:
+    raise ValueError(
+      f"{name} must be even for 'D' (differential) layers, which use {name}/2 {what}; got {count}"
+    )
+  return count // 2
 
 
 def diff_attention(

@@ -142,9 +142,8 @@ def iha_attention(
     alpha_k, alpha_v: key/value mixing `[G, G, P]`.
     collapse: `[H, H, P]` (full) or `[H, P]` (per_head).
     options: the shared options (`AttentionOptions`; `window` in VIRTUAL tokens here).
-    **overrides: any `AttentionOptions` field as a keyword (`window=`, `segment_ids=`,
-      `positions=`, `rope_theta=`, `causal=`, `block_sizes=`, `implementation=`),
-      applied over `options`.
+    **overrides: any `AttentionOptions` field as a keyword (`window=8`, ...), applied
+      over `options`.
 
   Returns:
     `[B, N, H, d]` in q.dtype, before the output projection.

@@ -1,7 +1,5 @@
-"""Initializers for the head-mixing parameters (IHA's mixing and collapse, Talking-Heads).
-
-All follow the standard `jax.nn.initializers` signature `(key, shape, dtype)`.
-"""
+"""Initializers (`jax.nn.initializers`' `(key, shape, dtype)`) for the head mixings of IHA
+and Talking-Heads, each plus optional `N(0, noise_std)` noise, and `fold_fan_in`."""
 
 from __future__ import annotations
 
@@ -22,11 +20,8 @@ def _with_noise(base: jax.Array, key: jax.Array, noise_std: float, dtype) -> jax
 
 
 def identity_mixing_init(noise_std: float = 0.0) -> Initializer:
-  """Initializer for `alpha_*: [H, H, P]` (source m, target h, pseudo p).
-
-  `alpha[m, h, p] = 1 if m == h else 0` for every p, plus optional `N(0, noise_std)`
-  noise: every pseudo-head of head h starts as a copy of source head h.
-  """
+  """`alpha_*: [H, H, P]` (source m, target h, pseudo p) `= 1 if m == h else 0`: every
+  pseudo-head of head h starts as a copy of source head h."""
 
   def init(key: jax.Array, shape: Shape, dtype=jnp.float32) -> jax.Array:
     if len(shape) != 3 or shape[0] != shape[1]:
@@ -38,12 +33,8 @@ def identity_mixing_init(noise_std: float = 0.0) -> Initializer:
 
 
 def identity_collapse_init(noise_std: float = 0.0) -> Initializer:
-  """Initializer for `collapse`: `[H, H, P]` ("full") or `[H, P]` ("per_head").
-
-  Full: `collapse[h, h', p] = 1/P if h == h' else 0`; per_head: `collapse[h, p] = 1/P`;
-  plus optional `N(0, noise_std)` noise. Each head starts as the mean of its own P
-  pseudo-head outputs.
-  """
+  """`collapse: [H, H, P]` ("full", `= 1/P if h == h' else 0`) or `[H, P]` ("per_head",
+  `1/P`): each head starts as the mean of its own P pseudo-head outputs."""
 
   def init(key: jax.Array, shape: Shape, dtype=jnp.float32) -> jax.Array:
     if len(shape) == 3 and shape[0] == shape[1]:
@@ -60,9 +51,8 @@ def identity_collapse_init(noise_std: float = 0.0) -> Initializer:
 
 
 def identity_talking_init(noise_std: float = 0.0) -> Initializer:
-  """Initializer for Talking-Heads' `talk_logits, talk_weights: [H, H]`: the identity
-  (each head talks only to itself: plain multi-head attention), plus optional
-  `N(0, noise_std)` noise."""
+  """Talking-Heads' `talk_logits, talk_weights: [H, H]`: the identity (each head talks only
+  to itself: plain multi-head attention)."""
 
   def init(key: jax.Array, shape: Shape, dtype=jnp.float32) -> jax.Array:
     if len(shape) != 2 or shape[0] != shape[1]:

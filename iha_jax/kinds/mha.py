@@ -15,7 +15,9 @@ from iha_jax.kernels.sharded import mha_on_current_mesh, splash_on_current_mesh
 from iha_jax.kinds import registry
 from iha_jax.kinds.base import PROJECTION_OPTIONS, AttentionKind, Letter, project_qkv
 
-# Under shard_map on a mesh; one object for both GPU names (see "pallas_gpu_mha" below).
+# Under shard_map on a mesh. One object for both GPU names: nothing to materialise, so
+# "auto" sees no path of its own in "pallas_gpu_mha", which a model-wide choice of it
+# still finds for MHA and differential layers.
 _GPU_KERNEL = functools.partial(mha_on_current_mesh, platform="gpu")
 
 
@@ -34,9 +36,6 @@ class MultiHead(AttentionKind):
     "xla": mha_xla,
     "pallas_tpu": functools.partial(mha_on_current_mesh, platform="tpu"),
     "pallas_gpu": _GPU_KERNEL,
-    # Nothing to materialise: the same kernel (the same object, so that "auto" does not
-    # take it for a path of its own), so that a model-wide
-    # implementation="pallas_gpu_mha" also serves MHA and differential layers.
     "pallas_gpu_mha": _GPU_KERNEL,
     "cudnn": mha_cudnn,
     "splash": splash_on_current_mesh,  # jax's splash attention kernel (TPU)

@@ -1,21 +1,14 @@
 """The registered attention kinds: their records, schedule letters and implementations,
-"auto", and the one checked call every kind's entry point makes.
+"auto", and `attend`, the one checked call of every kind's entry point and layer.
 
-`register(record)` adds a kind: its record (`AttentionKind`), its letters
-(`TransformerConfig`'s schedule) and its implementations (callables in the record, so
-`implementation=` resolves for it). The built-in kinds register when `iha_jax.kinds` is
-imported; nothing else lists them.
-
-`attend(kind, *arrays, options=...)` is the entry point's whole work, written once for
-every kind: the record's array checks (`AttentionKind.check_arrays`), the shared options
-checks, "auto" resolved (`resolve`), the implementation looked up (`lookup`: run
-context-parallel on a mesh with a `context` axis) and called. Every implementation of
-one kind takes the same arguments (the kind's arrays, then the checked
-`AttentionOptions`) and computes the same function. Kernel implementations run inside
-`shard_map` when a mesh is current (`iha_jax.kernels.sharded`), so callers never choose
-between the kernels and their sharded wrappers. The layers make this one call for every
-use (`iha_jax.nn.call`): its `new_tokens` (a cached call's) and `probabilities` (attention
-maps, from a kind's `probability_implementations`) are facts that `resolve` weighs.
+`register(record)` adds a kind (`AttentionKind`), its letters (`TransformerConfig`'s
+schedule) and its implementations; the built-ins register when `iha_jax.kinds` is
+imported. `attend(kind, *arrays, options=...)` runs the record's array checks and the
+shared options checks, resolves "auto" (`resolve`), looks the implementation up
+(`lookup`: context-parallel on a mesh with a `context` axis) and calls it. Every
+implementation of a kind takes the kind's arrays, then the checked `AttentionOptions`, and
+computes the same function; kernels run inside `shard_map` when a mesh is current
+(`iha_jax.kernels.sharded`). The layers make this one call too (`iha_jax.nn.call`).
 
 | kind | entry point | implementations |
 | --- | --- | --- |
@@ -25,10 +18,6 @@ maps, from a kind's `probability_implementations`) are facts that `resolve` weig
 | talking_heads | `talking_heads_attention` | reference, xla |
 | diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu(_mha), splash (via mha) |
 | simplicial | `simplicial_attention` | reference, xla |
-
-On a mesh with a `context` axis (sequence sharding, `iha_jax.parallel.context`) each shard
-runs one of the `SLICED` implementations (queries at an offset into longer keys): every
-one above but cuDNN and splash (their masks are static).
 """
 
 from __future__ import annotations
@@ -66,15 +55,7 @@ AUTO = "auto"
 # visit only the key tiles a shard's queries see; cuDNN's attention does not (its packed
 # layout is private to jax), so "auto" skips it under a context axis.
 SLICED = frozenset(
-  {
-    "reference",
-    "xla",
-    "pallas_tpu",
-    "pallas_tpu_window",
-    "pallas_gpu",
-    "pallas_gpu_window",
-    "pallas_gpu_mha",
-  }
+  "reference xla pallas_tpu pallas_tpu_window pallas_gpu pallas_gpu_window pallas_gpu_mha".split()
 )
 
 
@@ -119,7 +100,7 @@ def register(record: AttentionKind) -> AttentionKind:
 
 
 def unregister(name: str) -> None:
-  """Removes kind `name` and its letters (a kind a test or an experiment registered)."""
+  """Removes kind `name` and its letters (one a test or an experiment registered)."""
   record = get(name)
   for letter in record.letters:
     _LETTERS.pop(letter.letter, None)
@@ -185,15 +166,13 @@ def check_implementation_name(implementation: Any) -> None:
     )
 
 
-_AUTO_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-  "iha_auto_backend", default=None
-)
+_AUTO_BACKEND = contextvars.ContextVar[str | None]("iha_auto_backend", default=None)
 
 
 @contextlib.contextmanager
 def auto_backend(backend: str) -> Iterator[None]:
-  """Resolves "auto" as on `backend` ("tpu", "gpu", "cpu") inside the block: for programs
-  lowered on this host for another platform (compile-only targets)."""
+  """Resolves "auto" as on `backend` ("tpu", "gpu", "cpu") inside the block (programs
+  lowered here for another platform: compile-only targets)."""
   token = _AUTO_BACKEND.set(backend)
   try:
     yield
@@ -202,24 +181,15 @@ def auto_backend(backend: str) -> Iterator[None]:
 
 
 # "auto" materialises IHA's pseudo q/k/v (P times q, k and v) only below this many bytes
-# per device for one call: a model saves them per layer for its backward pass, so the
-# paper's 2.4B step at P = 20 would not fit an H100 that way, while the ~350M benchmark
-# model (configs/iha_350m.py) stays under the limit (docs/performance.md §12, §14).
+# per device for one call: a model saves them per layer for its backward pass, which the
+# paper's 2.4B step at P = 20 could not afford on an H100 (docs/performance.md §12, §14).
 MATERIALISE_LIMIT_BYTES = 2**30
 
 
 def _devices_sharing() -> int:
-  """Devices the arrays being traced are split over: the current mesh's axes that are not
-  manual (inside `shard_map` the arrays are already per-device)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return 1
-  free = [
-    size
-    for size, axis_type in zip(mesh.axis_sizes, mesh.axis_types)
-    if axis_type != jax.sharding.AxisType.Manual
-  ]
-  return math.prod(free)
+  """Devices the traced arrays are split over: the current mesh's non-manual axes."""
+  mesh, manual = jax.sharding.get_abstract_mesh(), jax.sharding.AxisType.Manual
+  return math.prod(size for size, kind in zip(mesh.axis_sizes, mesh.axis_types) if kind != manual)
 
 
 def materialised_bytes(q, v, num_pseudo: int) -> int:
@@ -241,31 +211,22 @@ def resolve(
   new_tokens: int | None = None,
   probabilities: bool = False,
 ) -> str:
-  """The implementation a call of `kind` runs: `implementation` itself after checking that
-  `kind` has it, or for "auto" the fastest path measured on the current backend (or
-  `auto_backend`'s), given the call's `q`, `v`, `options` (and IHA's P as `num_pseudo`):
-  - a cached call of one token (`new_tokens == 1`): "xla", whose core needs no tiles
-    for the token's P query rows;
-  - GPU: cuDNN's attention where the call allows it (`cudnn_attention.unsupported`
-    finds nothing; not for `sliced` calls: sequence shards, which only the `SLICED`
-    implementations take); else, where a kind's "pallas_gpu_mha" is its own path (IHA:
-    materialised pseudo q/k/v + the Pallas MHA kernel), that; IHA takes either only
-    while `materialised_bytes` stays within `MATERIALISE_LIMIT_BYTES`; else the Pallas
-    kernels ("pallas_gpu");
-  - TPU: the implementation libtpu's schedule estimates fastest for the call's shape
-    class (`tpu_auto.choose`: the committed ranking `tpu_ranking`, regenerated by
-    `benchmarks/tpu_estimate.py --write_ranking`) among those that take the call (the
-    on-chip window path: windows it can tile, `tpu_window.unsupported`), else the Pallas
-    kernels;
+  """The implementation a call of `kind` runs: `implementation` itself (checked to be the
+  kind's), or for "auto" the fastest measured on the current backend (or `auto_backend`'s)
+  for the call's `q`, `v`, `options` and P (`num_pseudo`):
+  - one new token of a cached call (`new_tokens == 1`): "xla" (no tiles for P query rows);
+  - GPU: cuDNN where `cudnn_attention.unsupported` finds nothing, unless the call is
+    `sliced` (a sequence shard, which only `SLICED` implementations take); else a kind's
+    own "pallas_gpu_mha" (IHA: materialised pseudo q/k/v + the Pallas MHA kernel); IHA
+    takes either only within `MATERIALISE_LIMIT_BYTES` (`materialised_bytes`); else
+    "pallas_gpu", which ran within noise of "pallas_gpu_mha" on an H200 in window layers
+    and faster in global ones, and saves one P-sized array for the backward, not four
+    (docs/performance.md §12);
+  - TPU: the ranking's fastest for the call's shape class (`tpu_auto.choose`) among the
+    implementations that take the call (`tpu_window.unsupported`), else "pallas_tpu";
   - elsewhere, or where a kind has none of these: "xla".
-  On an H200 "pallas_gpu_mha" and "pallas_gpu" ran within noise of each other in the
-  window layer and in the packed 350M step, and "pallas_gpu" faster in a global layer
-  (docs/performance.md §12); over the limit "pallas_gpu" serves: it saves one P-sized
-  array for the backward (the pseudo output), not four.
-
-  `probabilities`: the call asks for the attention probabilities: "xla", whatever
-  `implementation` computes the outputs (the kind's `probability_implementations`;
-  ValueError for a kind without them).
+  `probabilities` (attention maps): "xla", the kind's `probability_implementations`
+  (ValueError for a kind without them).
   """
   record = _record(kind)
   check_implementation_name(implementation)
@@ -320,22 +281,15 @@ def _auto_tpu(record: AttentionKind, q, v, options, num_pseudo: int, sliced: boo
   return tpu_auto.choose(record.name, num_pseudo, windowed, available, sliced=sliced, small=small)
 
 
-# Kernels and the platform whose hardware runs them (elsewhere: Pallas' interpreter).
-_KERNEL_PLATFORMS = {
-  "pallas_tpu": "tpu",
-  "pallas_tpu_window": "tpu",
-  "pallas_gpu": "gpu",
-  "pallas_gpu_window": "gpu",
-}
+# The Pallas kernels and the platform whose hardware runs them (elsewhere: the interpreter).
+_KERNEL_PLATFORMS = {name: name.split("_")[1] for name in SLICED if name.startswith("pallas")}
 _WARNED: set[str] = set()
 
 
 def _warn_if_interpreted(implementation: str) -> None:
-  """Warns once per implementation that an explicitly named kernel runs interpreted
-  (its platform is not this process's backend, and no `auto_backend` compile target)."""
+  """Warns once per implementation that an explicitly named Pallas kernel runs
+  interpreted (its platform is not this process's backend, and no `auto_backend` target)."""
   platform = _KERNEL_PLATFORMS.get(implementation)
-  if implementation == "pallas_gpu_mha":
-    platform = "gpu"
   if platform is None or implementation in _WARNED or _AUTO_BACKEND.get() is not None:
     return
   if jax.default_backend() == platform:
@@ -360,32 +314,19 @@ def lookup(
   new_tokens: int | None = None,
   probabilities: bool = False,
 ) -> Callable[..., jax.Array]:
-  """The callable of `kind`'s `implementation` (`resolve`d first, from the call's `q`,
-  `v`, `options`, `num_pseudo`, `new_tokens` and `probabilities` where given).
-
-  It takes the kind's arrays and its `AttentionOptions`. On a mesh with a `context` axis
-  (given `q`, whose length it divides), the callable runs the implementation
-  context-parallel (`iha_jax.parallel.context.attend`) over the record's
-  `sequence_roles`; "auto" then takes the fastest implementation that can (`SLICED`: the
-  Pallas kernels on TPU and GPU, never cuDNN; "xla" for kinds without kernels). With
-  `probabilities`, the kind's probability implementation, never split.
+  """The callable of `kind`'s `implementation`, `resolve`d from the call's facts given; it
+  takes the kind's arrays and its `AttentionOptions`. On a mesh with a `context` axis
+  (given `q`, whose length it divides) it runs the implementation context-parallel
+  (`iha_jax.parallel.context.attend`) over the record's `sequence_roles`, "auto" then
+  among `SLICED`. With `probabilities`, the kind's probability implementation, never split.
   """
   record = _record(kind)
   # A call whose queries already sit at an offset into longer keys (a cached call) runs
   # whole: it is not split over the context axis again.
   at_offset = options is not None and options.sliced
   sharded = not probabilities and q is not None and not at_offset and context.applies(q.shape[1])
-  name = resolve(
-    record,
-    implementation,
-    q,
-    v,
-    options,
-    num_pseudo,
-    sliced=sharded,
-    new_tokens=new_tokens,
-    probabilities=probabilities,
-  )
+  facts = dict(new_tokens=new_tokens, probabilities=probabilities)
+  name = resolve(record, implementation, q, v, options, num_pseudo, sliced=sharded, **facts)
   if implementation != AUTO:
     _warn_if_interpreted(name)
   if probabilities:
@@ -467,16 +408,8 @@ def attend(
   q, v, num_pseudo = record.auto_inputs(*arrays)
   if options.dropout_rate:
     _check_dropout(record, options, q, v, num_pseudo)
-  fn = lookup(
-    record,
-    options.implementation,
-    q,
-    v,
-    options,
-    num_pseudo,
-    new_tokens=new_tokens,
-    probabilities=probabilities,
-  )
+  facts = dict(new_tokens=new_tokens, probabilities=probabilities)
+  fn = lookup(record, options.implementation, q, v, options, num_pseudo, **facts)
   return fn(*arrays, options)
 
 

@@ -1,14 +1,9 @@
 """What "auto" runs on TPU: the implementation libtpu's schedule estimates fastest.
 
-`tpu_ranking.RANKING` (generated: `python benchmarks/tpu_estimate.py --write_ranking`)
-holds, per shape class (kind, P, global or windowed), each TPU implementation's
-*estimated* forward and forward+backward time on one v5p chip at the paper's shape
-(docs/performance.md). `choose` takes the class nearest a call (same kind and mask, the
-nearest P on a log scale) and returns its fastest implementation by forward+backward
-time that the call can run: not "splash" for a sequence shard (a query offset: splash's
-masks are static) nor above the materialisation limit (its autodiff saves P-sized pseudo
-q/k/v). XLA's estimates are lower bounds (its band loops run a data-dependent number of
-times), so it is never ranked.
+`tpu_ranking.RANKING` holds, per shape class (kind, P, global or windowed), each TPU
+implementation's *estimated* forward and forward+backward time on one v5p chip at the
+paper's shape. XLA's estimates are lower bounds (its band loops run a data-dependent
+number of times), so it is never ranked.
 """
 
 from __future__ import annotations
@@ -39,9 +34,11 @@ def choose(
   sliced: bool,
   small: bool,
 ) -> str | None:
-  """The fastest ranked implementation of the class nearest (kind, P, windowed) among
-  `available`; "splash" only when the call is not `sliced` and materialises few enough
-  bytes (`small`). None when no ranked class fits (the caller's own default then)."""
+  """The fastest (forward+backward) implementation among `available` of the ranked class
+  nearest (kind, P, windowed): same kind and mask if ranked, the nearest P on a log scale.
+  "splash" only when the call is not `sliced` (a sequence shard: splash's masks are
+  static) and materialises few enough bytes (`small`: its autodiff saves the P-sized
+  pseudo q/k/v). None when no ranked class fits (the caller's own default then)."""
   candidates = [key for key in classes() if key[0] == kind and key[2] == windowed]
   if not candidates:
     candidates = [key for key in classes() if key[0] == kind]

@@ -20,11 +20,9 @@ MLP_TYPES = ("swiglu", "gelu", "none")
 
 
 def expand_schedule(schedule: str, num_layers: int) -> str:
-  """Repeats/truncates `schedule` to one letter per layer.
-
-  `expand_schedule("LLLLM", 10) == "LLLLMLLLLM"`, `expand_schedule("LLLLM", 3) == "LLL"`.
-  Raises ValueError for an empty schedule, an unknown letter or `num_layers < 1`.
-  """
+  """Repeats/truncates `schedule` to one letter per layer (`("LLLLM", 10)` ->
+  `"LLLLMLLLLM"`, `("LLLLM", 3)` -> `"LLL"`); ValueError for an empty schedule, an unknown
+  letter or `num_layers < 1`."""
   if not isinstance(schedule, str) or not schedule:
     raise ValueError(
       f"schedule must be a non-empty string of letters "
@@ -160,11 +158,8 @@ class TransformerConfig:
     return expand_schedule(self.attention_schedule, self.num_layers)
 
   def attention_config(self, letter: str, layer: int = 1) -> AttentionConfig:
-    """The `AttentionConfig` of a layer with schedule letter `letter`.
-
-    `layer` is the layer's number, counted from 1 (it sets differential attention's
-    lambda_init; the other built-in kinds ignore it).
-    """
+    """The `AttentionConfig` of a layer with schedule letter `letter`; `layer` counts from
+    1 (differential attention's lambda_init)."""
     record, spec = kinds.for_letter(letter)
     window_field = "iha_window" if record.virtual_tokens else "mha_window"
     shared = {"num_pseudo": self.num_pseudo, "collapse_mode": self.collapse_mode}

@@ -1,11 +1,9 @@
 """`TransformerLM` as pure functions of a parameter dict, with remat and scan-over-layers.
 
-This is how the trainer, the evaluator and the export tools run `TransformerLM`: the
-parameters are a plain nested dict (checkpoint-friendly, string keys), and the forward
-pass is the model's own: `embed_tokens`, each layer's `DecoderBlock` (rebuilt from its
-parameters with `nnx.merge`), the final norm and `output_logits`. Only the walk over
-the layers differs: a `jax.lax.scan` over schedule periods, each block under
-`jax.checkpoint`. `module(params)` gives back the `TransformerLM` itself. Layout:
+How the trainer, the evaluator and the export tools run it: the parameters are a plain
+nested dict (checkpoint-friendly, string keys) and the forward pass is the model's own
+(each `DecoderBlock` rebuilt with `nnx.merge`); only the walk over the layers differs, a
+`jax.lax.scan` over schedule periods, each block under `jax.checkpoint`. Layout:
 
     {"embedding": [V, D], "final_norm": {"scale": [D]}, ("lm_head": [D, V]),
      ("output_head": [D, O]), ("input_proj": [F, D]),

@@ -129,11 +129,9 @@ class DecoderBlock(nnx.Module):
   ) -> Any:
     """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32.
 
-    `layer` (the layer's number, counted from 1, may be traced) overrides the one the
-    block was built with (a scan over layers passes it; of the built-in kinds only
-    differential attention reads it). With a `cache` (the attention layer's, holding the
-    tokens before x) returns `(out, cache)`; with `return_probabilities`, `(out, the
-    attention probabilities [B, H, T, T])`: the attention layer's own call either way.
+    `layer` (counted from 1, may be traced) overrides the block's own (a scan over layers
+    passes it). With a `cache` (the attention layer's) returns `(out, cache)`; with
+    `return_probabilities`, `(out, probabilities [B, H, T, T])`, as the attention layer.
     """
     h = self.attn_norm(x)
     aux = None

@@ -38,19 +38,15 @@ class TransformerLM(nnx.Module):
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     self.config = config
     d, v = config.model_dim, config.vocab_size
+
+    def param(init, axes, shape):
+      return logical_param(init, axes, rngs.params(), shape, config.param_dtype)
+
     # Std D**-0.5: with tied embeddings the unit-RMS final activations then give logits
     # of unit scale, the same as the fan-in-initialised untied head.
-    self.embedding = logical_param(
-      jax.nn.initializers.normal(d**-0.5), (VOCAB, EMBED), rngs.params(), (v, d), config.param_dtype
-    )
+    self.embedding = param(jax.nn.initializers.normal(d**-0.5), (VOCAB, EMBED), (v, d))
     if config.input_features is not None:
-      self.input_proj = logical_param(
-        DEFAULT_KERNEL_INIT,
-        (FEATURES, EMBED),
-        rngs.params(),
-        (config.input_features, d),
-        config.param_dtype,
-      )
+      self.input_proj = param(DEFAULT_KERNEL_INIT, (FEATURES, EMBED), (config.input_features, d))
     self.layers = nnx.List(
       [
         DecoderBlock(config, letter, layer=i + 1, rngs=rngs)
@@ -61,17 +57,9 @@ class TransformerLM(nnx.Module):
       d, eps=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
     )
     if config.num_outputs is not None:
-      self.output_head = logical_param(
-        DEFAULT_KERNEL_INIT,
-        (EMBED, OUTPUTS),
-        rngs.params(),
-        (d, config.num_outputs),
-        config.param_dtype,
-      )
+      self.output_head = param(DEFAULT_KERNEL_INIT, (EMBED, OUTPUTS), (d, config.num_outputs))
     elif not config.tie_embeddings:
-      self.lm_head = logical_param(
-        DEFAULT_KERNEL_INIT, (EMBED, VOCAB), rngs.params(), (d, v), config.param_dtype
-      )
+      self.lm_head = param(DEFAULT_KERNEL_INIT, (EMBED, VOCAB), (d, v))
 
   def __call__(
     self,
@@ -121,11 +109,7 @@ class TransformerLM(nnx.Module):
 
   def logits(self, x: jax.Array) -> jax.Array:
     """Last block's output `x: [B, N, D]` -> float32 `[B, N, V or num_outputs]` (final
-    norm + head).
-
-    `embed` and `logits` are separate so that tools can run the blocks themselves
-    (attention maps stop at one block).
-    """
+    norm + head), apart from `embed` so that tools can run the blocks themselves."""
     heads = {
       name: getattr(self, name)[...]
       for name in ("embedding", "lm_head", "output_head")

@@ -45,13 +45,11 @@ class Attention(nnx.Module):
     kind: a registered kind (`iha_jax.kinds.names()`; default "iha"); fixed by a subclass.
     num_kv_heads: G key/value heads dividing H (grouped-query attention: query head h
       reads key/value head `h // (H // G)`; G = 1 multi-query); None: G = H.
-    num_pseudo: IHA's P pseudo-heads per head; None: P = H, the paper's default, which
-      costs P^2 times MHA's attention work per global layer (IHA only). Which P: start
-      with P = 2 (P = 1 where MHA's step price is the limit: it has no extra
-      pseudo-heads, its mixing folds into the projections) and raise it towards H only
-      where your own runs show the gain; in this project's study a larger P did not
-      improve quality while the estimated step price grows with P (docs/results.md,
-      "Which P?").
+    num_pseudo: IHA's P pseudo-heads per head; None: P = H, the paper's default (P^2
+      times MHA's attention work per global layer). Start with P = 2 (P = 1 where MHA's
+      step price is the limit) and raise it only where your own runs show a gain: in this
+      project's study a larger P did not improve quality while the step price grows with
+      P (docs/results.md, "Which P?").
     window: sliding window in the kind's units: VIRTUAL tokens for IHA (`N * P` per
       sequence), tokens for the other kinds; None: global.
     window_tokens: the window in TOKENS instead (IHA: `window_tokens * P` virtual tokens);
@@ -282,13 +280,12 @@ class Attention(nnx.Module):
   def init_cache(
     self, batch: int, max_len: int, *, mode: str = "source", dtype: Any = None
   ) -> LayerCache:
-    """An empty `LayerCache` for `batch` rows of at most `max_len` tokens each
-    (`iha_jax.nn.cache.init_layer_cache`; mode "source" or "pseudo")."""
+    """An empty `LayerCache` for `batch` rows of at most `max_len` tokens each (mode
+    "source" or "pseudo": `iha_jax.nn.cache`)."""
     return init_layer_cache(self.config, batch, max_len, mode, dtype)
 
   def param_values(self) -> dict[str, jax.Array]:
-    """`{name: array}` of the layer's parameters, as `iha_jax.nn.call.apply_layer` takes
-    them."""
+    """`{name: array}` of the layer's parameters (`iha_jax.nn.call.apply_layer`'s)."""
     return {name: getattr(self, name)[...] for name in self._param_names}
 
 

@@ -152,12 +152,9 @@ def _slots_per_token(cfg: AttentionConfig, mode: str) -> int:
 
 
 def ring_slots(cfg: AttentionConfig, max_len: int) -> int:
-  """Token slots C of a layer's ring buffer.
-
-  A window of `w` virtual tokens lets query `n*P + p` see keys down to `n*P - w + 1`,
-  which belong to tokens `n - ceil((w-1)/P) .. n`: `ceil((w-1)/P) + 1` tokens (`w` for
-  MHA, P = 1). Global layers, and windows longer than the sequence, need `max_len`.
-  """
+  """Token slots C of a layer's ring buffer: a window of `w` virtual tokens lets query
+  `n*P + p` see keys down to `n*P - w + 1`, of tokens `n - ceil((w-1)/P) .. n`
+  (`ceil((w-1)/P) + 1` tokens; `w` for MHA); global layers, and longer windows, `max_len`."""
   if cfg.window is None:
     return max_len
   span = -(-(cfg.window - 1) // cfg.record.num_pseudo(cfg)) + 1
@@ -165,10 +162,8 @@ def ring_slots(cfg: AttentionConfig, max_len: int) -> int:
 
 
 def slot_tokens(position: jax.Array, capacity: int) -> jax.Array:
-  """Token held by each of `capacity` slots once token `position` is written, `[C]` int32.
-
-  Slot j holds the latest token `t <= position` with `t % C == j`; negative = empty.
-  """
+  """Token held by each of `capacity` slots once token `position` is written, `[C]` int32:
+  slot j holds the latest token `t <= position` with `t % C == j`; negative = empty."""
   return position - jnp.mod(position - jnp.arange(capacity, dtype=jnp.int32), capacity)
 
 
@@ -198,11 +193,8 @@ def init_layer_cache(
 
 
 def _write(buf: jax.Array, new: jax.Array, start: jax.Array, slots_per_token: int) -> jax.Array:
-  """Writes tokens `start .. start+n-1` into a ring buffer, keeping the last C of them.
-
-  `buf: [B, G, C*S, d]`, `new: [B, n*S, G, d]` (S = `slots_per_token`); token t goes to slot
-  t % C.
-  """
+  """Writes tokens `start .. start+n-1` into a ring buffer (token t in slot t % C),
+  keeping the last C: `buf: [B, G, C*S, d]`, `new: [B, n*S, G, d]` (S: `slots_per_token`)."""
   b, h, size, d = buf.shape
   capacity, n = size // slots_per_token, new.shape[1] // slots_per_token
   kept = min(n, capacity)  # Older tokens would be overwritten anyway; keeps slots unique.
@@ -253,16 +245,11 @@ def check_cache(cfg: AttentionConfig, cache: LayerCache, x: jax.Array) -> None:
 def cached_heads(
   params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig, cache: LayerCache
 ) -> tuple[Handed, tuple[jax.Array, jax.Array]]:
-  """What a cached call hands the kind, and the keys and values it writes.
-
-  The call is the layer's own entry point with its queries at an offset into longer keys,
-  as a sequence shard runs under context parallelism: the keys are the C tokens the cache
-  held before this call, in position order (the ring rotated; slots before token 0 are
-  padding), then the n new ones, and the queries sit at offset C. A "source" cache hands
-  the source heads (IHA mixes and rotates the cached ones as it does the new ones); a
-  "pseudo" cache its rotated pseudo-keys and pseudo-values, which MHA's entry point
-  attends with over the virtual rows before the kind's collapse. The registry picks the
-  implementation (`cfg.implementation`; one new token: `registry.resolve`'s rule).
+  """What a cached call hands the kind, and the keys and values it writes: keys are the C
+  tokens the cache held before this call, in position order (the ring rotated; slots
+  before token 0 are padding), then the n new ones, the queries at offset C (as a
+  sequence shard runs). A "pseudo" cache's rotated pseudo-heads go to MHA's entry point
+  over the virtual rows, before the kind's collapse.
 
   Args:
     params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`, in the
@@ -308,13 +295,9 @@ def cached_heads(
 def write_cache(
   y: jax.Array, cache: LayerCache, written: tuple[jax.Array, jax.Array]
 ) -> tuple[jax.Array, LayerCache]:
-  """The cached call's output `y: [B, n, out]` and the cache with the `written` keys and
-  values of its n tokens (`cached_heads`) in their slots and `length` advanced by n.
-
-  Past the cache's `max_len` (a global layer, or a window longer than it) the outputs are
-  NaN, never a wrapped ring's wrong ones (a concrete length is refused before:
-  `check_cache`).
-  """
+  """The cached call's output `y: [B, n, out]` (NaN past a bounded cache's `max_len`) and
+  the cache with the `written` keys and values of its n tokens (`cached_heads`) in their
+  slots and `length` advanced by n."""
   n = y.shape[1]
   start = jnp.asarray(cache.length, jnp.int32)
   if not cache.spec.unbounded:

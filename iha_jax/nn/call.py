@@ -1,10 +1,9 @@
 """The one call of an attention layer, shared by the NNX and Linen modules.
 
 Every use of a layer runs one body (`run_layer`): check the input, cast it and the
-parameters to the computation dtype, hand the kind what this use attends with
-(`iha_jax.nn.functional.Handed`: projections and options), make the one call into the
-kind (`_attend`: the registry picks the implementation), project out. The uses differ
-only in what they hand it:
+parameters to the computation dtype, hand the kind what this use attends with (`Handed`:
+projections and options), make the one call into the kind (`_attend`), project out. The
+uses differ only in what they hand it:
 - the full forward (training, encoding): x itself, to the kind's forward
   (`AttentionKind.core`: its own projections, then its entry point), with key validity,
   packed segments, positions and attention dropout;
@@ -177,15 +176,7 @@ def _explicit_mesh() -> bool:
   return not mesh.empty and AxisType.Explicit in mesh.axis_types
 
 
-def _refuse_other_uses(
-  mask: Any,
-  segment_ids: Any,
-  positions: Any,
-  layer: Any,
-  cache: Any,
-  probabilities: Any,
-  context: Any,
-) -> None:
+def _refuse_other_uses(mask, segment_ids, positions, layer, cache, probabilities, context):
   """Raises ValueError naming the given arguments that belong to another use of the layer
   than the one `context` (cross-attention) or `cache` (a cached call) asks for."""
   if context is not None:
@@ -210,8 +201,7 @@ def _refuse_other_uses(
 
 
 def _refuse(message: str, **arguments: Any) -> None:
-  """Raises ValueError, `message` naming the given ones, if any of `arguments` is not
-  None."""
+  """Raises ValueError, `message` naming those of `arguments` that are not None, if any."""
   given = [name for name, value in arguments.items() if value is not None]
   if given:
     raise ValueError(message.format(", ".join(given)))

@@ -1,13 +1,7 @@
-"""Attention layer configuration and parameter layout, shared by the NNX and Linen modules.
-
-`AttentionConfig` and every kind's parameters (name, shape, logical axes, initializer)
-are defined by the kind records (`iha_jax.kinds`); `param_specs` reads them, so the two
-front ends build one parameter tree.
-
-Every parameter carries logical axis names (`iha_jax.parallel.axes`, mapped to mesh axes
-by `iha_jax.parallel.rules`); the mixing/collapse tensors are tiny (`H*H*P`) and the
-rules replicate their head and pseudo axes.
-"""
+"""Attention layer configuration and parameter layout, shared by the NNX and Linen modules:
+`param_specs` reads the kind records' layout (`iha_jax.kinds`), so the two front ends
+build one parameter tree, each parameter with its logical axis names
+(`iha_jax.parallel.axes`)."""
 
 from __future__ import annotations
 
@@ -30,7 +24,8 @@ def param_specs(
   kernel_init: jax.nn.initializers.Initializer = DEFAULT_KERNEL_INIT,
   mixing_noise_std: float = 0.0,
 ) -> dict[str, ParamSpec]:
-  """Every parameter of the layer, in creation order (`cfg.kind`'s record).
+  """`{name: ParamSpec}` of every parameter of the layer, in creation order, as `cfg.kind`'s
+  record lays them out (the layer classes list them; `AttentionKind.param_specs`).
 
   Args:
     cfg: the layer configuration.
@@ -38,15 +33,6 @@ def param_specs(
       `[D, H*d]` (wq, wk, wv, ...) and `[H*d, D]` (wo) so fan-in is computed correctly.
     mixing_noise_std: std of the Gaussian noise added to the identity init of the head
       mixings (`alpha_*`, `collapse`, `talk_*`).
-
-  Returns:
-    `{name: ParamSpec}`: `wq, wk, wv, wo` (`[D, H, d]`, `[H, d, D]`), plus
-    - iha: `alpha_q, alpha_k, alpha_v: [H, H, P]`, `collapse: [H, H, P]` or `[H, P]`;
-    - talking_heads: `talk_logits, talk_weights: [H, H]` (identity init);
-    - diff: `wq, wk: [D, H, 2, d]`, `wv: [D, H, 2d]`, `wo: [H, 2d, D]`,
-      `lambda_q1, lambda_k1, lambda_q2, lambda_k2: [d]` (N(0, 0.1^2)) and the per-head
-      output RMSNorm's `norm_scale: [2d]` (ones);
-    - simplicial: `wq, wk1, wk2, wv1, wv2: [D, H, d]` and `wo`.
   """
   if not mixing_noise_std >= 0:
     raise ValueError(f"mixing_noise_std must be >= 0, got {mixing_noise_std!r}")

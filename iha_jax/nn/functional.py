@@ -76,17 +76,10 @@ def key_validity(mask: jax.Array, batch: int, length: int, meaning: str) -> jax.
 
 
 def mask_segments(mask: jax.Array, segment_ids: jax.Array | None, x: jax.Array) -> jax.Array:
-  """A flax-convention `mask` (True = attend, broadcastable to `[B, H, N, N]`) as segment
-  ids `[B, N]` int32, where it says which keys are valid (padding).
-
-  Only key validity is expressible: `mask: [B, 1, 1, N]` (or `[1, 1, 1, N]`), bool or
-  integer, e.g. `valid[:, None, None, :]`. Keys where it is False are padding: never seen,
-  and their own outputs are zeros (segment id 0; flax's layer would still give them an
-  output, which a padded position does not use). Combined with `segment_ids` (packed
-  sequences) when both are given. Any other mask (a causal or banded `[B, 1, N, N]`) is
-  refused: the layer is causal by `causal=`, windowed by `window=`, and packs sequences by
-  `segment_ids=`.
-  """
+  """Flax's key-validity `mask` (`key_validity`) as segment ids `[B, N]` int32 (with
+  `segment_ids` where given): keys where it is False are padding, never seen, with zero
+  outputs (flax's layer would still give them one, which a padded position does not use).
+  Any other mask (causal, banded) is refused: those are `causal=` and `window=`."""
   b, n = jnp.shape(x)[:2]
   meaning = (
     f"only key validity (padding) is expressible here, a mask [B, 1, 1, N] = [{b}, 1, 1, "

@@ -104,24 +104,10 @@ class AttentionLinen(nn.Module):
 
 # The deprecated per-kind constructors: their fields in their order (positional calls),
 # those every kind shared, then the kind's own.
-_SHARED_FIELDS = (
-  "model_dim",
-  "num_heads",
-  "head_dim",
-  "num_kv_heads",
-  "window",
-  "causal",
-  "dtype",
-  "param_dtype",
-  "implementation",
-  "kernel_init",
-  "window_tokens",
-  "dropout_rate",
-  "deterministic",
-  "qk_norm",
-  "use_bias",
-  "out_features",
-  "qkv_features",
+_SHARED_FIELDS = tuple(
+  "model_dim num_heads head_dim num_kv_heads window causal dtype param_dtype implementation "
+  "kernel_init window_tokens dropout_rate deterministic qk_norm use_bias out_features "
+  "qkv_features".split()
 )
 _MODULE_FIELDS = ("param_dtype", "kernel_init", "mixing_noise_std", "deterministic")
 

@@ -20,12 +20,8 @@ def logical_param(
   shape: Sequence[int],
   dtype: Any,
 ) -> nnx.Param:
-  """`nnx.Param(init(key, shape, dtype))` carrying `axes` as `out_sharding` metadata.
-
-  Annotation only: eager sharding is off, so the parameter is created without a mesh
-  (tests, single device, `nnx.eval_shape`); the parallel layer maps the names to mesh
-  axes with `nnx.get_partition_spec` under `flax.linen.logical_axis_rules`.
-  """
+  """`nnx.Param(init(key, shape, dtype))` carrying `axes` as `out_sharding` metadata only
+  (no eager sharding: the parameter is created without a mesh)."""
   if len(axes) != len(shape):
     raise ValueError(f"axes {tuple(axes)} must name every dimension of shape {tuple(shape)}")
   return nnx.Param(

@@ -8,9 +8,8 @@ and/or the same options as keywords (typed: `OptionFields`), checks them and run
 implementation its kind's record names (`iha_jax.kinds.registry.attend`; "auto" per
 backend and call).
 
-This package only gathers names: the entry points live with their kinds' records
-(`iha_jax.kinds`), the math in `iha_jax.core`. It sits above both (docs/design.md §8), so
-nothing below the layers imports it.
+This package only gathers names (the entry points live with their kinds' records in
+`iha_jax.kinds`, the math in `iha_jax.core`); nothing below the layers imports it.
 """
 
 from iha_jax.core.differential import diff_lambda_init

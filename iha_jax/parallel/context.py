@@ -17,11 +17,9 @@ tensor crosses devices:
   reach exceeds a shard); keys before the sequence start are padding (segment 0).
 
 Every device then calls the kind's own implementation on its queries against those keys
-(`AttentionOptions.query_offset`, `kv_segment_ids`, `kv_positions`), so positions and
-masks stay global: the result equals the unsharded computation. The implementations that
-take such calls are `iha_jax.kinds.registry.SLICED` (the XLA paths and the Pallas kernels,
-which read the offset as a scalar operand and visit only the key tiles a shard's queries
-see; a window layer's offset is static, a global layer's traced).
+(`AttentionOptions.query_offset`, `kv_segment_ids`, `kv_positions`; the implementations
+`iha_jax.kinds.registry.SLICED`), so positions and masks stay global: the result equals the
+unsharded computation. A window layer's offset is static, a global layer's traced.
 
 Causal load balancing (`layout("balanced")`): with a causal mask the last shard of a
 contiguous split does S times the work of the first. The balanced layout gives shard s
@@ -50,9 +48,7 @@ CONTEXT = "context"  # the project's mesh axis for the sequence (a user's rules 
 LAYOUTS = ("contiguous", "balanced")
 QUERY, KEY, OTHER = "q", "kv", "-"  # roles of an implementation's array arguments
 
-_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar(
-  "iha_context_layout", default=LAYOUTS[0]
-)
+_LAYOUT = contextvars.ContextVar[str]("iha_context_layout", default=LAYOUTS[0])
 
 
 @contextlib.contextmanager

@@ -24,11 +24,11 @@ def initialize(
 
   Multi-process when a coordinator address is given (argument or
   `JAX_COORDINATOR_ADDRESS`) or `auto` is set (TPU pod slices, SLURM, Open MPI and
-  Kubernetes, where JAX detects the cluster itself). Otherwise a single-process run
-  and nothing happens. Must run before any JAX computation.
+  Kubernetes, where JAX detects the cluster itself). Otherwise a single-process run and
+  nothing happens. Must run before any JAX computation.
 
-  CPU processes exchange collectives through gloo (set here; harmless on GPU/TPU,
-  where the option only concerns the CPU client).
+  CPU processes exchange collectives through gloo (set here; harmless on GPU/TPU, where
+  the option only concerns the CPU client).
   """
   coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
   if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):

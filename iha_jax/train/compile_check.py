@@ -73,8 +73,7 @@ def compile_only(
   Raises:
     TargetError: unknown target or its compiler packages missing (`make targets`).
     ConfigError: the config does not suit the target's device count.
-    CompileCheckError: the compiler rejects the step, or it needs more memory than a chip
-      has.
+    CompileCheckError: the compiler rejects the step, or it needs more memory than a chip has.
   """
   target = targets.parse(target_name)
   if estimate:
@@ -103,16 +102,8 @@ def compile_only(
     + (f" (as on {target.kernel_platform})" if config.model.implementation == "auto" else "")
   )
   start = time.perf_counter()
-  step_args = (
-    model,
-    tx,
-    config.train,
-    config.train.get("loss", "cross_entropy"),
-    mesh,
-    target_state,
-    shardings,
-    seq_len,
-  )
+  loss = config.train.get("loss", "cross_entropy")
+  step_args = (model, tx, config.train, loss, mesh, target_state, shardings, seq_len)
   estimated = None
   try:
     with registry.auto_backend(target.kernel_platform):  # "auto": the target's kernels
@@ -136,15 +127,7 @@ def compile_only(
     f"compiled in {time.perf_counter() - start:.0f} s by the target's own compiler "
     "(compiled, not run: memory and static kernel resources, never speed)"
   )
-  log(
-    f"per-device memory: arguments {_size(report.argument_bytes)}, outputs "
-    f"{_size(report.output_bytes)} ({_size(report.alias_bytes)} donated), temporaries "
-    f"{_size(report.temp_bytes)}; total {_size(report.total_bytes)} of "
-    f"{target.hbm_bytes / GiB:.1f} GiB HBM ({report.total_bytes / target.hbm_bytes:.0%})"
-  )
-  log(f"Pallas kernel calls: {report.kernel_calls}")
-  for line in compiled_lib.kernel_table(report):
-    log(line)
+  _log_report(report, target, log)
   if estimated is not None:
     _log_estimate(estimated, executable, model_cfg, batch, seq_len, target, log)
   if report.total_bytes > target.hbm_bytes:
@@ -154,6 +137,19 @@ def compile_only(
       "train.grad_accum_steps), use model.remat_policy='full', or a larger mesh.fsdp"
     )
   return target, report
+
+
+def _log_report(report, target, log):
+  """The per-device memory the compiler assigned, and each Pallas kernel's resources."""
+  log(
+    f"per-device memory: arguments {_size(report.argument_bytes)}, outputs "
+    f"{_size(report.output_bytes)} ({_size(report.alias_bytes)} donated), temporaries "
+    f"{_size(report.temp_bytes)}; total {_size(report.total_bytes)} of "
+    f"{target.hbm_bytes / GiB:.1f} GiB HBM ({report.total_bytes / target.hbm_bytes:.0%})"
+  )
+  log(f"Pallas kernel calls: {report.kernel_calls}")
+  for line in compiled_lib.kernel_table(report):
+    log(line)
 
 
 def _log_estimate(estimated, executable, model_cfg, batch: int, seq_len: int, target, log):

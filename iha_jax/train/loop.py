@@ -211,13 +211,10 @@ class Trainer:
     # The newest checkpoint known good: restored and verified, or saved by this run.
     self.last_checkpoint: int | None = self.start or None
     self.compiled = self.compile_step()
-    self.evaluator = (
-      Evaluator(
-        self.model, self.mesh, self.shardings.params, self.loss, loss_chunk_tokens(config.train)
-      )
-      if config.eval_every
-      else None
-    )
+    self.evaluator = None
+    if config.eval_every:
+      chunks = loss_chunk_tokens(config.train)
+      self.evaluator = Evaluator(self.model, self.mesh, self.shardings.params, self.loss, chunks)
     batch, seq_len = config.train.batch_size, config.data.seq_len
     self.tokens_per_step = batch * seq_len
     self.step_flops = flops_lib.train_flops_per_step(self.model_config, batch, seq_len)
@@ -267,17 +264,10 @@ class Trainer:
 
   def compile_step(self) -> Any:
     """The train step, jitted with shardings and a donated state, compiled ahead."""
-    config = self.config
+    train, seq_len = self.config.train, self.config.data.seq_len
     with self.layout():
       lowered = lowering.lower_train_step(
-        self.model,
-        self.tx,
-        config.train,
-        self.loss,
-        self.mesh,
-        self.target,
-        self.shardings,
-        config.data.seq_len,
+        self.model, self.tx, train, self.loss, self.mesh, self.target, self.shardings, seq_len
       )
     compiled = lowered.compile()
     _log_memory(compiled)

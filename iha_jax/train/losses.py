@@ -195,11 +195,10 @@ def _chunked_local(
   with_grads: bool,
 ) -> tuple[jax.Array, ...]:
   """`chunked_cross_entropy` on this device's rows (all rows without a mesh): loss sum
-  and correct `[B, N]`, and `with_grads` the loss sum's gradients w.r.t. `head` (in the
-  compute dtype, summed over the `manual` axes) and `hidden` (float32 `[B, N, D]`).
-  `manual`: the batch and sequence axes `shard_map` made manual (the sums are reduced
-  over them)."""
-  b, n, _ = hidden.shape
+  and correct `[B, N]`, and `with_grads` the loss sum's gradients w.r.t. `head` (compute
+  dtype) and `hidden` (float32 `[B, N, D]`); sums reduced over the `manual` axes (those
+  `shard_map` made manual)."""
+  n = hidden.shape[1]
   full = n - n % chunk_tokens
   # Inside shard_map the manual axes leave the rules: constraints name only auto axes.
   rules = tuple(
@@ -232,24 +231,11 @@ def _chunked_local(
     )
     return total, correct, grad_logits, grad_h
 
-  def head_grad(h: jax.Array, grad_logits: jax.Array) -> jax.Array:  # [V, D] or [D, V]
-    lhs, rhs = (grad_logits, h) if tied else (h, grad_logits)
-    return jax.lax.dot_general(
-      lhs, rhs, (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32
-    )
-
-  def split(x: jax.Array) -> jax.Array:  # [B, full, ...] -> [full / c, B, c, ...]
-    x = x[:, :full].reshape(b, full // chunk_tokens, chunk_tokens, *x.shape[2:])
-    return jnp.swapaxes(x, 0, 1)
-
-  def merge(x: jax.Array) -> jax.Array:  # [full / c, B, c, ...] -> [B, full, ...]
-    return jnp.swapaxes(x, 0, 1).reshape(b, full, *x.shape[3:])
-
-  xs = (split(hidden), split(targets), split(weights))
+  xs = tuple(_split(x, full, chunk_tokens) for x in (hidden, targets, weights))
   tail = (hidden[:, full:], targets[:, full:], weights[:, full:])
   if not with_grads:
     sums, correct = jax.lax.map(lambda x: chunk(*x), xs)
-    parts = [(jnp.sum(sums), merge(correct))]
+    parts = [(jnp.sum(sums), _merge(correct))]
     if full < n:
       parts.append(chunk(*tail))
     total, correct = sum(p[0] for p in parts), jnp.concatenate([p[1] for p in parts], axis=1)
@@ -257,14 +243,14 @@ def _chunked_local(
 
   def body(acc: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     total, correct, grad_logits, grad_h = chunk(*x)
-    return acc + head_grad(x[0], grad_logits), (total, correct, grad_h)
+    return acc + _head_grad(x[0], grad_logits, tied), (total, correct, grad_h)
 
   # The head's gradient sums over the chunks in float32 on each device.
   acc = jnp.zeros(whole.shape, jnp.float32)
   if manual:
     acc = jax.lax.pcast(acc, manual, to="varying")
   acc, (sums, correct, grad_hidden) = jax.lax.scan(body, acc, xs)
-  parts = [(jnp.sum(sums), merge(correct), merge(grad_hidden))]
+  parts = [(jnp.sum(sums), _merge(correct), _merge(grad_hidden))]
   if full < n:
     acc, last = body(acc, tail)
     parts.append(last)
@@ -275,6 +261,25 @@ def _chunked_local(
     total = jax.lax.psum(total, manual)
     grad_head = jax.lax.psum(grad_head, manual)
   return total, correct, grad_head, grad_hidden
+
+
+def _split(x: jax.Array, full: int, chunk_tokens: int) -> jax.Array:
+  """`[B, N, ...]` -> its first `full` positions as `[full / c, B, c, ...]`."""
+  x = x[:, :full].reshape(x.shape[0], full // chunk_tokens, chunk_tokens, *x.shape[2:])
+  return jnp.swapaxes(x, 0, 1)
+
+
+def _merge(x: jax.Array) -> jax.Array:
+  """`[K, B, c, ...]` -> `[B, K * c, ...]`."""
+  return jnp.swapaxes(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
+def _head_grad(h: jax.Array, grad_logits: jax.Array, tied: bool) -> jax.Array:
+  """One chunk's gradient of the head, float32 `[V, D]` (tied) or `[D, V]`."""
+  lhs, rhs = (grad_logits, h) if tied else (h, grad_logits)
+  return jax.lax.dot_general(
+    lhs, rhs, (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32
+  )
 
 
 def _names(mesh_axes: Any) -> tuple[str, ...]:

@@ -22,11 +22,8 @@ def _grads(
   loss: str,
   chunk_tokens: int | None,
 ) -> tuple[jax.Array, jax.Array, Params]:
-  """(loss_sum, weight_sum, grads of loss_sum) over `accum_steps` microbatches.
-
-  Microbatch `i` is rows `i::accum_steps`, so every microbatch keeps the batch's
-  ("data", "fsdp") sharding without a reshuffle between devices.
-  """
+  """(loss_sum, weight_sum, grads of loss_sum) over `accum_steps` microbatches, microbatch
+  `i` the rows `i::accum_steps` (each keeps the batch's sharding without a reshuffle)."""
 
   def micro(params, micro_batch):
     loss_sum, aux = loss_terms(model, params, micro_batch, loss, chunk_tokens)
