@@ -148,7 +148,7 @@ compile-matrix: $(TARGETS_DIR)/.installed
 clean-venv:
 	rm -rf $(VENV)
 
-# Wheels for a lent GPU machine (Python 3.12, no registry): benchmarks/gpu_session.sh
+# Wheels for a GPU machine (Python 3.12, no registry): benchmarks/gpu_session.sh
 # installs what .whl/ holds. promise has no wheel: built here (pure Python).
 GPU_WHEEL_PLATFORMS := $(foreach n,17 24 27 28 31,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
 gpu-wheels: $(VENV)/.installed
