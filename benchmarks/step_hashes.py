@@ -184,7 +184,7 @@ def main() -> None:
   for platform in platforms:
     for config in sorted(results[commits[0]][platform]):
       row = [results[c][platform].get(config, "-") for c in commits]
-      same = "yes" if len(set(row)) == 1 and not row[0].startswith("error") else "NO"
+      same = "NO" if len(set(row)) > 1 else "refused alike" if row[0].startswith("error") else "yes"
       print(f"| {config} | {platform} | " + " | ".join(row) + f" | {same} |")
   if args.json:
     with open(args.json, "w") as f:
