@@ -23,14 +23,14 @@ import enum
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from iha_jax.core.options import AttentionOptions, with_overrides
+from iha_jax.core.options import AttentionOptions, OptionFields, with_overrides
 from iha_jax.core.validation import default_positions
 from iha_jax.kernels import splash
 from iha_jax.kernels.flash import attention
@@ -190,7 +190,7 @@ def sharded_iha_attention(
   head_axis: str | None | _Axes = FROM_RULES,
   platform: str = "gpu",
   kernel: Callable[..., jax.Array] | None = None,
-  **overrides: Any,
+  **overrides: Unpack[OptionFields],
 ) -> jax.Array:
   """IHA's kernels via `jax.shard_map` over `mesh` (None: the current mesh): `kernel`
   (default `flash.attention.iha`; e.g. an on-chip window path's) on each shard, with the
@@ -240,7 +240,7 @@ def sharded_mha_attention(
   head_axis: str | None | _Axes = FROM_RULES,
   platform: str = "gpu",
   kernel: Callable[..., jax.Array] = attention.mha,
-  **overrides: Any,
+  **overrides: Unpack[OptionFields],
 ) -> jax.Array:
   """`kernel` (`flash.attention.mha`, or `splash.splash_mha_attention`) via
   `jax.shard_map`: heads are independent, so q `[B, N, H, d]`, k, v `[B, N, G, dv]` and
