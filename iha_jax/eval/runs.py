@@ -121,7 +121,8 @@ class RestoredRun:
   @property
   def eval_batch_size(self) -> int:
     """The training batch, rounded up to fill every batch shard and process."""
-    rows = math.lcm(self.mesh.shape["data"] * self.mesh.shape["fsdp"], jax.process_count())
+    batch_shards = math.prod(self.mesh.shape[a] for a in parallel.BATCH_AXES)
+    rows = math.lcm(batch_shards, jax.process_count())
     return -(-self.config.train.batch_size // rows) * rows
 
   @functools.cached_property

@@ -44,7 +44,6 @@ from jax.sharding import AxisType, PartitionSpec
 from iha_jax.parallel.axes import ACTIVATION_BATCH, ACTIVATION_LENGTH
 from iha_jax.parallel.rules import free_mesh_axes
 
-CONTEXT = "context"  # the project's mesh axis for the sequence (a user's rules may name another)
 LAYOUTS = ("contiguous", "balanced")
 QUERY, KEY, OTHER = "q", "kv", "-"  # roles of an implementation's array arguments
 

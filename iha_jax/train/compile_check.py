@@ -16,6 +16,7 @@ the MFU it implies: an estimate, never a measurement.
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -92,7 +93,7 @@ def compile_only(
   tx = make_optimizer(config.train)
   target_state, shardings = abstract_state(model, tx, mesh)
   batch, seq_len = config.train.batch_size, config.data.seq_len
-  rows_per_device = batch // (mesh.shape["data"] * mesh.shape["fsdp"])
+  rows_per_device = batch // math.prod(mesh.shape[a] for a in parallel.BATCH_AXES)
   log(
     f"compile-only: {target.name} ({target.chips} x {devices[0].device_kind}, "
     f"{target.hbm_bytes / GiB:.1f} GiB HBM each), mesh {dict(mesh.shape)}, batch {batch} x "
