@@ -5,10 +5,13 @@ LLLLM (window max_len/(2P) virtual tokens, docs/design.md §2) and plain M, each
 grouped-query attention (`--kv_heads` G key/value heads, default H/4: Llama 3 8B's ratio;
 the caches hold G heads), generates greedily with a KV cache, and reports side by side the
 cache bytes and the decode throughput (prefill time subtracted), best of `--repeats`, in
-one process.
+one process. `--ragged` adds a row per model with prompts of different lengths (row b
+keeps the last `prompt_len * (b + 1) / B` tokens, left-padded: `prompt_mask`), the same
+batch and new tokens.
 
   python benchmarks/decode.py                           # B=4, prompt 64, 448 new tokens
   python benchmarks/decode.py --iha_schedule I --num_pseudo 2   # global IHA: source vs pseudo
+  python benchmarks/decode.py --ragged --no_gqa         # equal vs ragged prompts
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def main() -> None:
   parser.add_argument("--iha_schedule", default="LLLLM", help="schedule of the IHA model")
   parser.add_argument("--impl", default="xla", help="attention core of the prefill forward")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--ragged", action="store_true", help="also prompts of unequal lengths")
+  parser.add_argument("--no_gqa", action="store_true", help="skip the grouped-query models")
   args = parser.parse_args()
 
   max_len = args.prompt_len + args.new_tokens
@@ -55,6 +60,12 @@ def main() -> None:
   prompt = jax.random.randint(
     jax.random.key(0), (args.batch, args.prompt_len), 0, args.vocab, jnp.int32
   )
+  lengths = [args.prompt_len * (b + 1) // args.batch for b in range(args.batch)]
+  prompt_masks = {"equal": None}
+  if args.ragged:
+    prompt_masks["ragged"] = (
+      jnp.arange(args.prompt_len)[None] >= args.prompt_len - jnp.array(lengths)[:, None]
+    )
   # S layers of a custom --iha_schedule get the same window, in tokens.
   iha = dict(
     attention_schedule=args.iha_schedule,
@@ -72,34 +83,35 @@ def main() -> None:
     (f"{name} G={kv_heads}", "source", {**iha, **gqa}),
     (f"{name} G={kv_heads}", "pseudo", {**iha, **gqa}),
     (f"MHA M G={kv_heads}", "-", dict(attention_schedule="M", **gqa)),
-  ]
+  ][: 3 if args.no_gqa else None]
   print(
     f"backend={jax.default_backend()} B={args.batch} prompt={args.prompt_len} "
     f"new={args.new_tokens} layers={args.layers} D={args.model_dim} H={args.heads} "
     f"d={args.head_dim} P={args.num_pseudo} iha_window={iha_window} virtual tokens"
+    + (f"; ragged prompt lengths {lengths}" if args.ragged else "")
   )
-  print(f"{'model':<18} {'cache':<7} {'cache bytes':>12} {'prefill ms':>11} {'decode tok/s':>13}")
+  print(
+    f"{'model':<18} {'cache':<7} {'prompts':<7} {'cache bytes':>12} {'prefill ms':>11} "
+    f"{'decode tok/s':>13}"
+  )
   for name, cache_mode, schedule in runs:
     model = TransformerLM(TransformerConfig(**common, **schedule), rngs=nnx.Rngs(0))
     mode = "source" if cache_mode == "-" else cache_mode  # MHA caches are the same either way.
-    _, cache = prefill(model, prompt, max_len=max_len, cache_mode=mode)
-    t_prefill = min(
-      call_times(lambda: prefill(model, prompt, max_len=max_len, cache_mode=mode), args.repeats)
-    )
-    t_total = min(
-      call_times(
-        lambda: generate(
-          model, prompt, max_new_tokens=args.new_tokens, cache_mode=mode, max_len=max_len
-        ),
-        args.repeats,
+    for prompts, mask in prompt_masks.items():
+      run = dict(max_len=max_len, cache_mode=mode, prompt_mask=mask)
+      _, cache = prefill(model, prompt, **run)
+      t_prefill = min(call_times(lambda: prefill(model, prompt, **run), args.repeats))
+      t_total = min(
+        call_times(
+          lambda: generate(model, prompt, max_new_tokens=args.new_tokens, **run), args.repeats
+        )
       )
-    )
-    # generate = prefill + (new_tokens - 1) cached decode steps.
-    tokens_per_s = args.batch * (args.new_tokens - 1) / max(t_total - t_prefill, 1e-9)
-    print(
-      f"{name:<18} {cache_mode:<7} {cache.nbytes:>12,d} {1e3 * t_prefill:>11.1f} "
-      f"{tokens_per_s:>13,.0f}"
-    )
+      # generate = prefill + (new_tokens - 1) cached decode steps.
+      tokens_per_s = args.batch * (args.new_tokens - 1) / max(t_total - t_prefill, 1e-9)
+      print(
+        f"{name:<18} {cache_mode:<7} {prompts:<7} {cache.nbytes:>12,d} "
+        f"{1e3 * t_prefill:>11.1f} {tokens_per_s:>13,.0f}"
+      )
 
 
 if __name__ == "__main__":

@@ -141,8 +141,8 @@ MUTANTS: list[Mutant] = [
     "cache_slot_late",
     "decode cache writes token t into slot (t + 1) % C",
     "iha_jax/nn/cache.py",
-    "jnp.mod(start + n - kept + jnp.arange(",
-    "jnp.mod(start + n - kept + 1 + jnp.arange(",
+    "jnp.mod(start[:, None] + steps, capacity)",
+    "jnp.mod(start[:, None] + steps + 1, capacity)",
     "tests/models/test_decode.py::test_cached_logits_equal_full_forward",
   ),
 ]

@@ -4,9 +4,11 @@
 cached call, `iha_jax.nn.cache`: the same per-layer API a model of your own uses,
 docs/your_model.md), so its logits are the model's and the caches hold the prompt;
 `decode_step` feeds one token per call; `generate` jit-compiles prefill plus a
-`lax.scan` over the new tokens with static cache shapes. All rows of a batch share one
-position (prompts of equal length, no padding); positions are `arange` as in the
-default full forward. See `iha_jax.nn.cache` for the cache layouts.
+`lax.scan` over the new tokens with static cache shapes. Prompts may differ in length
+(`prompt_mask`, padded on either side): each row keeps its own length in the cache, its
+real tokens at positions `0, 1, ..` as in the default full forward, and each row's tokens
+depend only on its prompt and, when sampling, its own key. See `iha_jax.nn.cache` for the
+cache layouts.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from iha_jax.checks import is_int
+from iha_jax.checks import is_int, is_traced
 from iha_jax.models.kv_cache import KVCache, check_cache_mode, check_decodable, init_cache
 from iha_jax.models.transformer import TransformerLM, check_tokens
 
@@ -34,10 +36,11 @@ def check_model(model: object, name: str) -> None:
 
 
 def _prefill(
-  model: TransformerLM, tokens: jax.Array, max_len: int, cache_mode: str
+  model: TransformerLM, tokens: jax.Array, mask: jax.Array | None, max_len: int, cache_mode: str
 ) -> tuple[jax.Array, KVCache]:
   cache = init_cache(model.config, tokens.shape[0], max_len, cache_mode)
-  return model(tokens, cache=cache)
+  segment_ids = None if mask is None else mask.astype(jnp.int32)  # 0: padding
+  return model(tokens, segment_ids=segment_ids, cache=cache)
 
 
 def _decode_step(
@@ -48,8 +51,41 @@ def _decode_step(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "cache_mode"))
-def _prefill_jit(state, tokens, *, graphdef, max_len, cache_mode):
-  return _prefill(nnx.merge(graphdef, state), tokens, max_len, cache_mode)
+def _prefill_jit(state, tokens, mask, *, graphdef, max_len, cache_mode):
+  return _prefill(nnx.merge(graphdef, state), tokens, mask, max_len, cache_mode)
+
+
+def check_prompt(
+  tokens: jax.Array, prompt_mask: jax.Array | None, max_len: int, name: str
+) -> jax.Array | None:
+  """Checks a prompt `tokens: [B, L0]` and its `prompt_mask` (`[B, L0]` bool, True = a
+  real token, or None: all) for a cache of `max_len` tokens; returns the mask as a bool
+  array (None without one). ValueError naming the argument otherwise."""
+  check_tokens(tokens, name)
+  if prompt_mask is None:
+    counts = [tokens.shape[1]]
+  else:
+    if jnp.shape(prompt_mask) != jnp.shape(tokens):
+      raise ValueError(
+        f"prompt_mask has shape {jnp.shape(prompt_mask)}; it marks each row's real tokens "
+        f"of {name} (True; padding False, on either side), shaped as {name} "
+        f"{jnp.shape(tokens)}"
+      )
+    prompt_mask = jnp.asarray(prompt_mask) != 0
+    if is_traced(prompt_mask):
+      return prompt_mask
+    counts = jnp.sum(prompt_mask, axis=1).tolist()
+    if min(counts) < 1:
+      raise ValueError(
+        f"prompt_mask leaves row {counts.index(min(counts))} without a real token: every "
+        "row needs at least one (its next token's logits come from its last)"
+      )
+  if max(counts) > max_len:
+    raise ValueError(
+      f"{name} has {max(counts)} tokens in its longest row, longer than the cache "
+      f"(max_len={max_len})"
+    )
+  return prompt_mask
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -58,35 +94,42 @@ def _decode_step_jit(state, token, cache, *, graphdef):
 
 
 def prefill(
-  model: TransformerLM, tokens: jax.Array, *, max_len: int, cache_mode: str = "source"
+  model: TransformerLM,
+  tokens: jax.Array,
+  *,
+  max_len: int,
+  cache_mode: str = "source",
+  prompt_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
   """Runs the prompt through the model and returns its logits and a filled cache.
 
   Args:
     model: the language model.
     tokens: prompt `[B, L0]` int.
-    max_len: total tokens the cache must hold (prompt plus every token fed later).
+    max_len: total tokens the cache must hold per row (prompt plus every token fed later).
     cache_mode: "source" or "pseudo" layout of the IHA layers.
+    prompt_mask: `[B, L0]` bool, each row's real tokens (True; padding False, on either
+      side: a ragged batch); None: every token.
 
   Returns:
-    `(logits [B, L0, V] float32, cache)` with `cache.length == L0`.
+    `(logits [B, L0, V] float32, cache)`, the logits in the prompt's columns (padding's
+    are the model's output for a zero vector: ignore them), `cache.length` each row's
+    real tokens.
   """
   check_model(model, "prefill")
   check_decodable(model.config)
   check_cache_mode(cache_mode)
-  check_tokens(tokens, "tokens")
-  if tokens.shape[1] > max_len:
-    raise ValueError(
-      f"tokens has {tokens.shape[1]} tokens per row, longer than the cache (max_len={max_len})"
-    )
+  mask = check_prompt(tokens, prompt_mask, max_len, "tokens")
   graphdef, state = nnx.split(model)
-  return _prefill_jit(state, tokens, graphdef=graphdef, max_len=max_len, cache_mode=cache_mode)
+  return _prefill_jit(
+    state, tokens, mask, graphdef=graphdef, max_len=max_len, cache_mode=cache_mode
+  )
 
 
 def decode_step(
   model: TransformerLM, token: jax.Array, cache: KVCache
 ) -> tuple[jax.Array, KVCache]:
-  """Feeds one token per row at position `cache.length`.
+  """Feeds one token per row, row b's at its position `cache.length[b]`.
 
   `token: [B]` int. Returns `(logits [B, V] float32, cache)` with the token written. The
   caller keeps `cache.length < cache.max_len` (the length is traced, so not checked here).
@@ -106,14 +149,15 @@ def sample_tokens(
   logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int | None
 ) -> jax.Array:
   """Next tokens `[B]` int32 from `logits: [B, V]`: argmax when `temperature == 0`, else
-  a categorical draw from `softmax(logits / temperature)`, restricted to the `top_k` best."""
+  a categorical draw from `softmax(logits / temperature)`, restricted to the `top_k` best,
+  with row b's own key `rng[b]` (`[B]` keys: a row's draw does not depend on the batch)."""
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / temperature
   if top_k is not None:
     kth_best = jax.lax.top_k(logits, top_k)[0][:, -1:]
     logits = jnp.where(logits < kth_best, -jnp.inf, logits)
-  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+  return jax.vmap(jax.random.categorical)(rng, logits).astype(jnp.int32)
 
 
 @functools.partial(
@@ -121,13 +165,15 @@ def sample_tokens(
   static_argnames=("graphdef", "max_new_tokens", "max_len", "cache_mode", "temperature", "top_k"),
 )
 def _generate_jit(
-  state, prompt, rng, *, graphdef, max_new_tokens, max_len, cache_mode, temperature, top_k
+  state, prompt, mask, rng, *, graphdef, max_new_tokens, max_len, cache_mode, temperature, top_k
 ):
   model = nnx.merge(graphdef, state)
   sample = functools.partial(sample_tokens, temperature=temperature, top_k=top_k)
-  keys = jax.random.split(rng, max_new_tokens)
-  logits, cache = _prefill(model, prompt, max_len, cache_mode)
-  first = sample(logits[:, -1], keys[0])
+  keys = jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, max_new_tokens))(rng), 0, 1)
+  logits, cache = _prefill(model, prompt, mask, max_len, cache_mode)
+  # Each row's next token comes from its last real one.
+  last = prompt.shape[1] - 1 if mask is None else _last_true(mask)
+  first = sample(jnp.take_along_axis(logits, jnp.reshape(last, (-1, 1, 1)), axis=1)[:, 0], keys[0])
 
   def step(carry, key):
     token, cache = carry
@@ -140,6 +186,11 @@ def _generate_jit(
   return jnp.concatenate([prompt, first[:, None], rest.T.astype(prompt.dtype)], axis=1)
 
 
+def _last_true(mask: jax.Array) -> jax.Array:
+  """`[B]` int32: the column of each row's last True in `mask: [B, L]`."""
+  return mask.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=1).astype(jnp.int32)
+
+
 def generate(
   model: TransformerLM,
   prompt_tokens: jax.Array,
@@ -150,22 +201,26 @@ def generate(
   top_k: int | None = None,
   rng: jax.Array | None = None,
   max_len: int | None = None,
+  prompt_mask: jax.Array | None = None,
 ) -> jax.Array:
   """Continues every prompt by `max_new_tokens` tokens with a KV cache.
 
   Args:
     model: the language model.
-    prompt_tokens: `[B, L0]` int, equal-length prompts.
+    prompt_tokens: `[B, L0]` int, the prompts (padded, with `prompt_mask`).
     max_new_tokens: tokens to generate, >= 1.
     cache_mode: "source" (IHA caches source-head k/v, `[B, G, S, d]`, G key/value heads)
       or "pseudo" (rotated pseudo-keys and pseudo-values, `[B, G, S*P, d]`).
     temperature: 0 is greedy (argmax); > 0 samples from `softmax(logits / temperature)`.
     top_k: sample only among the `top_k` most likely tokens (None = all).
-    rng: PRNG key, required when `temperature > 0`; the same key gives the same tokens.
-    max_len: cache capacity in tokens, default `L0 + max_new_tokens`.
+    rng: required when `temperature > 0`: a PRNG key (split into one per row), or `[B]`
+      keys, one per row: a row's tokens depend only on its prompt and its key.
+    max_len: cache capacity in tokens per row, default `L0 + max_new_tokens`.
+    prompt_mask: `[B, L0]` bool, each row's real prompt tokens (True; padding False, on
+      either side: prompts of different lengths); None: every token.
 
   Returns:
-    `[B, L0 + max_new_tokens]` tokens: the prompt, then the generated tokens.
+    `[B, L0 + max_new_tokens]` tokens: the prompt as given, then each row's new tokens.
   """
   check_model(model, "generate")
   check_decodable(model.config)
@@ -173,15 +228,12 @@ def generate(
   check_tokens(prompt_tokens, "prompt_tokens")
   if not is_int(max_new_tokens, 1):
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-  prompt_len = prompt_tokens.shape[1]
-  max_len = prompt_len + max_new_tokens if max_len is None else max_len
-  if prompt_len > max_len:
+  max_len = prompt_tokens.shape[1] + max_new_tokens if max_len is None else max_len
+  mask = check_prompt(prompt_tokens, prompt_mask, max_len, "prompt_tokens")
+  longest = prompt_tokens.shape[1] if mask is None else int(jnp.max(jnp.sum(mask, axis=1)))
+  if longest + max_new_tokens > max_len:
     raise ValueError(
-      f"prompt_tokens has {prompt_len} tokens per row, longer than the cache (max_len={max_len})"
-    )
-  if prompt_len + max_new_tokens > max_len:
-    raise ValueError(
-      f"max_new_tokens={max_new_tokens} after a {prompt_len}-token prompt "
+      f"max_new_tokens={max_new_tokens} after a {longest}-token prompt "
       f"exceeds the cache (max_len={max_len})"
     )
   if not temperature >= 0.0:
@@ -191,11 +243,21 @@ def generate(
   vocab = model.config.vocab_size
   if top_k is not None and not (is_int(top_k, 1) and top_k <= vocab):
     raise ValueError(f"top_k must be None or an integer in [1, {vocab}], got {top_k!r}")
+  batch = prompt_tokens.shape[0]
   rng = jax.random.key(0) if rng is None else rng  # Unused by greedy decoding.
+  if not jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
+    rng = jax.random.wrap_key_data(rng)  # raw uint32 keys, [2] or [B, 2]
+  if jnp.shape(rng) == ():
+    rng = jax.random.split(rng, batch)
+  elif jnp.shape(rng) != (batch,):
+    raise ValueError(
+      f"rng has shape {jnp.shape(rng)}: a PRNG key, or [B] = ({batch},) keys, one per row"
+    )
   graphdef, state = nnx.split(model)
   return _generate_jit(
     state,
     jnp.asarray(prompt_tokens),
+    mask,
     rng,
     graphdef=graphdef,
     max_new_tokens=max_new_tokens,

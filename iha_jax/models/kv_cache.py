@@ -53,7 +53,7 @@ class KVCache(struct.PyTreeNode):
 
   @property
   def length(self) -> jax.Array:
-    """int32 scalar: tokens written so far = position of the next token."""
+    """`[B]` int32: the tokens each row holds = the position of its next token."""
     return self.layers[0].length
 
   @property

@@ -130,13 +130,15 @@ class DecoderBlock(nnx.Module):
     """`x: [B, N, D]` -> `[B, N, D]`; segment_ids, positions: optional `[B, N]` int32.
 
     `layer` (counted from 1, may be traced) overrides the block's own (a scan over layers
-    passes it). With a `cache` (the attention layer's) returns `(out, cache)`; with
+    passes it). With a `cache` (the attention layer's) returns `(out, cache)`, segment id
+    0 marking padding among the new tokens (a ragged batch); with
     `return_probabilities`, `(out, probabilities [B, H, T, T])`, as the attention layer.
     """
     h = self.attn_norm(x)
     aux = None
-    if cache is not None:
-      y, aux = self.attn(h, cache=cache)
+    if cache is not None:  # segment id 0: padding of a ragged batch
+      valid = None if segment_ids is None else (segment_ids != 0)[:, None, None, :]
+      y, aux = self.attn(h, cache=cache, mask=valid)
     else:
       y = self.attn(
         h,

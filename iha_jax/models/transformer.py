@@ -76,7 +76,9 @@ class TransformerLM(nnx.Module):
       tokens: `[B, N]` int32 token ids.
       features: `[B, N, F]` continuous inputs; required with `config.input_features`
         (F), refused without.
-      segment_ids: optional `[B, N]` int32 packed-sequence ids (0 = padding).
+      segment_ids: optional `[B, N]` int32 packed-sequence ids (0 = padding). With a
+        cache, 0 marks padding among each row's new tokens (a ragged batch: it takes no
+        position and writes nothing), any other id the row's one sequence.
       positions: optional `[B, N]` int32 token positions (default `arange(N)`).
       cache: a `KVCache` (`iha_jax.models.kv_cache.init_cache`) holding the tokens before
         these: every block runs its attention layer's cached call (a prompt, then one
@@ -89,11 +91,19 @@ class TransformerLM(nnx.Module):
     check_tokens(tokens, "tokens")
     x = self.embed(tokens, features)
     if cache is not None:
-      if segment_ids is not None or positions is not None:
-        raise ValueError("cache= takes unpadded rows at positions cache.length + arange(N)")
+      if positions is not None:
+        raise ValueError(
+          "cache= places each row's real tokens at positions cache.length[b] + 0, 1, ..; "
+          "positions belongs to the full forward (no cache)"
+        )
+      if segment_ids is not None and jnp.shape(segment_ids) != jnp.shape(tokens):
+        raise ValueError(
+          f"segment_ids has shape {jnp.shape(segment_ids)}; with cache= it marks padding "
+          f"among the new tokens, shaped as tokens {jnp.shape(tokens)}"
+        )
       layers = []
       for block, layer_cache in zip(self.layers, cache.layers):
-        x, layer_cache = block(x, cache=layer_cache)
+        x, layer_cache = block(x, segment_ids=segment_ids, cache=layer_cache)
         layers.append(layer_cache)
       return self.logits(x), cache.replace(layers=tuple(layers))
     for block in self.layers:

@@ -21,27 +21,33 @@ Layouts (head-major), G the layer's key/value heads (`num_kv_heads`):
 A kind decodes when its record says so (`AttentionKind.decodes`: it reads as pseudo-head
 attention, `entry_arrays`, `pseudo_heads` and `collapse`; IHA and MHA built in).
 
-Every row of a batch is at the same position (`length`): equal-length prompts, no
-padding; positions are `length + arange(n)`, as the full forward's default.
+Every row holds its own number of tokens (`length: [B]`): a ragged batch (prompts of
+different lengths, padded on either side) prefills and decodes together, each row's
+positions and window its own. A call's `valid: [B, n]` says which of its n tokens are
+real; the real tokens of a row take its next positions in order (`length[b] + 0, 1, ..`),
+the padding is never seen, writes nothing and outputs zeros. Without `valid` every token
+is real (positions `length + arange(n)`, as the full forward's default).
 
 A cache carries what it was made for (`CacheSpec`: the layer's kind, P, key/value heads,
 head width, window, mode and capacity) and a layer refuses any other cache in one line.
 Tokens past `max_len` would wrap a global layer's ring buffer: with a concrete length
 (eager calls) that is a ValueError before anything runs; with a traced length (under
 `jit`) the call's output is NaN from the first token past `max_len` on, never silently
-wrong, and `jax.experimental.checkify.checkify(step, errors=checkify.float_checks)` turns
-it into an error naming the operation that made it (docs/your_model.md).
+wrong, and `jax.experimental.checkify.checkify(step, errors=checkify.user_checks |
+checkify.float_checks)` turns it into an error naming the cache's `max_len`
+(docs/your_model.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.experimental import checkify
 
 from iha_jax.checks import is_int, is_traced, warn_deprecated
 from iha_jax.core.options import AttentionOptions
@@ -100,7 +106,7 @@ class LayerCache(struct.PyTreeNode):
   Attributes:
     k, v: the ring buffer, `[B, G, C, d]` ("source" IHA, or MHA) or `[B, G, C*P, d]`
       ("pseudo" IHA): C token slots, token n in slot `n % C`.
-    length: int32 scalar, tokens written so far = the position of the next token.
+    length: `[B]` int32, the tokens each row holds = the position of its next token.
     spec: what the cache was made for (static; `CacheSpec`).
   """
 
@@ -178,7 +184,7 @@ def init_layer_cache(
     max_len: tokens each row may hold in all (prompt plus every token fed later); window
       layers keep only `ring_slots(cfg, max_len)` of them.
     mode: "source" or "pseudo" (module docstring).
-    dtype: of the cached keys and values (None: `cfg.dtype`, else float32).
+    dtype: of the cached keys and values, floating (None: `cfg.dtype`, else float32).
   """
   check_decodes(cfg)
   check_cache_mode(mode)
@@ -186,32 +192,66 @@ def init_layer_cache(
     if not is_int(value, 1):
       raise ValueError(f"{name} must be a positive integer, got {value!r}")
   dtype = dtype or cfg.dtype or jnp.float32
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+      f"dtype={jnp.dtype(dtype).name}: a cache holds keys and values, a floating dtype "
+      "(float32, bfloat16, float16); None: the layer's dtype"
+    )
   spec = spec_for(cfg, max_len, mode)
   shape = (batch, cfg.kv_heads, spec.capacity * _slots_per_token(cfg, mode), cfg.head_dim)
   zeros = jnp.zeros(shape, dtype)
-  return LayerCache(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32), spec=spec)
+  return LayerCache(k=zeros, v=zeros, length=jnp.zeros((batch,), jnp.int32), spec=spec)
 
 
-def _write(buf: jax.Array, new: jax.Array, start: jax.Array, slots_per_token: int) -> jax.Array:
-  """Writes tokens `start .. start+n-1` into a ring buffer (token t in slot t % C),
-  keeping the last C: `buf: [B, G, C*S, d]`, `new: [B, n*S, G, d]` (S: `slots_per_token`)."""
+class NewTokens(NamedTuple):
+  """A cached call's new tokens as attended and written (`cached_heads`): each row's real
+  tokens first, in order, then its padding.
+
+  Attributes:
+    k, v: the keys and values the cache stores, `[B, n*S, G, d]` (S: 1, or P for a
+      "pseudo" cache's pseudo-heads).
+    counts: `[B]` int32, each row's real tokens (n without `valid`).
+    order: `[B, n]`, the input column of each attended token (None: no padding, no
+      reordering).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  counts: jax.Array
+  order: jax.Array | None
+
+
+def _write(
+  buf: jax.Array, new: jax.Array, start: jax.Array, counts: jax.Array, slots_per_token: int
+) -> jax.Array:
+  """Writes each row's tokens `start[b] .. start[b] + counts[b] - 1` into its ring buffer
+  (token t in slot t % C), keeping its last C: `buf: [B, G, C*S, d]`, `new: [B, n*S, G, d]`
+  (S: `slots_per_token`; a row's first `counts[b]` tokens are real), `start, counts: [B]`."""
   b, h, size, d = buf.shape
   capacity, n = size // slots_per_token, new.shape[1] // slots_per_token
-  kept = min(n, capacity)  # Older tokens would be overwritten anyway; keeps slots unique.
-  new = (
-    new[:, (n - kept) * slots_per_token :].reshape(b, kept, slots_per_token, h, d).astype(buf.dtype)
-  )
-  new = jnp.transpose(new, (0, 3, 1, 2, 4))  # [B, G, kept, slots_per_token, d]
-  slots = jnp.mod(start + n - kept + jnp.arange(kept, dtype=jnp.int32), capacity)
+  steps = jnp.arange(n, dtype=jnp.int32)
+  # Padding, and tokens older than the last C (overwritten anyway: keeps slots unique), go
+  # to slot C, out of bounds: dropped.
+  kept = (steps < counts[:, None]) & (steps >= counts[:, None] - capacity)
+  slots = jnp.where(kept, jnp.mod(start[:, None] + steps, capacity), capacity)  # [B, n]
+  new = new.reshape(b, n, slots_per_token, h, d).astype(buf.dtype)
+  new = jnp.transpose(new, (0, 3, 1, 2, 4))  # [B, G, n, slots_per_token, d]
   ring = buf.reshape(b, h, capacity, slots_per_token, d)
-  return ring.at[:, :, slots].set(new).reshape(buf.shape)
+  ring = jax.vmap(lambda r, s, x: r.at[:, s].set(x, mode="drop"))(ring, slots, new)
+  return ring.reshape(buf.shape)
 
 
-def check_cache(cfg: AttentionConfig, cache: LayerCache, x: jax.Array) -> None:
+def _plural(count: int, noun: str) -> str:
+  return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def check_cache(
+  cfg: AttentionConfig, cache: LayerCache, x: jax.Array, valid: jax.Array | None = None
+) -> None:
   """Raises ValueError unless a layer of `cfg` can take its next tokens `x: [B, n, D]`
-  with `cache` (`check_decodes`): one line naming what differs between the cache and this
-  layer, or the overflow of a concrete length (a traced one poisons the output instead:
-  `write_cache`)."""
+  (`valid: [B, n]` bool, the real ones) with `cache` (`check_decodes`): one line naming
+  what differs between the cache and this layer, or the overflow of a concrete length (a
+  traced one poisons the output instead: `write_cache`)."""
   check_decodes(cfg)
   if not isinstance(cache, LayerCache):
     raise TypeError(f"cache must be a LayerCache (init_layer_cache), got {type(cache).__name__}")
@@ -223,14 +263,6 @@ def check_cache(cfg: AttentionConfig, cache: LayerCache, x: jax.Array) -> None:
       "this layer's init_cache (every layer keeps its own cache)."
     )
   batch, tokens = x.shape[:2]
-  if not cache.spec.unbounded and not is_traced(cache.length):
-    length = int(cache.length)
-    if length + tokens > cache.spec.max_len:
-      raise ValueError(
-        f"{tokens} more tokens after the {length} this cache holds exceed its max_len="
-        f"{cache.spec.max_len}: make the cache with init_cache(batch, max_len) large enough "
-        "for the prompt and every token decoded after it"
-      )
   want = (batch, cfg.kv_heads, None, cfg.head_dim)
   got = tuple(cache.k.shape)
   slots_per_token = _slots_per_token(cfg, cache.mode)
@@ -240,77 +272,114 @@ def check_cache(cfg: AttentionConfig, cache: LayerCache, x: jax.Array) -> None:
       f"{slots_per_token}, d] = [{batch}, {cfg.kv_heads}, C * {slots_per_token}, {cfg.head_dim}] "
       "(init_layer_cache with this layer's config and batch)"
     )
+  if jnp.shape(cache.length) != (batch,):
+    raise ValueError(
+      f"cache.length has shape {jnp.shape(cache.length)}, not [B] = ({batch},): a cache holds "
+      "each row's length (init_layer_cache)"
+    )
+  if cache.spec.unbounded or is_traced(cache.length) or is_traced(valid):
+    return
+  counts = [tokens] * batch if valid is None else [int(c) for c in jnp.sum(valid, axis=1)]
+  for row, (length, count) in enumerate(zip(cache.length.tolist(), counts)):
+    if length + count > cache.spec.max_len:
+      raise ValueError(
+        f"{_plural(count, 'more token')} after the {length} that row {row} of this cache "
+        f"holds exceed its max_len={cache.spec.max_len}: make the cache with "
+        "init_cache(batch, max_len) large enough for the prompt and every token decoded "
+        "after it"
+      )
 
 
 def cached_heads(
-  params: Mapping[str, jax.Array], x: jax.Array, cfg: AttentionConfig, cache: LayerCache
-) -> tuple[Handed, tuple[jax.Array, jax.Array]]:
-  """What a cached call hands the kind, and the keys and values it writes: keys are the C
-  tokens the cache held before this call, in position order (the ring rotated; slots
-  before token 0 are padding), then the n new ones, the queries at offset C (as a
-  sequence shard runs). A "pseudo" cache's rotated pseudo-heads go to MHA's entry point
-  over the virtual rows, before the kind's collapse.
+  params: Mapping[str, jax.Array],
+  x: jax.Array,
+  cfg: AttentionConfig,
+  cache: LayerCache,
+  valid: jax.Array | None = None,
+) -> tuple[Handed, NewTokens]:
+  """What a cached call hands the kind, and the tokens it writes. Per row: the keys are
+  the C tokens its cache held before this call, in position order (the ring rotated;
+  slots before token 0 are padding), then its n new ones, real tokens first (`NewTokens`);
+  the queries sit at offset C (as a sequence shard runs), so every row's keys lie at the
+  offsets of their positions whatever its length. A "pseudo" cache's rotated pseudo-heads
+  go to MHA's entry point over the virtual rows, before the kind's collapse.
 
   Args:
     params: `{name: array}` as laid out by `iha_jax.nn.config.param_specs(cfg)`, in the
       computation dtype.
-    x: the layer's input for tokens `cache.length .. cache.length + n - 1`, `[B, n, D]`,
-      in the computation dtype.
+    x: the layer's input for each row's next n tokens, `[B, n, D]`, in the computation
+      dtype.
     cfg: the layer configuration (a kind that decodes, causal).
     cache: the layer's cache holding the tokens before them (`check_cache`).
+    valid: `[B, n]` bool, the real tokens (None: all); the rest is padding.
   """
   b, n = x.shape[:2]
   capacity, num_pseudo = cache.spec.capacity, cache.spec.num_pseudo
-  start = jnp.asarray(cache.length, jnp.int32)
+  slots_per_token = _slots_per_token(cfg, cache.mode)
+  start = jnp.asarray(cache.length, jnp.int32)  # [B]
+  if valid is None:
+    order, real = None, jnp.ones((b, n), bool)
+  else:
+    order = jnp.argsort(~valid, axis=1, stable=True)  # real tokens first, in order
+    x = jnp.take_along_axis(x, order[:, :, None], axis=1)
+    real = jnp.take_along_axis(valid, order, axis=1)
   q, k, v = project_qkv(params, x)  # [B, n, H, d], [B, n, G, d]
-  positions = jnp.broadcast_to(start + jnp.arange(n, dtype=jnp.int32), (b, n))
+  positions = start[:, None] + jnp.arange(n, dtype=jnp.int32)  # [B, n]
   # The ring in position order: row r holds token start - C + r (padding before token 0).
-  key_tokens = start - capacity + jnp.arange(capacity + n, dtype=jnp.int32)  # [C + n]
-  shift = -jnp.mod(start, capacity) * _slots_per_token(cfg, cache.mode)
+  key_tokens = start[:, None] - capacity + jnp.arange(capacity + n, dtype=jnp.int32)
+  key_real = jnp.concatenate([key_tokens[:, :capacity] >= 0, real], axis=1)  # [B, C + n]
+  shift = -jnp.mod(start, capacity) * slots_per_token
+  roll = jax.vmap(lambda c, s: jnp.roll(c, s, axis=1))
   old_k, old_v = (
-    jnp.swapaxes(jnp.roll(c, shift, axis=2), 1, 2).astype(x.dtype) for c in (cache.k, cache.v)
+    jnp.swapaxes(roll(c, shift), 1, 2).astype(x.dtype) for c in (cache.k, cache.v)
   )  # [B, C*S, G, d]
+  query_segments = None if valid is None else real.astype(jnp.int32)
   if cache.mode == "source":
-    options = cfg.options(positions=positions).replace(
-      query_offset=capacity,
-      kv_positions=jnp.broadcast_to(key_tokens, (b, capacity + n)),
-      kv_segment_ids=jnp.broadcast_to((key_tokens >= 0).astype(jnp.int32), (b, capacity + n)),
+    options = cfg.options(positions=positions, segment_ids=query_segments).replace(
+      query_offset=capacity, kv_positions=key_tokens, kv_segment_ids=key_real.astype(jnp.int32)
     )
   else:
     q, k = (rotated_pseudo_heads(params, cfg, w, t, positions) for w, t in (("q", q), ("k", k)))
     v = cfg.record.pseudo_heads(params, cfg, "v", v)  # [B, n*P, G, d]; values: no RoPE
-    virtual = jnp.repeat(key_tokens >= 0, num_pseudo).astype(jnp.int32)  # [(C + n)*P]
+    virtual = lambda segments: None if segments is None else jnp.repeat(segments, num_pseudo, 1)
     options = AttentionOptions(
       window=cfg.window,
       causal=True,
       rope_theta=None,  # rotated already, at the virtual positions
       implementation=cfg.implementation,
+      segment_ids=virtual(query_segments),
       query_offset=capacity * num_pseudo,
-      kv_segment_ids=jnp.broadcast_to(virtual, (b, virtual.shape[0])),
+      kv_segment_ids=virtual(key_real.astype(jnp.int32)),
     )
   keys, values = (jnp.concatenate([old, new], axis=1) for old, new in ((old_k, k), (old_v, v)))
-  return Handed(options, (q, keys, values), cache.mode == "pseudo", new_tokens=n), (k, v)
+  handed = Handed(options, (q, keys, values), cache.mode == "pseudo", new_tokens=n)
+  return handed, NewTokens(k, v, jnp.sum(real, axis=1, dtype=jnp.int32), order)
 
 
-def write_cache(
-  y: jax.Array, cache: LayerCache, written: tuple[jax.Array, jax.Array]
-) -> tuple[jax.Array, LayerCache]:
-  """The cached call's output `y: [B, n, out]` (NaN past a bounded cache's `max_len`) and
-  the cache with the `written` keys and values of its n tokens (`cached_heads`) in their
-  slots and `length` advanced by n."""
+def write_cache(y: jax.Array, cache: LayerCache, new: NewTokens) -> tuple[jax.Array, LayerCache]:
+  """The cached call's output `y: [B, n, out]` in the input's columns (padding zero; NaN
+  past a bounded cache's `max_len`) and the cache with each row's `new` real tokens
+  (`cached_heads`) in their slots and its `length` advanced by their count."""
   n = y.shape[1]
   start = jnp.asarray(cache.length, jnp.int32)
+  steps = jnp.arange(n, dtype=jnp.int32)
   if not cache.spec.unbounded:
-    # Tokens past max_len: NaN, not a wrapped ring's output; made by an operation (the
-    # square root of -1), so checkify's float checks report where it arose.
-    new_tokens = start + jnp.arange(n, dtype=jnp.int32)
-    fits = (new_tokens < cache.spec.max_len).astype(y.dtype)
-    y = y * jnp.sqrt(2 * fits - 1)[None, :, None]
+    # Tokens past max_len: NaN, not a wrapped ring's output, made by an operation (the
+    # square root of -1) so that checkify's float checks find it; its user checks name why.
+    overflow = (steps < new.counts[:, None]) & (start[:, None] + steps >= cache.spec.max_len)
+    checkify.debug_check(
+      ~jnp.any(overflow),
+      f"a cached call wrote past its cache's max_len={cache.spec.max_len} (a row's length "
+      "plus its new tokens): make the cache with init_cache(batch, max_len) large enough",
+    )
+    y = y * jnp.sqrt(1 - 2 * overflow.astype(y.dtype))[:, :, None]
+  if new.order is not None:  # back to the input's columns
+    y = jnp.take_along_axis(y, jnp.argsort(new.order, axis=1)[:, :, None], axis=1)
   slots_per_token = cache.k.shape[2] // cache.spec.capacity  # 1, or P for pseudo-heads
   cache = cache.replace(
-    k=_write(cache.k, written[0], start, slots_per_token),
-    v=_write(cache.v, written[1], start, slots_per_token),
-    length=start + n,
+    k=_write(cache.k, new.k, start, new.counts, slots_per_token),
+    v=_write(cache.v, new.v, start, new.counts, slots_per_token),
+    length=start + new.counts,
   )
   return y, cache
 

@@ -33,7 +33,13 @@ from iha_jax.kinds.config import AttentionConfig
 from iha_jax.kinds.mha import MHA
 from iha_jax.nn.cache import LayerCache, cached_heads, check_cache, write_cache
 from iha_jax.nn.cross import check_context, cross_heads
-from iha_jax.nn.functional import Handed, check_input, mask_segments, to_compute_dtype
+from iha_jax.nn.functional import (
+  Handed,
+  check_input,
+  mask_segments,
+  new_token_validity,
+  to_compute_dtype,
+)
 from iha_jax.parallel.axes import HEADS_AXES
 
 
@@ -63,8 +69,8 @@ def apply_layer(
       the context, `mask` over the context;
     - `y: [B, N, out]` (no cache, no probabilities): the full forward, with key-validity
       `mask` and attention dropout;
-    - `(y, cache)` with a `cache`: the next N tokens of every row after the
-      `cache.length` it holds;
+    - `(y, cache)` with a `cache`: each row's next N tokens after the `cache.length[b]`
+      it holds, `mask` (flax's key validity over them) marking padding;
     - `(y, probabilities [B, H, T, T])` with `return_probabilities`.
   """
   probabilities = return_probabilities or None
@@ -122,10 +128,11 @@ def run_layer(
   if context is not None:
     check_context(context, x, cfg)
   if cache is not None:
-    check_cache(cfg, cache, x)
+    valid = None if mask is None else new_token_validity(mask, x)
+    check_cache(cfg, cache, x, valid)
   params, x = to_compute_dtype(params, x, cfg)
   if cache is not None:
-    handed, written = cached_heads(params, x, cfg, cache)
+    handed, written = cached_heads(params, x, cfg, cache, valid)
   elif context is not None:
     handed = cross_heads(params, x, jnp.asarray(context, x.dtype), cfg, mask)
   else:
@@ -182,7 +189,7 @@ def _refuse_other_uses(mask, segment_ids, positions, layer, cache, probabilities
   if context is not None:
     _refuse(
       "context= (cross-attention) takes x, the context and a mask over the context; {} "
-      "belong to self-attention (no context)",
+      "to self-attention (no context)",
       segment_ids=segment_ids,
       positions=positions,
       layer=layer,
@@ -191,9 +198,8 @@ def _refuse_other_uses(mask, segment_ids, positions, layer, cache, probabilities
     )
   if cache is not None:
     _refuse(
-      "cache= takes the next tokens of one unpadded sequence per row, at positions "
-      "cache.length + arange(N); {} belong to the full forward (no cache)",
-      mask=mask,
+      "cache= takes each row's next tokens of one sequence, at positions cache.length + "
+      "0, 1, .. (padding: mask=); {} to the full forward (no cache)",
       segment_ids=segment_ids,
       positions=positions,
       return_probabilities=probabilities,
@@ -204,4 +210,5 @@ def _refuse(message: str, **arguments: Any) -> None:
   """Raises ValueError, `message` naming those of `arguments` that are not None, if any."""
   given = [name for name, value in arguments.items() if value is not None]
   if given:
-    raise ValueError(message.format(", ".join(given)))
+    names = ", ".join(given) + (" belong" if len(given) > 1 else " belongs")
+    raise ValueError(message.format(names))

@@ -91,6 +91,18 @@ def mask_segments(mask: jax.Array, segment_ids: jax.Array | None, x: jax.Array) 
   return jnp.where(valid, base, 0).astype(jnp.int32)
 
 
+def new_token_validity(mask: jax.Array, x: jax.Array) -> jax.Array:
+  """A cached call's flax key-validity `mask` (`key_validity`) over its new tokens `x: [B,
+  N, D]` as `[B, N]` bool: False marks padding (a ragged batch), which takes no position,
+  is never seen and writes nothing."""
+  b, n = jnp.shape(x)[:2]
+  meaning = (
+    f"with cache=, mask marks which new tokens are real (padding False), [B, 1, 1, N] = "
+    f"[{b}, 1, 1, {n}] (valid[:, None, None, :])"
+  )
+  return key_validity(mask, b, n, meaning)
+
+
 def rotated_pseudo_heads(
   params: Mapping[str, jax.Array],
   cfg: AttentionConfig,

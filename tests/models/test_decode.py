@@ -60,7 +60,7 @@ def _teacher_forced(
   for n in range(prefix, tokens.shape[1]):
     step_logits, cache = decode_step(model, tokens[:, n], cache)
     steps.append(step_logits[:, None])
-  assert int(cache.length) == tokens.shape[1]
+  np.testing.assert_array_equal(np.asarray(cache.length), tokens.shape[1])
   return jnp.concatenate(steps, axis=1)
 
 
@@ -282,14 +282,15 @@ def test_a_cache_refuses_another_layer_in_one_line():
 def test_a_cache_never_wraps_silently():
   """Tokens past `max_len` would wrap a global layer's ring: with a concrete length an
   error before anything runs; under jit NaN from the first token past it on (earlier
-  tokens unchanged), which `checkify`'s float checks turn into an error."""
+  tokens unchanged), which `checkify`'s float checks turn into an error, its user checks
+  into one naming max_len."""
   from jax.experimental import checkify
 
   layer = _layer()
   x = jax.random.normal(jax.random.key(1), (B, 5, D))
   cache = layer.init_cache(B, 4)
   with pytest.raises(
-    ValueError, match=r"5 more tokens after the 0 this cache holds exceed its max_len=4"
+    ValueError, match=r"5 more tokens after the 0 that row 0 of this cache holds exceed its max_len"
   ):
     layer(x, cache=cache)
   y, cache = layer(x[:, :3], cache=cache)
@@ -302,6 +303,9 @@ def test_a_cache_never_wraps_silently():
   assert bool(jnp.all(jnp.isfinite(y[:, 0]))) and bool(jnp.all(jnp.isnan(y[:, 1])))
   error, _ = checkify.checkify(step, errors=checkify.float_checks)(x[:, 3:5], cache)
   assert "nan" in str(error.get()).lower()
+  errors = checkify.user_checks | checkify.float_checks  # user checks name the cause
+  error, _ = checkify.checkify(step, errors=errors)(x[:, 3:5], cache)
+  assert "past its cache's max_len=4" in str(error.get())
   # A window layer's ring holds its window's whole reach: it decodes past max_len.
   window_layer = _layer(window=2 * P)
   wcache = window_layer.init_cache(B, 4)
@@ -320,4 +324,33 @@ def test_decode_steps_trace_once(monkeypatch):
   _, cache = prefill(model, tokens[:, :3], max_len=N)
   for n in range(3, 8):
     _, cache = decode_step(model, tokens[:, n], cache)
-  assert int(cache.length) == 8
+  np.testing.assert_array_equal(np.asarray(cache.length), 8)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_ragged_batch_generates_what_each_row_generates_alone(side, temperature):
+  """Prompts of 5, 2 and 7 tokens padded to 7 (either side) generate together exactly
+  the tokens each generates alone, greedy and sampled with the row's own key."""
+  model = _model("LI", implementation="xla")
+  lengths, width, new = (5, 2, 7), 7, 4
+  prompts = [_tokens(10 + b, n)[0] for b, n in enumerate(lengths)]
+  pad = lambda p: jnp.full((width - p.shape[0],), V - 1, jnp.int32)  # any token: unseen
+  rows = [jnp.concatenate((pad(p), p) if side == "left" else (p, pad(p))) for p in prompts]
+  columns = np.arange(width)
+  mask = np.stack(
+    [columns >= width - n if side == "left" else columns < n for n in lengths]
+  )  # fmt: skip
+  keys = jax.random.split(jax.random.key(7), len(lengths))
+  sampling = dict(temperature=temperature, rng=keys)
+  together = generate(
+    model, jnp.stack(rows), max_new_tokens=new, prompt_mask=jnp.asarray(mask), **sampling
+  )
+  np.testing.assert_array_equal(np.asarray(together[:, :width]), np.stack(rows))
+  for b, prompt in enumerate(prompts):
+    alone = generate(
+      model, prompt[None], max_new_tokens=new, temperature=temperature, rng=keys[b : b + 1]
+    )
+    np.testing.assert_array_equal(
+      np.asarray(together[b, width:]), np.asarray(alone[0, lengths[b] :]), err_msg=f"row {b}"
+    )
