@@ -288,6 +288,11 @@ _KERNEL_PLATFORMS["splash"] = "tpu"
 _WARNED: set[str] = set()
 
 
+def auto_backend_override() -> str | None:
+  """The backend `auto_backend` names in the current context, or None."""
+  return _AUTO_BACKEND.get()
+
+
 def _warn_if_interpreted(implementation: str) -> None:
   """Warns once per implementation that an explicitly named Pallas kernel runs
   interpreted (its platform is not this process's backend, and no `auto_backend` target)."""

@@ -21,8 +21,8 @@ from flax import nnx
 
 from iha_jax.kinds import AttentionConfig
 from iha_jax.nn.cache import LayerCache, init_layer_cache
-from iha_jax.nn.call import apply_layer
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT, layer_config, param_specs
+from iha_jax.nn.eager import call_layer
 from iha_jax.nn.partitioning import logical_param
 
 Initializer = jax.nn.initializers.Initializer
@@ -245,7 +245,7 @@ class Attention(nnx.Module):
     Returns:
       `y: [B, N, out_features]`, or `(y, cache)` with a cache, or `(y, probs)`.
     """
-    return apply_layer(
+    return call_layer(
       self.param_values(),
       x,
       self.config,
