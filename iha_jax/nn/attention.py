@@ -80,9 +80,12 @@ class Attention(nnx.Module):
       Talking-Heads; flax's layer has them on by default, this one off).
     out_features: output width (`wo: [H, d, out_features]`); None: model_dim.
     in_features: flax's name for model_dim (give one of them).
-    qkv_features: flax's name for `num_heads * head_dim` (give it or head_dim).
+    qkv_features: flax's name for `num_heads * head_dim` (give it or head_dim); both left
+      out with `in_features` given: `in_features`, as flax's layer.
+    normalize_qk: flax's LayerNorm of q and k, refused when True in one line naming
+      `qk_norm` (this layer's RMSNorm); False or None: none.
     config: the layer's `AttentionConfig`, taken as it is, instead of the fields above
-      (model_dim ... qkv_features, which then stay unset).
+      (model_dim ... normalize_qk, which then stay unset).
     rngs: `nnx.Rngs` with a `params` stream (and `dropout` when dropping out).
   """
 
@@ -122,6 +125,7 @@ class Attention(nnx.Module):
     out_features: int | None = None,
     in_features: int | None = None,
     qkv_features: int | None = None,
+    normalize_qk: bool | None = None,
     config: AttentionConfig | None = None,
     rngs: nnx.Rngs,
   ):
@@ -129,6 +133,7 @@ class Attention(nnx.Module):
       window_tokens=window_tokens,
       in_features=in_features,
       qkv_features=qkv_features,
+      normalize_qk=normalize_qk,
       qk_norm=qk_norm,
       use_bias=use_bias,
       out_features=out_features,
