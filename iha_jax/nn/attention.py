@@ -53,7 +53,11 @@ class Attention(nnx.Module):
     window: sliding window in the kind's units: VIRTUAL tokens for IHA (`N * P` per
       sequence), tokens for the other kinds; None: global.
     window_tokens: the window in TOKENS instead (IHA: `window_tokens * P` virtual tokens);
-      give `window` or `window_tokens`, not both.
+      give `window` or `window_tokens`, not both. The same w reaches one token further
+      through IHA (P >= 2) than through MHA: MHA's output at token n depends on tokens
+      n-w+1..n (w tokens), IHA's on n-w..n (w + 1 tokens; token n-w only through the
+      pseudo-queries p < P-1, since query p of token n sees virtual keys from
+      `(n-w)*P + p + 1` on). `window=(w-1)*P + 1` gives IHA MHA's reach.
     rope_theta: RoPE base, on by default (10000.0); None: no RoPE (a model that adds its
       own positions).
     collapse_mode: IHA's "full" (`collapse: [H, H, P]`) or "per_head" (`[H, P]`).
@@ -318,7 +322,8 @@ class InterleavedHeadAttention(Attention):
   P = H, the paper's default: a global layer then does P^2 = H^2 times MHA's attention
   work, so choose a small P (2-4) unless you mean it. The layer is causal (`causal=False`:
   bidirectional). `window` counts VIRTUAL tokens (N * P per sequence): `window=8` at P = 2
-  reaches 4 tokens back; `window_tokens=8` counts tokens (8 * P virtual tokens).
+  reaches 4 tokens back; `window_tokens=8` counts tokens (8 * P virtual tokens), which
+  reaches tokens n-8..n, one more than an MHA layer's `window_tokens=8` (n-7..n).
 
   Parameters: `wq: [D, H, d]`, `wk, wv: [D, G, d]`, `wo: [H, d, D]`, `alpha_q: [H, H, P]`
   and `alpha_k, alpha_v: [G, G, P]` (source, target, pseudo), `collapse: [H, H, P]`

@@ -56,8 +56,9 @@ def layer_config(
     this layer's (an RMSNorm);
   - `window_tokens`, instead of `window`: a window counted in TOKENS, which a kind over
     virtual tokens (IHA) takes as `window_tokens * P` virtual tokens (the span of
-    `window_tokens` tokens; a pseudo-query then reaches `window_tokens` tokens back), and
-    any other kind as its window.
+    `window_tokens` tokens: pseudo-query p < P-1 of token n reaches token
+    n - window_tokens, so an output depends on window_tokens + 1 tokens, one more than
+    through MHA's window of window_tokens), and any other kind as its window.
   Raises ValueError naming the field for a bad one, or for a field given under both
   names."""
   if normalize_qk not in (None, False):
