@@ -156,3 +156,58 @@ def test_the_wheel_without_extras_trains_and_decodes_a_layer(tmp_path):
     assert extra_only not in listed, extra_only
   result = run(str(python), "-c", LAYER_SCRIPT, cwd=tmp_path)
   assert result.returncode == 0 and "layer ok" in result.stdout, result.stderr[-3000:]
+
+
+# Attention maps with the 'plots' extra only: the modules that only the 'train' and 'data'
+# extras bring are made unimportable (flax itself brings orbax and etils).
+PLOTS_ONLY_SCRIPT = textwrap.dedent(
+  """
+  import importlib.machinery, sys
+
+  ONLY_IN_EXTRAS = {
+    "ml_collections", "tensorflow_datasets", "tensorflow", "grain", "array_record",
+    "sentencepiece", "tokenizers", "tiktoken", "gcsfs", "tensorboardX", "tqdm",
+  }
+
+  class Missing(importlib.machinery.PathFinder):  # not found, as if not installed
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+      if name.split(".")[0] in ONLY_IN_EXTRAS:
+        return None
+      return super().find_spec(name, path, target)
+
+  sys.meta_path = [
+    Missing if f is importlib.machinery.PathFinder else f for f in sys.meta_path
+  ]
+  import jax
+  from flax import nnx
+  from iha_jax.eval.attention_maps import attention_maps, plot_attention_maps
+  from iha_jax.models import TransformerConfig, TransformerLM
+
+  config = TransformerConfig(vocab_size=11, num_layers=1, model_dim=16, num_heads=2,
+                             head_dim=8, mlp_dim=16, num_pseudo=2, attention_schedule="I")
+  model = TransformerLM(config, rngs=nnx.Rngs(0))
+  probs = attention_maps(model, jax.numpy.arange(5), layer_number=1)
+  plot_attention_maps(probs, 2, sys.argv[1])
+  try:
+    from iha_jax.eval import evaluate_workdir
+  except ImportError as error:
+    assert "pip install 'iha-jax[train]'" in str(error) and "\\n" not in str(error), error
+  else:
+    raise AssertionError("evaluate_workdir imported without the train extra")
+  print("maps ok")
+  """
+)
+
+
+def test_attention_maps_need_only_the_plots_extra(tmp_path):
+  png = tmp_path / "maps.png"
+  run = subprocess.run(
+    [sys.executable, "-c", PLOTS_ONLY_SCRIPT, str(png)],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    check=False,
+  )
+  assert run.returncode == 0 and "maps ok" in run.stdout, run.stderr[-2000:]
+  assert png.stat().st_size > 0

@@ -10,6 +10,10 @@ checkpoint that cannot be read is skipped with a warning naming its step.
 
 from __future__ import annotations
 
+from iha_jax.extras import require
+
+require("train", "iha_jax.eval.runs")
+
 import dataclasses
 import functools
 import json

@@ -9,6 +9,10 @@ length measure RoPE extrapolation: accuracy is expected to fall there.
 
 from __future__ import annotations
 
+from iha_jax.extras import require
+
+require("train", "iha_jax.eval.sweep")
+
 import json
 import logging
 from collections.abc import Sequence
@@ -20,7 +24,6 @@ import ml_collections
 from iha_jax import storage
 from iha_jax.checks import is_int
 from iha_jax.eval.runs import EvalError, chance_exact_match, restore_run
-from iha_jax.extras import require
 from iha_jax.kinds import effective_num_pseudo
 
 if TYPE_CHECKING:

@@ -281,9 +281,16 @@ def _auto_tpu(record: AttentionKind, q, v, options, num_pseudo: int, sliced: boo
   return tpu_auto.choose(record.name, num_pseudo, windowed, available, sliced=sliced, small=small)
 
 
-# The Pallas kernels and the platform whose hardware runs them (elsewhere: the interpreter).
+# The Pallas kernels and the platform whose hardware runs them (elsewhere: the interpreter);
+# "splash" is jax's own Pallas TPU kernel.
 _KERNEL_PLATFORMS = {name: name.split("_")[1] for name in SLICED if name.startswith("pallas")}
+_KERNEL_PLATFORMS["splash"] = "tpu"
 _WARNED: set[str] = set()
+
+
+def auto_backend_override() -> str | None:
+  """The backend `auto_backend` names in the current context, or None."""
+  return _AUTO_BACKEND.get()
 
 
 def _warn_if_interpreted(implementation: str) -> None:

@@ -21,8 +21,8 @@ from flax import nnx
 
 from iha_jax.kinds import AttentionConfig
 from iha_jax.nn.cache import LayerCache, init_layer_cache
-from iha_jax.nn.call import apply_layer
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT, layer_config, param_specs
+from iha_jax.nn.eager import call_layer
 from iha_jax.nn.partitioning import logical_param
 
 Initializer = jax.nn.initializers.Initializer
@@ -53,7 +53,11 @@ class Attention(nnx.Module):
     window: sliding window in the kind's units: VIRTUAL tokens for IHA (`N * P` per
       sequence), tokens for the other kinds; None: global.
     window_tokens: the window in TOKENS instead (IHA: `window_tokens * P` virtual tokens);
-      give `window` or `window_tokens`, not both.
+      give `window` or `window_tokens`, not both. The same w reaches one token further
+      through IHA (P >= 2) than through MHA: MHA's output at token n depends on tokens
+      n-w+1..n (w tokens), IHA's on n-w..n (w + 1 tokens; token n-w only through the
+      pseudo-queries p < P-1, since query p of token n sees virtual keys from
+      `(n-w)*P + p + 1` on). `window=(w-1)*P + 1` gives IHA MHA's reach.
     rope_theta: RoPE base, on by default (10000.0); None: no RoPE (a model that adds its
       own positions).
     collapse_mode: IHA's "full" (`collapse: [H, H, P]`) or "per_head" (`[H, P]`).
@@ -80,9 +84,12 @@ class Attention(nnx.Module):
       Talking-Heads; flax's layer has them on by default, this one off).
     out_features: output width (`wo: [H, d, out_features]`); None: model_dim.
     in_features: flax's name for model_dim (give one of them).
-    qkv_features: flax's name for `num_heads * head_dim` (give it or head_dim).
+    qkv_features: flax's name for `num_heads * head_dim` (give it or head_dim); both left
+      out with `in_features` given: `in_features`, as flax's layer.
+    normalize_qk: flax's LayerNorm of q and k, refused when True in one line naming
+      `qk_norm` (this layer's RMSNorm); False or None: none.
     config: the layer's `AttentionConfig`, taken as it is, instead of the fields above
-      (model_dim ... qkv_features, which then stay unset).
+      (model_dim ... normalize_qk, which then stay unset).
     rngs: `nnx.Rngs` with a `params` stream (and `dropout` when dropping out).
   """
 
@@ -122,6 +129,7 @@ class Attention(nnx.Module):
     out_features: int | None = None,
     in_features: int | None = None,
     qkv_features: int | None = None,
+    normalize_qk: bool | None = None,
     config: AttentionConfig | None = None,
     rngs: nnx.Rngs,
   ):
@@ -129,6 +137,7 @@ class Attention(nnx.Module):
       window_tokens=window_tokens,
       in_features=in_features,
       qkv_features=qkv_features,
+      normalize_qk=normalize_qk,
       qk_norm=qk_norm,
       use_bias=use_bias,
       out_features=out_features,
@@ -245,7 +254,7 @@ class Attention(nnx.Module):
     Returns:
       `y: [B, N, out_features]`, or `(y, cache)` with a cache, or `(y, probs)`.
     """
-    return apply_layer(
+    return call_layer(
       self.param_values(),
       x,
       self.config,
@@ -313,7 +322,8 @@ class InterleavedHeadAttention(Attention):
   P = H, the paper's default: a global layer then does P^2 = H^2 times MHA's attention
   work, so choose a small P (2-4) unless you mean it. The layer is causal (`causal=False`:
   bidirectional). `window` counts VIRTUAL tokens (N * P per sequence): `window=8` at P = 2
-  reaches 4 tokens back; `window_tokens=8` counts tokens (8 * P virtual tokens).
+  reaches 4 tokens back; `window_tokens=8` counts tokens (8 * P virtual tokens), which
+  reaches tokens n-8..n, one more than an MHA layer's `window_tokens=8` (n-7..n).
 
   Parameters: `wq: [D, H, d]`, `wk, wv: [D, G, d]`, `wo: [H, d, D]`, `alpha_q: [H, H, P]`
   and `alpha_k, alpha_v: [G, G, P]` (source, target, pseudo), `collapse: [H, H, P]`

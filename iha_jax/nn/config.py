@@ -44,18 +44,30 @@ def layer_config(
   window_tokens: int | None = None,
   in_features: int | None = None,
   qkv_features: int | None = None,
+  normalize_qk: bool | None = None,
   **fields: Any,
 ) -> AttentionConfig:
   """The `AttentionConfig` of a layer built with `fields` (its fields), where flax's names
   may stand for two of them and a token count for the window:
   - `in_features` (flax's name): `model_dim`;
-  - `qkv_features` (flax's name, H*d): `head_dim = qkv_features // num_heads`;
+  - `qkv_features` (flax's name, H*d): `head_dim = qkv_features // num_heads`; left out
+    with `head_dim` too, `in_features` (flax's default; not `model_dim`);
+  - `normalize_qk` (flax's LayerNorm of q and k): False or None only; `qk_norm=True` is
+    this layer's (an RMSNorm);
   - `window_tokens`, instead of `window`: a window counted in TOKENS, which a kind over
     virtual tokens (IHA) takes as `window_tokens * P` virtual tokens (the span of
-    `window_tokens` tokens; a pseudo-query then reaches `window_tokens` tokens back), and
-    any other kind as its window.
+    `window_tokens` tokens: pseudo-query p < P-1 of token n reaches token
+    n - window_tokens, so an output depends on window_tokens + 1 tokens, one more than
+    through MHA's window of window_tokens), and any other kind as its window.
   Raises ValueError naming the field for a bad one, or for a field given under both
   names."""
+  if normalize_qk not in (None, False):
+    raise ValueError(
+      f"normalize_qk={normalize_qk!r} (flax's LayerNorm of q and k) is not taken: this layer's "
+      "is qk_norm=True (an RMSNorm of every query and key head, without mean)"
+    )
+  if qkv_features is None and fields.get("head_dim") is None and in_features is not None:
+    qkv_features = in_features  # flax's MultiHeadAttention default
   fields = _flax_names(fields, in_features, qkv_features)
   if window_tokens is None:
     return AttentionConfig(**fields)

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from iha_jax.checks import warn_deprecated
 from iha_jax.kinds import AttentionConfig
 from iha_jax.nn.cache import LayerCache, init_layer_cache
-from iha_jax.nn.call import apply_layer
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT, layer_config, param_specs
+from iha_jax.nn.eager import call_layer
 
 Initializer = jax.nn.initializers.Initializer
 
@@ -80,7 +80,7 @@ class AttentionLinen(nn.Module):
         return None
       return self.make_rng("dropout")
 
-    return apply_layer(
+    return call_layer(
       params,
       x,
       self.config,

@@ -55,22 +55,32 @@ def named_shardings(
   a wider tensor split), and any other dimension the axes do not divide is refused in one
   line naming the parameter (`fit_to_shape`); `refuse_indivisible=False` leaves such
   dimensions split, for a caller that reports them in its own terms (the trainer names
-  the config keys)."""
+  the config keys). Without `shapes`, key/value heads stay whole on every device (valid
+  for any G, which the specs do not say): pass `shapes=` (or use
+  `iha_jax.nn.param_shardings(mesh, state, rules)`) to split them where the axes divide G."""
   table = rules_for(mesh, rules)
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
 
   def one(path, spec, value=None):
     mesh_spec = logical_to_mesh_spec(spec, table)
-    if value is not None:
-      mesh_spec = fit_to_shape(
-        jax.tree_util.keystr(path), spec, mesh_spec, value.shape, sizes, refuse_indivisible
-      )
+    if value is None:
+      # G is unknown here, and G heads split over more devices would fail in device_put.
+      return NamedSharding(mesh, _whole_kv_heads(spec, mesh_spec))
+    mesh_spec = fit_to_shape(
+      jax.tree_util.keystr(path), spec, mesh_spec, value.shape, sizes, refuse_indivisible
+    )
     return NamedSharding(mesh, mesh_spec)
 
   is_spec = lambda x: isinstance(x, PartitionSpec)
   if shapes is None:
     return jax.tree_util.tree_map_with_path(one, logical_specs, is_leaf=is_spec)
   return jax.tree_util.tree_map_with_path(one, logical_specs, shapes, is_leaf=is_spec)
+
+
+def _whole_kv_heads(logical: PartitionSpec, mesh_spec: PartitionSpec) -> PartitionSpec:
+  """`mesh_spec` with its `kv_heads` dimensions unsplit."""
+  names = tuple(logical) + (None,) * (len(mesh_spec) - len(logical))
+  return PartitionSpec(*(None if n == KV_HEADS else a for n, a in zip(names, mesh_spec)))
 
 
 def fit_to_shape(

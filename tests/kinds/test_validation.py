@@ -155,6 +155,8 @@ def test_a_kernel_named_off_its_hardware_warns_once_that_it_is_interpreted(monke
     warnings.simplefilter("error")
     ops.mha_attention(q, q, q, implementation="pallas_gpu")  # once only
     ops.mha_attention(q, q, q, implementation="auto")
+  with pytest.warns(UserWarning, match="'splash' runs in Pallas' interpreter on cpu"):
+    ops.mha_attention(q, q, q, implementation="splash")
 
 
 def test_queries_at_an_offset_into_longer_keys():

@@ -155,6 +155,12 @@ def test_flax_names_stand_for_model_dim_and_head_dim():
   )
   assert ours.config == flax_named.config
   chex.assert_trees_all_equal(nnx.state(ours, nnx.Param), nnx.state(flax_named, nnx.Param))
+  # qkv_features defaults to in_features, as in flax's layer; normalize_qk=False is no norm.
+  flax_default = InterleavedHeadAttention(
+    num_heads=H // 2, in_features=D, normalize_qk=False, rngs=nnx.Rngs(0)
+  )
+  assert flax_default.config.head_dim == 2 * D // H and not flax_default.config.qk_norm
+  assert flax_default.wq[...].shape == (D, H // 2, 2 * D // H)
 
 
 @pytest.mark.parametrize(
@@ -163,7 +169,8 @@ def test_flax_names_stand_for_model_dim_and_head_dim():
     (dict(model_dim=D, in_features=D, num_heads=H, head_dim=d), "model_dim or in_features"),
     (dict(in_features=D, num_heads=H, head_dim=d, qkv_features=H * d), "head_dim or qkv_f"),
     (dict(in_features=D, num_heads=H, qkv_features=H * d + 1), "multiple of num_heads"),
-    (dict(in_features=D, num_heads=H), r"head_dim \(or qkv_features\) is required"),
+    (dict(model_dim=D, num_heads=H), r"head_dim \(or qkv_features\) is required"),
+    (dict(model_dim=D, num_heads=H, head_dim=d, normalize_qk=True), r"qk_norm=True \(an RMS"),
     (dict(num_heads=H, head_dim=d), r"model_dim \(or in_features\) is required"),
     (dict(model_dim=D, num_heads=H, head_dim=d, out_features=0), "out_features"),
     (dict(model_dim=D, num_heads=H, head_dim=d, qk_norm="yes"), "qk_norm must be a bool"),

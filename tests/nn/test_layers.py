@@ -441,6 +441,35 @@ def test_window_in_tokens_at_the_layer():
     _iha(window_tokens=0)
 
 
+def _reach(layer, x: jax.Array) -> np.ndarray:
+  """`[N, N]` bool: whether the output at token n (row) depends on the input at token m
+  (column), read off the Jacobian of a one-row batch."""
+  jacobian = jax.jacobian(lambda x: layer(x))(x)[0, :, :, 0]  # [N, D, N, D]
+  return np.abs(np.asarray(jacobian)).max(axis=(1, 3)) > 0
+
+
+def test_window_tokens_reach_one_token_further_through_iha_than_mha():
+  """`window_tokens=w`: an MHA output at token n depends on tokens n-w+1..n; an IHA one
+  (w * P virtual tokens, P >= 2) on tokens n-w..n, token n-w only through the pseudo-
+  queries p < P-1 (query p of token n sees virtual keys from (n-w)*P + p + 1 on).
+  `window=(w-1)*P + 1` gives IHA MHA's reach."""
+  n, w, p = 9, 3, 2
+  x = _x(shape=(1, n, D))
+  tokens = np.arange(n)
+  offset = tokens[:, None] - tokens[None, :]  # n - m
+  iha = _iha(num_pseudo=p, window_tokens=w, mixing_noise_std=0.3)
+  mha = _mha(window_tokens=w)
+  np.testing.assert_array_equal(_reach(iha, x), (offset >= 0) & (offset <= w))
+  np.testing.assert_array_equal(_reach(mha, x), (offset >= 0) & (offset < w))
+  narrow = _iha(num_pseudo=p, window=(w - 1) * p + 1, mixing_noise_std=0.3)
+  np.testing.assert_array_equal(_reach(narrow, x), (offset >= 0) & (offset < w))
+  # Which pseudo-queries of the last token reach token n-1-w: p = 0 does, p = P-1 does not.
+  _, probabilities = iha(x, return_probabilities=True)  # [1, H, N*P, N*P]
+  last, oldest = n - 1, n - 1 - w
+  to_oldest = probabilities[0, :, :, oldest * p : (oldest + 1) * p].sum(axis=(0, 2))
+  assert to_oldest[last * p] > 0 and to_oldest[last * p + p - 1] == 0
+
+
 def test_linen_validates_at_construction():
   with pytest.raises(TypeError, match="config must be an AttentionConfig"):
     AttentionLinen(dict(model_dim=D, num_heads=H, head_dim=HEAD_DIM))

@@ -160,3 +160,29 @@ def test_meshes_of_your_own_names_are_refused_without_rules():
   rules = parallel.logical_rules({"batch": "dp", "heads": "tp"}, mesh)
   sharded = parallel.named_shardings(mesh, specs, rules)
   assert sharded["w"].spec == jax.sharding.PartitionSpec(None, "tp")
+
+
+def test_named_shardings_without_shapes_keeps_kv_heads_whole():
+  """Without `shapes=`, G = 2 key/value heads under a tensor split of 4 stay whole (the
+  specs do not say G; split, device_put fails in JAX); with shapes (`param_shardings`)
+  they stay whole here too and split where the axis divides G. The placed layer runs."""
+  from iha_jax.nn import logical_specs, param_shardings  # pylint: disable=import-outside-toplevel
+
+  layer = InterleavedHeadAttention(32, 4, 8, num_kv_heads=2, num_pseudo=2, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(layer)
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = {"batch": "dp", "heads": "tp"}
+  shardings = parallel.named_shardings(mesh, logical_specs(state), rules)
+  assert shardings["wk"].spec == jax.sharding.PartitionSpec(None, None, None)
+  assert shardings["alpha_k"].spec == jax.sharding.PartitionSpec(None, None, None)
+  assert shardings["wq"].spec == jax.sharding.PartitionSpec(None, "tp", None)
+  assert param_shardings(mesh, state, rules)["wk"].spec == shardings["wk"].spec
+  x = jax.random.normal(jax.random.key(1), (2, 8, 32))
+  with parallel.activate(mesh, rules):
+    placed = jax.device_put(state, shardings)
+    y = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(placed, x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(layer(x)), atol=1e-5)
+  split = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  assert param_shardings(split, state, rules)["wk"].spec == jax.sharding.PartitionSpec(
+    None, "tp", None
+  )
