@@ -6,9 +6,10 @@ is a cache miss: about a second of compiling per call of a tiny layer on CPU).
 `call_layer` instead runs it as one `jax.jit` of the same function, cached by JAX per
 configuration, shapes, dtypes and options (the config and the logical-axis rules are
 static). Every check still raises its own error while that function is traced, before
-anything compiles. A call that is itself being traced (inside a user's `jit`, `grad`,
-`scan`, ...) and a cached call run `apply_layer` as they are: the former is compiled
-with its caller, and the latter checks a concrete cache length against `max_len`.
+anything compiles; a cached call's lengths are checked against `max_len` first, while
+they are concrete (traced, an overflow could only poison the output). A call that is
+itself being traced (inside a user's `jit`, `grad`, `scan`, ...) runs `apply_layer` as
+it is, compiled with its caller.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import numpy as np
 
 from iha_jax.checks import is_int, is_traced
 from iha_jax.kinds import AttentionConfig, registry
+from iha_jax.nn.cache import LayerCache, check_cache
 from iha_jax.nn.call import apply_layer
+from iha_jax.nn.functional import check_input, new_token_validity
 from iha_jax.parallel import context as context_parallel
 
 
@@ -54,11 +57,9 @@ def call_layer(
   arrays = dict(mask=mask, segment_ids=segment_ids, positions=positions, context=context)
   layer_array = None if layer is None or is_int(layer) else layer
   static = _static_key(cfg, layer if layer_array is None else None, return_probabilities)
-  leaves = jax.tree.leaves((params, x, arrays, layer_array))
-  eager = (
-    cache is not None
-    or static is None
-    or any(is_traced(leaf) or not isinstance(leaf, jax.Array) for leaf in leaves)
+  leaves = jax.tree.leaves((params, x, arrays, layer_array, cache))
+  eager = static is None or any(
+    is_traced(leaf) or not isinstance(leaf, jax.Array) for leaf in leaves
   )
   if eager:
     return apply_layer(
@@ -71,11 +72,16 @@ def call_layer(
       dropout_rng=dropout_rng,
       return_probabilities=return_probabilities,
     )
+  if cache is not None:  # the lengths while concrete (apply_layer refuses misuse first)
+    check_input(x, cfg)
+    if isinstance(cache, LayerCache):
+      check_cache(cfg, cache, x, None if mask is None else new_token_validity(mask, x))
   # Drawn here, where apply_layer would draw it: the stream advances outside the compile.
   dropout_key = None
-  if cfg.dropout_rate > 0 and not return_probabilities and dropout_rng is not None:
+  draws = cache is None and not return_probabilities and cfg.dropout_rate > 0
+  if draws and dropout_rng is not None:
     dropout_key = dropout_rng()
-  return _compiled_layer(params, x, arrays, layer_array, dropout_key, static=static)
+  return _compiled_layer(params, x, arrays, layer_array, dropout_key, cache, static=static)
 
 
 def _static_key(
@@ -108,6 +114,7 @@ def _compiled_layer(
   arrays: Mapping[str, jax.Array | None],
   layer_array: jax.Array | None,
   dropout_key: jax.Array | None,
+  cache: LayerCache | None,
   *,
   static: tuple[Any, ...],
 ) -> Any:
@@ -119,6 +126,7 @@ def _compiled_layer(
     cfg,
     **arrays,
     layer=layer if layer_array is None else layer_array,
+    cache=cache,
     dropout_rng=None if dropout_key is None else lambda: dropout_key,
     return_probabilities=return_probabilities,
   )
