@@ -22,6 +22,7 @@ from flax import nnx
 from iha_jax.kinds import AttentionConfig
 from iha_jax.nn.cache import LayerCache, init_layer_cache
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT, layer_config, param_specs
+from iha_jax.nn.cross import ContextCache, cache_context
 from iha_jax.nn.eager import call_layer
 from iha_jax.nn.partitioning import logical_param
 
@@ -227,7 +228,7 @@ class Attention(nnx.Module):
     deterministic: bool | None = None,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
     return_probabilities: bool = False,
-    context: jax.Array | None = None,
+    context: jax.Array | ContextCache | None = None,
   ) -> Any:
     """One call of the layer (`iha_jax.nn.call.apply_layer`).
 
@@ -239,9 +240,9 @@ class Attention(nnx.Module):
       segment_ids: `[B, N]` int32 packed-sequence ids (0 = padding).
       positions: `[B, N]` int32 token positions (default `arange(N)`; RoPE only).
       layer: overrides the configured layer number (may be traced, e.g. in a scan).
-      cache: a `LayerCache` (`init_cache`): x holds the next N tokens of every row after
-        the `cache.length` it holds (a prompt, then one token per call); returns
-        `(y, cache)`.
+      cache: a `LayerCache` (`init_cache`): x holds each row's next N tokens after the
+        `cache.length[b]` it holds (a prompt, then one token per call; `mask` marks
+        padding among them, a ragged batch); returns `(y, cache)`.
       deterministic: True: no dropout; None: the constructor's (cached calls and
         probabilities never drop out).
       rngs: the dropout stream (`nnx.Rngs` or its `dropout` stream); None: the kept one.
@@ -250,6 +251,7 @@ class Attention(nnx.Module):
       context: `[B, M, D]`: cross-attention, queries from x, keys and values from the
         context (`iha_jax.nn.cross`; IHA and MHA built with causal=False, window=None,
         rope_theta=None); `mask` then says which context tokens are valid, `[B, 1, 1, M]`.
+        Or the context's `ContextCache` (`cache_context`), projected once for many calls.
 
     Returns:
       `y: [B, N, out_features]`, or `(y, cache)` with a cache, or `(y, probs)`.
@@ -292,6 +294,15 @@ class Attention(nnx.Module):
     """An empty `LayerCache` for `batch` rows of at most `max_len` tokens each (mode
     "source" or "pseudo": `iha_jax.nn.cache`)."""
     return init_layer_cache(self.config, batch, max_len, mode, dtype)
+
+  def cache_context(
+    self, context: jax.Array, *, mask: jax.Array | None = None, mode: str = "source"
+  ) -> ContextCache:
+    """The keys and values of `context: [B, M, D]` projected once, for every call
+    `layer(x, context=cache)` over it (equal to `layer(x, context=context, mask=mask)`);
+    `mask`: flax's `[B, 1, 1, M]` valid context tokens; mode "source" or "pseudo"
+    (`iha_jax.nn.cross`)."""
+    return cache_context(self.param_values(), context, self.config, mask, mode)
 
   def param_values(self) -> dict[str, jax.Array]:
     """`{name: array}` of the layer's parameters (`iha_jax.nn.call.apply_layer`'s)."""

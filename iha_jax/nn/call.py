@@ -32,7 +32,7 @@ from iha_jax.kinds import ATTENTION_OUT, project_out, project_qkv, registry
 from iha_jax.kinds.config import AttentionConfig
 from iha_jax.kinds.mha import MHA
 from iha_jax.nn.cache import LayerCache, cached_heads, check_cache, write_cache
-from iha_jax.nn.cross import check_context, cross_heads
+from iha_jax.nn.cross import ContextCache, check_context, cross_heads
 from iha_jax.nn.functional import (
   Handed,
   check_input,
@@ -55,7 +55,7 @@ def apply_layer(
   cache: LayerCache | None = None,
   dropout_rng: Callable[[], jax.Array | None] | None = None,
   return_probabilities: bool = False,
-  context: jax.Array | None = None,
+  context: jax.Array | ContextCache | None = None,
 ) -> Any:
   """One call of the layer of `cfg` with parameters `params` on `x: [B, N, D]`
   (`run_layer`, under `auto_axes` on a mesh with Explicit axes), after refusing the
@@ -65,8 +65,8 @@ def apply_layer(
   for the dropout key (None: deterministic); cached and probability calls never drop out.
 
   Returns:
-    - `y: [B, N, out]` with a `context: [B, M, D]`: queries from x, keys and values from
-      the context, `mask` over the context;
+    - `y: [B, N, out]` with a `context: [B, M, D]` (or its `ContextCache`): queries from
+      x, keys and values from the context, `mask` over the context;
     - `y: [B, N, out]` (no cache, no probabilities): the full forward, with key-validity
       `mask` and attention dropout;
     - `(y, cache)` with a `cache`: each row's next N tokens after the `cache.length[b]`
@@ -108,7 +108,7 @@ class CallInputs(NamedTuple):
   segment_ids: jax.Array | None = None
   positions: jax.Array | None = None
   dropout_key: jax.Array | None = None
-  context: jax.Array | None = None
+  context: jax.Array | ContextCache | None = None
   cache: LayerCache | None = None
 
 
@@ -134,7 +134,9 @@ def run_layer(
   if cache is not None:
     handed, written = cached_heads(params, x, cfg, cache, valid)
   elif context is not None:
-    handed = cross_heads(params, x, jnp.asarray(context, x.dtype), cfg, mask)
+    if not isinstance(context, ContextCache):
+      context = jnp.asarray(context, x.dtype)
+    handed = cross_heads(params, x, context, cfg, mask)
   else:
     if mask is not None:
       segment_ids = mask_segments(mask, segment_ids, x)
@@ -186,6 +188,8 @@ def _explicit_mesh() -> bool:
 def _refuse_other_uses(mask, segment_ids, positions, layer, cache, probabilities, context):
   """Raises ValueError naming the given arguments that belong to another use of the layer
   than the one `context` (cross-attention) or `cache` (a cached call) asks for."""
+  if isinstance(context, ContextCache):
+    _refuse("a context cache holds its context's validity; {} with it", mask=mask)
   if context is not None:
     _refuse(
       "context= (cross-attention) takes x, the context and a mask over the context; {} "

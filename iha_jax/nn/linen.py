@@ -22,6 +22,7 @@ from iha_jax.checks import warn_deprecated
 from iha_jax.kinds import AttentionConfig
 from iha_jax.nn.cache import LayerCache, init_layer_cache
 from iha_jax.nn.config import DEFAULT_KERNEL_INIT, layer_config, param_specs
+from iha_jax.nn.cross import ContextCache, cache_context
 from iha_jax.nn.eager import call_layer
 
 Initializer = jax.nn.initializers.Initializer
@@ -63,7 +64,7 @@ class AttentionLinen(nn.Module):
     cache: LayerCache | None = None,
     deterministic: bool | None = None,
     return_probabilities: bool = False,
-    context: jax.Array | None = None,
+    context: jax.Array | ContextCache | None = None,
   ) -> Any:
     specs = param_specs(
       self.config, kernel_init=self.kernel_init, mixing_noise_std=self.mixing_noise_std
@@ -100,6 +101,15 @@ class AttentionLinen(nn.Module):
     """An empty `LayerCache` for `batch` rows of at most `max_len` tokens each (no
     parameters needed: callable on an unbound module)."""
     return init_layer_cache(self.config, batch, max_len, mode, dtype)
+
+  def cache_context(
+    self, context: jax.Array, *, mask: jax.Array | None = None, mode: str = "source"
+  ) -> ContextCache:
+    """The keys and values of `context: [B, M, D]` projected once, for every call over it
+    (`layer.apply(variables, x, context=cache)`), as the NNX layer's; run it bound:
+    `layer.apply(variables, context, method="cache_context")`."""
+    params = nn.meta.unbox(self.variables["params"])
+    return cache_context(params, context, self.config, mask, mode)
 
 
 # The deprecated per-kind constructors: their fields in their order (positional calls),
