@@ -180,7 +180,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/kernels/flash/gpu_kernel.py",
     "    visible = _mask(call, i, j, offset, seg_q, seg_k, transposed=False)\n    m_next",
     "    visible = _mask(call, i, j, offset + 1, seg_q, seg_k, transposed=False)\n    m_next",
-    "tests/kernels/test_kernels.py::test_kernels_match_reference[gpu-bidirectional-w5]",
+    "tests/kernels/test_kernels.py::test_kernels_match_reference[gpu-per-head-no-rope-d15]",
   ),
   Mutant(
     "gpu_flash_dkv_segments_ignored",
@@ -188,7 +188,7 @@ MUTANTS: list[Mutant] = [
     "iha_jax/kernels/flash/gpu_kernel.py",
     "return ok & (seg_k[:, None] == seg_q[None, :]) if call.segments else ok",
     "return ok",
-    "tests/kernels/test_kernels.py::test_kernels_match_reference[gpu-bidirectional-w5]",
+    "tests/kernels/test_kernels.py::test_kernels_match_reference[gpu-per-head-no-rope-d15]",
   ),
   Mutant(
     "gpu_window_forward_mask_late",
