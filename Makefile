@@ -78,7 +78,8 @@ test-durations: $(VENV)/.installed $(TARGETS_DIR)/.installed
 	IHA_RECORD_DURATIONS=1 $(PYTEST) -p no:cacheprovider
 
 # Applies each planted bug of tests/mutants.py to a scratch copy and runs `make test` on it
-# until its first failure; fails if a mutant survives (docs/testing.md has the table).
+# until its first failure, leaving out the tests that fail on an unmutated copy (a control
+# run first); fails if a mutant survives (docs/testing.md has the table).
 mutants: $(VENV)/.installed $(TARGETS_DIR)/.installed
 	$(PY) tests/mutants.py
 

@@ -2,14 +2,22 @@
 scratch copy of the repository, the suite run on each until its first failure.
 
 Run from the repository root: `python tests/mutants.py` (all mutants), `--only NAME,NAME`,
-`--list`, `--command "..."` (default `make test`), `--out FILE` (the markdown table too).
-Every mutant must be killed: the exit status is 1 if one survived or could not be applied
-(its `old` snippet must occur exactly once in its file, so code drift is noticed).
+`--list`, `--command "..."` (every mutant's command; default each mutant's own, `make test`
+unless it says otherwise), `--out FILE` (the markdown table too). Every mutant must be
+killed: the exit status is 1 if one survived or could not be applied (its `old` snippet
+must occur exactly once in its file, so code drift is noticed).
 
 The copy holds the working tree's tracked files and its untracked, not ignored ones (a new
 test counts before it is committed), with `.venv` and `.targets` linked from the repository
 so that `make test` reinstalls nothing. Each run gets `PYTEST_ADDOPTS="-x -p no:cacheprovider"`
 (stop at the first failure) and `IHA_TESTS_FIRST=<killer>` (tests/conftest.py runs it first).
+
+A control first: the unmutated copy runs each distinct command once, to the end (no `-x`).
+A test that fails there fails whatever the mutant (e.g. the README test that runs the code
+outside the repository: the linked environment's editable install points at the original
+checkout), so it proves nothing: it is reported, and every mutant run of that command
+skips it (`--deselect` its id; `--ignore` a module that failed to collect). A control run
+that fails without a test failing (make, a crash) stops everything.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import dataclasses
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -43,6 +52,7 @@ class Mutant:
   old: str
   new: str
   killer: str  # the test that killed it last time: run first
+  command: str = "make test"  # what kills it (`make test-rest`: only the `full` tests do)
 
 
 MUTANTS: list[Mutant] = [
@@ -145,6 +155,184 @@ MUTANTS: list[Mutant] = [
     "jnp.mod(start[:, None] + steps + 1, capacity)",
     "tests/models/test_decode.py::test_cached_logits_equal_full_forward",
   ),
+  # Kernels: each path's mask, scale and segments, per kernel (forward, dQ, dK/dV).
+  Mutant(
+    "tpu_flash_dq_segments_ignored",
+    "TPU flash dQ kernel: segment ids ignored (a query's gradient sees other documents)",
+    "iha_jax/kernels/flash/tpu_kernel.py",
+    "      p = jnp.exp(s - lse_sc[rows, :])\n      if masked:\n"
+    "        segs = (seg_q_ref[rows, :], seg_k_ref[:, cols]) if call.segments else ()\n",
+    "      p = jnp.exp(s - lse_sc[rows, :])\n      if masked:\n        segs = ()\n",
+    "tests/kernels/test_kernels.py::test_kernels_match_reference[tpu-multi-tile-bidirectional]",
+  ),
+  Mutant(
+    "tpu_flash_dkv_mask_late",
+    "TPU flash dK/dV kernel: mask one virtual row late (a key's gradient counts the query "
+    "before it)",
+    "iha_jax/kernels/flash/tpu_kernel.py",
+    "p_t = jnp.where(_visible(call, t_first, s_first, s_t.shape, True, *segs), p_t, 0.0)",
+    "p_t = jnp.where(_visible(call, t_first + 1, s_first, s_t.shape, True, *segs), p_t, 0.0)",
+    "tests/kernels/test_kernels.py::test_kernels_match_reference[tpu-p4-w9-g1]",
+  ),
+  Mutant(
+    "gpu_flash_forward_mask_late",
+    "GPU flash forward kernel: mask one virtual row late (each query sees the next key)",
+    "iha_jax/kernels/flash/gpu_kernel.py",
+    "    visible = _mask(call, i, j, offset, seg_q, seg_k, transposed=False)\n    m_next",
+    "    visible = _mask(call, i, j, offset + 1, seg_q, seg_k, transposed=False)\n    m_next",
+    "tests/kernels/test_kernels.py::test_kernels_match_reference[gpu-per-head-no-rope-d15]",
+  ),
+  Mutant(
+    "gpu_flash_dkv_segments_ignored",
+    "GPU flash dK/dV kernel: segment ids ignored",
+    "iha_jax/kernels/flash/gpu_kernel.py",
+    "return ok & (seg_k[:, None] == seg_q[None, :]) if call.segments else ok",
+    "return ok",
+    "tests/kernels/test_kernels.py::test_kernels_match_reference[gpu-per-head-no-rope-d15]",
+  ),
+  Mutant(
+    "gpu_window_forward_mask_late",
+    "on-chip GPU window forward kernel: mask one virtual row late (each pseudo query sees "
+    "the next virtual key)",
+    "iha_jax/kernels/window/gpu_kernel.py",
+    "ok = visible(plan, t, u, qid, lambda: kid_ref[pl.ds(j * rk, rk)])",
+    "ok = visible(plan, t + 1, u, qid, lambda: kid_ref[pl.ds(j * rk, rk)])",
+    "tests/kernels/test_gpu_window.py::test_gpu_window_matches_reference[causal-p2-d16]",
+  ),
+  Mutant(
+    "gpu_window_dq_documents_merged",
+    "on-chip GPU window dQ kernel: every query row takes the first document's id",
+    "iha_jax/kernels/window/gpu_backward_kernel.py",
+    "_key_scores(side, g, tq, qid, qx1, qx2, key_chunk, j)",
+    "_key_scores(side, g, tq, jnp.minimum(qid, 1), qx1, qx2, key_chunk, j)",
+    "tests/kernels/test_gpu_window.py::test_gpu_window_matches_reference[causal-p2-d16]",
+  ),
+  Mutant(
+    "gpu_window_dkv_mask_early",
+    "on-chip GPU window dK/dV kernel: mask one virtual row early (a key's gradient misses "
+    "its own query, counts one past the window)",
+    "iha_jax/kernels/window/gpu_backward_kernel.py",
+    "  tq = virtual_rows(plan, rows, plan.offset + i * plan.q_tokens, row0)\n",
+    "  tq = virtual_rows(plan, rows, plan.offset + i * plan.q_tokens, row0) - 1\n",
+    "tests/kernels/test_gpu_window.py::test_gpu_window_matches_reference[causal-p2-d16]",
+  ),
+  Mutant(
+    "gpu_window_alpha_q_grad_unscaled",
+    "on-chip GPU window backward: alpha_q's gradient without the softmax scale its constants carry",
+    "iha_jax/kernels/window/gpu.py",
+    "return alpha(daq, h) * scale, ",
+    "return alpha(daq, h), ",
+    "tests/kernels/test_gpu_window.py::test_gpu_window_matches_reference[causal-p2-d16]",
+  ),
+  Mutant(
+    "tpu_window_forward_block0_segments",
+    "on-chip TPU window forward: every score tile masked by the first tile's query segment ids",
+    "iha_jax/kernels/window/tpu_kernel.py",
+    "        qb,\n        t0,\n      )",
+    "        qb,\n        0,\n      )",
+    "tests/kernels/test_kernels.py::test_kernels_match_reference[tpu-window-p2-packed]",
+  ),
+  Mutant(
+    "tpu_window_backward_without_ln2",
+    "on-chip TPU window backward: the score gradient without ln 2 (the queries carry log2(e))",
+    "iha_jax/kernels/window/tpu_kernel.py",
+    "((dp - delta) * (scale * math.log(2)))",
+    "((dp - delta) * scale)",
+    "tests/kernels/test_kernels.py::test_kernels_match_reference[tpu-window-p2-packed]",
+  ),
+  Mutant(
+    "window_bidirectional_band_narrow",
+    "window paths' band (TPU bias, GPU masks), bidirectional: the farthest key after a "
+    "query dropped",
+    "iha_jax/kernels/window/common.py",
+    "ok &= delta >= 0 if causal else delta > -window",
+    "ok &= delta >= 0 if causal else delta > -window + 1",
+    "tests/kernels/test_gpu_window.py::test_window_band_is_the_masking_rule[False]",
+  ),
+  # Config -> model -> layer plumbing of the attention options.
+  Mutant(
+    "model_rope_theta_default",
+    "TransformerConfig gives its layers the default RoPE base, not its rope_theta",
+    "iha_jax/models/config.py",
+    "      rope_theta=self.rope_theta,\n",
+    "      rope_theta=None if self.rope_theta is None else 10000.0,\n",
+    "tests/models/test_models.py::test_layers_follow_schedule",
+  ),
+  Mutant(
+    "layer_rope_theta_default",
+    "an attention layer calls its kind with the default RoPE base, not its rope_theta",
+    "iha_jax/kinds/config.py",
+    "rope_theta=self.rope_theta if self.record.uses_rope else None,",
+    "rope_theta=(self.rope_theta and 10000.0) if self.record.uses_rope else None,",
+    "tests/nn/test_layers.py::test_matches_from_scratch_computation",
+  ),
+  Mutant(
+    "model_window_on_global_layers",
+    "TransformerConfig gives its global layers the sliding window too",
+    "iha_jax/models/config.py",
+    "window=getattr(self, window_field) if spec.windowed else None,",
+    "window=getattr(self, window_field),",
+    "tests/models/test_models.py::test_layers_follow_schedule",
+  ),
+  Mutant(
+    "qk_norm_queries_only",
+    "qk_norm normalises the source queries only, not the keys",
+    "iha_jax/kinds/base.py",
+    'if f"{which}_norm" in params:',
+    'if which == "q" and f"{which}_norm" in params:',
+    "tests/nn/test_layer_options.py::test_qk_norm_biases_and_output_width_match_a_from_scratch_layer[True-False-iha]",
+  ),
+  Mutant(
+    "value_bias_dropped",
+    "use_bias: the value projection's bias bv never added",
+    "iha_jax/kinds/base.py",
+    'if f"b{which}" in params:',
+    'if which != "v" and f"b{which}" in params:',
+    "tests/nn/test_layer_options.py::test_qk_norm_biases_and_output_width_match_a_from_scratch_layer[False-True-iha]",
+  ),
+  # The optimizer chain.
+  Mutant(
+    "decay_on_stacked_vectors",
+    "weight decay on the scanned layers' norm scales (the rank test forgets the stacked axis)",
+    "iha_jax/train/optimizer.py",
+    "if p.ndim - stacked <= 1:",
+    "if p.ndim <= 1:",
+    "tests/train/test_config.py::test_decay_mask_mixing_switch_and_scanned_shapes",
+  ),
+  Mutant(
+    "clip_after_adamw",
+    "global-norm clipping applied to AdamW's update instead of the gradient",
+    "iha_jax/train/optimizer.py",
+    "optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw)",
+    "optax.chain(adamw, optax.clip_by_global_norm(train.grad_clip))",
+    "tests/train/test_config.py::test_optimizer_clips_the_gradient_before_adamw",
+  ),
+  # Context parallelism, the estimator.
+  Mutant(
+    "halo_floor",
+    "context parallelism's halo floor((w - 1) / P) tokens, not ceil: where P does not "
+    "divide w - 1 a shard misses its window's first key",
+    "iha_jax/parallel/context.py",
+    "-(-(window - 1) // num_pseudo)",
+    "(window - 1) // num_pseudo",
+    "tests/parallel/test_context.py::test_halo_and_traffic_arithmetic",
+  ),
+  Mutant(
+    "estimate_region_floor_dropped",
+    "TPU estimate: a pl.when region faster than its MXU work at peak is not raised to it",
+    "iha_jax/estimate/kernel_cost.py",
+    "shortfall += max(0.0, floor - body)",
+    "shortfall += 0.0",
+    "tests/estimate/test_tpu.py::test_mxu_work_per_region_and_the_floor",
+  ),
+  Mutant(
+    "estimate_hbm_floor_dropped",
+    "TPU estimate: an op's time is its bundles alone, never its HBM bytes at bandwidth",
+    "iha_jax/estimate/tpu.py",
+    "return max(self.bundle_s, self.memory_s)",
+    "return self.bundle_s",
+    "tests/estimate/test_tpu.py::test_an_op_takes_the_longer_of_its_schedule_and_its_hbm_bytes",
+  ),
 ]
 
 
@@ -203,8 +391,52 @@ class Result:
   detail: str = ""
 
 
-def run_mutant(mutant: Mutant, command: str) -> Result:
-  """Applies `mutant` in a scratch copy, runs `command` there, and removes the copy."""
+def _pytest_opts(skipped: frozenset[str] = frozenset(), first_failure: bool = True) -> str:
+  """PYTEST_ADDOPTS of a run: `-x` unless `first_failure` is False (the control), and the
+  control's failures left out (a module that failed to collect: ignored)."""
+  opts = ["-x"] if first_failure else []
+  opts.append("-p no:cacheprovider")
+  for test in sorted(skipped):
+    opts.append(shlex.quote(f"--deselect={test}" if "::" in test else f"--ignore={test}"))
+  return " ".join(opts)
+
+
+def _run(command: str, copy: pathlib.Path, opts: str, first: str = "") -> tuple[int, str, float]:
+  """(exit status, output, seconds) of `command` in `copy`."""
+  env = dict(os.environ, PYTEST_ADDOPTS=opts, IHA_TESTS_FIRST=first)
+  start = time.monotonic()
+  run = subprocess.run(
+    command, shell=True, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+  )
+  return run.returncode, run.stdout.decode(errors="replace"), time.monotonic() - start
+
+
+@dataclasses.dataclass
+class Control:
+  """The unmutated copy's run of one command: the tests that fail there (`failing`), or
+  `error` if the command failed without a test failing."""
+
+  command: str
+  failing: frozenset[str]
+  seconds: float
+  error: str = ""
+
+
+def run_control(command: str) -> Control:
+  """Runs `command` in an unmutated scratch copy to the end: which tests fail anyway."""
+  copy = scratch_copy()
+  try:
+    code, output, seconds = _run(command, copy, _pytest_opts(first_failure=False))
+  finally:
+    shutil.rmtree(copy, ignore_errors=True)
+  failing = frozenset(FAILURE.findall(output))
+  error = output[-2000:] if code != 0 and not failing else ""
+  return Control(command, failing, seconds, error)
+
+
+def run_mutant(mutant: Mutant, command: str, skipped: frozenset[str] = frozenset()) -> Result:
+  """Applies `mutant` in a scratch copy, runs `command` there without the tests in
+  `skipped` (those failing in the control), and removes the copy."""
   try:
     apply(mutant, ROOT, dry_run=True)  # before copying: a snippet that drifted fails fast
   except (ValueError, OSError) as e:
@@ -212,19 +444,14 @@ def run_mutant(mutant: Mutant, command: str) -> Result:
   copy = scratch_copy()
   try:
     apply(mutant, copy)
-    env = dict(os.environ, PYTEST_ADDOPTS="-x -p no:cacheprovider", IHA_TESTS_FIRST=mutant.killer)
-    start = time.monotonic()
-    run = subprocess.run(
-      command, shell=True, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    seconds = time.monotonic() - start
-    output = run.stdout.decode(errors="replace")
-    if run.returncode == 0:
+    code, output, seconds = _run(command, copy, _pytest_opts(skipped), mutant.killer)
+    if code == 0:
       return Result(mutant, "SURVIVED", seconds=seconds, detail=output[-2000:])
-    found = FAILURE.search(output)
+    # (skipped tests do not run; a failure among them would prove nothing all the same)
+    found = [test for test in FAILURE.findall(output) if test not in skipped]
     if not found:  # not a test's failure (make, a crash): nothing is proved
       return Result(mutant, "NO TEST FAILED", seconds=seconds, detail=output[-2000:])
-    return Result(mutant, "killed", found.group(1), seconds)
+    return Result(mutant, "killed", found[0], seconds)
   finally:
     shutil.rmtree(copy, ignore_errors=True)
 
@@ -242,12 +469,23 @@ def table(results: list[Result]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def control_notes(controls) -> str:
+  """One line per control run: its seconds and the tests it failed (left out after)."""
+  lines = []
+  for c in controls:
+    failing = ", ".join(f"`{test}`" for test in sorted(c.failing)) or "none"
+    lines.append(
+      f"\nControl (`{c.command}`, unmutated): {c.seconds:.0f} s; failing, left out: {failing}\n"
+    )
+  return "".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
   """Runs the selected mutants; 1 if one survived or could not be applied."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--only", help="comma-separated mutant names")
   parser.add_argument("--list", action="store_true", help="print the mutants and exit")
-  parser.add_argument("--command", default="make test", help="run in the copy (%(default)s)")
+  parser.add_argument("--command", help="run in the copy for every mutant (default: its own)")
   parser.add_argument("--out", help="also write the markdown table to this file")
   args = parser.parse_args(argv)
   mutants = MUTANTS
@@ -259,16 +497,30 @@ def main(argv: list[str] | None = None) -> int:
     mutants = [m for m in MUTANTS if m.name in names]
   if args.list:
     for m in mutants:
-      print(f"{m.name:24} {m.path}: {m.description} (killer: {m.killer})")
+      print(f"{m.name:24} {m.path}: {m.description} ({m.command}; killer: {m.killer})")
     return 0
+  command = lambda m: args.command or m.command
+  controls = {}
+  for c in dict.fromkeys(command(m) for m in mutants):
+    print(f"control: {c} on the unmutated copy ...", file=sys.stderr)
+    controls[c] = run_control(c)
+    control = controls[c]
+    failing = "".join(f"\n  {test}" for test in sorted(control.failing))
+    print(
+      f"control: {len(control.failing)} failing after {control.seconds:.0f} s{failing}",
+      file=sys.stderr,
+    )
+    if control.error:
+      print(f"control: {c} failed without a failing test:\n{control.error}", file=sys.stderr)
+      return 1
   results = []
   for m in mutants:
-    print(f"mutant {m.name}: {args.command} ...", file=sys.stderr)
-    r = run_mutant(m, args.command)
+    print(f"mutant {m.name}: {command(m)} ...", file=sys.stderr)
+    r = run_mutant(m, command(m), controls[command(m)].failing)
     results.append(r)
     found = f" by {r.killer}" if r.killer else f"\n{r.detail}"  # the run's tail, or why
     print(f"mutant {m.name}: {r.status} after {r.seconds:.0f} s{found}", file=sys.stderr)
-  text = table(results)
+  text = table(results) + control_notes(controls.values())
   print(text, end="")
   if args.out:
     pathlib.Path(args.out).write_text(text)

@@ -125,12 +125,28 @@ def test_mxu_work_per_region_and_the_floor(monkeypatch):
   floor = 4 * call.mxu_work.flops(128) / chip.flops_per_core_cycle
   cycles, _ = kernel_cost.kernel_cycles(program, call, chip)
   assert cycles >= floor
+  # The listing's bundles are fewer than either region's MXU work: the kernel takes the
+  # steps' work outside the pl.when plus the one step's inside it, each at peak.
+  when_floor = when.steps[0] * when.mxu_work.flops(128) / chip.flops_per_core_cycle
+  assert cycles == pytest.approx(floor + when_floor)
   # The floor per product shape, as the op table prints it: four steps of the 128-deep
   # product, one run of the pl.when's three 80-deep ones.
   rate = chip.flops_per_core_cycle * chip.clock_hz
   products = dict(kernel_cost.kernel_mxu_products(call, chip))
   one = 2 * 256 * 128 * 128 / rate  # one 256-row product, contraction padded to 128
   assert products == pytest.approx({(256, 128, 128): 4 * one, (256, 80, 128): 3 * one})
+
+
+def test_an_op_takes_the_longer_of_its_schedule_and_its_hbm_bytes():
+  """An op is no faster than its bundles nor than its bytes at HBM bandwidth, per run; a
+  collective is listed but not counted."""
+  from iha_jax.estimate.tpu import OpEstimate
+
+  memory_bound = OpEstimate("fusion.1", "xla", 3.0, bundle_s=2e-3, memory_s=5e-3)
+  assert memory_bound.seconds == 5e-3 and memory_bound.total_s == pytest.approx(15e-3)
+  bundle_bound = OpEstimate("iha_flash_dkv", "kernel", 2.0, bundle_s=4e-3, memory_s=1e-3)
+  assert bundle_bound.seconds == 4e-3 and bundle_bound.total_s == pytest.approx(8e-3)
+  assert OpEstimate("all-reduce.2", "collective", 1.0, 1e-3, 1e-3).total_s == 0.0
 
 
 def test_in_place_slice_updates_are_charged_their_slice():

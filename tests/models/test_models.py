@@ -94,15 +94,16 @@ def test_windows_not_needed_without_window_layers():
 
 def test_layers_follow_schedule():
   model = TransformerLM(
-    _config(attention_schedule="ILMS", num_layers=5, num_pseudo=3), rngs=nnx.Rngs(0)
+    _config(attention_schedule="ILMS", num_layers=5, num_pseudo=3, rope_theta=500.0),
+    rngs=nnx.Rngs(0),
   )
-  kinds = [(type(b.attn), b.attn.config.window) for b in model.layers]
+  kinds = [(type(b.attn), b.attn.config.window, b.attn.config.rope_theta) for b in model.layers]
   assert kinds == [
-    (InterleavedHeadAttention, None),
-    (InterleavedHeadAttention, 3),
-    (MultiHeadAttention, None),
-    (MultiHeadAttention, 2),
-    (InterleavedHeadAttention, None),
+    (InterleavedHeadAttention, None, 500.0),
+    (InterleavedHeadAttention, 3, 500.0),
+    (MultiHeadAttention, None, 500.0),
+    (MultiHeadAttention, 2, 500.0),
+    (InterleavedHeadAttention, None, 500.0),
   ]
   assert model.layers[0].attn.config.num_pseudo == 3
   assert [b.letter for b in model.layers] == list("ILMSI")

@@ -260,7 +260,8 @@ def test_single_pseudo_head_with_identity_init_is_mha(implementation, window, ro
 
 
 def test_matches_from_scratch_computation():
-  m = _iha(num_pseudo=2, window=5, mixing_noise_std=0.1)
+  # A RoPE base other than the default: the layer must hand its own to the kind.
+  m = _iha(num_pseudo=2, window=5, rope_theta=100.0, mixing_noise_std=0.1)
   p, x = _params(m), _x(3)
   # Projections as flat matmuls, independent of the module's einsum specs.
   q, k, v = (
@@ -275,6 +276,7 @@ def test_matches_from_scratch_computation():
     p["alpha_v"],
     p["collapse"],
     window=5,
+    rope_theta=100.0,
     implementation="reference",
   )
   expected = y.reshape(B, N, H * HEAD_DIM) @ p["wo"].reshape(H * HEAD_DIM, D)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -31,7 +32,7 @@ from iha_jax.nn import MIXING_PARAMS
 from iha_jax.nn.config import param_specs
 from iha_jax.train import ConfigError, flops, model_config, validate
 from iha_jax.train.config import config_differences, upgrade_saved_config
-from iha_jax.train.optimizer import decay_mask, make_optimizer
+from iha_jax.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 
 
 @pytest.mark.parametrize(
@@ -468,6 +469,45 @@ def test_optimizer_decays_by_the_mask(decay_mixing):
     "scanned/0/mlp_norm/scale": False,
     "layers/1/attn/talk_weights": decay_mixing,
   }
+
+
+def test_optimizer_clips_the_gradient_before_adamw():
+  """Three steps of `make_optimizer` against AdamW written out in float64: the gradient
+  clipped to `grad_clip` by its global norm first, then the moments with their bias
+  correction, the decoupled decay of the matrix (not of the vector) and the schedule's
+  rate. Gradients of global norms 30, 0.2 and 5 against a clip of 1: the clip changes
+  how the moments mix the steps, so clipping AdamW's update instead shows."""
+  train = tiny.get_config().train
+  train.update(warmup_steps=0, total_steps=10, weight_decay=0.5, grad_clip=1.0, decay_mixing=False)
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(3, 4)), "scale": 1 + rng.normal(size=(4,))}
+  grads = []
+  for norm in (30.0, 0.2, 5.0):
+    g = {k: rng.normal(size=v.shape) for k, v in params.items()}
+    total = np.sqrt(sum(np.sum(x**2) for x in g.values()))
+    grads.append({k: x * norm / total for k, x in g.items()})
+  rate = learning_rate_schedule(train)
+  want = dict(params)
+  m = {k: np.zeros_like(v) for k, v in params.items()}
+  v = {k: np.zeros_like(x) for k, x in params.items()}
+  for t, g in enumerate(grads, start=1):
+    norm = np.sqrt(sum(np.sum(x**2) for x in g.values()))
+    g = {k: x * min(1.0, train.grad_clip / norm) for k, x in g.items()}
+    for k in params:
+      m[k] = train.b1 * m[k] + (1 - train.b1) * g[k]
+      v[k] = train.b2 * v[k] + (1 - train.b2) * g[k] ** 2
+      step = (m[k] / (1 - train.b1**t)) / (np.sqrt(v[k] / (1 - train.b2**t)) + train.eps)
+      decay = train.weight_decay * want[k] if want[k].ndim > 1 else 0.0
+      want[k] = want[k] - float(rate(t - 1)) * (step + decay)
+  tx = make_optimizer(train)
+  got = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  state = tx.init(got)
+  update = jax.jit(tx.update)
+  for g in grads:
+    updates, state = update(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g), state, got)
+    got = optax.apply_updates(got, updates)
+  for k in params:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_saved_configs_with_the_old_window_key_are_upgraded():
