@@ -12,6 +12,7 @@ decoding and the budgets read it. A new kind is a subclass of `AttentionKind` pl
 from iha_jax.kinds import registry
 from iha_jax.kinds.base import (
   ATTENTION_OUT,
+  BIAS_PARAMS,
   KEY_PROJ,
   QUERY_PROJ,
   VALUE_PROJ,
@@ -49,6 +50,7 @@ for _record in (IHA, MHA, TALKING_HEADS, DIFFERENTIAL, SIMPLICIAL):
 
 __all__ = [
   "ATTENTION_OUT",
+  "BIAS_PARAMS",
   "AttentionConfig",
   "AttentionKind",
   "KEY_PROJ",

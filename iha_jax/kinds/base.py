@@ -117,6 +117,10 @@ def output_spec(cfg: LayerConfig, kernel_init: Initializer) -> ParamSpec:
   return ParamSpec(shape, (HEADS, HEAD_DIM, EMBED), fold_fan_in(kernel_init, 2))
 
 
+# The projection biases of `use_bias` (`projection_option_specs`): never weight-decayed.
+BIAS_PARAMS = ("bq", "bk", "bv", "bo")
+
+
 def projection_option_specs(cfg: LayerConfig) -> dict[str, ParamSpec]:
   """The parameters of `qk_norm` (`q_norm, k_norm: [d]`, ones) and `use_bias` (`bq:
   [H, d]`, `bk, bv: [G, d]`, `bo: [out]`, zeros) of the kinds that `project_qkv`."""

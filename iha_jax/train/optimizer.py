@@ -40,8 +40,9 @@ def learning_rate_schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
 def decay_mask(params: Any, *, decay_mixing: bool = False) -> Any:
   """Bool pytree like `params` (nested dicts, string keys): True where AdamW decays.
 
-  False for 1-D parameters (per layer: `scanned` leaves have one more axis) and, unless
-  `decay_mixing`, for every leaf whose key names a kind's head mixing
+  False for 1-D parameters (per layer: `scanned` leaves have one more axis), for the
+  projection biases (`iha_jax.kinds.BIAS_PARAMS`: `bq: [H, d]` is 2-D, a bias all the
+  same) and, unless `decay_mixing`, for every leaf whose key names a kind's head mixing
   (`iha_jax.kinds.mixing_params()`).
   """
 
@@ -50,7 +51,7 @@ def decay_mask(params: Any, *, decay_mixing: bool = False) -> Any:
   def leaf(path: tuple, p: Any) -> bool:
     keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
     stacked = bool(keys) and keys[0] == SCANNED
-    if p.ndim - stacked <= 1:
+    if p.ndim - stacked <= 1 or (keys and keys[-1] in kinds.BIAS_PARAMS):
       return False
     return decay_mixing or not (keys and keys[-1] in mixing)
 

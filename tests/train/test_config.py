@@ -28,7 +28,7 @@ from iha_jax.core.masking import visible
 from iha_jax.data import DataError
 from iha_jax.models import FunctionalTransformerLM, TransformerConfig, TransformerLM, count_params
 from iha_jax.models.layers import make_attention
-from iha_jax.nn import MIXING_PARAMS
+from iha_jax.nn import MIXING_PARAMS, InterleavedHeadAttention
 from iha_jax.nn.config import param_specs
 from iha_jax.train import ConfigError, flops, model_config, validate
 from iha_jax.train.config import config_differences, upgrade_saved_config
@@ -441,6 +441,16 @@ def test_decay_mask_mixing_switch_and_scanned_shapes():
   assert {p.split("/")[-1] for p in mixing} == set(MIXING_PARAMS)
   assert not off["scanned/0/attn_norm/scale"] and not off["scanned/2/attn/lambda_q1"]
   assert off["embedding"] and off["scanned/2/attn/wq"] and off["layers/3/attn/wo"]
+
+
+def test_decay_mask_spares_the_projection_biases():
+  """A layer's biases (`use_bias`: `bq, bk, bv: [heads, d]`, 2-D, and `bo: [out]`) are
+  never decayed, its weights are."""
+  layer = InterleavedHeadAttention(
+    num_heads=2, in_features=8, num_pseudo=2, use_bias=True, rngs=nnx.Rngs(0)
+  )
+  mask = decay_mask({"attn": layer.param_values()}, decay_mixing=True)["attn"]
+  assert {name for name, decayed in mask.items() if not decayed} == {"bq", "bk", "bv", "bo"}
 
 
 @pytest.mark.parametrize("decay_mixing", [False, True])
