@@ -295,8 +295,8 @@ MUTANTS: list[Mutant] = [
     "decay_on_stacked_vectors",
     "weight decay on the scanned layers' norm scales (the rank test forgets the stacked axis)",
     "iha_jax/train/optimizer.py",
-    "if p.ndim - stacked <= 1:",
-    "if p.ndim <= 1:",
+    "if p.ndim - stacked <= 1 or",
+    "if p.ndim <= 1 or",
     "tests/train/test_config.py::test_decay_mask_mixing_switch_and_scanned_shapes",
   ),
   Mutant(
