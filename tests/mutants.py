@@ -155,6 +155,14 @@ MUTANTS: list[Mutant] = [
     "jnp.mod(start[:, None] + steps + 1, capacity)",
     "tests/models/test_decode.py::test_cached_logits_equal_full_forward",
   ),
+  Mutant(
+    "ragged_padding_written",
+    "a ragged batch's padding tokens are written into the ring after each row's real ones",
+    "iha_jax/nn/cache.py",
+    "kept = (steps < counts[:, None]) & (steps >= counts[:, None] - capacity)",
+    "kept = steps >= counts[:, None] - capacity",
+    "tests/nn/test_ragged_cache.py::test_a_ragged_batch_equals_each_row_alone",
+  ),
   # Kernels: each path's mask, scale and segments, per kernel (forward, dQ, dK/dV).
   Mutant(
     "tpu_flash_dq_segments_ignored",
