@@ -18,6 +18,8 @@ computes the same function; kernels run inside `shard_map` when a mesh is curren
 | talking_heads | `talking_heads_attention` | reference, xla |
 | diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu(_mha), splash (via mha) |
 | simplicial | `simplicial_attention` | reference, xla |
+| pha | `pha_attention` | reference, xla, pallas_tpu, pallas_gpu (= pallas_gpu_mha), cudnn, |
+| | | splash (all through mha) |
 """
 
 from __future__ import annotations

@@ -381,3 +381,12 @@ class SimplicialAttention(Attention):
   wv2: [D, H, d]`, `wo: [H, d, D]`."""
 
   kind = "simplicial"
+
+
+class PairedHeadAttention(Attention):
+  """Paired-head attention: groups of P = `num_pseudo` consecutive heads (None: 2, P
+  dividing H) attend over `N * P` virtual tokens, virtual token `n*P + p` of group j
+  holding head `j*P + p` (RoPE at `pos*P + p`; `window` in VIRTUAL tokens, as IHA's).
+  Parameters as MHA's: `wq: [D, H, d]`, `wk, wv: [D, G, d]`, `wo: [H, d, D]`; no mixing."""
+
+  kind = "pha"
