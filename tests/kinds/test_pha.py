@@ -24,7 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax import kinds, ops
 from iha_jax.kinds import AttentionConfig
-from iha_jax.models import TransformerLM
+from iha_jax.models import FunctionalTransformerLM, TransformerLM
 from iha_jax.models.generate import decode_step, prefill
 from iha_jax.nn import AttentionLinen, PairedHeadAttention
 from iha_jax.train import flops
@@ -311,3 +311,16 @@ def test_probabilities_and_cross_attention_through_the_views():
   for mode in ("source", "pseudo"):
     got = cross(x, context=cross.cache_context(context, mode=mode))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=mode)
+
+
+@pytest.mark.full
+def test_scanned_functional_model_equals_unscanned_and_every_weight_learns():
+  config = tiny_model("PRM", iha_window=5, num_layers=6, num_kv_heads=2)
+  tokens = jax.random.randint(jax.random.key(8), (2, 8), 0, 40)
+  scanned, plain = (FunctionalTransformerLM(config, scan_layers=s) for s in (True, False))
+  logits = [jax.jit(m.apply)(m.init(0), tokens) for m in (scanned, plain)]
+  np.testing.assert_allclose(logits[0], logits[1], atol=2e-5)
+  loss = lambda params: jnp.sum(scanned.apply(params, tokens) ** 2)
+  grads = jax.jit(jax.grad(loss))(scanned.init(0))
+  for path, grad in jax.tree_util.tree_leaves_with_path(grads):
+    assert np.abs(np.asarray(grad)).max() > 0, jax.tree_util.keystr(path)
