@@ -299,7 +299,7 @@ class AttentionKind:
     raise ValueError(
       f"{self.name} attention has no cached call, cross-attention or attention "
       "probabilities (its kind does not read as pseudo-head attention: "
-      "AttentionKind.decodes); IHA and MHA layers have them"
+      "AttentionKind.decodes); IHA, MHA and PHA layers have them"
     )
 
   # --- budgets (forward FLOPs; docs/design.md §2) ----------------------------------

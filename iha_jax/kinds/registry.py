@@ -236,7 +236,7 @@ def resolve(
     if "xla" not in record.probability_implementations:
       raise ValueError(
         f"{record.name} attention has no attention probabilities (its record names no "
-        "probability_implementations); IHA and MHA layers return them"
+        "probability_implementations); IHA, MHA and PHA layers return them"
       )
     return "xla"
   if implementation != AUTO:

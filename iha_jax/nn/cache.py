@@ -140,7 +140,7 @@ def check_decodes(cfg: AttentionConfig) -> None:
   if not cfg.record.decodes:
     raise ValueError(
       f"{cfg.kind} attention has no KV cache (its kind does not read as pseudo-head "
-      "attention: AttentionKind.decodes); IHA and MHA layers decode. Run the full forward."
+      "attention: AttentionKind.decodes); IHA, MHA and PHA layers decode. Run the full forward."
     )
   if not cfg.causal:
     raise ValueError(
