@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
-from iha_jax import kinds, ops
+from iha_jax import kinds, ops, parallel
 from iha_jax.kinds import AttentionConfig
 from iha_jax.models import FunctionalTransformerLM, TransformerLM
 from iha_jax.models.generate import decode_step, prefill
@@ -324,3 +324,24 @@ def test_scanned_functional_model_equals_unscanned_and_every_weight_learns():
   grads = jax.jit(jax.grad(loss))(scanned.init(0))
   for path, grad in jax.tree_util.tree_leaves_with_path(grads):
     assert np.abs(np.asarray(grad)).max() > 0, jax.tree_util.keystr(path)
+
+
+@pytest.mark.full
+def test_context_and_tensor_mesh_equals_one_device():
+  """G = 2 of H = 4, a window crossing shards, packed segments: outputs and the q/k/v
+  gradients at context 4 x tensor 2 equal one device's (the static Pairing crosses the
+  shard_map as a leafless argument)."""
+  b, n = 2, 16
+  q, k, v, _ = _inputs(9, b, n, 4, 2, 8)
+  seg = packed_segments(b, n)
+  options = dict(window=7, segment_ids=seg, positions=packed_positions(seg))
+
+  def loss(q, k, v):
+    out = ops.pha_attention(q, k, v, implementation="xla", **options)
+    return jnp.sum(out * jnp.cos(q)), out
+
+  expected = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  with parallel.activate(parallel.create_mesh(dict(data=1, fsdp=1, context=4, tensor=2))):
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
