@@ -5,6 +5,7 @@ beyond MHA's."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Unpack
 
 import jax
@@ -33,7 +34,7 @@ from iha_jax.kinds.mha import MHA
 DEFAULT_NUM_PSEUDO = 2
 
 
-def _via(name: str):
+def _via(name: str) -> Callable[..., jax.Array]:
   """PHA through MHA's implementation `name` over the virtual rows."""
   return functools.partial(pha_via_mha, mha=MHA.implementations[name])
 
