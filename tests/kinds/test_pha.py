@@ -23,6 +23,7 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 from iha_jax import kinds, ops, parallel
+from iha_jax.core import cudnn_attention
 from iha_jax.kinds import AttentionConfig
 from iha_jax.models import FunctionalTransformerLM, TransformerLM
 from iha_jax.models.generate import decode_step, prefill
@@ -113,9 +114,13 @@ def _mask(name: str, b: int, n: int) -> dict:
   return options | {"loop": loop}
 
 
-def _check_against_loop(implementation, mask_name, *, h=4, g=4, p=2, b=2, n=6, d=8, seed=0):
-  """Forward and every gradient (q, k, v) of `implementation` against `loop_pha`."""
-  q, k, v, cotangent = _inputs(seed, b, n, h, g, d)
+def _check_against_loop(
+  implementation, mask_name, *, h=4, g=4, p=2, b=2, n=6, d=8, seed=0, dtype=F32
+):
+  """Forward and every gradient (q, k, v) of `implementation` in `dtype` against
+  `loop_pha` in float32 on the same rounded inputs, at `dtype`'s tolerance."""
+  low = tuple(x.astype(dtype) for x in _inputs(seed, b, n, h, g, d))
+  q, k, v, cotangent = (x.astype(F32) for x in low)
   options = _mask(mask_name, b, n)
   loop = options.pop("loop")
   blocks = ops.BlockSizes(16, 16) if implementation.startswith("pallas_gpu") else None
@@ -127,11 +132,11 @@ def _check_against_loop(implementation, mask_name, *, h=4, g=4, p=2, b=2, n=6, d
     want_grads = want_vjp(cotangent)
     interpret = pltpu.force_tpu_interpret_mode() if "pallas_tpu" in implementation else None
     with interpret or contextlib.nullcontext():
-      got, got_vjp = jax.vjp(jax.jit(fast), q, k, v)
-      got_grads = got_vjp(cotangent)
-  assert got.shape == (b, n, h, d)
-  assert_close(got, want, F32, f"{implementation} {mask_name} out")
-  assert_close(got_grads, want_grads, F32, f"{implementation} {mask_name} grads")
+      got, got_vjp = jax.vjp(jax.jit(fast), *low[:3])
+      got_grads = got_vjp(low[3])
+  assert got.shape == (b, n, h, d) and got.dtype == dtype
+  assert_close(got, want, dtype, f"{implementation} {mask_name} out")
+  assert_close(got_grads, want_grads, dtype, f"{implementation} {mask_name} grads")
 
 
 def test_xla_matches_the_loop_causal():
@@ -161,6 +166,17 @@ def test_every_implementation_matches_the_loop(implementation, mask, g, p):
   _check_against_loop(
     implementation, mask, g=g, p=p, seed=CASES.index((implementation, mask, g, p))
   )
+
+
+@pytest.mark.full
+@pytest.mark.parametrize(
+  "implementation,mask", [("xla", "causal-window-packed"), ("cudnn", "causal-window")]
+)
+def test_bfloat16_matches_the_loop(implementation, mask, monkeypatch):
+  if implementation == "cudnn" and jax.default_backend() != "gpu":
+    # Off-GPU the cuDNN pipeline runs with jax's XLA attention behind it.
+    monkeypatch.setattr(cudnn_attention, "BACKEND", "xla")
+  _check_against_loop(implementation, mask, g=2, seed=11, dtype=jnp.bfloat16)
 
 
 @pytest.mark.full
