@@ -9,6 +9,8 @@ H = 20, d = 128, bf16, causal (IHA: RoPE at virtual positions):
   window_p4, window_p20   IHA with a window of N / (2P) virtual tokens (the paper's L);
                           window_pP_wW: P and a window of W virtual tokens
   mha                     global multi-head attention (P = 1, no mixing)
+  pha_global_pP           global paired-head attention, groups of P heads (not default)
+  pha_window_pP[_wW]      PHA with a window of N / (2P) (or W) virtual tokens (not default)
   matmul                  an 8192^3 bf16 matmul (the calibration: ideal 2.40 ms on v5p)
 
 each through every TPU implementation ("xla", "pallas_tpu", "pallas_tpu_window" for
@@ -72,11 +74,16 @@ class Shape:
 
 
 def case_setup(case: str, shape: Shape) -> tuple[str, int, int | None]:
-  """`case` -> (kind "iha" / "mha" / "matmul", P, window in the kind's units)."""
+  """`case` -> (kind "iha" / "pha" / "mha" / "matmul", P, window in the kind's units)."""
   if case == "mha":
     return "mha", 1, None
   if case == "matmul":
     return "matmul", 1, None
+  if case.startswith("pha_"):  # PHA's cases: IHA's names after "pha_"
+    _, pseudo, window = case_setup(case.removeprefix("pha_"), shape)
+    if shape.heads % pseudo:
+      raise ValueError(case)  # P must divide H
+    return "pha", pseudo, window
   name, _, p = case.partition("_p")
   p, _, w = p.partition("_w")  # window_p20_w1638: an explicit window (virtual tokens)
   if name not in ("global", "window") or not p.isdigit() or int(p) < 1:
@@ -105,7 +112,7 @@ def build(case: str, implementation: str, backward: bool, shape: Shape, device, 
   import jax
   import jax.numpy as jnp
 
-  from iha_jax.ops import AttentionOptions, BlockSizes, iha_attention, mha_attention
+  from iha_jax.ops import AttentionOptions, BlockSizes, iha_attention, mha_attention, pha_attention
 
   sharding = jax.sharding.SingleDeviceSharding(device)
   spec = lambda shape_, dtype: jax.ShapeDtypeStruct(shape_, dtype, sharding=sharding)
@@ -122,7 +129,9 @@ def build(case: str, implementation: str, backward: bool, shape: Shape, device, 
     implementation=implementation,
     block_sizes=None if blocks is None else BlockSizes(*blocks),
   )
-  entry = iha_attention if kind == "iha" else mha_attention
+  entry = {"iha": iha_attention, "mha": mha_attention}.get(kind)
+  if kind == "pha":
+    entry = lambda *arrays: pha_attention(*arrays, num_pseudo=pseudo)
 
   def forward(*arrays):
     return entry(*arrays, options)
@@ -147,7 +156,8 @@ def ideal_ms(case: str, backward: bool, shape: Shape, chip: chips.Chip) -> float
     return 2 * shape.matmul**3 / chip.peak_bf16_flops * 1e3
   t = shape.tokens * pseudo
   pairs = t * (t + 1) / 2 if window is None else t * window - window * (window - 1) / 2
-  flops = 4 * shape.head_dim * pairs * shape.heads * shape.batch
+  heads = shape.heads // pseudo if kind == "pha" else shape.heads  # PHA: H/P groups
+  flops = 4 * shape.head_dim * pairs * heads * shape.batch
   return flops * (3 if backward else 1) / chip.peak_bf16_flops * 1e3
 
 
@@ -211,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
       case_setup(case, shape)
     except ValueError:
       return fail(
-        f"unknown case {case!r}; choose among {', '.join(CASES)} (or global_pN/window_pN)"
+        f"unknown case {case!r}; choose among {', '.join(CASES)} (or global_pN/window_pN, "
+        "pha_global_pN/pha_window_pN with N dividing the heads)"
       )
   passes = [p for p in args.passes.split(",") if p]
   if set(passes) - set(PASSES):

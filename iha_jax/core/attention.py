@@ -134,17 +134,24 @@ def iha_via_mha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, options: Attention
   the same way but remake them in the backward."""
   num_pseudo = alpha_q.shape[2]
   qv, kv, vv = (interleave(pseudo_mix(x, a)) for x, a in ((q, alpha_q), (k, alpha_k), (v, alpha_v)))
+  # Options checked already: the MHA implementation itself (sliced keys may be longer).
+  out = mha(qv, kv, vv, virtual_options(options, num_pseudo))
+  return collapse_heads(deinterleave(out, num_pseudo), collapse)
+
+
+def virtual_options(options: AttentionOptions, num_pseudo: int) -> AttentionOptions:
+  """`options` of a call over tokens as the options of an MHA call over its `T = N * P`
+  virtual rows: segment ids repeated P times, positions `pos * P + p`, the query offset
+  times P (and the key side's ids and positions when `options.sliced`); the window (in
+  virtual tokens already), the tiles and the rest carry over. Positions defaulted."""
   seq = _sequences(options, num_pseudo)
-  inner = options.replace(
+  return options.replace(
     segment_ids=seq.q_segment,
     positions=seq.q_position,
     query_offset=seq.q_offset,
     kv_segment_ids=seq.k_segment if options.sliced else None,
     kv_positions=seq.k_position if options.sliced else None,
   )
-  # Options checked already: the MHA implementation itself (sliced keys may be longer).
-  out = mha(qv, kv, vv, inner)
-  return collapse_heads(deinterleave(out, num_pseudo), collapse)
 
 
 def mha_reference(q, k, v, options: AttentionOptions):

@@ -27,6 +27,7 @@ from iha_jax.kinds.config import AttentionConfig, effective_num_pseudo
 from iha_jax.kinds.differential import DIFFERENTIAL, diff_attention
 from iha_jax.kinds.iha import IHA, iha_attention
 from iha_jax.kinds.mha import MHA, mha_attention
+from iha_jax.kinds.pha import PHA, pha_attention
 from iha_jax.kinds.registry import (
   LETTER_DESCRIPTIONS,
   attend,
@@ -45,7 +46,7 @@ from iha_jax.kinds.registry import (
 from iha_jax.kinds.simplicial import SIMPLICIAL, simplicial_attention
 from iha_jax.kinds.talking_heads import TALKING_HEADS, talking_heads_attention
 
-for _record in (IHA, MHA, TALKING_HEADS, DIFFERENTIAL, SIMPLICIAL):
+for _record in (IHA, MHA, TALKING_HEADS, DIFFERENTIAL, SIMPLICIAL, PHA):
   register(_record)
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
   "mha_attention",
   "mixing_params",
   "names",
+  "pha_attention",
   "project",
   "project_out",
   "project_qkv",

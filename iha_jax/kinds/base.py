@@ -183,6 +183,8 @@ class AttentionKind:
       `num_pseudo`); a model passes them to its layers of this kind only.
     virtual_tokens: the kind attends over virtual tokens (P per token): its window is
       in virtual tokens (`TransformerConfig.iha_window`), else in tokens (`mha_window`).
+    default_num_pseudo: P when a layer's `num_pseudo` is None (kinds that read it);
+      None: P = H (IHA's, the paper's default).
     uses_rope: False: the model gives its layers `rope_theta=None`.
     mixing_params: its identity-initialised head mixings (weight decay switch, noise).
     dropout_implementations: its implementations that apply attention dropout
@@ -202,6 +204,7 @@ class AttentionKind:
   implementations: ClassVar[Mapping[str, Implementation]] = {}
   config_fields: ClassVar[tuple[str, ...]] = ()
   virtual_tokens: ClassVar[bool] = False
+  default_num_pseudo: ClassVar[int | None] = None
   uses_rope: ClassVar[bool] = True
   mixing_params: ClassVar[tuple[str, ...]] = ()
   dropout_implementations: ClassVar[frozenset[str]] = frozenset()
@@ -237,6 +240,11 @@ class AttentionKind:
   def num_pseudo(self, cfg: LayerConfig) -> int:
     """P, the pseudo-heads per head: the virtual tokens per token (1 for kinds without)."""
     return 1
+
+  def pseudo_kv_heads(self, cfg: LayerConfig) -> int:
+    """Heads of the pseudo-keys and pseudo-values `pseudo_heads` makes (a "pseudo" KV
+    cache's heads): G = `cfg.kv_heads` unless the kind regroups them (PHA)."""
+    return cfg.kv_heads
 
   # --- the entry point's call (`registry.attend`) ----------------------------------
 
@@ -291,7 +299,7 @@ class AttentionKind:
     raise ValueError(
       f"{self.name} attention has no cached call, cross-attention or attention "
       "probabilities (its kind does not read as pseudo-head attention: "
-      "AttentionKind.decodes); IHA and MHA layers have them"
+      "AttentionKind.decodes); IHA, MHA and PHA layers have them"
     )
 
   # --- budgets (forward FLOPs; docs/design.md §2) ----------------------------------
@@ -313,9 +321,10 @@ class AttentionKind:
   def pseudo_heads(self, params: Params, cfg: LayerConfig, which: str, x: jax.Array):
     """Source heads `x: [B, N, H', d]` of projection `which` ("q": H' = H; "k", "v": H' =
     G) -> the heads the core attends with over virtual tokens, `[B, N * P, H', d]` (before
-    RoPE)."""
+    RoPE; PHA: `[B, N * P, H/P, d]` queries, `pseudo_kv_heads` key/value heads)."""
     return x
 
   def collapse(self, params: Params, cfg: LayerConfig, out: jax.Array) -> jax.Array:
-    """Attention outputs over virtual tokens `[B, N * P, H, d]` -> `[B, N, H, d]`."""
+    """Attention outputs over virtual tokens `[B, N * P, H, d]` (PHA: `[B, N * P, H/P,
+    d]`) -> `[B, N, H, d]`."""
     return out

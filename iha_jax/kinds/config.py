@@ -30,11 +30,12 @@ class AttentionConfig:
       IHA, MHA and differential attention take G < H; Talking-Heads and 2-simplicial
       attention refuse it.
     kind: a registered kind (`iha_jax.kinds.names()`): "iha" (Interleaved Head
-      Attention), "mha", "talking_heads", "diff" (differential), "simplicial".
-    num_pseudo: P pseudo-heads per head (IHA only; None: P = H, the paper's default;
-      stored resolved).
-    window: sliding window in the kind's sequence units: VIRTUAL tokens for IHA (`N * P`
-      per sequence), tokens for the other kinds; None is global.
+      Attention), "mha", "talking_heads", "diff" (differential), "simplicial", "pha"
+      (paired-head attention).
+    num_pseudo: P pseudo-heads per head (IHA; None: P = H, the paper's default), or the
+      heads per group of PHA ("pha"; None: 2); stored resolved.
+    window: sliding window in the kind's sequence units: VIRTUAL tokens for IHA and PHA
+      (`N * P` per sequence), tokens for the other kinds; None is global.
     rope_theta: RoPE base; None disables RoPE (2-simplicial attention stores None).
     collapse_mode: "full" (`collapse: [H, H, P]`) or "per_head" (`[H, P]`), IHA only.
     causal: causal attention; False: bidirectional (encoders).
@@ -47,9 +48,9 @@ class AttentionConfig:
       deterministic); 0: none. Only the kind's `dropout_implementations` ("xla") do it.
     qk_norm: RMSNorm of every source query and key head over its d features (learned
       `q_norm, k_norm: [d]`, float32 statistics, eps 1e-6) after the projection, before
-      IHA's mixing and RoPE; IHA, MHA and Talking-Heads.
+      IHA's mixing and RoPE; IHA, MHA, PHA and Talking-Heads.
     use_bias: projection biases `bq: [H, d]`, `bk, bv: [G, d]` (before mixing and RoPE)
-      and `bo: [out_features]`, zeros at init; IHA, MHA and Talking-Heads.
+      and `bo: [out_features]`, zeros at init; IHA, MHA, PHA and Talking-Heads.
     out_features: width of the output `[B, N, out_features]`; None: `model_dim`.
   """
 
@@ -106,7 +107,10 @@ class AttentionConfig:
     if not record.uses_rope:
       object.__setattr__(self, "rope_theta", None)  # documented as ignored: stored as such
     record.validate(self)
-    if "num_pseudo" in record.config_fields:  # stored resolved: P = H when None
+    if "num_pseudo" in record.config_fields:  # stored resolved: the kind's default when None
+      default = record.default_num_pseudo
+      if self.num_pseudo is None and default is not None:
+        object.__setattr__(self, "num_pseudo", default)
       object.__setattr__(self, "num_pseudo", effective_num_pseudo(self.num_pseudo, self.num_heads))
     if self.implementation != "auto":
       registry.resolve(self.kind, self.implementation)  # e.g. no kernel for talking_heads

@@ -18,6 +18,8 @@ computes the same function; kernels run inside `shard_map` when a mesh is curren
 | talking_heads | `talking_heads_attention` | reference, xla |
 | diff | `diff_attention` | reference, xla, pallas_tpu, pallas_gpu(_mha), splash (via mha) |
 | simplicial | `simplicial_attention` | reference, xla |
+| pha | `pha_attention` | reference, xla, pallas_tpu, pallas_gpu (= pallas_gpu_mha), cudnn, |
+| | | splash (all through mha) |
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def resolve(
     if "xla" not in record.probability_implementations:
       raise ValueError(
         f"{record.name} attention has no attention probabilities (its record names no "
-        "probability_implementations); IHA and MHA layers return them"
+        "probability_implementations); IHA, MHA and PHA layers return them"
       )
     return "xla"
   if implementation != AUTO:

@@ -57,13 +57,14 @@ class TransformerConfig:
       Talking-Heads ('T') and 2-simplicial ('X') layers refuse G < H.
     mlp_dim: F, hidden width of the MLP.
     num_pseudo: P for the IHA layers; None means P = H (the paper's default and the
-      dearest; docs/results.md "Which P?" for which to pick).
+      dearest; docs/results.md "Which P?" for which to pick). The PHA layers ('P', 'R')
+      share it as their group size, dividing H; None gives them 2.
     attention_schedule: one letter per layer, repeated to `num_layers`: I (global IHA),
       L (sliding-window IHA), M (global MHA), S (sliding-window MHA), T (Talking-Heads),
-      D (differential), X (2-simplicial), and those of kinds registered later
-      (`SCHEDULE_LETTERS`).
-    iha_window: window of the sliding-window layers of kinds over virtual tokens ('L'),
-      in VIRTUAL tokens (N*P per sequence).
+      D (differential), X (2-simplicial), P (global PHA), R (sliding-window PHA), and
+      those of kinds registered later (`SCHEDULE_LETTERS`).
+    iha_window: window of the sliding-window layers of kinds over virtual tokens ('L',
+      'R'), in VIRTUAL tokens (N*P per sequence).
     mha_window: window of the other sliding-window layers ('S'), in tokens.
     rope_theta: RoPE base; None disables RoPE.
     collapse_mode: "full" or "per_head" collapse in the IHA layers.

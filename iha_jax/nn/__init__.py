@@ -15,6 +15,7 @@ from iha_jax.nn.attention import (
   DifferentialAttention,
   InterleavedHeadAttention,
   MultiHeadAttention,
+  PairedHeadAttention,
   SimplicialAttention,
   TalkingHeadsAttention,
 )
@@ -48,6 +49,7 @@ __all__ = [
   "LayerCache",
   "MultiHeadAttention",
   "MultiHeadAttentionLinen",
+  "PairedHeadAttention",
   "SimplicialAttention",
   "SimplicialAttentionLinen",
   "TalkingHeadsAttention",

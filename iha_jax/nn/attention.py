@@ -50,9 +50,10 @@ class Attention(nnx.Module):
       times MHA's attention work per global layer). Start with P = 2 (P = 1 where MHA's
       step price is the limit) and raise it only where your own runs show a gain: in this
       project's study a larger P did not improve quality while the step price grows with
-      P (docs/results.md, "Which P?").
-    window: sliding window in the kind's units: VIRTUAL tokens for IHA (`N * P` per
-      sequence), tokens for the other kinds; None: global.
+      P (docs/results.md, "Which P?"). PHA ("pha"): the heads per group, dividing H;
+      None: 2.
+    window: sliding window in the kind's units: VIRTUAL tokens for IHA and PHA (`N * P`
+      per sequence), tokens for the other kinds; None: global.
     window_tokens: the window in TOKENS instead (IHA: `window_tokens * P` virtual tokens);
       give `window` or `window_tokens`, not both. The same w reaches one token further
       through IHA (P >= 2) than through MHA: MHA's output at token n depends on tokens
@@ -381,3 +382,12 @@ class SimplicialAttention(Attention):
   wv2: [D, H, d]`, `wo: [H, d, D]`."""
 
   kind = "simplicial"
+
+
+class PairedHeadAttention(Attention):
+  """Paired-head attention: groups of P = `num_pseudo` consecutive heads (None: 2, P
+  dividing H) attend over `N * P` virtual tokens, virtual token `n*P + p` of group j
+  holding head `j*P + p` (RoPE at `pos*P + p`; `window` in VIRTUAL tokens, as IHA's).
+  Parameters as MHA's: `wq: [D, H, d]`, `wk, wv: [D, G, d]`, `wo: [H, d, D]`; no mixing."""
+
+  kind = "pha"

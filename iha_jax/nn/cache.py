@@ -17,7 +17,9 @@ Layouts (head-major), G the layer's key/value heads (`num_kv_heads`):
   per call).
 - "pseudo" (IHA): the rotated pseudo-keys and the pseudo-values, `[B, G, C*P, d]` (P
   times larger; slot c holds virtual tokens `c*P .. c*P+P-1`): a call mixes and rotates
-  only its new tokens. For MHA (P = 1) "pseudo" is a cache of rotated keys.
+  only its new tokens. For MHA (P = 1) "pseudo" is a cache of rotated keys; for PHA the
+  rotated virtual key/value rows, `[B, G', C*P, d]` (G' = `pseudo_kv_heads`: H/P at G =
+  H, the source cache's size).
 A kind decodes when its record says so (`AttentionKind.decodes`: it reads as pseudo-head
 attention, `entry_arrays`, `pseudo_heads` and `collapse`; IHA and MHA built in).
 
@@ -138,7 +140,7 @@ def check_decodes(cfg: AttentionConfig) -> None:
   if not cfg.record.decodes:
     raise ValueError(
       f"{cfg.kind} attention has no KV cache (its kind does not read as pseudo-head "
-      "attention: AttentionKind.decodes); IHA and MHA layers decode. Run the full forward."
+      "attention: AttentionKind.decodes); IHA, MHA and PHA layers decode. Run the full forward."
     )
   if not cfg.causal:
     raise ValueError(
@@ -150,6 +152,12 @@ def check_decodes(cfg: AttentionConfig) -> None:
 def _stores_source(cfg: AttentionConfig, mode: str) -> bool:
   """Whether the cache holds source heads (IHA's "source" mode), rebuilt every call."""
   return mode == "source" and cfg.record.virtual_tokens
+
+
+def _cached_heads(cfg: AttentionConfig, mode: str) -> int:
+  """Key/value heads the cache holds: G, or the kind's `pseudo_kv_heads` for pseudo-heads
+  (PHA regroups them)."""
+  return cfg.kv_heads if mode == "source" else cfg.record.pseudo_kv_heads(cfg)
 
 
 def _slots_per_token(cfg: AttentionConfig, mode: str) -> int:
@@ -198,7 +206,8 @@ def init_layer_cache(
       "(float32, bfloat16, float16); None: the layer's dtype"
     )
   spec = spec_for(cfg, max_len, mode)
-  shape = (batch, cfg.kv_heads, spec.capacity * _slots_per_token(cfg, mode), cfg.head_dim)
+  heads = _cached_heads(cfg, mode)
+  shape = (batch, heads, spec.capacity * _slots_per_token(cfg, mode), cfg.head_dim)
   zeros = jnp.zeros(shape, dtype)
   return LayerCache(k=zeros, v=zeros, length=jnp.zeros((batch,), jnp.int32), spec=spec)
 
@@ -263,13 +272,14 @@ def check_cache(
       "this layer's init_cache (every layer keeps its own cache)."
     )
   batch, tokens = x.shape[:2]
-  want = (batch, cfg.kv_heads, None, cfg.head_dim)
+  heads = _cached_heads(cfg, cache.mode)
+  want = (batch, heads, None, cfg.head_dim)
   got = tuple(cache.k.shape)
   slots_per_token = _slots_per_token(cfg, cache.mode)
   if len(got) != 4 or got[:2] != want[:2] or got[3] != want[3] or got[2] % slots_per_token:
     raise ValueError(
       f"cache.k has shape {got}; this layer's {cache.mode!r} cache is [B, G, C * "
-      f"{slots_per_token}, d] = [{batch}, {cfg.kv_heads}, C * {slots_per_token}, {cfg.head_dim}] "
+      f"{slots_per_token}, d] = [{batch}, {heads}, C * {slots_per_token}, {cfg.head_dim}] "
       "(init_layer_cache with this layer's config and batch)"
     )
   if jnp.shape(cache.length) != (batch,):

@@ -59,7 +59,7 @@ def check_cross(cfg: AttentionConfig) -> None:
   if not cfg.record.decodes:
     raise ValueError(
       f"context=: {cfg.kind} attention has no cross-attention (its kind does not read as "
-      "pseudo-head attention: AttentionKind.decodes); IHA and MHA layers take a context"
+      "pseudo-head attention: AttentionKind.decodes); IHA, MHA and PHA layers take a context"
     )
   wrong = [
     (name, value, fix)

@@ -2,7 +2,7 @@
 functions a user calls beside them.
 
 Entry points: `iha_attention`, `mha_attention`, `talking_heads_attention`,
-`diff_attention`, `simplicial_attention`. Each takes its arrays, then one
+`diff_attention`, `simplicial_attention`, `pha_attention`. Each takes its arrays, then one
 `AttentionOptions` (window, causal, RoPE, segment ids, positions, tiles, implementation)
 and/or the same options as keywords (typed: `OptionFields`), checks them and runs the
 implementation its kind's record names (`iha_jax.kinds.registry.attend`; "auto" per
@@ -25,6 +25,7 @@ from iha_jax.kinds import (
   diff_attention,
   iha_attention,
   mha_attention,
+  pha_attention,
   simplicial_attention,
   talking_heads_attention,
 )
@@ -46,6 +47,7 @@ __all__ = [
   "iha_attention",
   "interleave",
   "mha_attention",
+  "pha_attention",
   "pseudo_mix",
   "rms_norm",
   "rope_frequencies",

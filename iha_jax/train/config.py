@@ -32,7 +32,8 @@ from iha_jax import data as data_lib
 from iha_jax.checks import is_int
 from iha_jax.core.options import round_up
 from iha_jax.errors import UserError
-from iha_jax.kinds import effective_num_pseudo
+from iha_jax.kinds import LETTER_DESCRIPTIONS as LETTERS
+from iha_jax.kinds import effective_num_pseudo, for_letter
 from iha_jax.models import TransformerConfig
 from iha_jax.parallel import resolve_mesh_shape
 from iha_jax.train.losses import LOSSES, chunk_tokens_problem
@@ -89,11 +90,17 @@ def _window(config: ml_collections.ConfigDict) -> int | str | None:
 
 
 def resolve_window(config: ml_collections.ConfigDict) -> int | None:
-  """The 'L' layers' window in virtual tokens ("auto": `seq_len / (2 P)`, at least 1)."""
+  """The window of the sliding-window layers over virtual tokens ('L', 'R') in virtual
+  tokens ("auto": `seq_len / (2 P)`, at least 1; with `num_pseudo` None, P = H unless
+  every such kind of the schedule has a default of its own, PHA's 2)."""
   window = _window(config)
   if window != "auto":
     return window
   p = effective_num_pseudo(config.model.num_pseudo, config.model.num_heads)
+  letters = [x for x in dict.fromkeys(str(config.model.attention_schedule)) if x in LETTERS]
+  defaults = {r.default_num_pseudo for r, _ in map(for_letter, letters) if r.virtual_tokens}
+  if config.model.num_pseudo is None and defaults and None not in defaults:
+    p = max(defaults)
   return max(1, config.data.seq_len // (2 * p))
 
 

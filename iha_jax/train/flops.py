@@ -4,7 +4,7 @@ Forward FLOPs (a multiply-add is 2), per token and layer (D width, H heads and G
 key/value heads of the layer's `AttentionConfig`, d head width, dv value width, P
 pseudo-heads, F MLP width):
 - projections: `2 *` the entries of the layer's projection matrices (`w*`), i.e.
-  `2*D*(2H + 2G)*d` for iha / mha (`4 * 2*D*H*d` at G = H) and talking_heads, the same for
+  `2*D*(2H + 2G)*d` for iha / mha / pha (`4 * 2*D*H*d` at G = H) and talking_heads, the same for
   diff (wq `[D, H/2, 2, d]`, wk `[D, G/2, 2, d]`, wv `[D, G/2, 2d]`, wo `[H/2, 2d, D]`)
   and `6 * 2*D*H*d` for simplicial (q, k1, k2, v1, v2, o);
 - IHA mixing `2*(H*H + 2*G*G)*P*d` (`2*3*H*H*P*d` at G = H) and collapse `2*H*H*P*d`
@@ -14,6 +14,8 @@ per sequence and layer, the attention core, from the visible query-key pairs of 
 (and, for simplicial, the visible key-key triples of one query):
 - iha / mha: `4d` per pair and head (QK and PV); IHA counts over `T = N*P` virtual
   tokens with its window in virtual tokens;
+- pha: `4d` per pair over `T = N*P` virtual tokens (window in virtual tokens) for each
+  of its H/P groups: P times MHA's work (no mixing);
 - talking_heads: `4d` per pair and head, plus the two `H x H` mixings of the logits and
   of the weights, `2*H*H` each per pair (`4*H*H` per pair for all heads);
 - diff (H/2 heads): two maps of QK `2d` and PV `2*dv = 4d`: `12d` per pair and head;

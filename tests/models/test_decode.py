@@ -242,7 +242,7 @@ def test_prefill_rejects_bad_arguments():
   [
     (dict(causal=False), "needs a causal model"),
     (dict(num_outputs=3), "per-token head"),
-    (dict(attention_schedule="LT"), r"supports schedule letters 'ILMS'.*\['T'\]"),
+    (dict(attention_schedule="LT"), r"supports schedule letters 'ILMSPR'.*\['T'\]"),
   ],
 )
 def test_decoding_refuses_encoders_and_uncached_kinds(change, match):

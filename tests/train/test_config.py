@@ -31,7 +31,7 @@ from iha_jax.models.layers import make_attention
 from iha_jax.nn import MIXING_PARAMS, InterleavedHeadAttention
 from iha_jax.nn.config import param_specs
 from iha_jax.train import ConfigError, flops, model_config, validate
-from iha_jax.train.config import config_differences, upgrade_saved_config
+from iha_jax.train.config import config_differences, resolve_window, upgrade_saved_config
 from iha_jax.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 
 
@@ -531,3 +531,11 @@ def test_saved_configs_with_the_old_window_key_are_upgraded():
   assert old["model"] == {"window": "auto", "num_heads": 4}  # the input is not modified
   today = {"model": {"iha_window": 64}}
   assert upgrade_saved_config(today) is today
+
+
+def test_auto_window_takes_phas_default_p_without_iha_layers():
+  """'auto' is `seq_len / (2 P)`: P = H (None) with IHA layers, PHA's 2 without them."""
+  for schedule, p in (("RM", 2), ("LRM", 4)):
+    model = dict(attention_schedule=schedule, iha_window="auto", num_pseudo=None, num_heads=4)
+    config = ml_collections.ConfigDict(dict(model=model, data=dict(seq_len=64)))
+    assert resolve_window(config) == 64 // (2 * p), schedule
