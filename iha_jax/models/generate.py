@@ -35,6 +35,44 @@ def check_model(model: object, name: str) -> None:
     )
 
 
+def check_prompt(
+  tokens: jax.Array, prompt_mask: jax.Array | None, max_len: int, name: str, new_tokens: int = 0
+) -> jax.Array | None:
+  """Checks a prompt `tokens: [B, L0]` and its `prompt_mask` (`[B, L0]` bool, True = a
+  real token, or None: all) for a cache of `max_len` tokens per row that must also hold
+  `new_tokens` more; returns the mask as a bool array (None without one). ValueError
+  naming the argument otherwise (a traced mask's counts are not checked)."""
+  check_tokens(tokens, name)
+  longest = tokens.shape[1]
+  if prompt_mask is not None:
+    if jnp.shape(prompt_mask) != jnp.shape(tokens):
+      raise ValueError(
+        f"prompt_mask has shape {jnp.shape(prompt_mask)}; it marks each row's real tokens "
+        f"of {name} (True; padding False, on either side), shaped as {name} "
+        f"{jnp.shape(tokens)}"
+      )
+    prompt_mask = jnp.asarray(prompt_mask) != 0
+    if is_traced(prompt_mask):
+      return prompt_mask
+    counts = jnp.sum(prompt_mask, axis=1).tolist()
+    if min(counts) < 1:
+      raise ValueError(
+        f"prompt_mask leaves row {counts.index(min(counts))} without a real token: every "
+        "row needs at least one (its next token's logits come from its last)"
+      )
+    longest = max(counts)
+  if longest > max_len:
+    raise ValueError(
+      f"{name} has {longest} tokens in its longest row, longer than the cache (max_len={max_len})"
+    )
+  if longest + new_tokens > max_len:
+    raise ValueError(
+      f"max_new_tokens={new_tokens} after a {longest}-token prompt exceeds the cache "
+      f"(max_len={max_len})"
+    )
+  return prompt_mask
+
+
 def _prefill(
   model: TransformerLM, tokens: jax.Array, mask: jax.Array | None, max_len: int, cache_mode: str
 ) -> tuple[jax.Array, KVCache]:
@@ -53,39 +91,6 @@ def _decode_step(
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "cache_mode"))
 def _prefill_jit(state, tokens, mask, *, graphdef, max_len, cache_mode):
   return _prefill(nnx.merge(graphdef, state), tokens, mask, max_len, cache_mode)
-
-
-def check_prompt(
-  tokens: jax.Array, prompt_mask: jax.Array | None, max_len: int, name: str
-) -> jax.Array | None:
-  """Checks a prompt `tokens: [B, L0]` and its `prompt_mask` (`[B, L0]` bool, True = a
-  real token, or None: all) for a cache of `max_len` tokens; returns the mask as a bool
-  array (None without one). ValueError naming the argument otherwise."""
-  check_tokens(tokens, name)
-  if prompt_mask is None:
-    counts = [tokens.shape[1]]
-  else:
-    if jnp.shape(prompt_mask) != jnp.shape(tokens):
-      raise ValueError(
-        f"prompt_mask has shape {jnp.shape(prompt_mask)}; it marks each row's real tokens "
-        f"of {name} (True; padding False, on either side), shaped as {name} "
-        f"{jnp.shape(tokens)}"
-      )
-    prompt_mask = jnp.asarray(prompt_mask) != 0
-    if is_traced(prompt_mask):
-      return prompt_mask
-    counts = jnp.sum(prompt_mask, axis=1).tolist()
-    if min(counts) < 1:
-      raise ValueError(
-        f"prompt_mask leaves row {counts.index(min(counts))} without a real token: every "
-        "row needs at least one (its next token's logits come from its last)"
-      )
-  if max(counts) > max_len:
-    raise ValueError(
-      f"{name} has {max(counts)} tokens in its longest row, longer than the cache "
-      f"(max_len={max_len})"
-    )
-  return prompt_mask
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -229,13 +234,7 @@ def generate(
   if not is_int(max_new_tokens, 1):
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
   max_len = prompt_tokens.shape[1] + max_new_tokens if max_len is None else max_len
-  mask = check_prompt(prompt_tokens, prompt_mask, max_len, "prompt_tokens")
-  longest = prompt_tokens.shape[1] if mask is None else int(jnp.max(jnp.sum(mask, axis=1)))
-  if longest + max_new_tokens > max_len:
-    raise ValueError(
-      f"max_new_tokens={max_new_tokens} after a {longest}-token prompt "
-      f"exceeds the cache (max_len={max_len})"
-    )
+  mask = check_prompt(prompt_tokens, prompt_mask, max_len, "prompt_tokens", max_new_tokens)
   if not temperature >= 0.0:
     raise ValueError(f"temperature must be >= 0, got {temperature!r}")
   if temperature > 0.0 and rng is None:

@@ -52,7 +52,7 @@ from flax import struct
 from jax.experimental import checkify
 
 from iha_jax.checks import is_int, is_traced, warn_deprecated
-from iha_jax.core.options import AttentionOptions
+from iha_jax.core.attention import virtual_options
 from iha_jax.kinds import project_qkv
 from iha_jax.kinds.config import AttentionConfig
 from iha_jax.nn.functional import Handed, rotated_pseudo_heads
@@ -344,23 +344,14 @@ def cached_heads(
     jnp.swapaxes(roll(c, shift), 1, 2).astype(x.dtype) for c in (cache.k, cache.v)
   )  # [B, C*S, G, d]
   query_segments = None if valid is None else real.astype(jnp.int32)
-  if cache.mode == "source":
-    options = cfg.options(positions=positions, segment_ids=query_segments).replace(
-      query_offset=capacity, kv_positions=key_tokens, kv_segment_ids=key_real.astype(jnp.int32)
-    )
-  else:
+  options = cfg.options(positions=positions, segment_ids=query_segments).replace(
+    query_offset=capacity, kv_positions=key_tokens, kv_segment_ids=key_real.astype(jnp.int32)
+  )
+  if cache.mode == "pseudo":
     q, k = (rotated_pseudo_heads(params, cfg, w, t, positions) for w, t in (("q", q), ("k", k)))
     v = cfg.record.pseudo_heads(params, cfg, "v", v)  # [B, n*P, G, d]; values: no RoPE
-    virtual = lambda segments: None if segments is None else jnp.repeat(segments, num_pseudo, 1)
-    options = AttentionOptions(
-      window=cfg.window,
-      causal=True,
-      rope_theta=None,  # rotated already, at the virtual positions
-      implementation=cfg.implementation,
-      segment_ids=virtual(query_segments),
-      query_offset=capacity * num_pseudo,
-      kv_segment_ids=virtual(key_real.astype(jnp.int32)),
-    )
+    # MHA's entry point over the virtual rows: the same call in virtual units, rotated already.
+    options = virtual_options(options.replace(rope_theta=None), num_pseudo)
   keys, values = (jnp.concatenate([old, new], axis=1) for old, new in ((old_k, k), (old_v, v)))
   handed = Handed(options, (q, keys, values), cache.mode == "pseudo", new_tokens=n)
   return handed, NewTokens(k, v, jnp.sum(real, axis=1, dtype=jnp.int32), order)

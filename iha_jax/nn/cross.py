@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from iha_jax.core.options import AttentionOptions
+from iha_jax.core.attention import virtual_options
+from iha_jax.core.validation import default_positions
 from iha_jax.kinds import project_qkv
 from iha_jax.kinds.config import AttentionConfig
 from iha_jax.nn.cache import CacheSpec, check_cache_mode, spec_for
@@ -101,12 +102,8 @@ def check_context(
       )
     return
   shape = tuple(jnp.shape(context))
-  if (
-    len(shape) != 3
-    or shape[0] != (shape[0] if x is None else batch)
-    or shape[2] != cfg.model_dim
-    or shape[1] < 1
-  ):
+  batch_ok = len(shape) == 3 and (x is None or shape[0] == batch)
+  if not batch_ok or shape[2] != cfg.model_dim or shape[1] < 1:
     raise ValueError(
       f"context must have shape [B, M, model_dim] = [{batch}, M >= 1, {cfg.model_dim}] "
       f"(B of x), got {shape}"
@@ -171,17 +168,15 @@ def cross_heads(
     kv_valid = _context_validity(mask, b, context.shape[1])
   # A row whose context is all padding: its queries are padding too (zero outputs).
   query_ids = jnp.broadcast_to(kv_valid.max(axis=1, keepdims=True), (b, n))
+  options = cfg.options(segment_ids=query_ids).replace(kv_segment_ids=kv_valid)
   if not (isinstance(context, ContextCache) and context.spec.mode == "pseudo"):
-    options = cfg.options(segment_ids=query_ids).replace(kv_segment_ids=kv_valid)
     return Handed(options, (q, k, v))
-  num_pseudo = context.spec.num_pseudo
-  options = AttentionOptions(
-    window=None,
-    causal=False,
-    rope_theta=None,
-    implementation=cfg.implementation,
-    segment_ids=jnp.repeat(query_ids, num_pseudo, axis=1),
-    kv_segment_ids=jnp.repeat(kv_valid, num_pseudo, axis=1),
+  # MHA's entry point over the virtual rows: the same call in virtual units (no RoPE).
+  options = virtual_options(
+    options.replace(
+      positions=default_positions(query_ids, None), kv_positions=default_positions(kv_valid, None)
+    ),
+    context.spec.num_pseudo,
   )
   q = cfg.record.pseudo_heads(params, cfg, "q", q)  # [B, N*P, H, d]
   return Handed(options, (q, k, v), pseudo=True)
