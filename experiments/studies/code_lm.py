@@ -24,7 +24,13 @@ import os
 import ml_collections
 
 from experiments.protocol import Scale, Study, Sweep, Variant
-from experiments.studies.common import schedule_edit, study_config
+from experiments.studies.common import (
+  heads_edit,
+  pha_edit,
+  schedule_edit,
+  study_config,
+  with_pseudo,
+)
 from iha_jax import data as data_lib
 from iha_jax.data import train_tokenizer
 from iha_jax.train import config as config_lib
@@ -117,19 +123,6 @@ def _scale(name: str, **budget) -> Scale:
   return Scale(lambda: _config(name), **budget)
 
 
-def with_pseudo(schedule: str, p: int):
-  """An edit: `schedule` at IHA's P = `p` (the other variants keep the scale's P = 2):
-  'L' layers get the paper's window `seq_len / (2p)` virtual tokens ("auto"), 'S' layers
-  the same window in tokens (`schedule_edit`), so Global+Local at P = 1 is IHA P = 1's
-  model but for IHA's factored projections and mixing."""
-
-  def edit(config: ml_collections.ConfigDict) -> None:
-    config.model.num_pseudo = p
-    schedule_edit(schedule)(config)
-
-  return edit
-
-
 # IHA and Global+Local first: a study stopped part-way has compared `make train-text`'s
 # pair (the runner takes the variants in this order). The P sweep comes last: P = 1 (the
 # mixing without interleaving's extra rows: one pseudo-head per head) and P = 4 = H, then
@@ -143,10 +136,28 @@ VARIANTS = (
   Variant("iha_p1", "IHA P = 1 (LLLLM)", with_pseudo("LLLLM", 1)),
   Variant("iha_p4", "IHA P = 4 = H (LLLLM)", with_pseudo("LLLLM", 4)),
   Variant("global_local_p1", "Global+Local, P = 1's windows (SSSSM)", with_pseudo("SSSSM", 1)),
+  # Is IHA's learned mixing worth its price? Paired-head attention is IHA P = 2 with the
+  # mixing and collapse fixed to selections: at IHA's window (half IHA's attention work)
+  # and at twice it (IHA's attention FLOPs).
+  Variant("pha", "PHA P = 2 (RRRRM)", pha_edit()),
+  Variant("pha_wide", "PHA P = 2, IHA's FLOPs (RRRRM, 2x window)", pha_edit(2)),
+  # The P sweep's P = H row at 8 heads of 8 (width kept), beside its 8-head MHA.
+  Variant("iha_p8_h8", "IHA P = 8 = H, 8 heads (LLLLM)", heads_edit(8, "LLLLM", 8)),
+  Variant("mha_h8", "global MHA, 8 heads (M)", heads_edit(8, "M", None)),
 )
 
-# The equal-FLOPs comparison: the P sweep beside the baselines it is read against.
-EQUAL_FLOPS_VARIANTS = ("iha_p1", "iha", "iha_p4", "mha", "global_local", "talking_heads")
+# The equal-FLOPs comparison: the P sweep and PHA beside the baselines they are read
+# against.
+EQUAL_FLOPS_VARIANTS = (
+  "iha_p1",
+  "iha",
+  "iha_p4",
+  "mha",
+  "global_local",
+  "talking_heads",
+  "pha",
+  "pha_wide",
+)
 
 
 def train_flops_per_step(config: ml_collections.ConfigDict, vocab: int) -> float:

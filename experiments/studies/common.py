@@ -32,8 +32,8 @@ def schedule_edit(schedule: str) -> Callable[[ml_collections.ConfigDict], None]:
 
   The base config holds IHA's P. `S` layers (sliding-window MHA) get IHA's window in
   tokens, `seq_len / (2 P^2)` (IHA's "auto" window is `seq_len / (2 P)` virtual tokens,
-  P per token): Global+Local is the FLOP-cheaper twin of IHA's `L` layers. Without `L`
-  layers the IHA settings are dropped.
+  P per token): Global+Local is the FLOP-cheaper twin of IHA's `L` layers. Without
+  layers over virtual tokens (IHA `L`, PHA `R`, `P`) the IHA settings are dropped.
   """
 
   def edit(config: ml_collections.ConfigDict) -> None:
@@ -41,9 +41,57 @@ def schedule_edit(schedule: str) -> Callable[[ml_collections.ConfigDict], None]:
     config.model.attention_schedule = schedule
     if "S" in schedule:
       config.model.mha_window = max(1, config.data.seq_len // (2 * p * p))
-    if "L" not in schedule:
+    if not set(schedule) & set(_VIRTUAL_LETTERS):
       config.model.iha_window = None
       config.model.num_pseudo = None
+
+  return edit
+
+
+# The letters whose layers run over virtual tokens (P per token): IHA's window, PHA.
+_VIRTUAL_LETTERS = "LRP"
+
+
+def with_pseudo(schedule: str, p: int) -> Callable[[ml_collections.ConfigDict], None]:
+  """An edit: `schedule` at P = `p` (the other variants keep the scale's P): 'L' and 'R'
+  layers get the paper's window `seq_len / (2p)` virtual tokens ("auto"), 'S' layers the
+  same window in tokens (`schedule_edit`), so Global+Local at P = 1 is IHA P = 1's model
+  but for IHA's factored projections and mixing."""
+
+  def edit(config: ml_collections.ConfigDict) -> None:
+    config.model.num_pseudo = p
+    schedule_edit(schedule)(config)
+
+  return edit
+
+
+def pha_edit(window_factor: int = 1) -> Callable[[ml_collections.ConfigDict], None]:
+  """An edit: paired-head attention `RRRRM` (IHA `LLLLM`'s sliding-window layers with
+  IHA's mixing and collapse fixed to selections) at the scale's P, over `window_factor`
+  times IHA's "auto" window in virtual tokens. PHA's H / P groups do 1 / P of IHA's
+  attention work at one window: `window_factor` = P equalises the two."""
+
+  def edit(config: ml_collections.ConfigDict) -> None:
+    schedule_edit("RRRRM")(config)
+    p = config.model.num_pseudo
+    # A string, as a command-line override of the field "auto" is (train.config reads it).
+    config.model.iha_window = str(max(1, window_factor * config.data.seq_len // (2 * p)))
+
+  return edit
+
+
+def heads_edit(
+  heads: int, schedule: str, p: int | None
+) -> Callable[[ml_collections.ConfigDict], None]:
+  """An edit: `heads` heads of `model_dim / heads` (width kept), `schedule` at P = `p`."""
+
+  def edit(config: ml_collections.ConfigDict) -> None:
+    config.model.num_heads = heads
+    config.model.head_dim = config.model.model_dim // heads
+    if p is None:
+      schedule_edit(schedule)(config)
+    else:
+      with_pseudo(schedule, p)(config)
 
   return edit
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ml_collections
 
 from experiments.protocol import Scale, Study, Transfer, Variant
-from experiments.studies.common import schedule_edit, study_config
+from experiments.studies.common import pha_edit, schedule_edit, study_config, with_pseudo
 
 PAPER = (
   "RULER multi-key retrieval (needles among distractor needles), 2.4B models: IHA "
@@ -137,6 +137,13 @@ VARIANTS = (
   Variant("global_local", "Global+Local (SSSSM)", schedule_edit("SSSSM")),
   Variant("talking_heads", "Talking-Heads (T)", schedule_edit("T")),
   Variant("diff", "differential (D)", schedule_edit("D")),
+  # Learned mixing against paired heads (IHA's mixing fixed to selections) at IHA's window
+  # and at IHA's attention FLOPs (twice the window), and IHA without interleaving (P = 1)
+  # beside sliding-window MHA with P = 1's windows.
+  Variant("pha", "PHA P = 2 (RRRRM)", pha_edit()),
+  Variant("pha_wide", "PHA P = 2, IHA's FLOPs (RRRRM, 2x window)", pha_edit(2)),
+  Variant("iha_p1", "IHA P = 1 (LLLLM)", with_pseudo("LLLLM", 1)),
+  Variant("global_local_p1", "Global+Local, P = 1's windows (SSSSM)", with_pseudo("SSSSM", 1)),
 )
 
 MULTIKEY = Study(
