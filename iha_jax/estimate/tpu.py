@@ -13,8 +13,9 @@ of its time (never a measurement; never print it beside one):
 - the top-level program's own bundles, and every op it calls, as many times as it calls
   them (loops over layers included).
 Left out: DMA waits and stalls inside an op (bundles undercount MXU-bound code by a few
-percent), and collectives (all-reduce, all-gather, ...: their time depends on the
-interconnect), which `Estimate.collectives` lists.
+percent). Collectives (all-reduce, all-gather, ...) are priced apart, by the interconnect
+(`iha_jax.estimate.ici`: bytes over the ICI links they cross, and how much of that the
+schedule hides behind compute): `Estimate.communication`.
 
 Usage (a fresh process; libtpu must start with the schedule dump switched on):
 
@@ -36,7 +37,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from iha_jax.estimate import kernel_grid, llo
+import jax
+
+from iha_jax.estimate import ici, kernel_grid, llo
 from iha_jax.estimate.chips import Chip, EstimateError, chip
 from iha_jax.estimate.kernel_cost import kernel_cycles, kernel_mxu_products, kernel_regions
 
@@ -91,8 +94,10 @@ class OpEstimate:
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-  """A program's estimated time on one chip: `seconds` (ops plus the top-level program's
-  own bundles), per op in `ops`; collectives are listed but not counted."""
+  """A program's estimated time on one chip: `seconds` of compute (ops plus the top-level
+  program's own bundles), per op in `ops`; collectives priced apart in `communication`
+  (None: one chip, or a chip without an ICI model), of which `exposed_s` adds to the
+  step (`total_s`)."""
 
   chip: Chip
   seconds: float
@@ -100,6 +105,16 @@ class Estimate:
   lower_bound: bool = False  # top-level loops of run-time trips counted once: at least this
   # Programs the top level calls that have no schedule file (left out: at least this).
   unscheduled: tuple[str, ...] = ()
+  communication: ici.Communication | None = None
+
+  @property
+  def exposed_s(self) -> float:
+    return self.communication.exposed_s if self.communication else 0.0
+
+  @property
+  def total_s(self) -> float:
+    """Compute plus the communication the schedule does not hide."""
+    return self.seconds + self.exposed_s
 
   @property
   def collectives(self) -> tuple[str, ...]:
@@ -142,7 +157,9 @@ class Estimate:
       lines.append(
         f"  {f'({len(ranked) - top} more ops)':<44} {'':<7} {'':>6} {'':>12} {rest * 1e3:>13.4f}"
       )
-    if self.collectives:
+    if self.communication is not None:
+      lines += self._communication_lines()
+    elif self.collectives:
       lines.append(f"  collectives left out: {', '.join(sorted(set(self.collectives)))}")
     if self.unscheduled:
       lines.append(
@@ -150,10 +167,29 @@ class Estimate:
         f"{', '.join(self.unscheduled[:8])}{' ...' if len(self.unscheduled) > 8 else ''}"
       )
     at_least = "at least " if self.lower_bound else ""
-    lines.append(f"  estimated total: {at_least}{self.seconds * 1e3:.4f} ms")
+    if self.communication is None:
+      lines.append(f"  estimated total: {at_least}{self.seconds * 1e3:.4f} ms")
+    else:
+      lines.append(
+        f"  estimated total: {at_least}{self.total_s * 1e3:.4f} ms = compute "
+        f"{self.seconds * 1e3:.4f} + exposed communication {self.exposed_s * 1e3:.4f}"
+      )
     if self.lower_bound:
       lines.append("  (a lower bound: run-time loop trips counted once, or programs left out)")
     return "\n".join(lines)
+
+  def _communication_lines(self) -> list[str]:
+    comm = self.communication
+    hidden = comm.total_s - comm.exposed_s
+    lines = [
+      f"  collectives ({len(comm.collectives)}; ICI model, an estimate): {comm.total_s * 1e3:.4f}"
+      f" ms alone, {comm.exposed_s * 1e3:.4f} ms exposed ({max(0.0, hidden) * 1e3:.4f} "
+      "hidden behind compute by the schedule)",
+      *comm.table(),
+    ]
+    if comm.unknown_trips:
+      lines.append(f"  loops of unknown trips counted once: {', '.join(comm.unknown_trips[:4])}")
+    return lines
 
 
 _DUMP_DIR: Path | None = None
@@ -209,7 +245,11 @@ def estimate_traced(
       if path.is_file():
         shutil.copy(path, keep_schedule / path.name)
   try:
-    return result, _estimate(written, calls, spec)
+    estimated = _estimate(written, calls, spec)
+    executable = result[0] if isinstance(result, tuple) else result  # (executable, report)
+    return result, dataclasses.replace(
+      estimated, communication=_communication(executable, estimated)
+    )
   finally:
     for path in new_files:
       shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
@@ -253,6 +293,25 @@ def _estimate(paths: list[Path], calls: list[kernel_grid.KernelCall], spec: Chip
   )
   lower = lower or bool(unscheduled)
   return Estimate(spec, seconds, tuple(ops.values()), lower_bound=lower, unscheduled=unscheduled)
+
+
+def _communication(executable: Any, estimated: Estimate) -> ici.Communication | None:
+  """The compiled program's collectives on its devices (None: one device, or no ICI
+  model of this chip)."""
+  shardings = [s for s in jax.tree.leaves(executable.input_shardings) if hasattr(s, "mesh")]
+  if estimated.chip.name not in ici.LINK_BYTES_PER_S or not shardings:
+    return None
+  devices = list(shardings[0].mesh.devices.flat)
+  if len(devices) < 2:
+    return None
+  compute = [op for op in estimated.ops if op.kind != "collective"]
+  return ici.communication(
+    executable.as_text(),
+    devices,
+    {op.name: op.seconds for op in compute},
+    {op.name: op.runs for op in compute},
+    estimated.chip.name,
+  )
 
 
 def _op(name: str, program: llo.Program, calls: list, spec: Chip) -> OpEstimate:

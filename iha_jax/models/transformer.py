@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import with_logical_constraint
 
+from iha_jax.models import embedding as embedding_lib
 from iha_jax.models.config import TransformerConfig
 from iha_jax.models.kv_cache import KVCache
 from iha_jax.models.layers import DecoderBlock, RMSNorm
@@ -135,7 +136,7 @@ def embed_tokens(embedding: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Arr
   vocab/embed-sharded table would force a full rematerialisation of its output.
   """
   table = with_logical_constraint(embedding, (None, None))
-  x = jnp.take(table, tokens, axis=0).astype(dtype)
+  x = embedding_lib.lookup(table, tokens, dtype)  # on TPU, its gradient a one-hot matmul
   return with_logical_constraint(x, RESIDUAL_AXES)
 
 

@@ -10,8 +10,9 @@ static resources, and raises a one-line `CompileCheckError` when the step does n
 compile or does not fit. Compiled, not run: no speed is measured.
 
 `--estimate` (TPU targets) adds the step's *estimated* time per chip from libtpu's final
-schedule (`iha_jax.estimate.tpu`; collectives left out, as the output says) and
-the MFU it implies: an estimate, never a measurement.
+schedule (`iha_jax.estimate.tpu`: compute, the collectives' ICI time and the part of it
+the schedule does not hide, their total) and the MFU it implies on the total: an
+estimate, never a measurement.
 """
 
 from __future__ import annotations
@@ -176,11 +177,21 @@ def _log_estimate(estimated, executable, model_cfg, batch: int, seq_len: int, ta
         else ""
       )
     )
-  left_out = " (collectives left out)" if estimated.collectives else ""
   at_least = "at least " if estimated.lower_bound else ""
+  if estimated.communication is None:
+    left_out = " (collectives left out)" if estimated.collectives else ""
+    time_line = f"{at_least}{estimated.seconds * 1e3:.1f} ms{left_out}"
+  else:
+    comm = estimated.communication
+    mfu = per_chip / (estimated.total_s * peak)  # on the total: compute + exposed comm
+    time_line = (
+      f"{at_least}{estimated.total_s * 1e3:.1f} ms = compute {estimated.seconds * 1e3:.1f} + "
+      f"exposed communication {estimated.exposed_s * 1e3:.1f} (collectives "
+      f"{comm.total_s * 1e3:.1f} ms alone, the rest hidden behind compute)"
+    )
   log(
-    f"estimated step time per chip: {at_least}{estimated.seconds * 1e3:.1f} ms{left_out}, "
-    f"{estimated.kernel_seconds() * 1e3:.1f} ms of it in Pallas kernels; model FLOPs "
+    f"estimated step time per chip: {time_line}, "
+    f"{estimated.kernel_seconds() * 1e3:.1f} ms of compute in Pallas kernels; model FLOPs "
     f"{step_flops / 1e15:.2f} PFLOP per step -> estimated MFU {mfu:.1%} at "
     f"{estimated.chip.peak_bf16_flops / 1e12:.0f} TFLOP/s per chip (an estimate from the "
     "compiler's schedule, not a measurement)"
