@@ -45,6 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
       causal=True,  # False: encoder, every layer bidirectional
       num_outputs=placeholder(int),  # None: vocabulary logits; an int: per-token head
       mixing_noise_std=0.0,  # noise on the identity init of alpha/collapse/talk_*
+      embedding_gradient="auto",  # auto | scatter | matmul (iha_jax/models/embedding.py)
     )
   )
 

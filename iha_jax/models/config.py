@@ -17,6 +17,8 @@ SCHEDULE_LETTERS = kinds.LETTER_DESCRIPTIONS
 
 
 MLP_TYPES = ("swiglu", "gelu", "none")
+# The token embedding's gradient (`iha_jax.models.embedding.lookup`).
+GRADIENT_FORMS = ("auto", "scatter", "matmul")
 
 
 def expand_schedule(schedule: str, num_layers: int) -> str:
@@ -68,6 +70,9 @@ class TransformerConfig:
     mha_window: window of the other sliding-window layers ('S'), in tokens.
     rope_theta: RoPE base; None disables RoPE.
     collapse_mode: "full" or "per_head" collapse in the IHA layers.
+    embedding_gradient: the token table's gradient: "scatter" (XLA's scatter-add),
+      "matmul" (a one-hot matmul, the same sums) or "auto" (the matmul on TPU where
+      libtpu's scatter-add is slower by estimate: `iha_jax.models.embedding`).
     tie_embeddings: output head shares the token embedding; else an `lm_head [D, V]`.
     dtype: computation dtype (logits are always float32).
     param_dtype: storage dtype of the parameters.
@@ -110,12 +115,17 @@ class TransformerConfig:
   mixing_noise_std: float = 0.0
   input_features: int | None = None
   num_kv_heads: int | None = None
+  embedding_gradient: str = "auto"
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "mlp_dim"):
       value = getattr(self, name)
       if not is_int(value, 1):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if self.embedding_gradient not in GRADIENT_FORMS:
+      raise ValueError(
+        f"embedding_gradient must be one of {GRADIENT_FORMS}, got {self.embedding_gradient!r}"
+      )
     if self.mlp_type not in MLP_TYPES:
       raise ValueError(f"mlp_type must be one of {MLP_TYPES}, got {self.mlp_type!r}")
     if not self.norm_eps > 0:

@@ -158,7 +158,7 @@ class FunctionalTransformerLM:
   ) -> jax.Array:
     """As `apply`, but stops before the output head: the final normalised `[B, N, D]` in
     `config.dtype` (the chunked loss builds the logits from it a chunk at a time)."""
-    x = embed_tokens(params["embedding"], tokens, self.config.dtype)
+    x = embed_tokens(params["embedding"], tokens, self.config.dtype, self.config.embedding_gradient)
     x = add_input_features(x, features, params.get("input_proj"), self.config)
     if self.repeats:
       blocks = [self._block(j) for j in range(self.period)]

@@ -114,7 +114,7 @@ class TransformerLM(nnx.Module):
   def embed(self, tokens: jax.Array, features: jax.Array | None = None) -> jax.Array:
     """`tokens: [B, N]` int (+ `features: [B, N, F]`) -> `[B, N, D]` in `config.dtype`
     (the first block's input)."""
-    x = embed_tokens(self.embedding[...], tokens, self.config.dtype)
+    x = embed_tokens(self.embedding[...], tokens, self.config.dtype, self.config.embedding_gradient)
     proj = self.input_proj[...] if hasattr(self, "input_proj") else None
     return add_input_features(x, features, proj, self.config)
 
@@ -129,14 +129,17 @@ class TransformerLM(nnx.Module):
     return output_logits(self.final_norm(x), heads, self.config)
 
 
-def embed_tokens(embedding: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Array:
-  """Lookup of `tokens: [B, N]` in `embedding: [V, D]` -> `[B, N, D]` in `dtype`.
+def embed_tokens(
+  embedding: jax.Array, tokens: jax.Array, dtype: Any, gradient: str = "auto"
+) -> jax.Array:
+  """Lookup of `tokens: [B, N]` in `embedding: [V, D]` -> `[B, N, D]` in `dtype`; the
+  table's gradient by `gradient` (`iha_jax.models.embedding.lookup`).
 
   The lookup reads a replicated table (gathered like any FSDP weight): a gather from a
   vocab/embed-sharded table would force a full rematerialisation of its output.
   """
   table = with_logical_constraint(embedding, (None, None))
-  x = embedding_lib.lookup(table, tokens, dtype)  # on TPU, its gradient a one-hot matmul
+  x = embedding_lib.lookup(table, tokens, dtype, gradient)
   return with_logical_constraint(x, RESIDUAL_AXES)
 
 

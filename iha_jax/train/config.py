@@ -53,6 +53,7 @@ MODEL_DEFAULTS = {
   "mixing_noise_std": 0.0,
   "input_features": None,
   "num_kv_heads": None,
+  "embedding_gradient": "auto",
 }
 
 

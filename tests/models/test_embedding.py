@@ -56,3 +56,16 @@ def test_a_devices_tokens_are_split_over_the_batch_and_length_axes():
 def test_an_unknown_form_is_refused_by_name():
   with pytest.raises(ValueError, match="gradient must be 'auto', 'scatter' or 'matmul'"):
     embedding.lookup(jnp.ones((4, 2)), jnp.array([0]), jnp.float32, "onehot")
+
+
+def test_the_config_names_the_form_and_refuses_others():
+  from configs import default
+  from iha_jax.train import config as config_lib
+
+  config = default.get_config()
+  config.model.vocab_size = 64
+  config.model.embedding_gradient = "matmul"
+  assert config_lib.validate(config, 1).embedding_gradient == "matmul"
+  config.model.embedding_gradient = "onehot"
+  with pytest.raises(config_lib.ConfigError, match="embedding_gradient must be one of"):
+    config_lib.validate(config, 1)
