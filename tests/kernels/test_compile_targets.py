@@ -179,6 +179,9 @@ def test_train_step_compiles_for_target(target, platform, mesh):
   if estimate:  # the step's estimated time per chip, every op counted (no MFU over 100%)
     assert "estimated step time per chip" in out and "not a measurement" in out, out
     assert "no schedule" not in out and "MFU above 100%" not in out, out
+    # The mesh's collectives priced and replayed: compute + exposed communication.
+    assert "exposed communication" in out and "collectives (" in out, out
+    assert "all-gather" in out or "all-reduce" in out or "collective-permute" in out, out
   calls = int(out.split("Pallas kernel calls: ")[1].split()[0])
   assert calls >= 3, out  # forward, dQ, dK/dV of the IHA layer at least
   assert "per-device memory" in out and "iha_flash_dkv" in out
