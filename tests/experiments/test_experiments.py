@@ -377,3 +377,23 @@ def test_quality_against_cost_places_each_variant_at_its_price(monkeypatch, tmp_
     low, high = bars[labels[name]].lines[2][0].get_segments()[0]
     assert high[1] - low[1] == pytest.approx(2 * np.std(expected, ddof=1))
   assert labels[names[2]] not in bars  # no price: no point
+
+
+def test_every_variant_of_the_lm_studies_builds_its_model(tmp_path):
+  """Each `code_lm` and `multikey_retrieval` variant at every scale validates; PHA's two
+  windows are IHA's "auto" window and twice it, in virtual tokens."""
+  from iha_jax.train import config as config_lib
+
+  for name in ("code_lm", "multikey_retrieval"):
+    study = STUDIES[name]
+    for scale in study.scales:
+      for variant in study.contenders(scale):
+        config = protocol.variant_config(study, scale, variant, str(tmp_path))
+        config.model.vocab_size = 64
+        model = config_lib.validate(config, 1)
+        auto = config.data.seq_len // (2 * (config.model.num_pseudo or 1))
+        if variant.name in ("pha", "pha_wide"):
+          assert model.schedule[:4] == "RRRR" and model.num_pseudo == config.model.num_pseudo
+          assert model.iha_window == auto * (2 if variant.name == "pha_wide" else 1)
+        if variant.name == "iha_p8_h8":
+          assert (model.num_heads, model.num_pseudo, model.head_dim * 8) == (8, 8, model.model_dim)
