@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=sharding),
         jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16, sharding=sharding),
       )
-      compiled, est = tpu_estimate.estimate_traced(jax.jit(grad).trace(*specs), target=args.target)
+      (compiled, _), est = tpu_estimate.estimate_traced(
+        jax.jit(grad).trace(*specs), target=args.target
+      )
       times[form] = est.seconds
       bounds[form] = "at least " if est.lower_bound else ""
       temps[form] = compiled.memory_analysis().temp_size_in_bytes

@@ -142,8 +142,8 @@ VARIANTS = (
   Variant("pha", "PHA P = 2 (RRRRM)", pha_edit()),
   Variant("pha_wide", "PHA P = 2, IHA's FLOPs (RRRRM, 2x window)", pha_edit(2)),
   # The P sweep's P = H row at 8 heads of 8 (width kept), beside its 8-head MHA.
-  Variant("iha_p8_h8", "IHA P = 8 = H, 8 heads (LLLLM)", heads_edit(8, "LLLLM", 8)),
-  Variant("mha_h8", "global MHA, 8 heads (M)", heads_edit(8, "M", None)),
+  Variant("iha_p8_h8", "IHA P = 8 = H, 8 heads (LLLLM)", heads_edit(8, with_pseudo("LLLLM", 8))),
+  Variant("mha_h8", "global MHA, 8 heads (M)", heads_edit(8, schedule_edit("M"))),
 )
 
 # The equal-FLOPs comparison: the P sweep and PHA beside the baselines they are read

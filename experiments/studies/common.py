@@ -81,17 +81,14 @@ def pha_edit(window_factor: int = 1) -> Callable[[ml_collections.ConfigDict], No
 
 
 def heads_edit(
-  heads: int, schedule: str, p: int | None
+  heads: int, then: Callable[[ml_collections.ConfigDict], None]
 ) -> Callable[[ml_collections.ConfigDict], None]:
-  """An edit: `heads` heads of `model_dim / heads` (width kept), `schedule` at P = `p`."""
+  """An edit: `heads` heads of `model_dim / heads` (width kept), then the edit `then`."""
 
   def edit(config: ml_collections.ConfigDict) -> None:
     config.model.num_heads = heads
     config.model.head_dim = config.model.model_dim // heads
-    if p is None:
-      schedule_edit(schedule)(config)
-    else:
-      with_pseudo(schedule, p)(config)
+    then(config)
 
   return edit
 

@@ -14,13 +14,13 @@ import re
 
 import numpy as np
 
-# Bytes per element of the HLO element types a training step uses.
-_ELEMENT_BYTES = {
-  "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+# Bytes per element of the HLO element types a training step uses (also `llo`'s).
+ELEMENT_BYTES = {
+  "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
   "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
   "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }  # fmt: skip
-_ARRAY = re.compile(r"\b(" + "|".join(_ELEMENT_BYTES) + r")\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(" + "|".join(ELEMENT_BYTES) + r")\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _CALLED = re.compile(r"\b(calls|body|condition|to_apply)=%([\w.\-]+)")
@@ -80,7 +80,7 @@ def _instruction(name: str, rest: str) -> Instruction:
   opcode = re.match(r"([a-z][\w\-]*)\(", rest)
   if opcode is None:  # e.g. a constant's literal: no operands worth reading
     return Instruction(name, shape, rest.split("(")[0].strip(), (), "")
-  close = _matching(rest, opcode.end() - 1)
+  close = _closing(rest, opcode.end() - 1)
   operands = tuple(re.findall(r"%([\w.\-]+)", rest[opcode.end() : close]))
   return Instruction(name, shape, opcode.group(1), operands, rest[close + 1 :])
 
@@ -98,10 +98,13 @@ def _split_shape(text: str) -> tuple[str, str]:
   return text, ""
 
 
-def _matching(text: str, open_index: int) -> int:
+def _closing(text: str, open_index: int) -> int:
+  """The index of the bracket closing the one at `open_index` (`(` or `{`)."""
+  opening = text[open_index]
+  closing = {"(": ")", "{": "}"}[opening]
   depth = 0
   for i in range(open_index, len(text)):
-    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    depth += (text[i] == opening) - (text[i] == closing)
     if depth == 0:
       return i
   return len(text)
@@ -112,8 +115,8 @@ def shape_bytes(shape: str) -> float:
   sizes (no tiling padding)."""
   return float(
     sum(
-      _ELEMENT_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-      for dtype, dims in _ARRAY.findall(shape.split("{")[0] if "(" not in shape else shape)
+      ELEMENT_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+      for dtype, dims in _ARRAY.findall(shape)  # layouts hold no `type[dims]`
     )
   )
 
@@ -130,7 +133,7 @@ def replica_groups(attributes: str, num_devices: int) -> list[list[int]] | None:
   if text.startswith("{}"):
     return [list(range(num_devices))]
   if text.startswith("{{"):
-    body = text[1 : _matching_brace(text, 0)]
+    body = text[1 : _closing(text, 0)]
     return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([^}]*)\}", body)]
   iota = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
   if iota:
@@ -157,15 +160,6 @@ def _iota(dims: str, permutation: str | None) -> np.ndarray:
   if permutation:
     ids = np.transpose(ids, [int(x) for x in permutation.split(",")])
   return ids.reshape(-1)
-
-
-def _matching_brace(text: str, open_index: int) -> int:
-  depth = 0
-  for i in range(open_index, len(text)):
-    depth += {"{": 1, "}": -1}.get(text[i], 0)
-    if depth == 0:
-      return i
-  return len(text)
 
 
 def source_target_pairs(attributes: str) -> list[tuple[int, int]]:

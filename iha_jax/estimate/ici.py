@@ -99,11 +99,13 @@ def collective_time(
       else [(s, t, volume / len(g)) for g in groups or [] for s in g for t in g if s != t]
     )
     load: dict[Link, float] = {}
+    hops = 0
     for s, t, size in messages:
-      for link in topo.route(topo.coords[s], topo.coords[t]):
+      path = topo.route(topo.coords[s], topo.coords[t])
+      hops = max(hops, len(path))
+      for link in path:
         load[link] = load.get(link, 0.0) + size
     worst = max(load.values(), default=0.0)
-    hops = max((len(topo.route(topo.coords[s], topo.coords[t])) for s, t, _ in messages), default=0)
     words = f"{len(messages)} messages, up to {hops} hops"
     return worst / topo.link_bytes_per_s, words, frozenset(load)
   group = (groups or [[0]])[0]
@@ -113,13 +115,10 @@ def collective_time(
   points = [topo.coords[i] for i in group]
   axes = [a for a in range(len(topo.sizes)) if len({p[a] for p in points}) > 1]
   spans = {a: len({p[a] for p in points}) for a in axes}
-  grid = math.prod(spans.values()) == n
-  if grid:
-    links = sum(2 if topo.ring(a) and spans[a] == topo.sizes[a] else 1 for a in axes)
-    shape = ", ".join(
-      f"{'xyz'[a]} {'ring' if topo.ring(a) and spans[a] == topo.sizes[a] else 'line'} {spans[a]}"
-      for a in axes
-    )
+  if math.prod(spans.values()) == n:  # a sub-grid: every axis at once
+    rings = {a: topo.ring(a) and spans[a] == topo.sizes[a] for a in axes}  # whole rings
+    links = sum(2 if rings[a] else 1 for a in axes)
+    shape = ", ".join(f"{'xyz'[a]} {'ring' if rings[a] else 'line'} {spans[a]}" for a in axes)
   else:
     links, shape = 1, "not a sub-grid: one line"
   factor = 2.0 if kind == "all-reduce" else 1.0
@@ -129,10 +128,6 @@ def collective_time(
     for link in topo.route(topo.coords[a], topo.coords[b])
   )  # fmt: skip
   return seconds, f"{n} chips, {shape} ({links} links per chip)", held
-
-
-def _volume(kind: str, in_bytes: float, out_bytes: float) -> float:
-  return out_bytes if kind == "all-gather" else in_bytes
 
 
 @dataclasses.dataclass
@@ -150,24 +145,26 @@ class Replay:
     """(wall, compute) seconds of one run of `computation`, run `runs` times a step."""
     clock = compute = 0.0
     shapes = self.module.shapes(computation)
+    instructions = self.module.computations[computation]
+    done_shapes = {  # an asynchronous start -> its done's result
+      i.operands[0]: i.shape for i in instructions if i.opcode.endswith("-done") and i.operands
+    }
     pending: dict[str, float] = {}  # an asynchronous collective's start -> its end
     free: dict[Link, float] = {}
-    for inst in self.module.computations[computation]:
+    for inst in instructions:
       kind, wrapped = self._collective(inst, shapes)
       if kind is not None:
-        done_shape = self._done_shape(computation, inst) if inst.opcode.endswith("start") else None
+        done_shape = done_shapes.get(inst.name) if inst.opcode.endswith("start") else None
         in_bytes = sum(hlo.shape_bytes(shapes.get(o, "")) for o in inst.operands)
-        out_bytes = hlo.shape_bytes(done_shape or inst.shape)
+        volume = hlo.shape_bytes(done_shape or inst.shape) if kind == "all-gather" else in_bytes
         attrs = wrapped.attributes
         groups = hlo.replica_groups(attrs, len(self.topo.coords))
-        seconds, words, links = collective_time(
-          kind, _volume(kind, in_bytes, out_bytes), groups, hlo.source_target_pairs(attrs),
-          self.topo,
-        )  # fmt: skip
+        pairs = hlo.source_target_pairs(attrs)
+        seconds, words, links = collective_time(kind, volume, groups, pairs, self.topo)
         begin = max([clock, *(free.get(link, 0.0) for link in links)])
         end = begin + seconds
         free.update(dict.fromkeys(links, end))
-        record = Collective(inst.name, kind, _volume(kind, in_bytes, out_bytes), words, seconds)
+        record = Collective(inst.name, kind, volume, words, seconds)
         self._add(record, runs, asynchronous=done_shape is not None)
         if done_shape is not None:
           pending[inst.name] = end
@@ -213,12 +210,6 @@ class Replay:
           return ("reduce-scatter" if scatters else inner.opcode), inner
     return None, inst
 
-  def _done_shape(self, computation: str, start: hlo.Instruction) -> str | None:
-    for inst in self.module.computations[computation]:
-      if inst.opcode.endswith("-done") and inst.operands[:1] == (start.name,):
-        return inst.shape
-    return None
-
   def _trips(self, body: str, runs: float) -> float:
     """A loop's trips: the runs of an op in its body that libtpu scheduled, over the
     loop's own runs; 1 (the total then a lower bound) when the body has none."""
@@ -256,14 +247,15 @@ class Communication:
       f"  {'collective':<30} {'kind':<18} {'MiB':>8} {'runs':>5} {'est. ms':>8} "
       f"{'exposed':>8}  group (links)"
     ]
-    for c in sorted(self.collectives, key=lambda c: -c.total_s)[:top]:
+    ranked = sorted(self.collectives, key=lambda c: -c.total_s)
+    for c in ranked[:top]:
       lines.append(
         f"  {c.name[:30]:<30} {c.kind + (' async' if c.asynchronous else ''):<18} "
         f"{c.bytes / 2**20:>8.2f} {c.runs:>5.0f} {c.total_s * 1e3:>8.3f} "
         f"{c.exposed_s * 1e3:>8.3f}  {c.group}"
       )
-    if len(self.collectives) > top:
-      rest = sorted(self.collectives, key=lambda c: -c.total_s)[top:]
+    if len(ranked) > top:
+      rest = ranked[top:]
       lines.append(
         f"  ({len(rest)} more){'':<48} {sum(c.total_s for c in rest) * 1e3:>8.3f} "
         f"{sum(c.exposed_s for c in rest) * 1e3:>8.3f}"

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from iha_jax.estimate.hlo import ELEMENT_BYTES
+
 _BUNDLE = re.compile(
   r"^\s*(?P<address>0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:?\s*>*\s*\{(?P<body>.*)\}(?P<tail>.*)$"
 )
@@ -52,7 +54,6 @@ _CALL = re.compile(r"inlined_call[^/]*/\* (?:%(\S+) = |<([\w-]+)>)")
 _OPERAND = re.compile(
   r"inlined_call_operand\.(\w+) \[shape: (\w+)\[([\d,]*)\], index: (\d+), kind: (\w+)"
 )
-_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Operand:
 
   @property
   def bytes(self) -> int:
-    return math.prod(self.shape) * _ITEM_BYTES.get(self.dtype, 4)
+    return math.prod(self.shape) * ELEMENT_BYTES.get(self.dtype, 4)
 
 
 @dataclasses.dataclass

@@ -219,19 +219,20 @@ def estimate_traced(
   traced: Any,
   *,
   target: str = "v5p",
-  compile_fn: Callable[[Any], Any] | None = None,
+  compile_fn: Callable[[Any], tuple[Any, Any]] | None = None,
   keep_schedule: Path | None = None,
-) -> tuple[Any, Estimate]:
+) -> tuple[tuple[Any, Any], Estimate]:
   """`estimate` of a traced program (`jax.jit(f).trace(...)`), compiled by
-  `compile_fn(lowered)` (default `lowered.compile()`); returns (its result, the estimate),
-  so a caller that compiles anyway (a memory report) compiles once."""
+  `compile_fn(lowered) -> (executable, extra)` (default `(lowered.compile(), None)`);
+  returns (that pair, the estimate), so a caller that compiles anyway (a memory report)
+  compiles once."""
   dump = prepare()
   spec = chip(target)
   if keep_schedule is None and os.environ.get("IHA_TPU_SCHEDULE_DIR"):
     keep_schedule = Path(os.environ["IHA_TPU_SCHEDULE_DIR"])  # read the schedule yourself
   calls = kernel_grid.kernel_calls_in(traced.jaxpr, cores=spec.cores)
   before = set(dump.iterdir())
-  result = (compile_fn or (lambda lowered: lowered.compile()))(traced.lower())
+  result = (compile_fn or (lambda lowered: (lowered.compile(), None)))(traced.lower())
   new_files = [p for p in dump.iterdir() if p not in before]
   written = [p for p in new_files if p.name.endswith("final_bundles.txt")]
   if not written:
@@ -246,9 +247,8 @@ def estimate_traced(
         shutil.copy(path, keep_schedule / path.name)
   try:
     estimated = _estimate(written, calls, spec)
-    executable = result[0] if isinstance(result, tuple) else result  # (executable, report)
     return result, dataclasses.replace(
-      estimated, communication=_communication(executable, estimated)
+      estimated, communication=_communication(result[0], estimated)
     )
   finally:
     for path in new_files:

@@ -160,7 +160,7 @@ def _log_estimate(estimated, executable, model_cfg, batch: int, seq_len: int, ta
   step_flops = flops_lib.train_flops_per_step(model_cfg, batch, seq_len)
   per_chip = step_flops / target.chips
   peak = estimated.chip.peak_bf16_flops
-  mfu = per_chip / (estimated.seconds * peak)
+  mfu = per_chip / (estimated.total_s * peak)  # compute + exposed communication
   log(estimated.table(top=8))
   analysis = executable.cost_analysis() or {}
   if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
@@ -183,7 +183,6 @@ def _log_estimate(estimated, executable, model_cfg, batch: int, seq_len: int, ta
     time_line = f"{at_least}{estimated.seconds * 1e3:.1f} ms{left_out}"
   else:
     comm = estimated.communication
-    mfu = per_chip / (estimated.total_s * peak)  # on the total: compute + exposed comm
     time_line = (
       f"{at_least}{estimated.total_s * 1e3:.1f} ms = compute {estimated.seconds * 1e3:.1f} + "
       f"exposed communication {estimated.exposed_s * 1e3:.1f} (collectives "

@@ -4,6 +4,7 @@ overlap replayed (synthetic programs; libtpu's own in `benchmarks/ici_calibratio
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -155,8 +156,6 @@ def test_libtpus_ring_collectives_match_the_arithmetic(tmp_path):
     capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
   )  # fmt: skip
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-  import json
-
   rows = json.loads(out.read_text())
   assert [r["collective"] for r in rows] == ["all-gather", "reduce-scatter", "all-reduce"]
   assert all(r["within"] and "x ring 4" in r["group"] for r in rows), rows
